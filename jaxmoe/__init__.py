@@ -1,0 +1,1 @@
+"""jaxmoe: a JAX serving runtime for Mixture-of-Experts language models."""
