@@ -1,0 +1,110 @@
+"""Lazy, zero-copy reading of (sharded) safetensors checkpoints.
+
+The ``safetensors`` package's numpy backend cannot return bf16 tensors and reports a truncated
+file without naming the tensor, so this reader parses the (simple, documented) header itself and
+memory-maps the data: a tensor is read from disk only when asked for, and errors name it.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, malformed, truncated or does not fit the model's config."""
+
+
+class _File:
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than its header)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:
+                raise CheckpointError(f"{path}: truncated safetensors header")
+            try:
+                header = json.loads(f.read(n))
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{path}: malformed safetensors header: {e}") from None
+        header.pop("__metadata__", None)
+        self.header = header
+        self.data_start = 8 + n
+        self.size = size
+        self._mmap = None
+
+    def read(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if self.data_start + end > self.size:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} is truncated (needs bytes up to {self.data_start + end}, "
+                f"file has {self.size})"
+            )
+        if end - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+            raise CheckpointError(f"{self.path}: tensor {name!r}: byte size does not match shape {shape}")
+        if self._mmap is None:
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        return self._mmap[self.data_start + start : self.data_start + end].view(dtype).reshape(shape)
+
+
+class SafetensorsCheckpoint:
+    """All tensors of a checkpoint directory: ``model.safetensors`` or an index of shards."""
+
+    def __init__(self, directory: str | Path):
+        directory = Path(directory)
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: malformed index ({e})") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{directory}: no *.safetensors files")
+        self._files: dict[str, _File] = {}
+        self._where: dict[str, _File] = {}
+        for name in files:
+            path = directory / name
+            if not path.exists():
+                raise CheckpointError(f"{directory}: shard {name} listed in the index is missing")
+            f = self._files[name] = _File(path)
+            for tensor in f.header:
+                self._where[tensor] = f
+        if index.exists():
+            for tensor, name in weight_map.items():
+                if tensor not in self._where:
+                    raise CheckpointError(f"{index}: tensor {tensor!r} listed in the index is not in {name}")
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].header[name]["shape"])
+
+    def nbytes(self, name: str) -> int:
+        start, end = self._where[name].header[name]["data_offsets"]
+        return end - start
+
+    def read(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise CheckpointError(f"missing tensor {name!r}")
+        return self._where[name].read(name)

@@ -1,0 +1,98 @@
+"""Paged KV-cache block allocator (pure Python, no JAX).
+
+The KV cache is ``num_blocks`` blocks of ``block_size`` token slots. A
+sequence owns the blocks listed in ``seq.block_table``; token position ``p``
+of the sequence lives in slot::
+
+    block_table[p // block_size] * block_size + p % block_size
+
+Blocks are handed out from a FIFO free list and returned on ``free``. No
+prefix sharing (each block has exactly one owner).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from jaxmoe.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._owner: dict[int, str] = {}  # block id -> request_id
+
+    # -- accounting --------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def utilization(self) -> float:
+        """Fraction of blocks in use, in [0, 1]."""
+        return self.num_used / self.num_blocks
+
+    def blocks_for(self, n_tokens: int) -> int:
+        """Blocks needed to hold ``n_tokens`` tokens."""
+        return -(-n_tokens // self.block_size)
+
+    def num_blocks_needed(self, seq: Sequence, n_tokens: int) -> int:
+        """Extra blocks ``seq`` needs so its table covers ``n_tokens`` tokens."""
+        return max(0, self.blocks_for(n_tokens) - len(seq.block_table))
+
+    def can_allocate(self, n_tokens: int, seq: Sequence | None = None) -> bool:
+        """Whether ``n_tokens`` tokens fit: from scratch, or, with ``seq``,
+        whether ``seq``'s table can grow to cover ``n_tokens`` tokens."""
+        need = self.blocks_for(n_tokens) if seq is None else self.num_blocks_needed(seq, n_tokens)
+        return need <= len(self._free)
+
+    # -- allocation --------------------------------------------------------
+    def allocate(self, seq: Sequence, n_tokens_needed: int) -> list[int]:
+        """Grow ``seq.block_table`` to cover ``n_tokens_needed`` tokens.
+
+        Returns the newly added block ids. Raises ``MemoryError`` (and
+        allocates nothing) when there are not enough free blocks.
+        """
+        need = self.num_blocks_needed(seq, n_tokens_needed)
+        if need > len(self._free):
+            raise MemoryError(
+                f"KV cache exhausted: {seq.request_id} needs {need} blocks, {len(self._free)} free"
+            )
+        new = [self._free.popleft() for _ in range(need)]
+        for b in new:
+            self._owner[b] = seq.request_id
+        seq.block_table.extend(new)
+        return new
+
+    def free(self, seq: Sequence) -> int:
+        """Return all of ``seq``'s blocks to the free list; returns how many."""
+        n = len(seq.block_table)
+        for b in seq.block_table:
+            if self._owner.get(b) != seq.request_id:
+                raise RuntimeError(f"block {b} is not owned by {seq.request_id} (double free?)")
+        for b in seq.block_table:
+            del self._owner[b]
+            self._free.append(b)
+        seq.block_table = []
+        return n
+
+    # -- addressing --------------------------------------------------------
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Cache slots of token positions ``[start, end)`` of ``seq``."""
+        bs, table = self.block_size, seq.block_table
+        if start < 0 or end > len(table) * bs or start > end:
+            raise IndexError(
+                f"positions [{start}, {end}) outside the {len(table)} blocks of {seq.request_id}"
+            )
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]

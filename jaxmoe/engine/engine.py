@@ -1,0 +1,210 @@
+"""The step loop: schedule -> run the model (attention / experts) -> sample -> detokenize -> report.
+
+``LLMEngine.step`` is the whole data path of one iteration, in order:
+
+1. ``Scheduler.schedule`` picks prefill chunks and decodes (priorities, KV blocks).
+2. ``ModelRunner.run`` pads them into a batch and runs the executor — monolithic, or attention
+   program -> transfer -> expert program -> transfer back per layer — then the sampler.
+3. Stop conditions (EOS, stop tokens, stop strings) are checked, ``Scheduler.postprocess`` appends
+   the tokens and frees the blocks of finished requests.
+4. One :class:`RequestOutput` per touched request is returned for streaming.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+from jaxmoe.engine.block_manager import BlockManager
+from jaxmoe.engine.model_runner import ModelRunner, Row
+from jaxmoe.engine.policies import make_policy
+from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.engine.scheduler import Scheduler
+from jaxmoe.engine.sequence import Priority, Sequence
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The state of one request after a step (``delta_*`` is what this step added)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_token_ids: list[int]
+    delta_text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None
+    priority: str
+    ttft: float | None = None
+    tpot: float | None = None
+
+    @property
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.prompt_token_ids), len(self.token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+@dataclasses.dataclass
+class _RequestState:
+    seq: Sequence
+    sampling: SamplingParams
+    seed: int
+    text: str = ""
+    sent_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 2048
+    max_waiting: int = 1024
+    max_model_len: int | None = None  # default: the model's max_position
+    policy: str = "qllm"
+
+
+class LLMEngine:
+    def __init__(self, cfg, executor, tokenizer, config: EngineConfig = EngineConfig(), policy=None):
+        self.cfg, self.tokenizer, self.config = cfg, tokenizer, config
+        self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
+        max_blocks = -(-self.max_model_len // config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            policy if policy is not None else make_policy(config.policy),
+            max_batch_tokens=config.max_batch_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_waiting=config.max_waiting,
+        )
+        self.runner = ModelRunner(executor, config.block_size, max_blocks)
+        self.eos_ids = set(cfg.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self._requests: dict[str, _RequestState] = {}
+        self._counter = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                    priority: str | Priority = Priority.BE, request_id: str | None = None) -> str:
+        """Validate and queue a request; raises ValueError on bad input, OverloadedError when full."""
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.cfg.vocab_size)]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
+                             f"{self.max_model_len} tokens")
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+            self._counter += 1
+        max_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
+        sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
+        seq = Sequence(request_id, prompt_ids, sampling, Priority.parse(priority))
+        self.scheduler.add(seq)
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
+        self._requests[request_id] = _RequestState(seq, sampling, seed,
+                                                   logprobs=[] if sampling.logprobs is not None else None)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        self._requests.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one iteration ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        rows, seqs = [], []
+        for seq, start, end in batch.prefills:
+            rows.append(self._row(seq, seq.all_ids[start:end], start, sample=end == seq.num_tokens))
+            seqs.append(seq)
+        for seq in batch.decodes:
+            rows.append(self._row(seq, [seq.last_token_id], seq.num_tokens - 1, sample=True))
+            seqs.append(seq)
+        sampled = self.runner.run(rows)
+
+        new_tokens, finished = {}, {}
+        for seq, s in zip(seqs, sampled):
+            if s is None:
+                continue
+            state = self._requests[seq.request_id]
+            new_tokens[seq.request_id] = s.token_id
+            if state.logprobs is not None:
+                state.logprobs.append(TokenLogprob(s.token_id, s.logprob, s.top))
+            reason = self._stop_reason(state, s.token_id)
+            if reason:
+                finished[seq.request_id] = reason
+        self.scheduler.postprocess(batch, new_tokens, finished)
+        return [self._output(self._requests[seq.request_id]) for seq in seqs
+                if seq.request_id in new_tokens or seq.is_finished]
+
+    def _row(self, seq: Sequence, tokens: list[int], start: int, sample: bool) -> Row:
+        state = self._requests[seq.request_id]
+        return Row(tokens, start, list(seq.block_table), state.sampling if sample else None,
+                   state.seed, seq.num_output_tokens)
+
+    def _stop_reason(self, state: _RequestState, token: int) -> str | None:
+        s = state.sampling
+        if token in s.stop_token_ids or (token in self.eos_ids and not s.ignore_eos):
+            return "stop"
+        if s.stop:
+            text = self.tokenizer.decode(state.seq.output_ids + [token])
+            for stop in s.stop:
+                if stop and stop in text[max(0, len(state.text) - len(stop)):]:
+                    return "stop"
+        return None
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        seq = state.seq
+        ids = seq.output_ids
+        text = self.tokenizer.decode(ids)
+        if seq.is_finished:
+            self._requests.pop(seq.request_id, None)
+            text = _cut_at_stop(text, state.sampling.stop)
+        elif text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
+            text = state.text
+        delta_text, state.text = text[len(state.text):], text
+        delta_ids, state.sent_tokens = ids[state.sent_tokens:], len(ids)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_ids, token_ids=list(ids), text=text,
+            delta_token_ids=list(delta_ids), delta_text=delta_text,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            finished=seq.is_finished, finish_reason=seq.finish_reason, priority=seq.priority.value,
+            ttft=seq.ttft, tpot=seq.tpot,
+        )
+
+    # -- convenience -------------------------------------------------------------------------
+    def run_until_done(self, timeout: float | None = None) -> dict[str, RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.has_work():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("engine did not finish in time")
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return final
+
+
+def _cut_at_stop(text: str, stops) -> str:
+    cut = min((text.find(s) for s in stops if s and s in text), default=-1)
+    return text if cut < 0 else text[:cut]

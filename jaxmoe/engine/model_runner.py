@@ -1,0 +1,100 @@
+"""Turns one scheduled step (rows of tokens with their positions and block tables) into padded
+device arrays, runs the executor (monolithic or disaggregated) and samples the next tokens.
+
+Shapes are bucketed to powers of two (rows, tokens per row, blocks per row) so a serving run
+compiles a handful of programs, not one per batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxmoe.engine.sampler import MAX_LOGPROBS, SamplingParams, sample
+from jaxmoe.models.attention import AttentionBatch
+
+
+@dataclasses.dataclass
+class Row:
+    """One sequence's work in a step: ``token_ids`` at positions ``start``.. of the sequence."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sampling: SamplingParams | None = None  # None: no token is sampled (a non-final prefill chunk)
+    seed: int = 0
+    step: int = 0  # tokens generated so far (varies the random key)
+
+
+@dataclasses.dataclass
+class Sampled:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # top alternatives (token id, logprob), when asked
+
+
+def _bucket(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+class ModelRunner:
+    def __init__(self, executor, block_size: int, max_blocks_per_seq: int):
+        self.executor = executor
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+
+    def prepare(self, rows: list[Row]):
+        """Padded (tokens [B, T], AttentionBatch, logits_index [B]) for the rows."""
+        B = _bucket(len(rows))
+        T = _bucket(max(len(r.token_ids) for r in rows))
+        NB = min(_bucket(max(len(r.block_table) for r in rows)), _bucket(self.max_blocks_per_seq))
+        tokens = np.zeros((B, T), np.int32)
+        positions = np.zeros((B, T), np.int32)
+        slots = np.full((B, T), -1, np.int32)
+        tables = np.zeros((B, NB), np.int32)
+        last = np.zeros((B,), np.int32)
+        for i, r in enumerate(rows):
+            n = len(r.token_ids)
+            pos = np.arange(r.start, r.start + n)
+            table = np.asarray(r.block_table, np.int32)
+            tokens[i, :n] = r.token_ids
+            positions[i, :n] = pos
+            slots[i, :n] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            tables[i, : len(table)] = table
+            last[i] = n - 1
+        return tokens, AttentionBatch(positions, slots, tables), last
+
+    def forward(self, rows: list[Row], all_logits: bool = False):
+        tokens, batch, last = self.prepare(rows)
+        logits = self.executor.forward(tokens, batch, None if all_logits else last)
+        return logits
+
+    def run(self, rows: list[Row]) -> list[Sampled | None]:
+        """One step: forward every row, sample a token for rows that have sampling params."""
+        logits = self.forward(rows)
+        B = logits.shape[0]
+        temperature = np.zeros(B, np.float32)
+        top_k = np.zeros(B, np.int32)
+        top_p = np.ones(B, np.float32)
+        seeds = np.zeros(B, np.uint32)
+        steps = np.zeros(B, np.int32)
+        want_logprobs = 0
+        for i, r in enumerate(rows):
+            if r.sampling is None:
+                continue
+            s = r.sampling
+            temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
+            seeds[i], steps[i] = r.seed % (1 << 32), r.step
+            if s.logprobs is not None:
+                want_logprobs = MAX_LOGPROBS
+        tokens, chosen, top_ids, top_lp = (np.asarray(a) for a in sample(
+            logits, temperature, top_k, top_p, seeds, steps, num_logprobs=want_logprobs))
+        out: list[Sampled | None] = []
+        for i, r in enumerate(rows):
+            if r.sampling is None:
+                out.append(None)
+                continue
+            n = r.sampling.logprobs or 0
+            top = [(int(t), float(lp)) for t, lp in zip(top_ids[i, :n], top_lp[i, :n])]
+            out.append(Sampled(int(tokens[i]), float(chosen[i]), top))
+        return out

@@ -1,0 +1,321 @@
+"""Iteration-level scheduler with chunked prefill and preemption (pure Python).
+
+One engine step::
+
+    batch = scheduler.schedule()            # what to compute, KV blocks reserved
+    tokens = runner.run(batch)              # the lead's jitted prefill/decode
+    done = scheduler.postprocess(batch, tokens, finished)
+
+``schedule`` asks the policy for an order (see ``policies.py``) and packs it
+greedily under ``max_batch_tokens`` / ``max_num_seqs``; prefills may be
+chunked. KV blocks are reserved here, so the runner never runs out.
+
+Two kinds of preemption, both reported in ``ScheduledBatch.preempted``:
+
+* **keep-KV** ("priority") preemption: a sequence that ran last step is not
+  in this step's batch (e.g. QLLM put LS work first). It keeps its blocks,
+  ``num_computed`` and tokens and resumes in place when scheduled again.
+* **recompute** preemption: the cache is full, so the policy's ``victim``
+  loses its blocks (``num_computed = 0``). Prompt *and* generated tokens are
+  kept; it is re-prefilled over both later. Victims always rank below the
+  sequence that needs the memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from jaxmoe.engine.block_manager import BlockManager
+from jaxmoe.engine.policies import Budget, Queues, QLLMPolicy, SchedulingPolicy
+from jaxmoe.engine.sequence import Sequence, SequenceStatus
+
+_INF = float("inf")
+
+
+class OverloadedError(RuntimeError):
+    """The waiting queue is full; the request was not accepted (retry later)."""
+
+
+@dataclass
+class ScheduledBatch:
+    """One step. Prefill chunk ``(seq, start, end)`` computes KV of positions
+    ``[start, end)``; it samples a token iff ``end == seq.num_tokens``. A decode
+    feeds ``seq.last_token_id`` at position ``seq.num_tokens - 1``."""
+
+    prefills: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s for s, _, _ in self.prefills] + self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e - s for _, s, e in self.prefills) + len(self.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        policy: SchedulingPolicy | None = None,
+        max_batch_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        max_waiting: int = 1024,
+    ):
+        if max_batch_tokens < 1 or max_num_seqs < 1 or max_waiting < 0:
+            raise ValueError("max_batch_tokens and max_num_seqs must be >= 1, max_waiting >= 0")
+        self.bm = block_manager
+        self.policy = policy if policy is not None else QLLMPolicy()
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
+        self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
+        self.num_steps = 0
+        self.num_admitted = self.num_rejected = self.num_aborted = self.num_finished = 0
+        # preemptions[kind][priority value], kind in {"keep_kv", "recompute"}
+        self.preemptions = {k: {"ls": 0, "be": 0} for k in ("keep_kv", "recompute")}
+
+    # -- admission ---------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Accept a request or raise; an accepted request is never dropped.
+
+        Raises ``OverloadedError`` when ``max_waiting`` requests are already
+        waiting, ``ValueError`` for an empty prompt, a duplicate id, or a
+        prompt that cannot fit in the whole KV cache.
+        """
+        if seq.request_id in self._seqs:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        if not seq.prompt_ids:
+            raise ValueError(f"request {seq.request_id!r} has an empty prompt")
+        if seq.num_tokens > self.bm.capacity_tokens:
+            raise ValueError(f"request {seq.request_id!r}: {seq.num_tokens} tokens exceed the "
+                             f"KV cache capacity of {self.bm.capacity_tokens} tokens")
+        if self.num_waiting >= self.max_waiting:
+            self.num_rejected += 1
+            raise OverloadedError(f"{self.num_waiting} requests waiting (max_waiting={self.max_waiting})")
+        seq.status = SequenceStatus.WAITING
+        self._seqs[seq.request_id] = seq
+        self.num_admitted += 1
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now (reason "abort") and free its KV blocks."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort", time.monotonic())
+        self.num_aborted += 1
+        return True
+
+    # -- one step ----------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        live = list(self._seqs.values())
+        queues = Queues.from_seqs(live)
+        budget = Budget(self.max_batch_tokens, self.max_num_seqs, self.bm.num_free, self.bm.block_size)
+        order = self.policy.order(queues, budget)
+        rank: dict[str, int] = {}
+        for i, s in enumerate(order):
+            if self._seqs.get(s.request_id) is not s or s.request_id in rank:
+                raise RuntimeError(f"policy {self.policy.name!r} returned unknown/duplicate {s!r}")
+            rank[s.request_id] = i
+
+        batch = ScheduledBatch()
+        scheduled: set[str] = set()
+        evicted: set[str] = set()
+        tokens_left = self.max_batch_tokens
+        for seq in order:
+            if len(scheduled) >= self.max_num_seqs or tokens_left == 0:
+                break
+            if seq.request_id in evicted:
+                continue
+            prefill = seq.is_prefill
+            want = min(seq.num_uncomputed, tokens_left) if prefill else 1
+            n = self._reserve(seq, want, prefill, rank, scheduled, evicted, live, batch)
+            if n == 0:
+                continue
+            seq.num_scheduled = n
+            seq.status = SequenceStatus.RUNNING
+            scheduled.add(seq.request_id)
+            tokens_left -= n
+            if prefill:
+                batch.prefills.append((seq, seq.num_computed, seq.num_computed + n))
+            else:
+                batch.decodes.append(seq)
+
+        for seq in live:  # ran last step, not this one: keep-KV preemption
+            if seq.request_id in scheduled:
+                continue
+            seq.num_scheduled = 0
+            if seq.status is SequenceStatus.RUNNING:
+                self._mark_preempted(seq, "keep_kv", batch)
+        self.num_steps += 1
+        return batch
+
+    def _reserve(self, seq, want, prefill, rank, scheduled, evicted, live, batch) -> int:
+        """Allocate blocks for ``want`` more tokens of ``seq``, evicting
+        lower-ranked sequences if needed. Returns the tokens granted (a prefill
+        chunk may shrink to what fits; 0 = cannot run this step)."""
+        bm, my_rank = self.bm, rank[seq.request_id]
+        while not bm.can_allocate(seq.num_computed + want, seq):
+            victims = [s for s in live if s.has_kv and s is not seq
+                       and s.request_id not in scheduled
+                       and rank.get(s.request_id, _INF) > my_rank]
+            if not victims:
+                break
+            victim = self.policy.victim(victims)
+            if victim not in victims:
+                raise RuntimeError(f"policy {self.policy.name!r} chose a non-candidate victim")
+            self._preempt_recompute(victim, batch)
+            evicted.add(victim.request_id)
+        if not bm.can_allocate(seq.num_computed + want, seq):
+            if not prefill:
+                return 0  # a decode cannot shrink; it keeps its KV and waits
+            # Shrink the prefill chunk to the blocks it has plus the free ones.
+            want = (len(seq.block_table) + bm.num_free) * bm.block_size - seq.num_computed
+            if want <= 0:
+                return 0
+        bm.allocate(seq, seq.num_computed + want)
+        return want
+
+    def _preempt_recompute(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.bm.free(seq)
+        seq.num_computed = 0
+        seq.num_scheduled = 0
+        self._mark_preempted(seq, "recompute", batch)
+
+    def _mark_preempted(self, seq: Sequence, kind: str, batch: ScheduledBatch) -> None:
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.preemptions[kind][seq.priority.value] += 1
+        if seq not in batch.preempted:
+            batch.preempted.append(seq)
+
+    # -- after the model ran -------------------------------------------------
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        new_token_ids: dict[str, int | None],
+        finished: dict[str, str] | None = None,
+    ) -> list[Sequence]:
+        """Record the step's results; returns the sequences finished now.
+
+        ``new_token_ids[rid]`` is the sampled token for every sequence whose
+        step reached ``num_tokens`` (decodes, last prefill chunks) and None /
+        absent for a partial prefill chunk. ``finished[rid] = reason`` ends a
+        request (its token, if any, is appended first). The scheduler itself
+        also finishes with reason "length" when ``sampling.max_tokens`` is
+        reached or the sequence can no longer fit in the whole KV cache.
+        Sequences aborted since ``schedule()`` are skipped.
+        """
+        finished = finished or {}
+        now = time.monotonic()
+        items = [(s, st, e) for s, st, e in batch.prefills]
+        items += [(s, s.num_tokens - 1, s.num_tokens) for s in batch.decodes]
+        done: list[Sequence] = []
+        for seq, start, end in items:
+            rid = seq.request_id
+            if self._seqs.get(rid) is not seq:
+                continue  # aborted meanwhile
+            if start != seq.num_computed or end > seq.num_tokens:
+                raise RuntimeError(f"stale batch for {seq!r}: chunk [{start}, {end})")
+            samples = end == seq.num_tokens
+            token = new_token_ids.get(rid)
+            if token is not None and not samples:
+                raise ValueError(f"{rid}: token for a partial prefill chunk [{start}, {end})")
+            if token is None and samples and rid not in finished:
+                raise ValueError(f"{rid}: missing sampled token for chunk [{start}, {end})")
+            seq.num_computed = end
+            seq.num_scheduled = 0
+            if token is not None:
+                seq.output_ids.append(int(token))
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                seq.last_token_time = now
+            reason = finished.get(rid)
+            if reason is None and seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
+                reason = "length"
+            if reason is None and seq.num_tokens > self.bm.capacity_tokens:
+                reason = "length"  # the next decode could never get its KV block
+            if reason is not None:
+                self._finish(seq, reason, now)
+                done.append(seq)
+        for rid, reason in finished.items():  # finished requests not in this batch
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                self._finish(seq, reason, now)
+                done.append(seq)
+        return done
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = now
+        seq.num_scheduled = 0
+        del self._seqs[seq.request_id]
+        self.num_finished += 1
+
+    # -- hooks & views -------------------------------------------------------
+    def should_yield(self, layer_idx: int) -> bool:
+        """Layer-boundary preemption hook (future): the engine may call this
+        between layers of a step; True would mean "stop this step here, more
+        urgent work arrived". Always False now: preemption happens only at
+        step boundaries. See docs/scheduling_policies.md."""
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    def _with(self, status: SequenceStatus) -> list[Sequence]:
+        return [s for s in self._seqs.values() if s.status is status]
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Accepted, never scheduled (counts against ``max_waiting``)."""
+        return self._with(SequenceStatus.WAITING)
+
+    @property
+    def running(self) -> list[Sequence]:
+        """In the latest scheduled batch."""
+        return self._with(SequenceStatus.RUNNING)
+
+    @property
+    def preempted(self) -> list[Sequence]:
+        """Started, not in the latest batch (``has_kv`` tells which kind)."""
+        return self._with(SequenceStatus.PREEMPTED)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.status is SequenceStatus.WAITING for s in self._seqs.values())
+
+    def queue_lengths(self) -> dict[str, int]:
+        """Lengths of the four QLLM queues (ls/be x prefill/decode)."""
+        return Queues.from_seqs(list(self._seqs.values())).lengths()
+
+    def stats(self) -> dict[str, float]:
+        """Flat gauges and counters, ready for Prometheus."""
+        out: dict[str, float] = {
+            "num_waiting": self.num_waiting,
+            "num_running": len(self.running),
+            "num_preempted": len(self.preempted),
+            "kv_utilization": self.bm.utilization(),
+            "kv_free_blocks": self.bm.num_free,
+            "steps": self.num_steps,
+            "admitted": self.num_admitted,
+            "rejected": self.num_rejected,
+            "aborted": self.num_aborted,
+            "finished": self.num_finished,
+        }
+        out.update({f"queue_{k}": v for k, v in self.queue_lengths().items()})
+        for kind, per in self.preemptions.items():
+            out.update({f"preemptions_{kind}_{p}": n for p, n in per.items()})
+        return out

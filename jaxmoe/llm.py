@@ -1,0 +1,77 @@
+"""The notebook API: ``LLM("path/or/demo").generate(prompts, SamplingParams(...))``.
+
+``load_model`` resolves a model name: ``demo`` (built in), a directory converted by jaxmoe (Orbax),
+or a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence as Seq
+
+import jax.numpy as jnp
+
+from jaxmoe.checkpoint import is_converted, load_params, restore_converted
+from jaxmoe.config import ModelConfig, load_config
+from jaxmoe.demo import demo_config, demo_params
+from jaxmoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.runtime.monolithic import MonolithicExecutor
+from jaxmoe.tokenizer import ByteTokenizer, load_tokenizer
+
+
+def load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object]:
+    """(config, params, tokenizer) for ``demo``, a jaxmoe-converted directory or an HF checkpoint."""
+    if str(model) == "demo":
+        cfg = demo_config()
+        return cfg, demo_params(cfg, dtype=jnp.dtype(dtype or jnp.float32)), ByteTokenizer()
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {str(model)!r} is neither 'demo' nor a checkpoint directory")
+    if is_converted(path):
+        params, cfg = restore_converted(path)
+    else:
+        cfg = load_config(path)
+        params = load_params(path, cfg, dtype=dtype)
+    tokenizer = load_tokenizer(path) if (path / "tokenizer.json").exists() else ByteTokenizer()
+    return cfg, params, tokenizer
+
+
+def build_executor(cfg: ModelConfig, params: dict, engine_config: EngineConfig, mesh=None):
+    num_slots = engine_config.num_blocks * engine_config.block_size
+    if mesh is None:
+        return MonolithicExecutor(cfg, params, num_slots, engine_config.block_size)
+    from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
+
+    return DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh)
+
+
+class LLM:
+    """Offline generation over a batch of prompts, with continuous batching underneath."""
+
+    def __init__(self, model: str | Path = "demo", *, dtype=None, mesh=None, **engine_kwargs):
+        self.cfg, params, self.tokenizer = load_model(model, dtype)
+        self.engine_config = EngineConfig(**engine_kwargs)
+        self.executor = build_executor(self.cfg, params, self.engine_config, mesh)
+        self.engine = LLMEngine(self.cfg, self.executor, self.tokenizer, self.engine_config)
+
+    @property
+    def params(self) -> dict:
+        return self.executor.params
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 priority: str = "be") -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, s, priority) for p, s in zip(prompts, sampling_params)]
+        final = self.engine.run_until_done()
+        return [final[i] for i in ids]
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([self.tokenizer.encode(prompt)], sampling_params)[0]

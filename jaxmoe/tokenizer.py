@@ -1,0 +1,93 @@
+"""Tokenizers: a checkpoint's ``tokenizer.json`` (via ``tokenizers``) with its chat template, and
+the byte-level tokenizer of the built-in demo model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; BOS = 256, EOS = 257."""
+
+    bos_token_id = 256
+    eos_token_id = 257
+    vocab_size = 258
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id] + ids if add_special_tokens else ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` plus the special tokens and chat template beside it."""
+
+    def __init__(self, directory: str | Path):
+        from tokenizers import Tokenizer
+
+        directory = Path(directory)
+        self._tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        conf = _read_json(directory / "tokenizer_config.json")
+        self.bos_token_id = self._token_id(conf.get("bos_token"))
+        self.eos_token_id = self._token_id(conf.get("eos_token"))
+        self.add_bos = bool(conf.get("add_bos_token", False)) and self.bos_token_id is not None
+        template = conf.get("chat_template")
+        if (directory / "chat_template.jinja").exists():
+            template = (directory / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template = template
+        self._special = {"bos_token": _content(conf.get("bos_token")), "eos_token": _content(conf.get("eos_token"))}
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def _token_id(self, token) -> int | None:
+        token = _content(token)
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this checkpoint's tokenizer has no chat template")
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self._special
+        )
+
+
+def _content(token):
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _raise(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def load_tokenizer(directory: str | Path | None):
+    if directory is None:
+        return ByteTokenizer()
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").exists():
+        raise FileNotFoundError(f"no tokenizer.json in {directory}")
+    return HFTokenizer(directory)
