@@ -1,0 +1,86 @@
+"""The ``jaxmoe`` command line: ``generate``, ``mesh show``, ``serve``, ``client``.
+
+Each subcommand is a small function taking the parsed arguments; ``main`` only dispatches.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo", help="checkpoint directory, or 'demo' (built in, no download)")
+    p.add_argument("--mesh", default=None, help="mesh file (meshes/*.yaml); default: monolithic on one device")
+    p.add_argument("--dtype", default=None, help="parameter dtype (float32, bfloat16); default: checkpoint's")
+
+
+def cmd_generate(args) -> int:
+    from jaxmoe import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, mesh=args.mesh)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))
+    prompts = args.prompt or ["Hello"]
+    for prompt, out in zip(prompts, llm.generate(prompts, params, priority=args.priority)):
+        print(f"--- prompt: {prompt!r}")
+        print(out.text)
+        print(f"--- {len(out.token_ids)} tokens, finish_reason={out.finish_reason}")
+    return 0
+
+
+def cmd_mesh_show(args) -> int:
+    from jaxmoe.mesh import load_mesh
+
+    print(load_mesh(args.file).describe())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxmoe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--priority", default="be", choices=["ls", "be"])
+    gen.set_defaults(func=cmd_generate)
+
+    mesh = sub.add_parser("mesh", help="mesh files")
+    mesh_sub = mesh.add_subparsers(dest="mesh_command", required=True)
+    show = mesh_sub.add_parser("show", help="print the layout a mesh file describes")
+    show.add_argument("file")
+    show.set_defaults(func=cmd_mesh_show)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+def _register_server_commands(sub) -> None:
+    try:
+        from server.cli import register
+    except ImportError:
+        return
+    register(sub, _add_model_args)
+
+
+_EXTRA_COMMANDS = [_register_server_commands]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxmoe: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny Hugging Face checkpoints (built once per session) and their reference models."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+from tiny_checkpoints import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """checkpoint_dir(family, variant="default", **kw) -> path, cached for the session."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    made: dict[tuple, pathlib.Path] = {}
+
+    def get(family: str, variant: str = "default", **kw) -> pathlib.Path:
+        key = (family, variant, tuple(sorted(kw.items())))
+        if key not in made:
+            name = "-".join([family, variant] + [f"{k}{v}" for k, v in sorted(kw.items())])
+            made[key] = make_checkpoint(family, root / name, variant=variant, **kw)
+        return made[key]
+
+    return get
