@@ -1,0 +1,388 @@
+"""Mesh files (meshes/*.yaml) -> ClusterSpec -> attention and expert sub-meshes.
+
+A mesh file describes a cluster: the platform, `nodes` x `devices_per_node`, which
+devices each attention instance and each expert instance owns, the expert slots per
+instance, where shared experts run, and the A2E/E2A transfer policy. The field
+reference is docs/mesh_files.md.
+
+`load_mesh` validates a file without touching any device (real-cluster files load on
+a laptop); `build_meshes` maps the spec onto jax devices. Device *indices* in a spec
+run over 0 .. nodes*devices_per_node-1 and device index d lives on node
+d // devices_per_node; `build_meshes` pairs index d with the d-th jax device (sorted
+by process, then id) and, on multi-process runs, checks that node == process_index.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+TRANSFER_MODES = ("adaptive", "direct", "two_phase")
+SHARED_EXPERTS = ("attention", "experts")
+ATTN_AXES = ("attn", "attn_tp")  # attention mesh: (instances, devices per instance)
+EXPERT_AXES = ("expert", "expert_tp")  # expert mesh: (instances, devices per instance)
+
+
+class MeshConfigError(ValueError):
+    """A mesh file is malformed or does not fit the model / the devices; names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Instances:
+    """One side of the cluster: the device indices owned by each instance."""
+
+    devices: tuple[tuple[int, ...], ...]  # devices[i] = device indices of instance i
+    slots_per_instance: int | None = None  # expert slots C per instance (experts side only)
+
+    @property
+    def count(self) -> int:
+        return len(self.devices)
+
+    @property
+    def devices_per_instance(self) -> int:
+        return len(self.devices[0])
+
+    @property
+    def flat(self) -> tuple[int, ...]:
+        """All device indices of this side, instance by instance."""
+        return tuple(d for inst in self.devices for d in inst)
+
+    @property
+    def total_slots(self) -> int:
+        return self.count * (self.slots_per_instance or 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferPolicy:
+    """A2E/E2A policy (JANUS 3.2); see jaxmoe.runtime.transfer.choose_strategy."""
+
+    mode: str = "adaptive"  # adaptive | direct | two_phase
+    direct_max_destinations: int = 2  # "few destinations": at most this many expert devices
+    direct_min_bytes: int = 4 << 20  # adaptive: m-to-n direct if few destinations and >= this per attention instance
+    multicast_min_bytes: int = 1 << 20  # two-phase: multicast if many destinations or >= this per attention node
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """A validated mesh file. Frozen and hashable (usable as a cache key)."""
+
+    platform: str
+    nodes: int
+    devices_per_node: int
+    attention: Instances
+    experts: Instances
+    shared_experts: str = "attention"
+    transfer: TransferPolicy = TransferPolicy()
+    monolithic: bool = False
+    source: str = "<dict>"
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, device: int) -> int:
+        return device // self.devices_per_node
+
+    def validate_for(self, num_experts: int) -> None:
+        """Raise MeshConfigError unless the expert slots can hold `num_experts` routed experts."""
+        c, n = self.experts.slots_per_instance, self.experts.count
+        if c * n < num_experts:
+            raise MeshConfigError(
+                f"{self.source}: experts.slots_per_instance: {c} slots x {n} instances = {c * n} < {num_experts} experts"
+            )
+
+    def describe(self) -> str:
+        """Human-readable layout (what `jaxmoe mesh show FILE` prints)."""
+        a, e, t = self.attention, self.experts, self.transfer
+        kind = "monolithic (attention and experts share devices)" if self.monolithic else "disaggregated"
+        lines = [
+            f"{self.source}",
+            f"  platform {self.platform}: {_plural(self.nodes, 'node')} x {_plural(self.devices_per_node, 'device')}"
+            f" = {_plural(self.num_devices, 'device')}, {kind}",
+        ]
+        used = set(a.flat) | set(e.flat)
+        for node in range(self.nodes):
+            devs = range(node * self.devices_per_node, (node + 1) * self.devices_per_node)
+            ai = [i for i, inst in enumerate(a.devices) if self.node_of(inst[0]) == node]
+            ei = [i for i, inst in enumerate(e.devices) if self.node_of(inst[0]) == node]
+            idle = [d for d in devs if d not in used]
+            parts = [f"attention {_ranges(ai)}" if ai else "", f"experts {_ranges(ei)}" if ei else "",
+                     f"idle devices {_ranges(idle)}" if idle else ""]
+            lines.append(f"  node {node} ({_devs(devs)}): " + "; ".join(p for p in parts if p))
+        for title, side, axes, extra in (
+            ("attention", a, ATTN_AXES, ""),
+            ("experts", e, EXPERT_AXES, f", {e.slots_per_instance} slots each = {e.total_slots} slots"),
+        ):
+            shared = "; shared experts run here" if self.shared_experts == title else ""
+            lines.append(f"  {title}: {_plural(side.count, 'instance')} x {_plural(side.devices_per_instance, 'device')}"
+                         f" (mesh axes {axes[0]!r} x {axes[1]!r}){extra}{shared}")
+            name = "attn" if title == "attention" else "expert"
+            lines += [f"    {name}[{i}]: {_devs(inst)} (node {self.node_of(inst[0])})" for i, inst in enumerate(side.devices)]
+        lines.append(f"  transfer: {t.mode}")
+        if t.mode == "direct":
+            lines.append("    always direct m-to-n (every attention instance to every expert device)")
+        else:
+            lines += [
+                f"    few destinations: <= {t.direct_max_destinations} expert devices (this layout has {len(e.flat)})",
+                f"    direct m-to-n: if few destinations and >= {_fmt_bytes(t.direct_min_bytes)} per attention instance"
+                if t.mode == "adaptive" else "    direct m-to-n: never (mode two_phase)",
+                f"    two-phase: phase 2 unicast if few destinations and < {_fmt_bytes(t.multicast_min_bytes)}"
+                " per attention node, else multicast inside each expert node",
+            ]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SubMeshes:
+    """jax meshes for both sides of a ClusterSpec (the same devices when monolithic)."""
+
+    spec: ClusterSpec
+    attention: Any  # jax.sharding.Mesh, axes ATTN_AXES, shape (attention instances, devices per instance)
+    experts: Any  # jax.sharding.Mesh, axes EXPERT_AXES, shape (expert instances, devices per instance)
+    devices: tuple  # devices[d] = the jax device for spec device index d
+    node_ids: tuple[int, ...]  # node_ids[d] = node of spec device index d
+
+    def node_of(self, device) -> int:
+        """Node of a jax device of this cluster."""
+        return self.node_ids[self.devices.index(device)]
+
+    @property
+    def batch_sharding(self):
+        """Attention side, batch split over attention instances: P('attn')."""
+        return _named(self.attention, ATTN_AXES[0])
+
+    @property
+    def replicated_sharding(self):
+        """Expert side, replicated on every expert instance: P()."""
+        return _named(self.experts)
+
+    @property
+    def partials_sharding(self):
+        """Expert side, leading axis split over expert instances: P('expert')."""
+        return _named(self.experts, EXPERT_AXES[0])
+
+
+def load_mesh(path_or_dict: str | Path | Mapping[str, Any]) -> ClusterSpec:
+    """Read and validate a mesh file (a path) or an already-parsed mapping."""
+    if isinstance(path_or_dict, Mapping):
+        return _parse(path_or_dict, "<dict>")
+    source = str(path_or_dict)
+    try:
+        raw = yaml.safe_load(Path(path_or_dict).read_text())
+    except OSError as exc:
+        raise MeshConfigError(f"{source}: cannot read: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise MeshConfigError(f"{source}: not valid YAML: {exc}") from exc
+    return _parse(raw, source)
+
+
+def build_meshes(spec: ClusterSpec, devices: Sequence | None = None) -> SubMeshes:
+    """Attention and expert meshes for `spec` over `devices` (default: all jax devices)."""
+    import jax
+    from jax.sharding import Mesh
+
+    if devices is None:
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = tuple(devices)
+    src = spec.source
+    if len(devices) < spec.num_devices:
+        raise MeshConfigError(
+            f"{src}: nodes: the file describes {spec.nodes} nodes x {spec.devices_per_node} devices = "
+            f"{spec.num_devices} devices but only {len(devices)} jax devices exist"
+        )
+    devices = devices[: spec.num_devices]
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(devices[0].platform, devices[0].platform)
+    if platform != spec.platform:
+        raise MeshConfigError(f"{src}: platform: the file says {spec.platform} but the jax devices are {platform}")
+    node_ids = tuple(spec.node_of(d) for d in range(spec.num_devices))
+    if len({d.process_index for d in devices}) > 1:
+        for d, dev in enumerate(devices):
+            if dev.process_index != node_ids[d]:
+                raise MeshConfigError(
+                    f"{src}: devices_per_node: device {d} should be on node {node_ids[d]} "
+                    f"but belongs to process {dev.process_index}"
+                )
+
+    def mesh(side: Instances, axes):
+        grid = np.array([[devices[d] for d in inst] for inst in side.devices], dtype=object)
+        return Mesh(grid, axes, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    return SubMeshes(spec, mesh(spec.attention, ATTN_AXES), mesh(spec.experts, EXPERT_AXES), devices, node_ids)
+
+
+# --------------------------------------------------------------------------- parsing
+
+_TOP = ("platform", "nodes", "devices_per_node", "monolithic", "attention", "experts", "shared_experts", "transfer")
+_SIDE = ("instances", "devices_per_instance", "devices")
+_TRANSFER = tuple(f.name for f in dataclasses.fields(TransferPolicy))
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def _parse(raw: Any, src: str) -> ClusterSpec:
+    def err(field: str, msg: str) -> MeshConfigError:
+        return MeshConfigError(f"{src}: {field}: {msg}")
+
+    def mapping(value, field, allowed, required=()):
+        if not isinstance(value, Mapping):
+            raise err(field or "(top level)", f"expected a mapping, got {type(value).__name__}")
+        for key in value:
+            if key not in allowed:
+                raise err(_join(field, key), f"unknown key (expected one of: {', '.join(allowed)})")
+        for key in required:
+            if key not in value:
+                raise err(_join(field, key), "missing")
+        return value
+
+    def integer(value, field, minimum=1):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise err(field, f"expected an integer, got {type(value).__name__} {value!r}")
+        if value < minimum:
+            raise err(field, f"must be >= {minimum}, got {value}")
+        return value
+
+    def choice(value, field, options):
+        if value not in options:
+            raise err(field, f"expected one of {', '.join(options)}, got {value!r}")
+        return value
+
+    def nbytes(value, field):
+        if isinstance(value, str):
+            m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
+            if not m or m.group(2).lower() not in _UNITS:
+                raise err(field, f"expected bytes (an integer or e.g. '64KiB', '4MiB'), got {value!r}")
+            return int(m.group(1)) * _UNITS[m.group(2).lower()]
+        return integer(value, field, minimum=0)
+
+    top = mapping(raw, "", _TOP, ("platform", "nodes", "devices_per_node", "experts"))
+    platform = choice(top["platform"], "platform", PLATFORMS)
+    nodes = integer(top["nodes"], "nodes")
+    per_node = integer(top["devices_per_node"], "devices_per_node")
+    monolithic = top.get("monolithic", False)
+    if not isinstance(monolithic, bool):
+        raise err("monolithic", f"expected true or false, got {monolithic!r}")
+    total = nodes * per_node
+    if monolithic and "attention" in top:
+        raise err("attention", "not allowed with monolithic: true (both sides use the experts' devices)")
+    if not monolithic and "attention" not in top:
+        raise err("attention", "missing")
+
+    sides = {"experts": top["experts"]} if monolithic else {"attention": top["attention"], "experts": top["experts"]}
+    for name, value in sides.items():
+        allowed = _SIDE + (("slots_per_instance",) if name == "experts" else ())
+        mapping(value, name, allowed, ("slots_per_instance",) if name == "experts" else ())
+
+    owner: dict[int, str] = {}  # device index -> "attention instance 0"
+    layout: dict[str, list[tuple[int, ...]]] = {}
+
+    def check_shape(name, insts):
+        sizes = sorted({len(inst) for inst in insts})
+        if len(sizes) > 1:
+            raise err(f"{name}.devices", f"every instance needs the same number of devices, got {sizes}")
+        for i, inst in enumerate(insts):
+            if len({d // per_node for d in inst}) > 1:
+                raise err(f"{name}.devices[{i}]", f"instance spans nodes {sorted({d // per_node for d in inst})}")
+
+    # Explicit device lists first, then count-based sides from the lowest free devices.
+    for name, value in sides.items():
+        if "devices" not in value:
+            continue
+        lists = value["devices"]
+        if not isinstance(lists, list) or not lists:
+            raise err(f"{name}.devices", "expected a non-empty list (one entry per instance)")
+        insts = []
+        for i, entry in enumerate(lists):
+            field = f"{name}.devices[{i}]"
+            ids = [entry] if isinstance(entry, int) and not isinstance(entry, bool) else entry
+            if not isinstance(ids, list) or not ids:
+                raise err(field, f"expected a device index or a non-empty list of them, got {entry!r}")
+            for d in ids:
+                integer(d, field, minimum=0)
+                if d >= total:
+                    raise err(field, f"device {d} does not exist: nodes {nodes} x devices_per_node {per_node} "
+                                     f"= {total} devices (0..{total - 1})")
+                if d in owner:
+                    raise err(field, f"device {d} is already used by {owner[d]}")
+                owner[d] = f"{name} instance {i}"
+            insts.append(tuple(ids))
+        check_shape(name, insts)
+        for key, want in (("instances", len(insts)), ("devices_per_instance", len(insts[0]))):
+            if key in value and integer(value[key], f"{name}.{key}") != want:
+                raise err(f"{name}.{key}", f"{value[key]} does not match devices (which gives {want})")
+        layout[name] = insts
+
+    for name, value in sides.items():
+        if name in layout:
+            continue
+        if "instances" not in value:
+            raise err(f"{name}.instances", "missing (give instances or devices)")
+        n = integer(value["instances"], f"{name}.instances")
+        k = integer(value.get("devices_per_instance", 1), f"{name}.devices_per_instance")
+        free = [d for d in range(total) if d not in owner]
+        if n * k > len(free):
+            raise err(f"{name}.instances", f"{n} instances x {k} devices = {n * k} devices but only {len(free)} "
+                                           f"of the {total} devices (nodes {nodes} x devices_per_node {per_node}) are free")
+        layout[name] = [tuple(free[i * k:(i + 1) * k]) for i in range(n)]
+        check_shape(name, layout[name])
+        for i, inst in enumerate(layout[name]):
+            owner.update({d: f"{name} instance {i}" for d in inst})
+
+    experts = Instances(tuple(layout["experts"]), integer(top["experts"]["slots_per_instance"], "experts.slots_per_instance"))
+    attention = Instances(experts.devices) if monolithic else Instances(tuple(layout["attention"]))
+
+    shared = choice(top.get("shared_experts", "attention"), "shared_experts", SHARED_EXPERTS)
+    t = mapping(top.get("transfer", {}), "transfer", _TRANSFER)
+    default = TransferPolicy()
+    policy = TransferPolicy(
+        mode=choice(t.get("mode", default.mode), "transfer.mode", TRANSFER_MODES),
+        direct_max_destinations=integer(t.get("direct_max_destinations", default.direct_max_destinations),
+                                        "transfer.direct_max_destinations", minimum=0),
+        direct_min_bytes=nbytes(t.get("direct_min_bytes", default.direct_min_bytes), "transfer.direct_min_bytes"),
+        multicast_min_bytes=nbytes(t.get("multicast_min_bytes", default.multicast_min_bytes), "transfer.multicast_min_bytes"),
+    )
+    return ClusterSpec(platform, nodes, per_node, attention, experts, shared, policy, monolithic, src)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _named(mesh, *spec):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def _join(field: str, key: Any) -> str:
+    return f"{field}.{key}" if field else str(key)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _devs(devices) -> str:
+    return ("device " if len(devices) == 1 else "devices ") + _ranges(devices)
+
+
+def _ranges(values) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    values, out = list(values), []
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        out.append(f"{values[i]}-{values[j]}" if j > i else f"{values[i]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
