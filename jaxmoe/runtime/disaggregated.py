@@ -1,0 +1,304 @@
+"""The disaggregated executor (JANUS 3.1-3.3): attention and experts on separate sub-meshes.
+
+One step, as code (``DisaggregatedExecutor.forward``)::
+
+    x, y = embed(tokens), 0                              # attention mesh, rows split P("attn")
+    for each layer:
+        x, xn, cache = attention.layer(x, y, ...)        # residual add of y, attention, dense MLP /
+                                                         # shared experts (FinDEP), on attention mesh
+        if MoE layer:
+            xe = a2e(xn)                                 # full activations -> every expert device
+            partials = expert.run(xe, ...)               # gate + AEBS + grouped matmul, per expert
+                                                         # instance (shard_map over "expert")
+            y = e2a(partials)                            # sum of partials -> rows on attention mesh
+        else:
+            y = 0
+    logits = attention.head(x, y)                        # last residual add, final norm, LM head
+
+No jit spans both meshes: the transfers between them are explicit (``jaxmoe.runtime.transfer``,
+one ``jax.device_put`` per hop of the layer's plan) and counted per layer (``transfer_stats``).
+The batch is padded to a multiple of the attention instances; padding tokens (slot -1) activate
+no expert. The KV cache is sharded over attention instances on the slot axis (see
+``attention_program``). Routed experts live in S = N x C physical slots with a logical->physical
+replica table (``replicas``); ``set_placement`` moves replicas between steps.
+
+Same interface as ``MonolithicExecutor``: ``.params``, ``.cache``, ``forward``.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxmoe.config import ModelConfig
+from jaxmoe.mesh import ClusterSpec, SubMeshes, build_meshes, load_mesh
+from jaxmoe.models.attention import AttentionBatch, init_layer_cache
+from jaxmoe.runtime.attention_program import attention_side_params, head_params, make_attention_programs
+from jaxmoe.runtime.expert_program import make_expert_program, place_layer, place_tables, relayout_layer
+from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
+from jaxmoe.runtime.transfer import TransferCounts, plan_transfers
+from jaxmoe.runtime.transfer import a2e as a2e_transfer
+from jaxmoe.runtime.transfer import e2a as e2a_transfer
+
+
+@dataclasses.dataclass
+class LayerTransferStats:
+    """Cumulative hops and bytes of one MoE layer's A2E and E2A (and how many steps ran)."""
+
+    steps: int = 0
+    a2e: TransferCounts = TransferCounts()
+    e2a: TransferCounts = TransferCounts()
+    strategy: str = ""  # of the last step
+
+
+class DisaggregatedExecutor:
+    """Attention program -> A2E -> expert program -> E2A, layer by layer, on two sub-meshes.
+
+    Args:
+      cfg, params, num_slots, block_size: as for ``MonolithicExecutor`` (params with logical
+        expert weights [E, ...]; they are re-laid out into slots and not kept).
+      mesh: a mesh file path, a parsed dict, a ``ClusterSpec`` or ``SubMeshes``.
+      replica_policy: AEBS policy, "aebs" | "aebs_plus" | "random".
+      kernel_impl: grouped matmul, "reference" (fast plain XLA: padded einsum on CPU, ragged_dot
+        elsewhere) | "pallas" | "ragged_dot" | "einsum" | "loop".
+      aebs_impl: "reference" (jnp Algorithm 1) | "kernel" (Pallas).
+      interpret: Pallas interpret mode for both kernels (None: on CPU only).
+      placement: slot -> logical expert list [S] (-1 = unused), the same for every MoE layer,
+        or one list per MoE layer; default ``replicas.default_placement``.
+      transfer: what executes A2E / E2A: None (``jaxmoe.runtime.transfer``, one device_put per
+        hop, single process), an object with ``a2e(x, plan, sub)`` / ``e2a(y, plan, sub)``, or a
+        factory called with the SubMeshes (e.g. ``cross_process.CrossProcessTransfer``).
+    """
+
+    def __init__(self, cfg: ModelConfig, params: dict, num_slots: int, block_size: int, mesh, *,
+                 replica_policy: str = "aebs", kernel_impl: str = "reference", aebs_impl: str = "reference",
+                 interpret: bool | None = None, placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 transfer=None, cache_dtype=None):
+        self.cfg, self.block_size = cfg, block_size
+        self.sub = mesh if isinstance(mesh, SubMeshes) else _sub_meshes(_spec(mesh))
+        spec = self.sub.spec
+        spec.validate_for(cfg.moe.num_experts)
+        self.num_attention = spec.attention.count
+        self.num_expert_instances = spec.experts.count
+        self.slots_per_instance = spec.experts.slots_per_instance
+        self.shared_on_experts = spec.shared_experts == "experts"
+        self.moe_layers = [i for i, layer in enumerate(params["layers"]) if "moe" in layer]
+
+        if isinstance(transfer, type) or (transfer is not None and not hasattr(transfer, "a2e")):
+            transfer = transfer(self.sub)
+        self._a2e = transfer.a2e if transfer is not None else a2e_transfer
+        self._e2a = transfer.e2a if transfer is not None else e2a_transfer
+
+        self.attention = make_attention_programs(cfg, block_size, self.sub)
+        self.experts = make_expert_program(cfg, self.sub, self.slots_per_instance, policy=replica_policy,
+                                           aebs_impl=aebs_impl, kernel_impl=kernel_impl, interpret=interpret)
+
+        # Attention side: everything but the routed experts, replicated on the attention mesh.
+        rep = self.attention.replicated
+        self._embed = jax.device_put(params["embed"], rep)
+        self._head = jax.device_put(head_params(params, cfg), rep)
+        self._attn_layers = [jax.device_put(attention_side_params(layer, not self.shared_on_experts), rep)
+                             for layer in params["layers"]]
+        # Expert side: router + slot arrays (+ shared experts) per MoE layer, on the expert mesh.
+        self.layouts = self._layouts(placement)
+        self._expert_layers = {i: place_layer(params["layers"][i], self.layouts[i], self.sub, self.shared_on_experts)
+                               for i in self.moe_layers}
+        self._tables = {i: place_tables(self.layouts[i], self.sub) for i in self.moe_layers}
+
+        # KV cache: slots padded to whole blocks per attention instance, sharded P("attn").
+        per = self.num_attention * block_size
+        self.num_cache_slots = -(-num_slots // per) * per
+        dtype = cache_dtype or params["embed"].dtype
+        new_cache = jax.jit(lambda: init_layer_cache(cfg, self.num_cache_slots, dtype),
+                            out_shardings=self.attention.cache)  # each instance allocates only its slots
+        self.cache = [new_cache() for _ in range(cfg.num_layers)]
+
+        E = cfg.moe.num_experts
+        self._counts = {i: jax.device_put(np.zeros(E, np.int32), self.experts.replicated) for i in self.moe_layers}
+        self._counts_host = {i: np.zeros(E, np.int64) for i in self.moe_layers}
+        self._activated = {}
+        self._transfers = {i: LayerTransferStats() for i in self.moe_layers}
+        self._step = 0
+        self.timing = False  # True: block after every phase and record per-layer times in .timings
+        self.timings: collections.deque[dict] = collections.deque(maxlen=1000)
+        self.observer = None  # observer(phase, layer, outputs) after every phase (tests, debugging)
+
+    # ------------------------------------------------------------------ the data path
+
+    def forward(self, tokens, batch: AttentionBatch, logits_index) -> jax.Array:
+        """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None); updates the KV cache."""
+        tokens, batch, logits_index, B = self._pad(tokens, batch, logits_index)
+        valid = jax.device_put(batch.slots >= 0, self.experts.replicated)  # host metadata for the gate
+        rows = self.attention.rows
+        tokens = jax.device_put(tokens, rows)
+        batch = AttentionBatch(*(jax.device_put(a, rows) for a in batch))
+        index = None if logits_index is None else jax.device_put(logits_index, rows)
+        step = jax.device_put(np.int32(self._step), self.experts.replicated)
+        self._step += 1
+        run = _Phases(self.timing, self.observer)
+
+        x, zeros = run("embed", None, self.attention.embed, self._embed, tokens)
+        y = zeros  # no routed output to add before the first layer (nor after a dense layer)
+        for i, layer in enumerate(self._attn_layers):
+            x, xn, self.cache[i] = run("attention", i, self.attention.layer, layer, x, y, batch, self.cache[i])
+            if i not in self._expert_layers:
+                y = zeros
+                continue
+            plan = plan_transfers(self.sub.spec, xn.nbytes // self.num_attention)
+            xe = run("a2e", i, self._a2e, xn, plan, self.sub)
+            partials, self._counts[i], self._activated[i] = run(
+                "expert", i, self.experts.run, self._expert_layers[i], self._tables[i], xe, valid, step,
+                self._counts[i])
+            y = run("e2a", i, self._e2a, partials, plan, self.sub)
+            self._count_transfers(i, plan)
+        logits = run("head", None, self.attention.head, self._head, x, y, index)
+        if self.timing:
+            self.timings.append(run.record)
+        return logits if B == logits.shape[0] else logits[:B]
+
+    def _pad(self, tokens, batch: AttentionBatch, logits_index):
+        """Rows padded to a multiple of the attention instances (padding: slot -1, table 0)."""
+        tokens = np.asarray(tokens, np.int32)
+        batch = AttentionBatch(*(np.asarray(a, np.int32) for a in batch))
+        index = None if logits_index is None else np.asarray(logits_index, np.int32)
+        B = tokens.shape[0]
+        pad = -B % self.num_attention
+        if pad:
+            rows = lambda a, v: np.concatenate([a, np.full((pad,) + a.shape[1:], v, a.dtype)])  # noqa: E731
+            tokens = rows(tokens, 0)
+            batch = AttentionBatch(rows(batch.positions, 0), rows(batch.slots, -1), rows(batch.block_tables, 0))
+            index = None if index is None else rows(index, 0)
+        return tokens, batch, index, B
+
+    def _count_transfers(self, layer: int, plan) -> None:
+        s = self._transfers[layer]
+        s.steps += 1
+        s.a2e = s.a2e + plan.counts("a2e")
+        s.e2a = s.e2a + plan.counts("e2a")
+        s.strategy = plan.strategy
+
+    # ------------------------------------------------------------------ observability
+
+    def transfer_stats(self) -> dict[int, dict]:
+        """Per MoE layer (by layer index): steps run, A2E/E2A hops and bytes so far (cumulative,
+        split intra/cross-node), hops per step, and the strategy of the last step."""
+        out = {}
+        for i, s in self._transfers.items():
+            out[i] = {
+                "steps": s.steps, "strategy": s.strategy,
+                "a2e": dataclasses.asdict(s.a2e), "e2a": dataclasses.asdict(s.e2a),
+                "a2e_transfers": s.a2e.transfers, "e2a_transfers": s.e2a.transfers,
+                "a2e_bytes": s.a2e.nbytes, "e2a_bytes": s.e2a.nbytes,
+                "transfers_per_step": (s.a2e.transfers + s.e2a.transfers) / s.steps if s.steps else 0.0,
+            }
+        return out
+
+    def expert_activation_counts(self) -> list[list[int]]:
+        """Per MoE layer: cumulative tokens routed to each logical expert (padding excluded).
+
+        Counted on device (int32, per step inside the expert program); a read folds the device
+        counters into host int64 totals and resets them, so they never overflow.
+        """
+        out = []
+        for i in self.moe_layers:
+            self._counts_host[i] += np.asarray(self._counts[i]).astype(np.int64)
+            self._counts[i] = jax.device_put(np.zeros_like(self._counts_host[i], np.int32), self.experts.replicated)
+            out.append([int(c) for c in self._counts_host[i]])
+        return out
+
+    def activated_per_instance(self) -> dict[int, list[int]]:
+        """Per MoE layer: distinct replicas each expert instance ran in the last step (AEBS's load)."""
+        return {i: [int(v) for v in np.asarray(a)] for i, a in self._activated.items()}
+
+    @property
+    def params(self) -> dict:
+        """The parameters as laid out: attention-side ones, and per MoE layer the router and the
+        slot arrays [S, ...] (not the logical [E, ...] ones) under ``layers[i]["moe"]``."""
+        layers = []
+        for i, layer in enumerate(self._attn_layers):
+            layer = dict(layer)
+            if i in self._expert_layers:
+                moe = dict(self._expert_layers[i])
+                if "shared" in moe:
+                    layer["shared"] = moe.pop("shared")
+                layer["moe"] = moe
+            layers.append(layer)
+        return {"embed": self._embed, **self._head, "layers": layers}
+
+    # ------------------------------------------------------------------ replicas
+
+    def placement(self, layer: int | None = None) -> list[int]:
+        """slot -> logical expert of a MoE layer (default: the first one)."""
+        return list(self.layouts[self.moe_layers[0] if layer is None else layer].slot_to_expert)
+
+    def set_placement(self, slot_to_expert: Sequence[int] | Sequence[Sequence[int]]) -> int:
+        """Re-lay out the expert replicas between steps (the host-side controller's hook).
+
+        ``slot_to_expert``: one list [S] for every MoE layer, or one per MoE layer. Moves weights
+        with ``jax.device_put`` (``expert_program.relayout_layer``) and installs the new replica
+        tables; AEBS uses them from the next step. Returns the slots copied across instances.
+        """
+        new = self._layouts(slot_to_expert)
+        moved = 0
+        for i in self.moe_layers:
+            if new[i].slot_to_expert == self.layouts[i].slot_to_expert:
+                continue
+            self._expert_layers[i], n = relayout_layer(self._expert_layers[i], self.layouts[i], new[i], self.sub)
+            self._tables[i] = place_tables(new[i], self.sub)
+            moved += n
+        self.layouts = new
+        return moved
+
+    def _layouts(self, placement) -> dict[int, ReplicaLayout]:
+        E, N, C = self.cfg.moe.num_experts, self.num_expert_instances, self.slots_per_instance
+        if placement is None:
+            placement = default_placement(E, N, C)
+        placement = list(placement)
+        nested = bool(placement) and isinstance(placement[0], Sequence)
+        per_layer = placement if nested else [placement] * len(self.moe_layers)
+        if len(per_layer) != len(self.moe_layers):
+            raise ValueError(f"{len(per_layer)} placements for {len(self.moe_layers)} MoE layers")
+        return {i: ReplicaLayout(tuple(int(e) for e in p), E, N, C) for i, p in zip(self.moe_layers, per_layer)}
+
+
+@functools.lru_cache(maxsize=16)
+def _sub_meshes(spec: ClusterSpec) -> SubMeshes:
+    """One SubMeshes per spec, so executors on the same layout share compiled programs."""
+    return build_meshes(spec)
+
+
+def _spec(mesh) -> ClusterSpec:
+    if isinstance(mesh, ClusterSpec):
+        return mesh
+    if isinstance(mesh, (str, Path, Mapping)):
+        return load_mesh(mesh)
+    raise TypeError(f"mesh: expected a mesh file path, a dict, a ClusterSpec or SubMeshes, got {type(mesh).__name__}")
+
+
+class _Phases:
+    """Runs one phase of a step. In timing mode it blocks on the phase's outputs and records the
+    wall time (per layer); an observer sees every phase's outputs."""
+
+    def __init__(self, timing: bool, observer):
+        self.timing, self.observer = timing, observer
+        self.record: dict = {"embed": 0.0, "attention": {}, "a2e": {}, "expert": {}, "e2a": {}, "head": 0.0}
+
+    def __call__(self, phase: str, layer, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        if self.timing:
+            out = jax.block_until_ready(out)
+            dt = time.perf_counter() - t0
+            if layer is None:
+                self.record[phase] = dt
+            else:
+                self.record[phase][layer] = dt
+        if self.observer is not None:
+            self.observer(phase, layer, out)
+        return out

@@ -1,0 +1,209 @@
+"""The expert side of the disaggregated runtime: one jitted program on the expert sub-mesh.
+
+Per MoE layer, every expert instance j (a ``shard_map`` over mesh axis "expert") gets the full
+post-attention activations xn [B, T, D] (replicated by A2E: JANUS sends activations, not routing
+metadata) and runs
+
+  1. gate       ``route``: router scores, top-k logical ids [B*T, k] and combine weights
+                (padding tokens, valid == False, get id -1: they activate no expert);
+  2. AEBS       ``pallas_kernels.aebs.api.schedule``: logical id -> physical replica slot.
+                Inputs are identical on every instance and the policy is deterministic, so
+                every instance computes the same assignment with no synchronisation;
+  3. experts    ``pallas_kernels.grouped_matmul.expert_ffn`` over the C slots it hosts
+                (slot ids outside j*C .. j*C+C-1 masked to -1: "not mine");
+  4. shared     (only when the mesh file says ``shared_experts: experts``) the shared experts
+                split over instances along their hidden width, each adding its slice;
+
+and returns partial[None] [1, B, T, D] -> [N, B, T, D] sharded P("expert"); E2A sums the
+partials into the attention side. The program also adds this step's tokens-per-logical-expert
+to a replicated on-device counter and returns the activated replicas per instance.
+
+Weights: routed experts as slot arrays [S, D, F] / [S, F, D] sharded P("expert") (S = N x C,
+see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias) replicated; shared experts
+(expert side only) sharded on their hidden axis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxmoe.config import ModelConfig
+from jaxmoe.mesh import EXPERT_AXES, SubMeshes
+from jaxmoe.models.experts import shared_experts
+from jaxmoe.models.router import route
+from jaxmoe.runtime.replicas import ReplicaLayout
+from pallas_kernels.aebs.api import schedule
+from pallas_kernels.grouped_matmul import expert_ffn
+
+EXP = EXPERT_AXES[0]
+_SLOT_SPEC = P(EXP)
+_SHARED_SPECS = {"w_gate": P(None, EXP), "w_up": P(None, EXP), "w_down": P(EXP, None)}
+GROUPED_IMPLS = ("reference", "pallas", "ragged_dot", "einsum", "loop")
+
+
+def resolve_ffn_impl(kernel_impl: str) -> str:
+    """``reference`` = the fastest plain-XLA grouped matmul on this backend (padded einsum on
+    CPU, ``ragged_dot`` elsewhere); the others go to ``expert_ffn`` as they are.
+
+    The einsum runs with capacity B*T rows per slot, which is exact: a token selects an expert at
+    most once and AEBS sends all of an expert's tokens to one replica, so no slot gets more."""
+    if kernel_impl not in GROUPED_IMPLS:
+        raise ValueError(f"kernel_impl must be one of {GROUPED_IMPLS}, got {kernel_impl!r}")
+    if kernel_impl == "reference":
+        return "einsum" if jax.default_backend() == "cpu" else "ragged_dot"
+    return kernel_impl
+
+
+def param_specs(moe: dict) -> dict:
+    """PartitionSpecs of one layer's expert-side parameters (as laid out by ``place_layer``)."""
+    specs = {k: (_SLOT_SPEC if k in ("w_gate", "w_up", "w_down") else P()) for k in moe if k != "shared"}
+    if "shared" in moe:
+        specs["shared"] = {k: _SHARED_SPECS.get(k, P()) for k in moe["shared"]}
+    return specs
+
+
+def _shardings(mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertProgram:
+    run: Callable  # (params, tables, x, valid, step, counts) -> (partials, counts, activated)
+    replicated: NamedSharding  # P() on the expert mesh
+
+
+@functools.lru_cache(maxsize=32)
+def make_expert_program(cfg: ModelConfig, sub: SubMeshes, slots_per_instance: int, *,
+                        policy: str = "aebs", aebs_impl: str = "reference", kernel_impl: str = "reference",
+                        interpret: bool | None = None) -> ExpertProgram:
+    """The jitted expert program (cached like ``make_attention_programs``)."""
+    N, C, E = sub.spec.experts.count, slots_per_instance, cfg.moe.num_experts
+    ffn_impl = resolve_ffn_impl(kernel_impl)
+
+    def per_instance(p, tables, x, valid, step):
+        B, T, D = x.shape
+        x2 = x.reshape(B * T, D)
+        # 1. gate (expert side)
+        ids, weights = route(p, cfg.moe, x2)
+        ids = jnp.where(valid.reshape(B * T, 1), ids, -1)
+        # 2. AEBS: logical -> physical replica, identical on every instance
+        phys, activated = schedule(ids, tables["replica_table"], tables["replica_instance"], N,
+                                   policy=policy, impl=aebs_impl, interpret=interpret, seed=step)
+        # 3. grouped matmul over the replicas this instance hosts
+        first = jax.lax.axis_index(EXP) * C
+        local = jnp.where((phys >= first) & (phys < first + C), phys - first, -1)
+        y = expert_ffn(x2, local, weights, p["w_gate"], p["w_up"], p["w_down"], impl=ffn_impl, interpret=interpret,
+                       kernel_options={"capacity": B * T} if ffn_impl == "einsum" else None)
+        # 4. this instance's slice of the shared experts (shared_experts: experts)
+        if "shared" in p:
+            y = y + shared_experts(p["shared"], x2).astype(y.dtype)
+        counts = jnp.zeros((E + 1,), jnp.int32).at[jnp.where(ids >= 0, ids, E).reshape(-1)].add(1)[:E]
+        return y.reshape(1, B, T, D), counts, activated
+
+    def run(p, tables, x, valid, step, counts):
+        mapped = jax.shard_map(
+            per_instance, mesh=sub.experts,
+            in_specs=(param_specs(p), P(), P(), P(), P()),
+            out_specs=(P(EXP), P(), P()),
+            check_vma=False,  # counts/activated are replicated by construction (same inputs everywhere)
+        )
+        partials, step_counts, activated = mapped(p, tables, x, valid, step)
+        return partials, counts + step_counts, activated
+
+    replicated = NamedSharding(sub.experts, P())
+    return ExpertProgram(run=jax.jit(run, donate_argnums=(5,)), replicated=replicated)
+
+
+# --------------------------------------------------------------------------- weight layout
+
+def place_layer(layer: dict, layout: ReplicaLayout, sub: SubMeshes, shared_on_experts: bool) -> dict:
+    """One MoE layer's expert-side parameters on the expert mesh.
+
+    ``layer["moe"]`` holds logical expert weights [E, ...]; slot s gets expert
+    ``layout.slot_to_expert[s]`` (zeros when -1). Each expert device receives only its own slots
+    (built from a host copy, so no device ever holds all S slots). With ``shared_on_experts`` the
+    layer's shared experts come along, their hidden width zero-padded to a multiple of N and
+    split over instances.
+    """
+    moe = layer["moe"]
+    out = {k: v for k, v in moe.items() if k not in ("w_gate", "w_up", "w_down")}
+    idx, used = layout.gather_index(), layout.used()
+    slot_sharding = NamedSharding(sub.experts, _SLOT_SPEC)
+    for k in ("w_gate", "w_up", "w_down"):
+        host = np.asarray(moe[k])
+        shape = (layout.num_slots,) + host.shape[1:]
+
+        def shard(index, host=host):
+            rows = np.arange(layout.num_slots)[index[0]]
+            return np.where(used[rows].reshape((-1,) + (1,) * (host.ndim - 1)), host[idx[rows]], 0).astype(host.dtype)
+
+        out[k] = jax.make_array_from_callback(shape, slot_sharding, shard)
+    if shared_on_experts and "shared" in layer:
+        n = sub.spec.experts.count
+        shared = dict(layer["shared"])
+        pad = -shared["w_gate"].shape[1] % n
+        if pad:
+            shared["w_gate"] = jnp.pad(shared["w_gate"], ((0, 0), (0, pad)))
+            shared["w_up"] = jnp.pad(shared["w_up"], ((0, 0), (0, pad)))
+            shared["w_down"] = jnp.pad(shared["w_down"], ((0, pad), (0, 0)))
+        out["shared"] = shared
+    specs = param_specs(out)
+    return {k: (v if k in ("w_gate", "w_up", "w_down") else jax.device_put(v, _shardings(sub.experts, specs[k])))
+            for k, v in out.items()}
+
+
+def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: SubMeshes) -> tuple[dict, int]:
+    """Move one layer's slot arrays from placement ``old`` to ``new`` (the controller's hook).
+
+    Slot s of the new layout keeps its data when it hosts the same expert as before; otherwise it
+    copies a slot of the old layout hosting that expert, preferring one on the same instance
+    (a local copy) over a remote one (one ``jax.device_put`` of one expert's weights to each
+    device of the instance). Unused slots become zeros. Returns (new params, slots moved across
+    instances).
+    """
+    C = new.slots_per_instance
+    insts = sub.spec.experts.devices
+    plan: list[int] = []  # source slot per new slot (-1: zeros)
+    for s, e in enumerate(new.slot_to_expert):
+        if e < 0:
+            plan.append(-1)
+        elif old.slot_to_expert[s] == e:
+            plan.append(s)
+        else:
+            hosts = old.replicas(e)
+            plan.append(([h for h in hosts if h // C == s // C] or hosts)[0])
+    moved = sum(1 for s, src in enumerate(plan) if src >= 0 and src // C != s // C)
+    sharding = NamedSharding(sub.experts, _SLOT_SPEC)
+    out = dict(placed)
+    for k in ("w_gate", "w_up", "w_down"):
+        arr = placed[k]
+        shards = {sh.device: sh.data for sh in arr.addressable_shards}
+        per_device = []
+        for j, inst in enumerate(insts):
+            for t, d in enumerate(inst):
+                dev = sub.devices[d]
+                pieces = []
+                for s in range(j * C, (j + 1) * C):
+                    src = plan[s]
+                    if src < 0:
+                        pieces.append(jax.device_put(np.zeros((1,) + arr.shape[1:], arr.dtype), dev))
+                        continue
+                    src_dev = sub.devices[insts[src // C][t]]
+                    piece = shards[src_dev][src % C:src % C + 1]
+                    pieces.append(piece if src_dev == dev else jax.device_put(piece, dev))
+                per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        out[k] = jax.make_array_from_single_device_arrays(arr.shape, sharding, per_device)
+    return out, moved
+
+
+def place_tables(layout: ReplicaLayout, sub: SubMeshes) -> dict:
+    """AEBS's replica table and replica -> instance map, replicated on the expert mesh."""
+    rep = NamedSharding(sub.experts, P())
+    return {"replica_table": jax.device_put(layout.replica_table(), rep),
+            "replica_instance": jax.device_put(layout.replica_instance(), rep)}

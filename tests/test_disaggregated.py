@@ -1,0 +1,262 @@
+"""Disaggregated executor == monolithic executor (fp32, 8 CPU devices), whatever the layout and
+whichever replica serves each expert.
+
+Equivalence is checked through the public API: ``LLM(path, mesh=...)`` vs ``LLM(path)``, on
+prefill + teacher-forced decode logits (``runner.forward(rows, all_logits=True)``, real positions
+only, relative error < 1e-5) and on greedy generation of 16 tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxmoe import LLM, SamplingParams
+from jaxmoe.engine.model_runner import ModelRunner, Row
+from jaxmoe.llm import load_model
+from jaxmoe.mesh import load_mesh
+from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
+from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
+from jaxmoe.runtime.transfer import plan_transfers
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=4)
+PROMPTS = [[7, 21, 33, 5, 90, 17, 64, 12, 48, 101, 9], [11, 3, 77, 29, 54]]
+TABLES = [[40, 5], [9, 50]]  # non-contiguous; every row has blocks in both attention instances' slot ranges
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+# 1 attention + 7 expert instances x 4 slots; 8 experts with 2-3 replicas on different instances,
+# 4 slots unused (zeros): instance 6 hosts replicas only.
+FORCED_1A7E = [0, 1, 2, -1,
+               3, 4, 5, 6,
+               7, 0, 1, -1,
+               2, 3, 4, 5,
+               6, 7, 0, -1,
+               1, 2, 3, -1,
+               4, 5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def llms(checkpoint_dir):
+    """llms(family, mesh=None) -> LLM, built once per module (tests restore what they change)."""
+    made = {}
+
+    def get(family, mesh=None):
+        key = (family, str(mesh))
+        if key not in made:
+            made[key] = LLM(checkpoint_dir(family), dtype="float32", mesh=mesh, **ENGINE)
+        return made[key]
+
+    return get
+
+
+def _rel_err(a, b) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+
+
+def _logits(llm, steps: int = 3) -> list[np.ndarray]:
+    """Prefill logits of two rows (real positions), then `steps` teacher-forced decode steps."""
+    runner = llm.engine.runner
+    rows = [Row(p, 0, t) for p, t in zip(PROMPTS, TABLES)]
+    prefill = np.asarray(runner.forward(rows, all_logits=True))
+    out = [prefill[i, : len(p)] for i, p in enumerate(PROMPTS)]
+    for step in range(steps):
+        rows = [Row([int(20 + 7 * step + i)], len(p) + step, t) for i, (p, t) in enumerate(zip(PROMPTS, TABLES))]
+        out.append(np.asarray(runner.forward(rows)))
+    return out
+
+
+def _greedy(llm) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def assert_equivalent(mono, dis):
+    for got, want in zip(_logits(dis), _logits(mono)):
+        assert _rel_err(got, want) < 1e-5
+    assert _greedy(dis) == _greedy(mono)
+
+
+# --------------------------------------------------------------------------- equivalence
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_cpu8(llms, family):
+    """2 attention + 6 expert instances, default placement (24 slots: every expert replicated)."""
+    assert_equivalent(llms(family), llms(family, "meshes/cpu-8.yaml"))
+
+
+def test_4a4e_deepseek_v3(llms):
+    """4 attention + 4 experts; 16 experts in exactly 16 slots (no redundancy), sigmoid group routing."""
+    dis = llms("deepseek_v3", "meshes/cpu-8-4a4e.yaml")
+    assert_equivalent(llms("deepseek_v3"), dis)
+    assert dis.executor.placement() == default_placement(16, 4, 4)
+
+
+def test_1a7e_redundant_default_placement(llms):
+    dis = llms("mixtral", "meshes/cpu-8-1a7e.yaml")
+    layout = dis.executor.layouts[0]
+    assert all(len(layout.replicas(e)) >= 3 for e in range(8))  # 28 slots for 8 experts
+    assert_equivalent(llms("mixtral"), dis)
+
+
+def test_1a7e_forced_placement_uses_replicas(llms):
+    """Experts with 2-3 replicas on different instances and unused slots; the replica-only
+    instance 6 really serves tokens, and results do not change."""
+    dis = llms("mixtral", "meshes/cpu-8-1a7e.yaml")
+    ex = dis.executor
+    old = ex.placement()
+    activated = []
+    ex.set_placement(FORCED_1A7E)
+    ex.observer = lambda phase, layer, out: phase == "expert" and activated.append(np.asarray(out[2]))
+    try:
+        assert_equivalent(llms("mixtral"), dis)
+    finally:
+        ex.observer = None
+        ex.set_placement(old)
+    loads = np.stack(activated)
+    assert loads.shape[1] == 7 and loads[:, 6].sum() > 0  # AEBS sent work to replica-only instance 6
+
+
+def test_set_placement_between_generates(llms, checkpoint_dir):
+    dis = llms("mixtral", "meshes/cpu-8-1a7e.yaml")
+    ex = dis.executor
+    before = _greedy(dis)
+    old = ex.placement()
+    moved = ex.set_placement(FORCED_1A7E)
+    try:
+        assert moved > 0 and ex.placement() == FORCED_1A7E
+        # slot s now holds expert FORCED_1A7E[s]'s weights, unused slots are zeros
+        w = np.asarray(ex.params["layers"][1]["moe"]["w_down"])
+        ref = np.asarray(load_model(checkpoint_dir("mixtral"), dtype="float32")[1]["layers"][1]["moe"]["w_down"])
+        for s, e in enumerate(FORCED_1A7E):
+            np.testing.assert_array_equal(w[s], ref[e] if e >= 0 else 0)
+        assert _greedy(dis) == before == _greedy(llms("mixtral"))
+    finally:
+        ex.set_placement(old)
+    assert _greedy(dis) == before
+
+
+def test_shared_experts_on_expert_side(llms):
+    """shared_experts: experts — the shared FFN (with Qwen2's sigmoid gate) split over expert instances."""
+    spec = dict(platform="cpu", nodes=2, devices_per_node=4, attention={"instances": 2},
+                experts={"instances": 6, "slots_per_instance": 2}, shared_experts="experts")
+    dis = llms("qwen2_moe", load_mesh(spec))
+    assert dis.executor.moe_layers == [1, 2]  # layer 0 is dense (mlp_only_layers)
+    assert "shared" not in dis.executor._attn_layers[1]
+    assert "shared" in dis.executor._expert_layers[1]
+    assert_equivalent(llms("qwen2_moe"), dis)
+
+
+# --------------------------------------------------------------------------- placement on devices
+
+def test_programs_run_on_their_sub_meshes(llms):
+    dis = llms("deepseek_v2", "meshes/cpu-8.yaml")  # 2 attention (devices 0-1), 6 experts (2-7)
+    ex = dis.executor
+    devices = ex.sub.devices
+    attn = {devices[d] for d in ex.sub.spec.attention.flat}
+    experts = {devices[d] for d in ex.sub.spec.experts.flat}
+    seen = {}
+    ex.observer = lambda phase, layer, out: seen.setdefault((phase, layer), out)
+    try:
+        _logits(dis, steps=1)
+    finally:
+        ex.observer = None
+    h, xn, cache = seen[("attention", 1)]
+    assert h.sharding.device_set == xn.sharding.device_set == attn
+    assert all(a.sharding.device_set == attn for a in cache.values())
+    assert seen[("a2e", 1)].sharding.device_set == experts
+    partials = seen[("expert", 1)][0]
+    assert partials.sharding.device_set == experts and partials.shape[0] == 6
+    assert seen[("e2a", 1)].sharding.device_set == attn
+    assert seen[("head", None)].sharding.device_set == attn
+    assert ("expert", 0) not in seen  # DeepSeek layer 0 is dense: no expert program, no transfers
+    # weights: routed experts only on expert devices, attention weights only on attention devices
+    assert ex.params["layers"][1]["moe"]["w_gate"].sharding.device_set == experts
+    assert ex.params["layers"][1]["attn"]["o"].sharding.device_set == attn
+    assert ex.params["layers"][1]["shared"]["w_gate"].sharding.device_set == attn
+
+
+def test_transfer_counts_per_layer(llms):
+    dis = llms("qwen3_moe", "meshes/cpu-8.yaml")
+    ex = dis.executor
+    before = {i: s["steps"] for i, s in ex.transfer_stats().items()}
+    rows = [Row(p, 0, t) for p, t in zip(PROMPTS, TABLES)]
+    dis.engine.runner.forward(rows)  # padded to [2, 16] tokens
+    stats = ex.transfer_stats()
+    assert sorted(stats) == ex.moe_layers == [0, 1, 2]
+    nbytes = 16 * ex.cfg.hidden_size * 4  # one attention instance's rows: 1 x 16 tokens x D fp32
+    plan = plan_transfers(ex.sub.spec, nbytes)
+    assert plan.counts("a2e").transfers > 0 and plan.counts("e2a").transfers > 0
+    for i, s in stats.items():
+        assert s["steps"] == before[i] + 1
+        assert s["strategy"] == plan.strategy
+        assert s["a2e_transfers"] >= plan.counts("a2e").transfers
+        assert s["a2e_bytes"] >= plan.counts("a2e").nbytes
+    # cumulative counters grow by exactly one plan per layer per step
+    dis.engine.runner.forward(rows)
+    for i, s in ex.transfer_stats().items():
+        assert s["a2e_transfers"] - stats[i]["a2e_transfers"] == plan.counts("a2e").transfers
+        assert s["e2a_transfers"] - stats[i]["e2a_transfers"] == plan.counts("e2a").transfers
+        assert s["a2e"]["cross"] - stats[i]["a2e"]["cross"] == plan.counts("a2e").cross
+
+
+def test_expert_activation_counts(llms):
+    dis = llms("qwen3_moe", "meshes/cpu-8.yaml")
+    ex = dis.executor
+    before = ex.expert_activation_counts()
+    rows = [Row(p, 0, t) for p, t in zip(PROMPTS, TABLES)]
+    dis.engine.runner.forward(rows)
+    after = ex.expert_activation_counts()
+    k, tokens = ex.cfg.moe.top_k, sum(map(len, PROMPTS))  # padding tokens are not counted
+    assert len(after) == 3 and all(len(c) == ex.cfg.moe.num_experts for c in after)
+    for b, a in zip(before, after):
+        assert sum(a) - sum(b) == tokens * k and all(x >= y for x, y in zip(a, b))
+    assert ex.expert_activation_counts() == after  # reading does not lose or add counts
+
+
+@pytest.mark.parametrize("policy", ["aebs_plus", "random"])
+def test_replica_policies(llms, checkpoint_dir, policy):
+    """Other replica selection policies pick other replicas, never other results (one prefill)."""
+    cfg, params, _ = load_model(checkpoint_dir("mixtral"), dtype="float32")
+    ex = DisaggregatedExecutor(cfg, params, 64 * 8, 8, "meshes/cpu-8-1a7e.yaml", replica_policy=policy,
+                               placement=FORCED_1A7E)
+    rows = [Row(p, 0, t) for p, t in zip(PROMPTS, TABLES)]
+    want = np.asarray(llms("mixtral").engine.runner.forward(rows))
+    assert _rel_err(ModelRunner(ex, 8, 8).forward(rows), want) < 1e-5
+
+
+# --------------------------------------------------------------------------- kernels
+
+def test_pallas_kernels_match_reference(checkpoint_dir):
+    """Pallas grouped matmul + Pallas AEBS (interpret mode) == plain-XLA reference impls."""
+    cfg, params, _ = load_model(checkpoint_dir("mixtral"), dtype="float32")
+    spec = "meshes/cpu-8-4a4e.yaml"
+    ref = DisaggregatedExecutor(cfg, params, 64 * 8, 8, spec)
+    pal = DisaggregatedExecutor(cfg, params, 64 * 8, 8, spec, kernel_impl="pallas", aebs_impl="kernel",
+                                interpret=True)
+    rows = [Row(PROMPTS[1], 0, TABLES[0])]
+    a = np.asarray(ModelRunner(ref, 8, 8).forward(rows, all_logits=True))[0, :5]
+    b = np.asarray(ModelRunner(pal, 8, 8).forward(rows, all_logits=True))[0, :5]
+    assert _rel_err(b, a) < 1e-5
+
+
+# --------------------------------------------------------------------------- replicas
+
+def test_default_placement_round_robin_and_redundant():
+    p = default_placement(8, 4, 4)  # 16 slots: every expert twice, on two different instances
+    layout = ReplicaLayout(tuple(p), 8, 4, 4)
+    for e in range(8):
+        slots = layout.replicas(e)
+        assert len(slots) == 2 and len({s // 4 for s in slots}) == 2
+    assert p[0] == 0 and p[4] == 1  # expert e on instance e % N
+    assert default_placement(8, 4, 4, redundant=False).count(-1) == 8
+    hot = default_placement(4, 2, 4, counts=[100, 1, 1, 1])
+    assert hot.count(0) == 2  # the hot expert gets a replica on each instance, first
+
+
+def test_replica_tables():
+    layout = ReplicaLayout(tuple(FORCED_1A7E), 8, 7, 4)
+    table, inst = layout.replica_table(), layout.replica_instance()
+    assert table.shape == (8, 28 - 8 + 1)
+    assert list(table[0][table[0] >= 0]) == [0, 9, 18] and inst[18] == 4
+    with pytest.raises(ValueError, match="no slot"):
+        ReplicaLayout(tuple([0] * 28), 8, 7, 4)
+    with pytest.raises(ValueError, match="entries"):
+        ReplicaLayout((0, 1), 8, 7, 4)
