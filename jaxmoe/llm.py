@@ -36,22 +36,28 @@ def load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object
     return cfg, params, tokenizer
 
 
-def build_executor(cfg: ModelConfig, params: dict, engine_config: EngineConfig, mesh=None):
+def build_executor(cfg: ModelConfig, params: dict, engine_config: EngineConfig, mesh=None,
+                   executor_kwargs: dict | None = None):
+    """Monolithic executor by default; with a mesh file, the disaggregated one.
+
+    ``executor_kwargs`` go to ``DisaggregatedExecutor`` (replica_policy, kernel_impl, placement, ...).
+    """
     num_slots = engine_config.num_blocks * engine_config.block_size
     if mesh is None:
         return MonolithicExecutor(cfg, params, num_slots, engine_config.block_size)
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
-    return DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh)
+    return DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **(executor_kwargs or {}))
 
 
 class LLM:
     """Offline generation over a batch of prompts, with continuous batching underneath."""
 
-    def __init__(self, model: str | Path = "demo", *, dtype=None, mesh=None, **engine_kwargs):
+    def __init__(self, model: str | Path = "demo", *, dtype=None, mesh=None, executor_kwargs: dict | None = None,
+                 **engine_kwargs):
         self.cfg, params, self.tokenizer = load_model(model, dtype)
         self.engine_config = EngineConfig(**engine_kwargs)
-        self.executor = build_executor(self.cfg, params, self.engine_config, mesh)
+        self.executor = build_executor(self.cfg, params, self.engine_config, mesh, executor_kwargs)
         self.engine = LLMEngine(self.cfg, self.executor, self.tokenizer, self.engine_config)
 
     @property
