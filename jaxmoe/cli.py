@@ -57,20 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("file")
     show.set_defaults(func=cmd_mesh_show)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+    from server.cli import register as register_server_commands  # serve, client
+
+    register_server_commands(sub, _add_model_args)
     return parser
-
-
-def _register_server_commands(sub) -> None:
-    try:
-        from server.cli import register
-    except ImportError:
-        return
-    register(sub, _add_model_args)
-
-
-_EXTRA_COMMANDS = [_register_server_commands]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,381 @@
+"""``AsyncEngine``: one background thread runs the ``LLMEngine`` step loop; any thread submits.
+
+The loop thread is the only one that touches the engine. Other threads talk to it through a
+command queue that the loop drains between steps:
+
+* ``add(...)`` (blocking, for thread pools such as gRPC's) or ``await add_async(...)`` (asyncio)
+  admits a request and returns a :class:`RequestStream` of ``RequestOutput`` objects, one per step
+  that touched the request, the last with ``finished=True``. Admission errors are raised to the
+  caller: ``ValueError`` (bad input), ``OverloadedError`` (waiting queue full),
+  ``EngineClosedError`` (shutting down). An accepted request always ends its stream: finished,
+  aborted (``finish_reason="abort"``) or with an :class:`EngineStepError`.
+* ``abort(request_id)`` from any thread; processed before the next step, frees the KV blocks and
+  ends the stream with ``finish_reason="abort"``.
+* An exception inside ``step()`` fails the requests of that step (their streams raise
+  ``EngineStepError``, their blocks are freed); the loop keeps serving the others.
+* ``shutdown(abort_inflight)`` stops admission, then aborts or finishes the in-flight requests.
+* ``snapshot()`` returns scheduler / KV statistics published by the loop after every step (for
+  metrics; no engine access from other threads), ``call(fn)`` runs ``fn(engine)`` on the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from jaxmoe.engine.engine import LLMEngine, RequestOutput
+from jaxmoe.engine.sampler import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down and accepts no new requests."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed while this request was in it; the request was ended."""
+
+
+class RequestStream:
+    """The outputs of one request. Iterate it synchronously (``for out in stream``) or, when made by
+    ``add_async``, asynchronously (``async for out in stream``). Raises ``EngineStepError`` if the
+    request failed inside the engine."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None):
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: Any = asyncio.Queue() if loop is not None else queue.Queue()
+        self.finished = False
+
+    def _put(self, item) -> None:  # called by the loop thread
+        if self._loop is None:
+            self._queue.put(item)
+        else:
+            try:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+                pass
+
+    def _unwrap(self, item):
+        if item is _END:
+            self.finished = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        return item
+
+    def get(self, timeout: float | None = None) -> RequestOutput | None:
+        """Next output (blocking); None on timeout; StopIteration after the last one."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return self._unwrap(item)
+
+    def __iter__(self):
+        if self._loop is not None:
+            raise TypeError("a stream made by add_async is iterated with `async for`")
+        while True:
+            try:
+                yield self.get()
+            except StopIteration:
+                return
+
+    def __aiter__(self):
+        if self._loop is None:
+            raise TypeError("a stream made by add() is iterated with `for`")
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        item = await self._queue.get()
+        try:
+            return self._unwrap(item)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+
+@dataclasses.dataclass
+class _Add:
+    prompt: Any
+    sampling: SamplingParams | None
+    priority: Any
+    request_id: str | None
+    stream_loop: asyncio.AbstractEventLoop | None
+    future: concurrent.futures.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_finish: Callable[[RequestOutput], None] | None = None,
+                 idle_poll_s: float = 0.5, counts_every_s: float = 1.0):
+        self.engine = engine
+        self.on_finish = on_finish  # called on the loop thread with each final output (metrics)
+        self._idle_poll_s, self._counts_every_s = idle_poll_s, counts_every_s
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._last: dict[str, RequestOutput] = {}
+        self._closing = False
+        self._stop: tuple[bool, float] | None = None  # (abort_inflight, deadline)
+        self._thread: threading.Thread | None = None
+        self._snapshot: dict[str, Any] = {}
+        self._counts_time = 0.0
+        self.step_errors = 0
+        self.num_steps = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        if self._thread is None:
+            self._publish()
+            self._thread = threading.Thread(target=self._run, name="jaxmoe-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def shutdown(self, abort_inflight: bool = True, timeout: float = 30.0) -> None:
+        """Stop admission; abort the in-flight requests (``finish_reason="abort"``) or let them
+        finish, aborting whatever is left after ``timeout`` seconds. Returns when the loop exited."""
+        self._closing = True
+        if self._thread is None:
+            return
+        self._commands.put(("stop", abort_inflight, time.monotonic() + timeout))
+        self._thread.join(timeout + 10)
+
+    # -- submission (any thread) ----------------------------------------------------------------
+    def add(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+            priority: Any = "be", request_id: str | None = None) -> RequestStream:
+        """Admit a request (blocks until the loop has taken it, at most one step). Raises ValueError,
+        OverloadedError or EngineClosedError; returns a stream for ``for`` loops."""
+        return self._submit(prompt, sampling, priority, request_id, None).result()
+
+    async def add_async(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                        priority: Any = "be", request_id: str | None = None) -> RequestStream:
+        """Like ``add`` for asyncio code; the stream is iterated with ``async for``."""
+        loop = asyncio.get_running_loop()
+        return await asyncio.wrap_future(self._submit(prompt, sampling, priority, request_id, loop))
+
+    def _submit(self, prompt, sampling, priority, request_id, loop) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._closing or not self.running:
+            future.set_exception(EngineClosedError("the engine is not running (shutting down?)"))
+        else:
+            self._commands.put(("add", _Add(prompt, sampling, priority, request_id, loop, future)))
+        return future
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if unknown or finished); processed before the next step."""
+        self._commands.put(("abort", request_id))
+
+    def call(self, fn: Callable[[LLMEngine], Any], timeout: float | None = 60.0) -> Any:
+        """Run ``fn(engine)`` on the loop thread between steps and return its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.running:
+            return fn(self.engine)  # no loop: the caller is the only user of the engine
+        self._commands.put(("call", fn, future))
+        return future.result(timeout)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Latest statistics published by the loop (scheduler stats, KV blocks, expert counts)."""
+        return self._snapshot
+
+    def warmup(self, batch_sizes=(1, 2, 4, 8), prompt_lens=(16,), max_tokens: int = 2) -> float:
+        """Compile the prefill/decode programs for common bucket shapes by running tiny requests
+        (``b`` prompts of each length at once, then their decodes). Returns the seconds spent."""
+        def run(engine: LLMEngine) -> float:
+            t0 = time.monotonic()
+            limit = min(engine.scheduler.max_num_seqs, engine.scheduler.max_waiting)
+            sizes = sorted({min(b, limit) for b in batch_sizes if limit > 0})
+            sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            for n in prompt_lens:
+                n = max(1, min(n, engine.max_model_len - max_tokens - 1))
+                for b in sizes:
+                    for _ in range(b):
+                        engine.add_request([1] * n, sampling)
+                    engine.run_until_done(timeout=600)
+            return time.monotonic() - t0
+
+        return self.call(run, timeout=None)
+
+    # -- the loop thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain_commands(block=not self.engine.has_work())
+                if self._stop is not None:
+                    abort_inflight, deadline = self._stop
+                    if abort_inflight or time.monotonic() > deadline:
+                        self._abort_all()
+                    if not self.engine.has_work():
+                        break
+                if self.engine.has_work():
+                    self._step()
+        except BaseException:  # a bug in the loop itself: fail everyone rather than hang them
+            log.exception("jaxmoe engine loop crashed")
+            self._fail(list(self._streams), "the engine loop crashed")
+            raise
+        finally:
+            self._closing = True
+            self._reject_pending()
+            self._publish()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=self._idle_poll_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._publish()
+
+    def _handle(self, cmd) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            self._admit(cmd[1])
+        elif kind == "abort":
+            self._abort(cmd[1])
+        elif kind == "call":
+            fn, future = cmd[1], cmd[2]
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as e:
+                    future.set_exception(e)
+        elif kind == "stop":
+            self._closing = True
+            self._stop = (cmd[1], cmd[2])
+
+    def _admit(self, req: _Add) -> None:
+        if not req.future.set_running_or_notify_cancel():
+            return
+        if self._stop is not None:
+            req.future.set_exception(EngineClosedError("the engine is shutting down"))
+            return
+        try:
+            rid = self.engine.add_request(req.prompt, req.sampling, req.priority, req.request_id)
+        except Exception as e:  # ValueError, OverloadedError: the caller gets it, nothing queued
+            req.future.set_exception(e)
+            return
+        stream = RequestStream(rid, req.stream_loop)
+        self._streams[rid] = stream
+        req.future.set_result(stream)
+
+    def _abort(self, rid: str) -> None:
+        stream = self._streams.get(rid)
+        if stream is None:
+            return
+        seq = self.engine.scheduler.get(rid)
+        self.engine.abort(rid)
+        last = self._last.get(rid)
+        if seq is not None:
+            out = RequestOutput(
+                request_id=rid, prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
+                text=last.text if last else "", delta_token_ids=[], delta_text="",
+                logprobs=last.logprobs if last else None, finished=True, finish_reason="abort",
+                priority=seq.priority.value, ttft=seq.ttft, tpot=seq.tpot)
+            self._deliver(out)
+        else:  # already finished and delivered
+            self._close(rid)
+
+    def _abort_all(self) -> None:
+        for rid in list(self._streams):
+            self._abort(rid)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self.step_errors += 1
+            log.exception("engine step failed")
+            self._fail(self._in_step(), f"engine step failed: {type(e).__name__}: {e}")
+            self._publish()
+            return
+        self.num_steps += 1
+        for out in outputs:
+            self._deliver(out)
+        self._publish()
+
+    def _in_step(self) -> list[str]:
+        """Requests of the step that just failed (all live ones if that cannot be told)."""
+        sch = self.engine.scheduler
+        hit = [s.request_id for s in sch.running]
+        return hit or [s.request_id for s in sch.waiting + sch.preempted]
+
+    def _fail(self, rids: list[str], message: str) -> None:
+        for rid in rids:
+            try:
+                self.engine.abort(rid)
+            except Exception:  # keep failing the others
+                log.exception("abort of %s failed", rid)
+            stream = self._streams.pop(rid, None)
+            self._last.pop(rid, None)
+            if stream is not None:
+                stream._put(EngineStepError(message))
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:  # a request added through call() (warm-up)
+            return
+        stream._put(out)
+        if out.finished:
+            self._close(out.request_id)
+            if self.on_finish is not None:
+                try:
+                    self.on_finish(out)
+                except Exception:
+                    log.exception("on_finish hook failed")
+        else:
+            self._last[out.request_id] = out
+
+    def _close(self, rid: str) -> None:
+        stream = self._streams.pop(rid, None)
+        self._last.pop(rid, None)
+        if stream is not None:
+            stream._put(_END)
+
+    def _reject_pending(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add" and cmd[1].future.set_running_or_notify_cancel():
+                cmd[1].future.set_exception(EngineClosedError("the engine stopped"))
+            elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
+                cmd[2].set_exception(EngineClosedError("the engine stopped"))
+
+    def _publish(self) -> None:
+        """Publish statistics for other threads (a new dict each time: readers never see it change)."""
+        e = self.engine
+        snap: dict[str, Any] = dict(e.scheduler.stats())
+        snap["queues"] = e.scheduler.queue_lengths()
+        snap["preemptions"] = {k: dict(v) for k, v in e.scheduler.preemptions.items()}
+        snap["num_blocks"] = e.block_manager.num_blocks
+        snap["in_flight"] = len(self._streams)
+        snap["step_errors"] = self.step_errors
+        snap["expert_counts"] = self._snapshot.get("expert_counts")
+        now = time.monotonic()
+        counts_fn = getattr(e.runner.executor, "expert_activation_counts", None)
+        if counts_fn is not None and now - self._counts_time >= self._counts_every_s:
+            self._counts_time = now
+            try:
+                rows = [[int(c) for c in layer] for layer in counts_fn()]
+                moe = [i for i, is_moe in enumerate(e.cfg.moe_layers) if is_moe]
+                layers = moe if len(moe) == len(rows) else list(range(len(rows)))
+                snap["expert_counts"] = list(zip(layers, rows))  # (model layer index, counts)
+            except Exception:
+                log.exception("expert_activation_counts() failed")
+        self._snapshot = snap

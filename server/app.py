@@ -1,0 +1,136 @@
+"""``JaxmoeServer``: one engine (``AsyncEngine``) behind both front ends, gRPC and OpenAI HTTP.
+
+Lifecycle: ``await start()`` starts the engine thread, warms up (compiles), then binds and starts
+the gRPC and HTTP servers (health turns SERVING); ``await stop()`` turns health NOT_SERVING, stops
+taking new RPCs, lets in-flight requests finish for ``grace`` seconds (or aborts them at once with
+``abort_inflight=True``; their streams end with ``finish_reason="abort"``), then closes both.
+
+``ServerThread`` runs a server on its own event loop in a background thread (tests, benchmarks).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+from aiohttp import web
+
+from jaxmoe.engine.async_engine import AsyncEngine
+from jaxmoe.engine.engine import EngineConfig, LLMEngine
+from server.grpc_service import build_grpc_server, set_serving
+from server.http_service import OpenAIServer
+from server.metrics import ServerMetrics
+from server.proto import jaxmoe_pb2 as pb
+
+
+
+@dataclasses.dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    grpc_port: int = 0  # 0: pick a free port
+    http_port: int = 0
+    model_name: str = "demo"
+    mesh_description: str = "monolithic: one device (no mesh file)"
+    warmup: bool = True
+    warmup_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    warmup_prompt_lens: tuple[int, ...] = (16, 64)
+    grpc_workers: int = 64
+
+
+def load_engine(model: str, engine_config: EngineConfig, mesh: str | None = None, dtype=None) -> LLMEngine:
+    from jaxmoe.llm import build_executor, load_model
+
+    cfg, params, tokenizer = load_model(model, dtype)
+    return LLMEngine(cfg, build_executor(cfg, params, engine_config, mesh), tokenizer, engine_config)
+
+
+def model_info(engine: LLMEngine, opts: ServeOptions) -> pb.ModelInfoResponse:
+    cfg, ec = engine.cfg, engine.config
+    return pb.ModelInfoResponse(
+        model=opts.model_name, family=cfg.family, vocab_size=cfg.vocab_size, max_context=engine.max_model_len,
+        num_layers=cfg.num_layers, num_moe_layers=cfg.num_moe_layers, num_experts=cfg.moe.num_experts,
+        experts_per_token=cfg.moe.top_k, mesh=opts.mesh_description, policy=engine.scheduler.policy.name,
+        max_num_seqs=ec.max_num_seqs, num_kv_blocks=ec.num_blocks, kv_block_size=ec.block_size)
+
+
+class JaxmoeServer:
+    def __init__(self, engine: LLMEngine, opts: ServeOptions = ServeOptions()):
+        self.opts = opts
+        self.metrics = ServerMetrics()
+        self.async_engine = AsyncEngine(engine, on_finish=self.metrics.observe_finished)
+        self.metrics.watch(self.async_engine)
+        self.ready = False
+        self.grpc_port = self.http_port = None
+        self.warmup_seconds = 0.0
+        self._grpc = self._health = self._runner = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.async_engine.start()
+        o = self.opts
+        if o.warmup:
+            self.warmup_seconds = await loop.run_in_executor(
+                None, lambda: self.async_engine.warmup(o.warmup_batch_sizes, o.warmup_prompt_lens))
+        info = model_info(self.async_engine.engine, o)
+        self._grpc, self.grpc_port, self._health = build_grpc_server(
+            self.async_engine, info, o.host, o.grpc_port, self.metrics, o.grpc_workers)
+        http = OpenAIServer(self.async_engine, o.model_name, self.metrics, ready=lambda: self.ready)
+        self._runner = web.AppRunner(http.app(), handler_cancellation=True, shutdown_timeout=5.0,
+                                     access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, o.host, o.http_port)
+        await site.start()
+        self.http_port = self._runner.addresses[0][1]
+        self._grpc.start()
+        set_serving(self._health, True)
+        self.ready = True
+
+    async def stop(self, abort_inflight: bool = False, grace: float = 10.0) -> None:
+        """Stop taking requests, finish (or abort) the in-flight ones, close both servers."""
+        loop = asyncio.get_running_loop()
+        self.ready = False
+        if self._health is not None:
+            set_serving(self._health, False)
+        grpc_done = self._grpc.stop(grace + 5.0) if self._grpc is not None else None
+        await loop.run_in_executor(None, lambda: self.async_engine.shutdown(abort_inflight, grace))
+        if grpc_done is not None:
+            await loop.run_in_executor(None, grpc_done.wait)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.opts.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.opts.host}:{self.http_port}"
+
+
+class ServerThread:
+    """A ``JaxmoeServer`` on its own event loop in a daemon thread: ``start()`` returns once it
+    listens; ``stop()`` shuts it down. The wrapped ``LLMEngine`` may be reused afterwards."""
+
+    def __init__(self, engine: LLMEngine, opts: ServeOptions = ServeOptions()):
+        self.server = JaxmoeServer(engine, opts)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="jaxmoe-server", daemon=True)
+
+    def start(self, timeout: float = 600.0) -> JaxmoeServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout)
+        return self.server
+
+    def stop(self, abort_inflight: bool = True, grace: float = 5.0, timeout: float = 60.0) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(abort_inflight, grace), self._loop).result(timeout)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+            self._loop.close()
+
+    def __enter__(self) -> JaxmoeServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

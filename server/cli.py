@@ -1,0 +1,136 @@
+"""``jaxmoe serve`` and ``jaxmoe client`` (registered into ``jaxmoe.cli`` by ``register``).
+
+``jaxmoe serve`` loads the model, warms up, then prints one line per front end::
+
+    jaxmoe: grpc listening on 127.0.0.1:50051
+    jaxmoe: http listening on 127.0.0.1:8000
+
+and serves until SIGTERM / SIGINT: it then stops taking requests, lets in-flight streams finish
+for ``--shutdown-grace`` seconds (aborting what is left, ``finish_reason="abort"``) and exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+
+def register(sub, add_model_args) -> None:
+    serve = sub.add_parser("serve", help="serve a model over gRPC and OpenAI-compatible HTTP")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default loopback only; 0.0.0.0 exposes the server)")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="0 = pick a free port")
+    serve.add_argument("--http-port", type=int, default=8000, help="0 = pick a free port")
+    serve.add_argument("--served-model-name", default=None, help="name in /v1/models (default: --model)")
+    serve.add_argument("--policy", default="qllm", choices=["qllm", "fcfs"])
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-batch-tokens", type=int, default=2048)
+    serve.add_argument("--max-waiting", type=int, default=1024, help="waiting queue size (then 429)")
+    serve.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--no-warmup", action="store_true", help="skip compiling before serving")
+    serve.add_argument("--warmup-batch-sizes", default="1,2,4,8")
+    serve.add_argument("--warmup-prompt-lens", default="16,64")
+    serve.add_argument("--shutdown-grace", type=float, default=10.0,
+                       help="seconds in-flight requests may take to finish on SIGTERM")
+    serve.add_argument("--abort-on-shutdown", action="store_true", help="abort in-flight requests at once")
+    serve.set_defaults(func=cmd_serve)
+
+    client = sub.add_parser("client", help="talk to a running server over gRPC")
+    client.add_argument("--target", default="127.0.0.1:50051")
+    client.add_argument("--prompt", default="Hello")
+    client.add_argument("--max-tokens", type=int, default=32)
+    client.add_argument("--temperature", type=float, default=0.0)
+    client.add_argument("--top-k", type=int, default=0)
+    client.add_argument("--top-p", type=float, default=None)
+    client.add_argument("--seed", type=int, default=None)
+    client.add_argument("--stop", action="append", default=[])
+    client.add_argument("--logprobs", type=int, default=None)
+    client.add_argument("--priority", default="be")
+    client.add_argument("--info", action="store_true", help="print ModelInfo and health, no generation")
+    client.add_argument("--timeout", type=float, default=120.0)
+    client.set_defaults(func=cmd_client)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def cmd_serve(args) -> int:
+    from jaxmoe.engine.engine import EngineConfig
+    from server.app import ServeOptions, load_engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                          max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting,
+                          max_model_len=args.max_model_len, policy=args.policy)
+    mesh_description = "monolithic: one device (no mesh file)"
+    if args.mesh:
+        from jaxmoe.mesh import load_mesh
+
+        mesh_description = load_mesh(args.mesh).describe()
+    engine = load_engine(args.model, config, args.mesh, args.dtype)
+    opts = ServeOptions(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+                        model_name=args.served_model_name or str(args.model), mesh_description=mesh_description,
+                        warmup=not args.no_warmup, warmup_batch_sizes=_ints(args.warmup_batch_sizes),
+                        warmup_prompt_lens=_ints(args.warmup_prompt_lens))
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"jaxmoe: warning: binding {args.host}: the server has no authentication", file=sys.stderr)
+    return asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace))
+
+
+async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:
+    from server.app import JaxmoeServer
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = JaxmoeServer(engine, opts)
+    print("jaxmoe: warming up (compiling) ..." if opts.warmup else "jaxmoe: starting ...", flush=True)
+    await server.start()  # a signal during warm-up is handled once it is done
+    print(f"jaxmoe: warm-up took {server.warmup_seconds:.1f}s", flush=True)
+    print(f"jaxmoe: grpc listening on {opts.host}:{server.grpc_port}", flush=True)
+    print(f"jaxmoe: http listening on {opts.host}:{server.http_port}", flush=True)
+    await stop.wait()
+    print("jaxmoe: shutting down", flush=True)
+    await server.stop(abort_inflight=abort_on_shutdown, grace=grace)
+    print("jaxmoe: stopped", flush=True)
+    return 0
+
+
+def cmd_client(args) -> int:
+    import grpc
+
+    from server.client import JaxmoeClient
+
+    with JaxmoeClient(args.target) as client:
+        try:
+            if args.info:
+                print(client.model_info(timeout=args.timeout))
+                print(f"health: {client.health(timeout=args.timeout)}")
+                return 0
+            last = None
+            for chunk in client.generate(args.prompt, timeout=args.timeout, max_tokens=args.max_tokens,
+                                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                         seed=args.seed, stop=args.stop, logprobs=args.logprobs,
+                                         priority=args.priority):
+                if args.logprobs is None:
+                    print(chunk.delta_text, end="", flush=True)
+                for lp in chunk.logprobs:  # one line per token when logprobs are asked
+                    top = " ".join(f"{t.token!r}:{t.logprob:.3f}" for t in lp.top)
+                    print(f"{lp.token_id:>6} {lp.token!r:>8} {lp.logprob:8.3f}  top: {top}")
+                last = chunk
+            print()
+            if last is not None:
+                u = last.usage
+                print(f"--- finish_reason={last.finish_reason} prompt_tokens={u.prompt_tokens} "
+                      f"completion_tokens={u.completion_tokens}", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"jaxmoe: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+

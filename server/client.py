@@ -1,0 +1,77 @@
+"""A small Python client for the jaxmoe gRPC API.
+
+    with JaxmoeClient("127.0.0.1:50051") as c:
+        for chunk in c.generate("Hello", max_tokens=16, priority="ls"):
+            print(chunk.delta_text, end="")
+        print(c.model_info())
+
+``generate`` yields ``jaxmoe.v1.GenerateResponse`` messages (``delta_text``, ``delta_token_ids``,
+``logprobs``, ``finish_reason`` and ``usage`` on the last one); errors are ``grpc.RpcError`` with
+the server's status code. ``cancel()`` on the returned stream (or dropping it) cancels the request.
+"""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from server.proto import jaxmoe_pb2 as pb
+from server.proto import jaxmoe_pb2_grpc as pb_grpc
+
+
+def make_request(prompt: str | list[int], *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int = 0, top_p: float | None = None, seed: int | None = None, stop=(),
+                 stop_token_ids=(), ignore_eos: bool = False, logprobs: int | None = None,
+                 priority: str = "be", request_id: str = "") -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                 ignore_eos=ignore_eos)
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("seed", seed), ("logprobs", logprobs)):
+        if value is not None:
+            setattr(sampling, name, value)
+    req = pb.GenerateRequest(request_id=request_id, sampling=sampling, priority=priority)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.SetInParent()
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+class JaxmoeClient:
+    def __init__(self, target: str, channel: grpc.Channel | None = None):
+        self.channel = channel or grpc.insecure_channel(target)
+        self.stub = pb_grpc.JaxmoeStub(self.channel)
+
+    def generate(self, prompt: str | list[int], timeout: float | None = None, **kwargs):
+        """Stream of ``GenerateResponse``; keyword arguments as in ``make_request``. The returned
+        object is also a ``grpc.Call``: ``.cancel()`` aborts the request on the server."""
+        return self.stub.Generate(make_request(prompt, **kwargs), timeout=timeout)
+
+    def complete(self, prompt: str | list[int], timeout: float | None = None, **kwargs) -> dict:
+        """Run a request to the end: {"text", "token_ids", "finish_reason", "usage"}."""
+        text, ids, last = [], [], None
+        for chunk in self.generate(prompt, timeout=timeout, **kwargs):
+            text.append(chunk.delta_text)
+            ids.extend(chunk.delta_token_ids)
+            last = chunk
+        usage = {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": last.usage.completion_tokens,
+                 "total_tokens": last.usage.total_tokens}
+        return {"text": "".join(text), "token_ids": ids, "finish_reason": last.finish_reason, "usage": usage}
+
+    def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfoResponse:
+        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+
+    def health(self, service: str = "", timeout: float | None = 10.0) -> str:
+        """"SERVING" / "NOT_SERVING" (standard grpc.health.v1)."""
+        resp = health_pb2_grpc.HealthStub(self.channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "JaxmoeClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,140 @@
+"""The gRPC front end (``jaxmoe.v1.Jaxmoe``): server-streaming ``Generate`` and ``ModelInfo``, plus
+the standard health service and server reflection (so ``grpcurl`` works without the .proto).
+
+Runs on a ``grpc.server`` thread pool; each ``Generate`` call admits its request with the blocking
+``AsyncEngine.add`` and streams the engine's outputs. Status codes: INVALID_ARGUMENT for bad input
+(the message says what), RESOURCE_EXHAUSTED when the waiting queue is full, UNAVAILABLE while
+shutting down, INTERNAL when the engine failed the request. A client cancel (or deadline) aborts
+the request in the engine, which frees its KV blocks.
+"""
+from __future__ import annotations
+
+import uuid
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxmoe.engine.async_engine import EngineClosedError, EngineStepError
+from jaxmoe.engine.engine import RequestOutput
+from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.engine.scheduler import OverloadedError
+from jaxmoe.engine.sequence import Priority
+from server.proto import jaxmoe_pb2 as pb
+from server.proto import jaxmoe_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxmoe"].full_name  # "jaxmoe.v1.Jaxmoe"
+
+
+def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError with a message for out-of-range values."""
+    kw = dict(top_k=s.top_k, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+              ignore_eos=s.ignore_eos)
+    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
+        if s.HasField(name):
+            kw[name] = getattr(s, name)
+    return SamplingParams(**kw)
+
+
+def request_from_proto(req: pb.GenerateRequest):
+    """(prompt, SamplingParams, Priority); raises ValueError."""
+    which = req.WhichOneof("prompt")
+    if which is None:
+        raise ValueError("the request has no prompt (set text or token_ids)")
+    prompt = req.text if which == "text" else list(req.token_ids.ids)
+    if not prompt:
+        raise ValueError("empty prompt")
+    return prompt, sampling_from_proto(req.sampling), Priority.parse(req.priority or "be")
+
+
+def output_to_proto(out: RequestOutput, tokenizer) -> pb.GenerateResponse:
+    resp = pb.GenerateResponse(request_id=out.request_id, delta_text=out.delta_text,
+                               delta_token_ids=out.delta_token_ids, finish_reason=out.finish_reason or "",
+                               priority=out.priority, usage=pb.Usage(**out.usage))
+    if out.logprobs is not None and out.delta_token_ids:
+        for lp in out.logprobs[len(out.token_ids) - len(out.delta_token_ids):len(out.token_ids)]:
+            top = [pb.TopLogprob(token_id=t, token=tokenizer.decode([t]), logprob=v) for t, v in lp.top]
+            resp.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, token=tokenizer.decode([lp.token_id]),
+                                                 logprob=lp.logprob, top=top))
+    if out.finished:
+        if out.ttft is not None:
+            resp.ttft_s = out.ttft
+        if out.tpot is not None:
+            resp.tpot_s = out.tpot
+    return resp
+
+
+class JaxmoeServicer(pb_grpc.JaxmoeServicer):
+    def __init__(self, async_engine, model_info: pb.ModelInfoResponse, metrics=None):
+        self.engine = async_engine
+        self.info = model_info
+        self.metrics = metrics
+        self.tokenizer = async_engine.engine.tokenizer
+
+    def _reject(self, context, code, reason: str, message: str):
+        if self.metrics is not None:
+            self.metrics.reject(reason)
+        context.abort(code, message)
+
+    def Generate(self, request, context):
+        try:
+            prompt, sampling, priority = request_from_proto(request)
+        except ValueError as e:
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
+        rid = request.request_id or f"grpc-{uuid.uuid4().hex[:16]}"
+        try:
+            stream = self.engine.add(prompt, sampling, priority, rid)
+        except ValueError as e:
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
+        except OverloadedError as e:
+            self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", f"server overloaded: {e}")
+        except EngineClosedError as e:
+            self._reject(context, grpc.StatusCode.UNAVAILABLE, "unavailable", str(e))
+        # Runs when the RPC ends for any reason; after a normal finish the abort is a no-op.
+        context.add_callback(lambda: self.engine.abort(rid))
+        try:
+            while True:
+                out = stream.get(timeout=1.0)
+                if out is None:  # nothing this second: is the client still there?
+                    if not context.is_active():
+                        self.engine.abort(rid)
+                        return
+                    continue
+                yield output_to_proto(out, self.tokenizer)
+        except StopIteration:
+            return
+        except EngineStepError as e:
+            context.abort(grpc.StatusCode.INTERNAL, str(e))
+
+    def ModelInfo(self, request, context):
+        return self.info
+
+
+def build_grpc_server(async_engine, model_info: pb.ModelInfoResponse, host: str, port: int,
+                      metrics=None, max_workers: int = 64):
+    """A started-later ``grpc.Server`` bound to host:port (0 = pick). Returns (server, port, health)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jaxmoe-grpc"),
+                         maximum_concurrent_rpcs=max_workers)
+    pb_grpc.add_JaxmoeServicer_to_server(JaxmoeServicer(async_engine, model_info, metrics), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server)
+    bound = server.add_insecure_port(f"{_host(host)}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    return server, bound, health_servicer
+
+
+def set_serving(health_servicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, status)
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,104 @@
+"""Prometheus metrics of one server instance (its own ``CollectorRegistry``, so several servers can
+live in one process, e.g. in tests).
+
+Per-request metrics are observed when a request finishes (``observe_finished``, the AsyncEngine's
+``on_finish`` hook, so gRPC and HTTP requests count alike). Engine gauges are read at scrape time
+from ``AsyncEngine.snapshot()`` (published by the engine thread after every step).
+
+Names (all prefixed ``jaxmoe_``) are listed in docs/serving.md.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxmoe.engine.engine import RequestOutput
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("jaxmoe_time_to_first_token_seconds", "Time to first token",
+                              ["priority"], buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("jaxmoe_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request",
+                              ["priority"], buckets=_TPOT_BUCKETS, registry=r)
+        self.requests = Counter("jaxmoe_requests_finished", "Requests that ended, by finish reason",
+                                ["priority", "finish_reason"], registry=r)
+        self.rejected = Counter("jaxmoe_requests_rejected", "Requests refused at admission",
+                                ["reason"], registry=r)  # invalid | overloaded | unavailable
+        self.prompt_tokens = Counter("jaxmoe_prompt_tokens", "Prompt tokens of finished requests",
+                                     ["priority"], registry=r)
+        self.generation_tokens = Counter("jaxmoe_generation_tokens", "Generated tokens",
+                                         ["priority"], registry=r)
+
+    def watch(self, async_engine) -> None:
+        """Export the engine gauges (queues, batch, KV, preemptions, expert activations)."""
+        self.registry.register(_EngineCollector(async_engine))
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        p = out.priority
+        self.requests.labels(p, out.finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(p).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(p).inc(len(out.token_ids))
+        if out.ttft is not None:
+            self.ttft.labels(p).observe(out.ttft)
+        if out.tpot is not None:
+            self.tpot.labels(p).observe(out.tpot)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Gauges and engine-side counters from the engine thread's latest snapshot."""
+
+    def __init__(self, async_engine):
+        self.async_engine = async_engine
+
+    def describe(self):
+        return []  # values are only known at scrape time
+
+    def collect(self):
+        snap = self.async_engine.snapshot()
+        if not snap:
+            return
+        q = GaugeMetricFamily("jaxmoe_queue_length", "Requests in each QLLM queue", labels=["queue"])
+        for name, n in snap["queues"].items():
+            q.add_metric([name], n)
+        yield q
+        yield GaugeMetricFamily("jaxmoe_running_batch_size", "Sequences in the latest step",
+                                value=snap["num_running"])
+        yield GaugeMetricFamily("jaxmoe_waiting_requests", "Accepted, never scheduled",
+                                value=snap["num_waiting"])
+        yield GaugeMetricFamily("jaxmoe_inflight_requests", "Accepted, not finished",
+                                value=snap["in_flight"])
+        yield GaugeMetricFamily("jaxmoe_kv_block_utilization", "Fraction of KV blocks in use",
+                                value=snap["kv_utilization"])
+        yield GaugeMetricFamily("jaxmoe_kv_free_blocks", "Free KV blocks", value=snap["kv_free_blocks"])
+        yield GaugeMetricFamily("jaxmoe_kv_blocks", "KV blocks in all", value=snap["num_blocks"])
+        pre = CounterMetricFamily("jaxmoe_preemptions", "Preemptions by kind (keep_kv, recompute)",
+                                  labels=["kind", "priority"])
+        for kind, per in snap["preemptions"].items():
+            for prio, n in per.items():
+                pre.add_metric([kind, prio], n)
+        yield pre
+        yield CounterMetricFamily("jaxmoe_engine_steps", "Engine steps", value=snap["steps"])
+        yield CounterMetricFamily("jaxmoe_engine_step_errors", "Engine steps that raised",
+                                  value=snap["step_errors"])
+        counts = snap.get("expert_counts")
+        if counts:
+            act = CounterMetricFamily("jaxmoe_expert_activations",
+                                      "Tokens routed to each expert, per MoE layer",
+                                      labels=["layer", "expert"])
+            for layer, row in counts:
+                for expert, n in enumerate(row):
+                    act.add_metric([str(layer), str(expert)], n)
+            yield act

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for jaxmoe.proto (see generate.sh)."""

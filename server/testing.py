@@ -1,0 +1,50 @@
+"""Helpers for the serving tests and benchmarks.
+
+Compiling the demo model's programs dominates a CPU test run, and compiled programs belong to an
+executor, so all serving tests of one pytest process share one ``LLM("demo")`` (and its engine):
+the standalone references are computed with ``llm.generate`` while no server wraps the engine,
+then a server / ``AsyncEngine`` wraps that same engine. The small KV geometry (64-token blocks,
+256-token context) keeps every test sequence in one block, so few bucket shapes get compiled.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+TEST_ENGINE_KWARGS = dict(block_size=64, num_blocks=32, max_num_seqs=8, max_model_len=256, max_waiting=64)
+WARMUP = dict(warmup_batch_sizes=(1, 2, 4, 8), warmup_prompt_lens=(16, 32))
+
+
+@functools.lru_cache(maxsize=None)
+def shared_demo_llm():
+    from jaxmoe.llm import LLM
+
+    return LLM("demo", **TEST_ENGINE_KWARGS)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def engine_idle_and_free(async_engine) -> bool:
+    """No request left in the engine and every KV block free (read on the engine thread)."""
+    def check(engine):
+        bm = engine.block_manager
+        return not engine.has_work() and bm.num_free == bm.num_blocks
+
+    return async_engine.call(check)
+
+
+def hold_engine_loop(async_engine, seconds: float) -> threading.Thread:
+    """Keep the engine thread busy for ``seconds`` (a blocking ``call``), so that requests sent
+    meanwhile are admitted together, deterministically, when it ends (overload tests)."""
+    t = threading.Thread(target=async_engine.call, args=(lambda engine: time.sleep(seconds),), daemon=True)
+    t.start()
+    time.sleep(0.05)  # let the call reach the loop first
+    return t

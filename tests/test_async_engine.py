@@ -1,0 +1,163 @@
+"""AsyncEngine: streaming from threads and asyncio, admission errors, abort, step failures, shutdown."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from jaxmoe.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.engine.scheduler import OverloadedError
+from server.testing import engine_idle_and_free, shared_demo_llm, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = ["One fish", "Two fish", "Red fish", "Blue fish"]
+GREEDY = SamplingParams(max_tokens=10)
+LONG = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return shared_demo_llm()
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    return {p: out.token_ids for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
+
+
+@pytest.fixture
+def aengine(llm, reference):
+    ae = AsyncEngine(llm.engine).start()
+    yield ae
+    ae.shutdown(abort_inflight=True, timeout=10)
+    assert not ae.running
+    bm = llm.engine.block_manager
+    assert not llm.engine.has_work() and bm.num_free == bm.num_blocks
+
+
+def _drain(stream):
+    outs = list(stream)
+    assert outs and outs[-1].finished and all(not o.finished for o in outs[:-1])
+    return outs
+
+
+def test_threads_stream_the_standalone_tokens(aengine, reference):
+    results, errors = {}, []
+
+    def client(i, prompt):
+        try:
+            outs = _drain(aengine.add(prompt, GREEDY, "ls" if i % 2 else "be"))
+            ids = [t for o in outs for t in o.delta_token_ids]
+            assert ids == outs[-1].token_ids
+            results[prompt] = ids
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i, p)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert results == reference
+
+
+def test_asyncio_stream(aengine, reference):
+    async def main():
+        streams = [await aengine.add_async(p, GREEDY, "be") for p in PROMPTS[:2]]
+        return [[o async for o in s] for s in streams]
+
+    for prompt, outs in zip(PROMPTS, asyncio.run(main())):
+        assert outs[-1].finished and outs[-1].token_ids == reference[prompt]
+        assert "".join(o.delta_text for o in outs) == outs[-1].text
+
+
+@pytest.mark.parametrize("prompt, sampling, match", [
+    ([], GREEDY, "empty prompt"),
+    ([1, 2, 99999], GREEDY, "outside the vocabulary"),
+    ("x" * 300, GREEDY, "does not fit the context"),
+    ("hi", None, None),  # valid, for contrast
+])
+def test_admission_errors_are_raised_to_the_caller(aengine, prompt, sampling, match):
+    if match is None:
+        assert _drain(aengine.add(prompt, sampling))[-1].finish_reason in ("length", "stop")
+        return
+    with pytest.raises(ValueError, match=match):
+        aengine.add(prompt, sampling)
+
+
+def test_bad_priority_is_a_value_error(aengine):
+    with pytest.raises(ValueError, match="unknown priority"):
+        aengine.add("hi", GREEDY, "urgent")
+
+
+def test_overload(aengine):
+    old = aengine.call(lambda e: e.scheduler.max_waiting)
+    aengine.call(lambda e: setattr(e.scheduler, "max_waiting", 0))
+    try:
+        with pytest.raises(OverloadedError):
+            aengine.add("hi", GREEDY)
+    finally:
+        aengine.call(lambda e: setattr(e.scheduler, "max_waiting", old))
+
+
+def test_abort_mid_stream_frees_blocks(aengine):
+    stream = aengine.add("Count to forty", LONG, "be")
+    first = stream.get(timeout=30)
+    assert first is not None and not first.finished
+    aengine.abort(stream.request_id)
+    rest = list(stream)
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert len(rest[-1].token_ids) < LONG.max_tokens
+    assert engine_idle_and_free(aengine)
+
+
+def test_step_exception_fails_the_request_not_the_loop(aengine, reference):
+    runner = aengine.engine.runner
+    calls = {"n": 0}
+    real_run = runner.run
+
+    def broken_run(rows):
+        calls["n"] += 1
+        raise RuntimeError("injected device failure")
+
+    aengine.call(lambda e: setattr(runner, "run", broken_run))
+    try:
+        stream = aengine.add("doomed", GREEDY)
+        with pytest.raises(EngineStepError, match="injected device failure"):
+            list(stream)
+    finally:
+        aengine.call(lambda e: setattr(runner, "run", real_run))
+    assert calls["n"] >= 1 and aengine.running and aengine.step_errors >= 1
+    assert engine_idle_and_free(aengine)
+    assert _drain(aengine.add(PROMPTS[0], GREEDY))[-1].token_ids == reference[PROMPTS[0]]
+
+
+def test_shutdown_aborts_inflight(llm):
+    ae = AsyncEngine(llm.engine).start()
+    stream = ae.add("Count to forty", LONG)
+    assert stream.get(timeout=30) is not None
+    ae.shutdown(abort_inflight=True)
+    assert list(stream)[-1].finish_reason == "abort"
+    with pytest.raises(EngineClosedError):
+        ae.add("late", GREEDY)
+    assert not llm.engine.has_work()
+
+
+def test_shutdown_lets_inflight_finish(llm):
+    ae = AsyncEngine(llm.engine).start()
+    stream = ae.add("Count", SamplingParams(max_tokens=6, ignore_eos=True))
+    ae.shutdown(abort_inflight=False, timeout=30)
+    outs = list(stream)
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 6
+
+
+def test_snapshot_is_published(aengine):
+    _drain(aengine.add("hi", GREEDY, "ls"))
+    assert wait_until(lambda: aengine.snapshot().get("in_flight") == 0)
+    snap = aengine.snapshot()
+    assert set(snap["queues"]) == {"ls_prefill", "ls_decode", "be_prefill", "be_decode"}
+    assert snap["kv_free_blocks"] == snap["num_blocks"]

@@ -1,0 +1,234 @@
+"""The OpenAI-compatible HTTP server, live on an ephemeral loopback port: the official `openai`
+client (completions, chat, streaming) against the standalone LLM, OpenAI-style errors (400 / 429),
+priority extension, client disconnect, /v1/models, /health and the Prometheus /metrics."""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from jaxmoe.engine.sampler import SamplingParams
+from server.app import ServeOptions, ServerThread
+from server.testing import WARMUP, engine_idle_and_free, hold_engine_loop, shared_demo_llm, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = "Hello world"
+MESSAGES = [{"role": "user", "content": "Hello"}]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return shared_demo_llm()
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    sp = SamplingParams(max_tokens=MAX_TOKENS)
+    return {"completion": llm.generate(PROMPT, sp)[0], "chat": llm.chat(MESSAGES, sp)}
+
+
+@pytest.fixture(scope="module")
+def server(llm, reference):
+    st = ServerThread(llm.engine, ServeOptions(model_name="demo-moe", **WARMUP))
+    yield st.start()
+    st.stop(abort_inflight=True)
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _post(server, path, body, headers=None):
+    """(status, parsed JSON or SSE events) with the standard library."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    return resp.status, (json.loads(raw) if raw.startswith("{") else raw)
+
+
+def _get(server, path):
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    return resp.status, resp.read().decode()
+
+
+def test_completion_matches_standalone(oai, reference):
+    r = oai.completions.create(model="demo-moe", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    ref = reference["completion"]
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids) and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.object == "text_completion" and r.model == "demo-moe"
+
+
+def test_completion_from_token_ids(oai, reference):
+    ref = reference["completion"]
+    r = oai.completions.create(model="demo-moe", prompt=ref.prompt_token_ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == ref.text
+
+
+def test_completion_stream(oai, reference):
+    chunks = list(oai.completions.create(model="demo-moe", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == reference["completion"].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_chat_matches_standalone(oai, reference):
+    r = oai.chat.completions.create(model="demo-moe", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == reference["chat"].text
+
+
+def test_chat_stream_with_priority_and_logprobs(oai, reference):
+    stream = oai.chat.completions.create(model="demo-moe", messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                         temperature=0, stream=True, logprobs=True, top_logprobs=2,
+                                         extra_body={"priority": "ls"})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reference["chat"].text
+    lps = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert len(lps) == MAX_TOKENS and all(len(lp.top_logprobs) == 2 for lp in lps)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_raw_sse_ends_with_done(server):
+    status, raw = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": True,
+                                                    "temperature": 0})
+    events = [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+
+
+BAD = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": [1, 2, 999]}, "outside the vocabulary"),
+    ({"prompt": "x" * 300}, "context"),
+    ({"prompt": "hi", "priority": "urgent"}, "unknown priority"),
+    ({"prompt": "hi", "n": 2}, "n=1"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body, match", BAD, ids=[m + str(i) for i, (_, m) in enumerate(BAD)])
+def test_invalid_request_is_400(server, body, match):
+    status, err = _post(server, "/v1/completions", body)
+    assert status == 400, err
+    assert err["error"]["type"] == "invalid_request_error" and match in err["error"]["message"]
+    assert err["error"]["code"] == "invalid_argument"
+
+
+def test_other_400s(server, oai):
+    assert _post(server, "/v1/completions", b"{not json")[0] == 400
+    assert _post(server, "/v1/chat/completions", {"messages": []})[0] == 400
+    assert _post(server, "/v1/completions", {"prompt": "hi"}, {"X-Priority": "urgent"})[0] == 400
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model="demo-moe", prompt="hi", max_tokens=-1)
+    # still serving
+    assert oai.completions.create(model="demo-moe", prompt="hi", max_tokens=2).choices[0].finish_reason
+
+
+def test_overload_is_429(server):
+    ae = server.async_engine
+    old = ae.call(lambda e: e.scheduler.max_waiting)
+    ae.call(lambda e: setattr(e.scheduler, "max_waiting", 2))
+    barrier = threading.Barrier(12)
+    hold_engine_loop(ae, 1.0)  # all 12 arrive while the loop is busy: 2 fit in the waiting queue
+
+    def one(i):
+        barrier.wait(10)
+        return _post(server, "/v1/completions", {"prompt": f"req {i}", "max_tokens": 8})
+
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(one, range(12), timeout=120))
+    finally:
+        ae.call(lambda e: setattr(e.scheduler, "max_waiting", old))
+    statuses = [s for s, _ in results]
+    assert statuses.count(429) == 10 and statuses.count(200) == 2, statuses
+    err = next(body for s, body in results if s == 429)["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "overloaded"
+
+
+def test_engine_failure_is_500(server):
+    runner = server.async_engine.engine.runner
+    real_run = runner.run
+
+    def broken(rows):
+        raise RuntimeError("injected failure")
+
+    server.async_engine.call(lambda e: setattr(runner, "run", broken))
+    try:
+        status, err = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+        s_status, events = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": True})
+    finally:
+        server.async_engine.call(lambda e: setattr(runner, "run", real_run))
+    assert status == 500 and err["error"]["code"] == "internal_error" and "injected" in err["error"]["message"]
+    assert s_status == 200 and '"internal_error"' in events and events.rstrip().endswith("data: [DONE]")
+    assert _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+def test_client_disconnect_aborts(server):
+    ae = server.async_engine
+    aborted = ae.call(lambda e: e.scheduler.num_aborted)
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    body = {"prompt": "Tell me a long story", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.read(6) == b"data: "
+    conn.sock.close()  # hang up mid-stream
+    conn.close()
+    assert wait_until(lambda: ae.snapshot()["in_flight"] == 0, timeout=15)
+    assert engine_idle_and_free(ae)
+    assert ae.call(lambda e: e.scheduler.num_aborted) == aborted + 1
+
+
+def test_models_and_health(server, oai):
+    assert [m.id for m in oai.models.list().data] == ["demo-moe"]
+    status, body = _get(server, "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_metrics(server, oai):
+    executor = server.async_engine.engine.runner.executor
+    executor.expert_activation_counts = lambda: [[1, 2, 3], [4, 5, 6]]  # the lead's hook, faked
+    try:
+        oai.completions.create(model="demo-moe", prompt="hi", max_tokens=3, extra_headers={"X-Priority": "ls"})
+        status, text = _get(server, "/metrics")
+    finally:
+        del executor.expert_activation_counts
+    assert status == 200
+    for needle in [
+        'jaxmoe_time_to_first_token_seconds_count{priority="ls"}',
+        'jaxmoe_time_per_output_token_seconds_count{priority="ls"}',
+        'jaxmoe_queue_length{queue="ls_prefill"}', 'jaxmoe_queue_length{queue="be_decode"}',
+        "jaxmoe_running_batch_size", "jaxmoe_kv_block_utilization",
+        'jaxmoe_preemptions_total{kind="keep_kv",priority="be"}',
+        'jaxmoe_preemptions_total{kind="recompute",priority="ls"}',
+        'jaxmoe_expert_activations_total{expert="2",layer="1"} 6.0',
+        'jaxmoe_requests_rejected_total{reason="invalid"}',
+        'jaxmoe_requests_finished_total{finish_reason="length",priority="ls"}',
+    ]:
+        assert needle in text, needle
+
+
+def test_every_block_free_at_the_end(server):
+    ae = server.async_engine
+    assert wait_until(lambda: ae.snapshot()["in_flight"] == 0, timeout=10)
+    assert engine_idle_and_free(ae)
