@@ -1,0 +1,427 @@
+"""A2E / E2A across processes (multi-controller ``jax.distributed``): collectives over one mesh.
+
+``jaxmoe.runtime.transfer`` executes a layer's transfer plan with one ``jax.device_put`` per hop.
+That needs every device addressable from this process. Under ``jax.distributed`` (one process
+per node) the attention and expert sub-meshes live in different processes, and jax 0.10's public
+``device_put`` cannot move data there (docs/multi_host.md lists the exact errors):
+
+  * ``device_put(x, NamedSharding(expert_mesh, P()))`` with x on another process' devices:
+    ``ValueError: device_put's second argument must be a Device or a Sharding which represents
+    addressable devices`` (sending process) / ``NotImplementedError: Cannot reshard an input
+    that is not fully addressable`` (receiving process);
+  * same layout on both sides (P("attn") -> P("expert"), 4 -> 4 devices): ``ValueError: The
+    backend (...) does not support cross-host device transfers. Please set
+    jax_cross_host_transfer_socket_address ...`` (an experimental DCN path that, once
+    configured, only copies between *identically laid out* shardings);
+  * one jit over both sub-meshes: ``ValueError: Received incompatible devices for jitted
+    computation``.
+
+What does work is a collective: every process joins one jitted ``shard_map`` over a 1-D mesh
+``"xfer"`` spanning all the cluster's devices (``sub.devices``, so mesh position == spec device
+index). This module executes *the same* ``TransferPlan`` as ``transfer.py`` inside that program:
+
+  * each device holds a buffer of the m attention row blocks, [m, R, ...] (R rows per block);
+    A2E starts with attention instance i's block at slot i of its first device, E2A with expert
+    instance j's whole partial on its first device (zeros everywhere else);
+  * the plan's hops are packed, in plan order, into *rounds*: sets of hops with distinct
+    sources, distinct destinations and the same number of blocks. One round is one
+    ``jax.lax.ppermute``: each source sends its [k, R, ...] blocks; each destination stores
+    them in its buffer (A2E) or adds them to the sum it received (E2A: a device's value is that
+    sum plus its own partial unless the sum already includes it, as ``transfer._sum`` picks
+    disjoint chunks). The rounds are replayed on the host when the program is built: every
+    expert device must get every block, every attention device every partial exactly once;
+  * A2E returns each expert device's full buffer ([B, ...], replicated on the expert mesh),
+    E2A each attention device's own block ([R, ...], P("attn") on the attention mesh).
+
+So the bytes that cross between devices are exactly the plan's (``TransferPlan.counts``), the
+executor's counters stay valid, and the same code runs in one process (a plain in-process
+ppermute) or many (gloo on CPU, NCCL on GPU, ICI/DCN on TPU). The input and output arrays are
+re-wrapped between the sub-mesh and the global mesh with ``make_array_from_single_device_arrays``
+(no copy). Every process must make the same calls in the same order (multi-controller SPMD): the
+runtime's host logic is deterministic and the sampled tokens reach every process via
+``to_local``.
+
+``to_local(x)`` (also ``fetch``) brings an array of either side to *every* process: replicated
+on its side's mesh, then one ppermute hop from a device of that side to the first device of each
+process that has none. The executor uses it for the logits (the engine samples on every process)
+and for host reads of expert-side counters.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxmoe.mesh import SubMeshes
+from jaxmoe.runtime.transfer import Transfer, TransferCounts, TransferPlan, plan_transfers
+
+XFER = "xfer"  # the global mesh axis: one position per cluster device, in spec device order
+
+
+def spans_processes(sub: SubMeshes) -> bool:
+    """True when the cluster's devices belong to more than one process (``jax.distributed``)."""
+    return len({d.process_index for d in sub.devices}) > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """Hops run together as one ``ppermute``: distinct sources, distinct destinations, k blocks each."""
+
+    hops: tuple[Transfer, ...]
+    k: int
+
+    @property
+    def perm(self) -> tuple[tuple[int, int], ...]:
+        return tuple((t.src, t.dst) for t in self.hops)
+
+
+def schedule_rounds(hops: Sequence[Transfer]) -> list[Round]:
+    """Pack hops (in plan order) into ppermute rounds that are equivalent to running them one by one.
+
+    A hop goes to the earliest round with the same block count, a free source and a free
+    destination that is (a) after the last round delivering to its source (it forwards what it
+    received) and (b) not before the last round in which its destination sends (in a round sends
+    read the buffer before receives are added, so that one may be the same round).
+    """
+    rounds: list[list] = []  # [k, hops, senders, receivers]
+    last_recv: dict[int, int] = defaultdict(lambda: -1)
+    last_send: dict[int, int] = defaultdict(lambda: -1)
+    for t in hops:
+        k = len(t.blocks)
+        lo = max(last_recv[t.src] + 1, last_send[t.dst], 0)
+        for r in range(lo, len(rounds)):
+            rk, _, senders, receivers = rounds[r]
+            if rk == k and t.src not in senders and t.dst not in receivers:
+                break
+        else:
+            rounds.append([k, [], set(), set()])
+            r = len(rounds) - 1
+        rounds[r][1].append(t)
+        rounds[r][2].add(t.src)
+        rounds[r][3].add(t.dst)
+        last_recv[t.dst] = max(last_recv[t.dst], r)
+        last_send[t.src] = max(last_send[t.src], r)
+    return [Round(tuple(h), k) for k, h, _, _ in rounds]
+
+
+class CrossProcessTransfer:
+    """A2E / E2A (and host fetches) between sub-meshes that may live in different processes.
+
+    Drop-in for ``transfer.a2e`` / ``transfer.e2a``: ``a2e(x, plan, sub)`` and
+    ``e2a(y, plan, sub)`` take and return the same arrays with the same shardings (``plan`` may be
+    None: the mesh file's policy picks one). ``counts`` accumulates hops and bytes per direction
+    (TransferCounts, split intra/cross-node like ``TransferPlan.counts``), ``collectives`` the
+    ppermute rounds launched.
+    """
+
+    def __init__(self, sub: SubMeshes):
+        self.sub = sub
+        self.spec = sub.spec
+        self.mesh = Mesh(np.array(sub.devices, dtype=object), (XFER,))
+        self._local = [dev for dev in sub.devices if dev.process_index == jax.process_index()]
+        self._programs: dict = {}
+        self._zeros: dict = {}
+        self.counts = {"a2e": TransferCounts(), "e2a": TransferCounts(), "fetch": TransferCounts()}
+        self.collectives = {"a2e": 0, "e2a": 0, "fetch": 0}
+
+    # ------------------------------------------------------------------ A2E / E2A
+
+    def plan(self, x: jax.Array) -> TransferPlan:
+        """The plan the mesh file's policy picks for activations x [B, ...] (P("attn"))."""
+        return plan_transfers(self.spec, x.nbytes // self.spec.attention.count)
+
+    def a2e(self, x: jax.Array, plan: TransferPlan | None = None, sub: SubMeshes | None = None) -> jax.Array:
+        """[B, ...] P('attn') on the attention mesh -> [B, ...] replicated on the expert mesh."""
+        self._same_cluster(sub)
+        plan = plan or self.plan(x)
+        m = self.spec.attention.count
+        _check(x, self.sub.batch_sharding, plan.bytes_per_instance * m, plan, "a2e input")
+        rows = x.shape[0] // m
+        fn, rounds = self._program("a2e", plan)
+        xg = self._to_global(x, (rows,) + x.shape[1:])
+        out = fn(xg)
+        self._count("a2e", rounds)
+        return self._from_global(out, x.shape, self.sub.replicated_sharding)
+
+    def e2a(self, y: jax.Array, plan: TransferPlan | None = None, sub: SubMeshes | None = None) -> jax.Array:
+        """[n, B, ...] P('expert') partials on the expert mesh -> their sum, [B, ...] P('attn') on the attention mesh."""
+        self._same_cluster(sub)
+        n, m = self.spec.experts.count, self.spec.attention.count
+        if y.ndim < 2 or y.shape[0] != n:
+            raise ValueError(f"e2a input: expected [{n} expert instances, B, ...], got shape {y.shape}")
+        plan = plan or plan_transfers(self.spec, y.nbytes // (n * m))
+        _check(y, self.sub.partials_sharding, n * m * plan.bytes_per_instance, plan, "e2a input")
+        fn, rounds = self._program("e2a", plan)
+        yg = self._to_global(y, (1,) + y.shape[1:])
+        out = fn(yg)
+        self._count("e2a", rounds)
+        return self._from_global(out, y.shape[1:], self.sub.batch_sharding)
+
+    # ------------------------------------------------------------------ fetches
+
+    def to_local(self, x: jax.Array) -> jax.Array:
+        """A full copy of ``x`` (an array on the attention or the expert mesh, any sharding) on a
+        device of *this* process, in every process. All processes must call it together."""
+        if x.ndim == 0:
+            raise ValueError("to_local: expected an array with at least one axis, got a scalar")
+        side = self._side_of(x)
+        mesh = self.sub.attention if side == "attention" else self.sub.experts
+        rep = _replicate(mesh)(x)
+        side_devs = set(mesh.devices.flat)
+        mine = [s.data for s in rep.addressable_shards]
+        hops = self._fetch_hops(side)
+        if hops:
+            fn, rounds = self._program("fetch", (side, hops))
+            out = fn(self._to_global(rep, x.shape, sources=side_devs))
+            self._count("fetch", rounds, nbytes=rep.nbytes)
+            if not mine:  # this process holds no device of that side: take what was sent here
+                dst = {self.sub.devices[t.dst] for t in hops}
+                mine = [s.data for s in out.addressable_shards if s.device in dst]
+        return mine[0]
+
+    def fetch(self, x: jax.Array) -> np.ndarray:
+        """``np.asarray`` of an attention- or expert-side array, on every process."""
+        return np.asarray(self.to_local(x))
+
+    # ------------------------------------------------------------------ programs
+
+    def _program(self, kind: str, key):
+        if (kind, key) not in self._programs:
+            builder = {"a2e": self._build_a2e, "e2a": self._build_e2a, "fetch": self._build_fetch}[kind]
+            self._programs[kind, key] = builder(key)
+        return self._programs[kind, key]
+
+    def _build_a2e(self, plan: TransferPlan):
+        spec = self.spec
+        m = spec.attention.count
+        own = np.full(spec.num_devices, -1, np.int32)  # block a device starts with (attention instance leads)
+        for i, inst in enumerate(spec.attention.devices):
+            own[inst[0]] = i
+        rounds = schedule_rounds(plan.a2e)
+        _replay_a2e(spec, own, rounds)
+
+        def body(local):  # local [R, ...]: this device's rows block (or zeros)
+            me = jax.lax.axis_index(XFER)
+            o = jnp.asarray(own)[me]
+            slot = (jnp.arange(m) == o).reshape((m,) + (1,) * local.ndim)
+            buf = jnp.where(slot, local[None], jnp.zeros_like(local)[None])
+            buf = _run_a2e_rounds(buf, rounds, spec.num_devices, me)
+            return buf.reshape((m * local.shape[0],) + local.shape[1:])
+
+        return self._jit(body), rounds
+
+    def _build_e2a(self, plan: TransferPlan):
+        spec = self.spec
+        m = spec.attention.count
+        source = np.zeros(spec.num_devices, bool)  # first device of each expert instance
+        for inst in spec.experts.devices:
+            source[inst[0]] = True
+        block = np.zeros(spec.num_devices, np.int32)  # the rows block an attention device returns
+        for i, inst in enumerate(spec.attention.devices):
+            block[list(inst)] = i
+        rounds = schedule_rounds(plan.e2a)
+        include = _replay_e2a(spec, rounds)
+
+        def body(local):  # local [1, B, ...]: this device's partial (or zeros)
+            me = jax.lax.axis_index(XFER)
+            part = local[0]
+            own = jnp.where(jnp.asarray(source)[me], part, jnp.zeros_like(part))
+            own = own.reshape((m, part.shape[0] // m) + part.shape[1:])
+            buf = _run_e2a_rounds(own, rounds, include, spec.num_devices, me)
+            return jax.lax.dynamic_index_in_dim(buf, jnp.asarray(block)[me], 0, keepdims=False)
+
+        return self._jit(body), rounds
+
+    def _build_fetch(self, key):
+        _, hops = key
+        rounds = schedule_rounds(hops)
+
+        def body(local):  # local [B, ...]: a full copy on that side's devices, zeros elsewhere
+            out = local
+            for r in rounds:
+                out = out + jax.lax.ppermute(local, XFER, r.perm)
+            return out
+
+        return self._jit(body), rounds
+
+    def _fetch_hops(self, side: str) -> tuple[Transfer, ...]:
+        """One hop per process holding no device of ``side``: from a device of that side (round
+        robin) to the process's first device."""
+        spec = self.spec
+        flat = spec.attention.flat if side == "attention" else spec.experts.flat
+        have = {self.sub.devices[d].process_index for d in flat}
+        first: dict[int, int] = {}
+        for d, dev in enumerate(self.sub.devices):
+            first.setdefault(dev.process_index, d)
+        hops = []
+        for k, (_, dst) in enumerate(sorted((p, d) for p, d in first.items() if p not in have)):
+            src = flat[k % len(flat)]
+            hops.append(Transfer(src, dst, (), 0, 1, "fetch", spec.node_of(src) != spec.node_of(dst)))
+        return tuple(hops)
+
+    def _jit(self, body):
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=P(XFER), out_specs=P(XFER), check_vma=False)
+        return jax.jit(mapped)
+
+    # ------------------------------------------------------------------ sub-mesh <-> global mesh
+
+    def _to_global(self, x: jax.Array, shard_shape: tuple[int, ...], sources=None) -> jax.Array:
+        """x's per-device shards as one array [D * shard_shape[0], ...] P('xfer') on the global
+        mesh (zero-copy); devices without a shard of x (or not in ``sources``) contribute zeros."""
+        held = {s.device: s.data for s in x.addressable_shards}
+        arrays = []
+        for dev in self._local:
+            data = held.get(dev) if sources is None or dev in sources else None
+            if data is None or data.shape != shard_shape:
+                data = self._zero(dev, shard_shape, x.dtype)
+            arrays.append(data)
+        shape = (len(self.sub.devices) * shard_shape[0],) + tuple(shard_shape[1:])
+        return jax.make_array_from_single_device_arrays(shape, NamedSharding(self.mesh, P(XFER)), arrays,
+                                                        dtype=x.dtype)
+
+    def _from_global(self, out: jax.Array, shape, sharding: NamedSharding) -> jax.Array:
+        """The shards of a global-mesh result that belong to ``sharding``'s devices, as one array."""
+        held = {s.device: s.data for s in out.addressable_shards}
+        arrays = [held[dev] for dev in sharding.mesh.devices.flat if dev in held]
+        return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays, dtype=out.dtype)
+
+    def _zero(self, dev, shape, dtype) -> jax.Array:
+        key = (dev, tuple(shape), jnp.dtype(dtype))
+        if key not in self._zeros:
+            self._zeros[key] = jax.device_put(np.zeros(shape, dtype), dev)
+        return self._zeros[key]
+
+    def _side_of(self, x: jax.Array) -> str:
+        devs = set(x.sharding.device_set)
+        if devs <= set(self.sub.attention.devices.flat):
+            return "attention"
+        if devs <= set(self.sub.experts.devices.flat):
+            return "experts"
+        raise ValueError(f"to_local: expected an array on the attention or the expert mesh, got devices "
+                         f"{sorted(d.id for d in devs)}")
+
+    def _same_cluster(self, sub: SubMeshes | None) -> None:
+        if sub is not None and sub is not self.sub and sub.spec != self.spec:
+            raise ValueError(f"this transfer was built for {self.spec.source}, not {sub.spec.source}")
+
+    def _count(self, kind: str, rounds: list[Round], nbytes: int | None = None) -> None:
+        hops = [t for r in rounds for t in r.hops]
+        if nbytes is not None:  # a fetch hop carries the whole array, sized at run time
+            hops = [dataclasses.replace(t, nbytes=nbytes) for t in hops]
+        self.counts[kind] = self.counts[kind] + TransferCounts.of(hops)
+        self.collectives[kind] += len(rounds)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _tables(r: Round, num_devices: int):
+    send = np.zeros((num_devices, r.k), np.int32)
+    recv = np.zeros((num_devices, r.k), np.int32)
+    receives = np.zeros(num_devices, bool)
+    for t in r.hops:
+        send[t.src] = t.blocks
+        recv[t.dst] = t.blocks
+        receives[t.dst] = True
+    return send, recv, receives
+
+
+def _run_a2e_rounds(buf: jax.Array, rounds: list[Round], num_devices: int, me) -> jax.Array:
+    """Inside the shard_map: every round, senders send buf[blocks], receivers store them (a block
+    that arrives again carries the same rows)."""
+    for r in rounds:
+        send, recv, receives = _tables(r, num_devices)
+        got = jax.lax.ppermute(jnp.take(buf, jnp.asarray(send)[me], axis=0), XFER, r.perm)
+        buf = jnp.where(jnp.asarray(receives)[me], buf.at[jnp.asarray(recv)[me]].set(got), buf)
+    return buf
+
+
+def _run_e2a_rounds(own: jax.Array, rounds: list[Round], include: list[np.ndarray], num_devices: int, me):
+    """Inside the shard_map: a device's value for block b is acc[b] (the sum of the partial sums it
+    received, pairwise disjoint) plus its own partial where ``include[round][device, b]`` (its own
+    partial is not already inside what it received). Senders send their value's blocks, receivers
+    add them to acc. Returns the value after the last round."""
+    acc = jnp.zeros_like(own)
+
+    def value(inc):
+        return acc + jnp.where(jnp.asarray(inc)[me].reshape((-1,) + (1,) * (own.ndim - 1)), own, 0)
+
+    for r, inc in zip(rounds, include):
+        send, recv, _ = _tables(r, num_devices)
+        got = jax.lax.ppermute(jnp.take(value(inc), jnp.asarray(send)[me], axis=0), XFER, r.perm)
+        acc = acc.at[jnp.asarray(recv)[me]].add(got)  # zeros on devices that receive nothing
+    return value(include[-1])  # include has one table per round plus one for the end
+
+
+def _replay_a2e(spec, own: np.ndarray, rounds: list[Round]) -> None:
+    """Host check: every hop sends blocks its source holds; every expert device ends with all blocks."""
+    held = {d: ({int(own[d])} if own[d] >= 0 else set()) for d in range(spec.num_devices)}
+    for r in rounds:
+        before = {d: set(v) for d, v in held.items()}
+        for t in r.hops:
+            if not set(t.blocks) <= before[t.src]:
+                raise RuntimeError(f"cross-process a2e schedule bug at hop {t}: its source lacks blocks")
+            held[t.dst] |= set(t.blocks)
+    everything = set(range(spec.attention.count))
+    for d in spec.experts.flat:
+        if held[d] != everything:
+            raise RuntimeError(f"cross-process a2e schedule bug: expert device {d} gets blocks {sorted(held[d])}")
+
+
+def _replay_e2a(spec, rounds: list[Round]) -> list[np.ndarray]:
+    """Host replay of E2A as ``transfer._sum`` does it: a device's value for a block is the
+    disjoint union of the partial sums it received plus its own partial unless one of those
+    already includes it (monolithic layouts: an expert device that is also an attention device
+    gets its own partial back inside its node's sum). Returns ``include`` tables [devices, m]:
+    one per round (at its start) and one for the end; raises unless received sums are pairwise
+    disjoint and every attention device ends with each expert instance's partial exactly once."""
+    m, n, D = spec.attention.count, spec.experts.count, spec.num_devices
+    own = {d: frozenset() for d in range(D)}
+    for j, inst in enumerate(spec.experts.devices):
+        own[inst[0]] = frozenset({j})
+    acc = {d: [frozenset() for _ in range(m)] for d in range(D)}
+
+    def snapshot():
+        inc = np.array([[not (own[d] & acc[d][b]) for b in range(m)] for d in range(D)], bool)
+        val = {d: [acc[d][b] | (own[d] if inc[d, b] else frozenset()) for b in range(m)] for d in range(D)}
+        return inc, val
+
+    include = []
+    for r in rounds:
+        inc, val = snapshot()
+        include.append(inc)
+        for t in r.hops:
+            for b in t.blocks:
+                if acc[t.dst][b] & val[t.src][b]:
+                    raise RuntimeError(f"cross-process e2a schedule bug at hop {t}: partials "
+                                       f"{sorted(acc[t.dst][b] & val[t.src][b])} would arrive twice")
+                acc[t.dst][b] = acc[t.dst][b] | val[t.src][b]
+    inc, val = snapshot()
+    include.append(inc)
+    for i, inst in enumerate(spec.attention.devices):
+        for d in inst:
+            if val[d][i] != frozenset(range(n)):
+                raise RuntimeError(f"cross-process e2a schedule bug: attention device {d} gets partials "
+                                   f"{sorted(val[d][i])} of {n}")
+    return include
+
+
+_REPLICATE: dict = {}
+
+
+def _replicate(mesh: Mesh):
+    if mesh not in _REPLICATE:
+        _REPLICATE[mesh] = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))
+    return _REPLICATE[mesh]
+
+
+def _check(x: jax.Array, sharding, nbytes: int, plan: TransferPlan, what: str) -> None:
+    if not x.sharding.is_equivalent_to(sharding, x.ndim):
+        raise ValueError(f"{what}: expected sharding {sharding}, got {x.sharding}")
+    if x.nbytes != nbytes:
+        raise ValueError(f"{what}: the plan was made for {plan.bytes_per_instance} bytes per attention instance "
+                         f"({nbytes} bytes here) but the array has {x.nbytes}; make one plan per batch shape")
