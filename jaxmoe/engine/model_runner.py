@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jaxmoe.engine.sampler import MAX_LOGPROBS, SamplingParams, sample
@@ -70,9 +71,18 @@ class ModelRunner:
         return logits
 
     def run(self, rows: list[Row]) -> list[Sampled | None]:
-        """One step: forward every row, sample a token for rows that have sampling params."""
-        logits = self.forward(rows)
-        B = logits.shape[0]
+        """One step: forward every row, sample a token for rows that have sampling params.
+
+        With an executor that has ``forward_sample`` (the monolithic one) the forward pass and the
+        sampler run as one jitted program and only the sampled tokens come back to the host.
+        """
+        fused = getattr(self.executor, "forward_sample", None)
+        if fused is not None:
+            tokens_in, batch, last = self.prepare(rows)
+            B = tokens_in.shape[0]
+        else:
+            logits = self.forward(rows)
+            B = logits.shape[0]
         temperature = np.zeros(B, np.float32)
         top_k = np.zeros(B, np.int32)
         top_p = np.ones(B, np.float32)
@@ -87,8 +97,12 @@ class ModelRunner:
             seeds[i], steps[i] = r.seed % (1 << 32), r.step
             if s.logprobs is not None:
                 want_logprobs = MAX_LOGPROBS
-        tokens, chosen, top_ids, top_lp = (np.asarray(a) for a in sample(
-            logits, temperature, top_k, top_p, seeds, steps, num_logprobs=want_logprobs))
+        sampling = (temperature, top_k, top_p, seeds, steps)
+        if fused is not None:
+            result = fused(tokens_in, batch, last, *sampling, num_logprobs=want_logprobs)
+        else:
+            result = sample(logits, *sampling, num_logprobs=want_logprobs)
+        tokens, chosen, top_ids, top_lp = jax.device_get(result)  # one host transfer for all four
         out: list[Sampled | None] = []
         for i, r in enumerate(rows):
             if r.sampling is None:

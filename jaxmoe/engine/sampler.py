@@ -68,11 +68,19 @@ def _filter(logits: jnp.ndarray, top_k: jnp.ndarray, top_p: jnp.ndarray) -> jnp.
 def sample(logits, temperature, top_k, top_p, seeds, steps, num_logprobs: int = 0):
     """Returns (tokens [B], logprob of token [B], top ids [B, n], top logprobs [B, n])."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = _filter(logits / jnp.maximum(temperature, 1e-6)[:, None], top_k, top_p)
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(seeds, steps)
-    sampled = jax.vmap(jax.random.categorical)(keys, scaled)
-    tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def random_tokens(logits):
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        # The top-k / top-p filter sorts the vocabulary of every row (slow on CPU): only when asked.
+        scaled = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), lambda l: _filter(l, top_k, top_p),
+                              lambda l: l, scaled)
+        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(seeds, steps)
+        sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jnp.where(temperature > 0, sampled, greedy)
+
+    # An all-greedy batch (the common serving case) skips the sort and the random draws entirely.
+    tokens = jax.lax.cond(jnp.any(temperature > 0), random_tokens, lambda _: greedy, logits)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs) if num_logprobs else (
