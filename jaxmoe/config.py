@@ -251,12 +251,15 @@ def _qwen_num_experts(hf: dict[str, Any]) -> int:
     raise UnsupportedModelError("config.json has no expert count (num_experts / num_local_experts)")
 
 
-def _qwen2_moe(hf: dict[str, Any]) -> ModelConfig:
-    attn = _gqa(hf, qkv_bias=bool(hf.get("qkv_bias", True)), qk_norm=False)
+def _qwen_moe(hf: dict[str, Any], family: str) -> ModelConfig:
+    """Qwen2-MoE (q/k/v bias, sigmoid-gated shared expert) and Qwen3-MoE (q/k RMSNorm, no shared)."""
+    qwen2 = family == "qwen2_moe"
+    attn = _gqa(hf, qkv_bias=bool(hf.get("qkv_bias", True)) if qwen2 else bool(hf.get("attention_bias", False)),
+                qk_norm=not qwen2)
     num_experts = _qwen_num_experts(hf)
-    shared = int(hf.get("shared_expert_intermediate_size", 0) or 0)
+    shared = int(hf.get("shared_expert_intermediate_size", 0) or 0) if qwen2 else 0
     return ModelConfig(
-        **_common(hf, "qwen2_moe"),
+        **_common(hf, family),
         attn=attn,
         rope=_rope(hf, attn.head_dim),
         moe=MoEConfig(
@@ -266,24 +269,6 @@ def _qwen2_moe(hf: dict[str, Any]) -> ModelConfig:
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             shared_intermediate_size=shared,
             shared_gate=shared > 0,
-        ),
-        dense_intermediate_size=int(hf["intermediate_size"]),
-        moe_layers=_qwen_moe_layers(hf, num_experts),
-    )
-
-
-def _qwen3_moe(hf: dict[str, Any]) -> ModelConfig:
-    attn = _gqa(hf, qkv_bias=bool(hf.get("attention_bias", False)), qk_norm=True)
-    num_experts = _qwen_num_experts(hf)
-    return ModelConfig(
-        **_common(hf, "qwen3_moe"),
-        attn=attn,
-        rope=_rope(hf, attn.head_dim),
-        moe=MoEConfig(
-            num_experts=num_experts,
-            top_k=int(hf["num_experts_per_tok"]),
-            intermediate_size=int(hf["moe_intermediate_size"]),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         ),
         dense_intermediate_size=int(hf["intermediate_size"]),
         moe_layers=_qwen_moe_layers(hf, num_experts),
@@ -343,8 +328,8 @@ def _deepseek(hf: dict[str, Any], family: str) -> ModelConfig:
 
 _BUILDERS = {
     "mixtral": _mixtral,
-    "qwen2_moe": _qwen2_moe,
-    "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": lambda hf: _qwen_moe(hf, "qwen2_moe"),
+    "qwen3_moe": lambda hf: _qwen_moe(hf, "qwen3_moe"),
     "deepseek_v2": lambda hf: _deepseek(hf, "deepseek_v2"),
     "deepseek_v3": lambda hf: _deepseek(hf, "deepseek_v3"),
 }

@@ -54,11 +54,19 @@ class LLM:
     """Offline generation over a batch of prompts, with continuous batching underneath."""
 
     def __init__(self, model: str | Path = "demo", *, dtype=None, mesh=None, executor_kwargs: dict | None = None,
-                 **engine_kwargs):
+                 rebalance_every: int = 0, **engine_kwargs):
+        """``rebalance_every``: with a mesh, re-place the expert replicas from recent activations
+        every that many steps (``runtime.controller.PlacementController``, JANUS Algorithm 2)."""
         self.cfg, params, self.tokenizer = load_model(model, dtype)
         self.engine_config = EngineConfig(**engine_kwargs)
         self.executor = build_executor(self.cfg, params, self.engine_config, mesh, executor_kwargs)
         self.engine = LLMEngine(self.cfg, self.executor, self.tokenizer, self.engine_config)
+        self.controller = None
+        if rebalance_every:
+            from jaxmoe.runtime.controller import PlacementController
+
+            self.controller = PlacementController(self.executor, every_steps=rebalance_every)
+            self.engine.step_hooks.append(self.controller)
 
     @property
     def params(self) -> dict:

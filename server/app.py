@@ -37,11 +37,19 @@ class ServeOptions:
     grpc_workers: int = 64
 
 
-def load_engine(model: str, engine_config: EngineConfig, mesh: str | None = None, dtype=None) -> LLMEngine:
+def load_engine(model: str, engine_config: EngineConfig, mesh: str | None = None, dtype=None,
+                rebalance_every: int = 0) -> LLMEngine:
+    """The engine ``jaxmoe serve`` runs; ``rebalance_every`` > 0 attaches the expert placement
+    controller (a mesh file is needed)."""
     from jaxmoe.llm import build_executor, load_model
 
     cfg, params, tokenizer = load_model(model, dtype)
-    return LLMEngine(cfg, build_executor(cfg, params, engine_config, mesh), tokenizer, engine_config)
+    engine = LLMEngine(cfg, build_executor(cfg, params, engine_config, mesh), tokenizer, engine_config)
+    if rebalance_every:
+        from jaxmoe.runtime.controller import PlacementController
+
+        engine.step_hooks.append(PlacementController(engine.runner.executor, every_steps=rebalance_every))
+    return engine
 
 
 def model_info(engine: LLMEngine, opts: ServeOptions) -> pb.ModelInfoResponse:

@@ -31,6 +31,8 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--rebalance-every", type=int, default=0,
+                       help="with --mesh: re-place expert replicas from recent activations every N steps")
     serve.add_argument("--no-warmup", action="store_true", help="skip compiling before serving")
     serve.add_argument("--warmup-batch-sizes", default="1,2,4,8")
     serve.add_argument("--warmup-prompt-lens", default="16,64")
@@ -72,7 +74,7 @@ def cmd_serve(args) -> int:
         from jaxmoe.mesh import load_mesh
 
         mesh_description = load_mesh(args.mesh).describe()
-    engine = load_engine(args.model, config, args.mesh, args.dtype)
+    engine = load_engine(args.model, config, args.mesh, args.dtype, args.rebalance_every)
     opts = ServeOptions(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                         model_name=args.served_model_name or str(args.model), mesh_description=mesh_description,
                         warmup=not args.no_warmup, warmup_batch_sizes=_ints(args.warmup_batch_sizes),

@@ -8,9 +8,12 @@ then a server / ``AsyncEngine`` wraps that same engine. The small KV geometry (6
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
+
+import jax
 
 TEST_ENGINE_KWARGS = dict(block_size=64, num_blocks=32, max_num_seqs=8, max_model_len=256, max_waiting=64)
 WARMUP = dict(warmup_batch_sizes=(1, 2, 4, 8), warmup_prompt_lens=(16, 32))
@@ -48,3 +51,29 @@ def hold_engine_loop(async_engine, seconds: float) -> threading.Thread:
     t.start()
     time.sleep(0.05)  # let the call reach the loop first
     return t
+
+
+def crashing_run(runner, message: str = "injected device failure"):
+    """A stand-in for ``runner.run`` that fails like a crashed device program which had the KV
+    cache donated to it: it deletes the cache arrays, then raises RuntimeError(message).
+    ``.calls`` counts its calls."""
+    def run(rows):
+        run.calls += 1
+        for leaf in jax.tree.leaves(runner.executor.cache):
+            leaf.delete()
+        raise RuntimeError(message)
+
+    run.calls = 0
+    return run
+
+
+@contextlib.contextmanager
+def failing_steps(async_engine, message: str = "injected device failure"):
+    """While inside, every model run of the engine is a ``crashing_run`` (yielded)."""
+    runner = async_engine.engine.runner
+    real_run, broken = runner.run, crashing_run(runner, message)
+    async_engine.call(lambda e: setattr(runner, "run", broken))
+    try:
+        yield broken
+    finally:
+        async_engine.call(lambda e: setattr(runner, "run", real_run))

@@ -3,8 +3,9 @@
 Every process runs this same script (multi-controller SPMD): it joins ``jax.distributed`` on
 127.0.0.1, builds ``LLM("demo", mesh=MESH)`` over the global devices (node n == process n; with
 meshes/cpu-8-4a4e.yaml and 4 CPU devices per process, attention on process 0 and experts on
-process 1), routes A2E / E2A through ``jaxmoe.runtime.cross_process.CrossProcessTransfer``,
-greedy-generates for the prompts and writes the tokens (and transfer counters) as JSON.
+process 1; the executor picks ``cross_process.CrossProcessTransfer`` itself), generates for the
+prompts (greedy; sampled, seeded and unseeded; greedy again after moving expert replicas) and
+writes the tokens, expert activation counts and transfer counters as JSON.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
       python tests/multiprocess_worker.py --process-id 0 --num-processes 2 --port 23456 --out out0.json &
@@ -23,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The mixture of experts", "Hello, world"]
 ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=4)
+SAMPLE_SEED = 1234
 
 
 def main(argv=None) -> int:
@@ -56,34 +58,43 @@ def main(argv=None) -> int:
                                process_id=args.process_id, initialization_timeout=120)
 
     from jaxmoe import LLM, SamplingParams
-    from jaxmoe.runtime.cross_process import CrossProcessTransfer
 
     if args.probe:
         Path(args.out).write_text(json.dumps(probe(jax, args.mesh), indent=1))
         jax.distributed.shutdown()
         return 0
-    _dtype_for_remote_callbacks(jax)
-    made: list = []
-
-    def make_transfer(sub):
-        made.append(CrossProcessTransfer(sub))
-        return made[-1]
-
-    llm = LLM(args.model, dtype="float32", mesh=args.mesh, **ENGINE, **executor_kwargs(make_transfer))
-    transfer, wiring = attach(llm.executor, made[0] if made else None, CrossProcessTransfer)
+    llm = LLM(args.model, dtype="float32", mesh=args.mesh, **ENGINE)
+    ex = llm.executor
     t_built = time.perf_counter()
-    outs = llm.generate(json.loads(args.prompts), SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+    prompts = json.loads(args.prompts)
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
     t_done = time.perf_counter()
+    counts = ex.expert_activation_counts()  # collectives: every process reads them
+    activated = ex.activated_per_instance()
+    # temperature > 0: the first request seeded, the others not (the engine draws their seeds)
+    sampled = llm.generate(prompts, [SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True,
+                                                    seed=SAMPLE_SEED if i == 0 else None)
+                                     for i in range(len(prompts))])
+    # move replicas (expert side inside process 1), then greedy again
+    S, C = len(ex.placement()), ex.slots_per_instance
+    moved = ex.set_placement([ex.placement()[(s + C) % S] for s in range(S)])
+    relaid = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
 
-    sub = llm.executor.sub
+    sub, transfer = ex.sub, ex.transfer
     result = {
         "process_id": jax.process_index(),
         "process_count": jax.process_count(),
-        "wiring": wiring,
-        "tokens": [list(o.token_ids) for o in outs],
+        "transfer": type(transfer).__name__,
+        "tokens": [list(o.token_ids) for o in greedy],
+        "routed_tokens": sum(len(o.prompt_token_ids) + len(o.token_ids) - 1 for o in greedy),
+        "expert_activation_counts": counts,
+        "activated_per_instance": {str(k): v for k, v in activated.items()},
+        "sampled_tokens": [list(o.token_ids) for o in sampled],
+        "moved": moved,
+        "relaid_tokens": [list(o.token_ids) for o in relaid],
         "attention_devices": sorted({d.process_index for d in sub.attention.devices.flat}),
         "expert_devices": sorted({d.process_index for d in sub.experts.devices.flat}),
-        "transfer_stats": {str(k): v for k, v in llm.executor.transfer_stats().items()},
+        "transfer_stats": {str(k): v for k, v in ex.transfer_stats().items()},
         "cross_process": {k: dataclasses.asdict(v) for k, v in transfer.counts.items()},
         "collectives": dict(transfer.collectives),
         "seconds": {"build": t_built - t0, "generate": t_done - t_built},
@@ -134,75 +145,6 @@ def probe(jax, mesh_file: str) -> dict:
     out["fetch_ok"] = bool(np.array_equal(xp.fetch(xe), x_host))
     out["x_host"] = x_host.tolist()
     return out
-
-
-def executor_kwargs(make_transfer) -> dict:
-    """``LLM`` keyword arguments that hand the executor the cross-process transfer, when
-    ``DisaggregatedExecutor`` takes a ``transfer`` (a factory called with its SubMeshes)."""
-    import inspect
-
-    from jaxmoe.llm import LLM
-    from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
-
-    if ("transfer" in inspect.signature(DisaggregatedExecutor).parameters
-            and "executor_kwargs" in inspect.signature(LLM).parameters):
-        return {"executor_kwargs": {"transfer": make_transfer}}
-    return {}
-
-
-def attach(executor, transfer, transfer_cls):
-    """Complete the wiring the executor does not do itself; returns (transfer, how).
-
-    * A2E / E2A: through ``DisaggregatedExecutor(transfer=...)`` when it has that hook
-      (``transfer`` is then the instance it made); otherwise the module-level functions that
-      ``forward`` calls are swapped for the transfer's.
-    * Logits: the engine samples on every process, so ``forward`` must return an array this
-      process can read. Unless ``forward`` already calls ``to_local`` (decided from its source,
-      so that every process decides the same way: ``to_local`` is a collective), it is wrapped.
-    """
-    import inspect
-
-    import jaxmoe.runtime.disaggregated as disaggregated
-
-    how = []
-    if transfer is None:
-        transfer = transfer_cls(executor.sub)
-        disaggregated.a2e_transfer = transfer.a2e
-        disaggregated.e2a_transfer = transfer.e2a
-        how.append("a2e/e2a: patched module functions")
-    else:
-        how.append("a2e/e2a: DisaggregatedExecutor(transfer=...)")
-    if "to_local" in inspect.getsource(type(executor).forward):
-        how.append("logits: executor")
-    else:
-        forward = executor.forward
-
-        def local_forward(*args, **kwargs):
-            return transfer.to_local(forward(*args, **kwargs))
-
-        executor.forward = local_forward
-        how.append("logits: forward wrapped with to_local")
-    return transfer, "; ".join(how)
-
-
-def _dtype_for_remote_callbacks(jax) -> None:
-    """Stopgap: ``expert_program.place_layer`` calls ``jax.make_array_from_callback`` without
-    ``dtype``, which raises ``ValueError: If the Array has no addressable shards, `dtype` must be
-    provided`` on a process holding no expert device. Until it passes ``dtype=host.dtype``, a
-    call without dtype on such a sharding gets it from the callback's first shard (computed on
-    the host, never placed). A no-op when dtype is given."""
-    make = jax.make_array_from_callback
-    if getattr(make, "_jaxmoe_shim", False):
-        return
-
-    def make_array_from_callback(shape, sharding, data_callback, dtype=None, **kw):
-        if dtype is None and not sharding.addressable_devices:
-            index = next(iter(sharding.devices_indices_map(tuple(shape)).values()))
-            dtype = getattr(data_callback(index), "dtype", None)
-        return make(shape, sharding, data_callback, dtype=dtype, **kw)
-
-    make_array_from_callback._jaxmoe_shim = True
-    jax.make_array_from_callback = make_array_from_callback
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ import threading
 import pytest
 
 from jaxmoe.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from jaxmoe.engine.engine import StepFailedError
 from jaxmoe.engine.sampler import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
-from server.testing import engine_idle_and_free, shared_demo_llm, wait_until
+from server.testing import engine_idle_and_free, crashing_run, failing_steps, shared_demo_llm, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,24 +117,42 @@ def test_abort_mid_stream_frees_blocks(aengine):
 
 
 def test_step_exception_fails_the_request_not_the_loop(aengine, reference):
-    runner = aengine.engine.runner
-    calls = {"n": 0}
-    real_run = runner.run
-
-    def broken_run(rows):
-        calls["n"] += 1
-        raise RuntimeError("injected device failure")
-
-    aengine.call(lambda e: setattr(runner, "run", broken_run))
-    try:
+    with failing_steps(aengine) as calls:
         stream = aengine.add("doomed", GREEDY)
         with pytest.raises(EngineStepError, match="injected device failure"):
             list(stream)
-    finally:
-        aengine.call(lambda e: setattr(runner, "run", real_run))
-    assert calls["n"] >= 1 and aengine.running and aengine.step_errors >= 1
+    assert calls.calls >= 1 and aengine.running and aengine.step_errors >= 1
     assert engine_idle_and_free(aengine)
+    # the failed program deleted the KV cache: the engine allocated a new one
     assert _drain(aengine.add(PROMPTS[0], GREEDY))[-1].token_ids == reference[PROMPTS[0]]
+
+
+def test_lost_cache_is_recomputed_for_requests_outside_the_failed_step(aengine, reference):
+    """A BE request with KV, preempted (keep-KV) by an LS request whose step fails and deletes
+    the cache, recomputes its KV and still produces the standalone tokens."""
+    def scenario(engine):
+        be = engine.add_request(PROMPTS[1], GREEDY, "be")
+        engine.step(), engine.step()  # prefill + one decode: be holds KV
+        old = engine.scheduler.max_num_seqs
+        engine.scheduler.max_num_seqs = 1  # the LS request alone next step: be is keep-KV preempted
+        ls = engine.add_request("urgent", GREEDY, "ls")
+        real_run = engine.runner.run
+        engine.runner.run = failing_run = crashing_run(engine.runner)
+        try:
+            with pytest.raises(StepFailedError) as err:
+                engine.step()
+        finally:
+            engine.runner.run, engine.scheduler.max_num_seqs = real_run, old
+        assert err.value.request_ids == [ls] and failing_run.calls == 1
+        seq = engine.scheduler.get(be)
+        recomputing = seq.num_computed == 0 and not seq.block_table and seq.num_output_tokens == 2
+        engine.abort(ls)
+        return be, recomputing, engine.run_until_done(timeout=60)
+
+    be, recomputing, final = aengine.call(scenario)
+    assert recomputing
+    assert final[be].token_ids == reference[PROMPTS[1]]
+    assert engine_idle_and_free(aengine)
 
 
 def test_shutdown_aborts_inflight(llm):

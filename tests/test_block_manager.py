@@ -77,3 +77,36 @@ def test_invalid_sizes():
         BlockManager(0, 16)
     with pytest.raises(ValueError):
         BlockManager(4, 0)
+
+
+# -- partitions (block-to-instance affinity) ------------------------------------
+
+def test_partitions_pick_most_free_and_keep_a_sequence_in_one():
+    bm = BlockManager(num_blocks=8, block_size=2, num_partitions=2)   # blocks 0-3 | 4-7
+    a, b, c = seq("a"), seq("b"), seq("c")
+    assert bm.blocks_per_partition == 4 and bm.max_seq_tokens == 8 and bm.capacity_tokens == 16
+    assert bm.partition_of(a) is None
+    assert bm.allocate(a, 3) == [0, 1]          # tie: lowest partition
+    assert bm.allocate(b, 2) == [4]             # partition 1 has more free blocks
+    assert bm.allocate(c, 2) == [5]             # 2 free in p0, 3 in p1
+    assert bm.allocate(a, 8) == [2, 3]          # a grows in its own partition only
+    assert [bm.partition_of(s) for s in (a, b, c)] == [0, 1, 1]
+    assert bm.num_free == 2 and bm.utilization() == pytest.approx(6 / 8)
+    assert not bm.can_allocate(10, a) and bm.num_free_for(a) == 0
+    with pytest.raises(MemoryError):
+        bm.allocate(a, 10)                      # p0 is full although p1 has 2 free blocks
+    assert bm.can_allocate(6, b) and not bm.can_allocate(7, b)  # b: 1 block + 2 free
+    assert bm.can_allocate(4) and not bm.can_allocate(5)        # a new one: the best partition
+    assert bm.free(a) == 4 and bm.num_free_for(a) == 4          # a holds nothing: best partition
+    assert bm.allocate(a, 2) == [0]             # p0 (4 free) again, blocks back in their own list
+    assert bm.partition_of(a) == 0 and bm.free(b) == 1 and bm.free(c) == 1
+    assert bm.allocate(b, 8) == [6, 7, 4, 5]    # FIFO within p1: freed blocks at the end
+    assert bm.free(a) + bm.free(b) == 5 and bm.num_free == 8
+
+
+def test_partitions_must_divide_blocks():
+    with pytest.raises(ValueError):
+        BlockManager(6, 4, num_partitions=4)
+    with pytest.raises(ValueError):
+        BlockManager(6, 4, num_partitions=0)
+    assert BlockManager(6, 4, num_partitions=3).max_seq_tokens == 8

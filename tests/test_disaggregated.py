@@ -14,7 +14,9 @@ from jaxmoe import LLM, SamplingParams
 from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.llm import load_model
 from jaxmoe.mesh import load_mesh
+from jaxmoe.models.router import route
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
+from jaxmoe.runtime.placement import coactivation
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 from jaxmoe.runtime.transfer import plan_transfers
 
@@ -197,17 +199,33 @@ def test_transfer_counts_per_layer(llms):
         assert s["a2e"]["cross"] - stats[i]["a2e"]["cross"] == plan.counts("a2e").cross
 
 
-def test_expert_activation_counts(llms):
+def test_expert_activation_counts_and_coactivation(llms):
+    """The expert program's counters equal the routing of the activations A2E delivered
+    (computed again on the host with the same router), padding excluded."""
     dis = llms("qwen3_moe", "meshes/cpu-8.yaml")
     ex = dis.executor
-    before = ex.expert_activation_counts()
+    before, coact_before = ex.expert_activation_counts(), ex.expert_coactivation()
+    sent = {}
+    ex.observer = lambda phase, layer, out: sent.__setitem__(layer, np.asarray(out)) if phase == "a2e" else None
     rows = [Row(p, 0, t) for p, t in zip(PROMPTS, TABLES)]
-    dis.engine.runner.forward(rows)
-    after = ex.expert_activation_counts()
+    tokens, batch, last, _ = dis.engine.runner.prepare(rows)
+    try:
+        ex.forward(tokens, batch, last)
+    finally:
+        ex.observer = None
+    after, coact_after = ex.expert_activation_counts(), ex.expert_coactivation()
     k, tokens = ex.cfg.moe.top_k, sum(map(len, PROMPTS))  # padding tokens are not counted
     assert len(after) == 3 and all(len(c) == ex.cfg.moe.num_experts for c in after)
     for b, a in zip(before, after):
         assert sum(a) - sum(b) == tokens * k and all(x >= y for x, y in zip(a, b))
+    for n, i in enumerate(ex.moe_layers):
+        xe = sent[i]  # [B, T, D]: rows padded to a multiple of the attention instances
+        ids = np.asarray(route(ex.params["layers"][i]["moe"], ex.cfg.moe, xe.reshape(-1, xe.shape[-1]))[0])
+        valid = np.zeros(xe.shape[:2], bool)  # rows beyond the batch: padding added by the executor
+        valid[:batch.slots.shape[0]] = batch.slots >= 0
+        real = ids[valid.reshape(-1)]
+        np.testing.assert_array_equal(coact_after[n] - coact_before[n], coactivation(real, ex.cfg.moe.num_experts))
+        assert list(np.diagonal(coact_after[n])) == after[n]
     assert ex.expert_activation_counts() == after  # reading does not lose or add counts
 
 

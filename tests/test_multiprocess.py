@@ -6,8 +6,10 @@
 * Two subprocesses (``tests/multiprocess_worker.py``, 4 CPU devices each, gloo, coordinator on
   127.0.0.1, meshes/cpu-8-4a4e.yaml: attention on process 0, experts on process 1): a probe
   records that ``jax.device_put`` cannot cross processes and that the collective transfer can;
-  then ``LLM("demo", mesh=...)`` greedy-generates on both processes and must produce the same
-  tokens as the single-process monolithic ``LLM("demo")``.
+  then ``LLM("demo", mesh=...)`` (no wiring: the executor picks the collective transfer) generates
+  on both processes: greedy tokens equal to the single-process monolithic ``LLM("demo")``'s,
+  sampled tokens (seeded and unseeded) equal on both processes, expert activation counts
+  identical on both, and the same greedy tokens after ``set_placement`` moves replicas.
 
 Each subprocess pair runs under a deadline and is killed (SIGKILL: jax's preemption notifier
 catches SIGTERM) on timeout or as soon as one of them fails (the other would wait on it).
@@ -167,18 +169,33 @@ def test_device_put_cannot_cross_processes_collectives_can(tmp_path):
 
 def test_two_processes_generate_the_same_tokens_as_one(tmp_path):
     from jaxmoe import LLM, SamplingParams
-    from multiprocess_worker import ENGINE, PROMPTS
+    from multiprocess_worker import ENGINE, PROMPTS, SAMPLE_SEED
 
     results = _run_workers(tmp_path, "--max-tokens", str(MAX_TOKENS))
-    ref = LLM("demo", dtype="float32", **ENGINE).generate(
-        PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-    expected = [list(o.token_ids) for o in ref]
+    ref = LLM("demo", dtype="float32", **ENGINE)
+    greedy = ref.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    expected = [list(o.token_ids) for o in greedy]
+    (seeded,) = ref.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True,
+                                                          seed=SAMPLE_SEED))
 
     p0, p1 = results
-    assert p0["process_count"] == p1["process_count"] == 2, p0["wiring"]
+    assert p0["process_count"] == p1["process_count"] == 2
+    assert p0["transfer"] == p1["transfer"] == "CrossProcessTransfer"  # chosen by the executor itself
     assert p0["attention_devices"] == [0] and p0["expert_devices"] == [1]  # attention: process 0, experts: 1
     assert p0["tokens"] == p1["tokens"] == expected
     assert all(len(t) == MAX_TOKENS for t in expected)
+    # sampled (temperature > 0): the same tokens on both processes, seeded or not; seeded as in one process
+    assert p0["sampled_tokens"] == p1["sampled_tokens"]
+    assert p0["sampled_tokens"][0] == list(seeded.token_ids) and p0["sampled_tokens"] != expected
+    assert all(len(t) == MAX_TOKENS for t in p0["sampled_tokens"])
+    # expert-side counters, read on both processes: identical, top_k per routed token and layer
+    counts = p0["expert_activation_counts"]
+    assert counts == p1["expert_activation_counts"] and len(counts) == ref.cfg.num_moe_layers
+    assert all(sum(c) == p0["routed_tokens"] * ref.cfg.moe.top_k for c in counts)
+    assert p0["activated_per_instance"] == p1["activated_per_instance"]
+    # set_placement with the expert side inside process 1: replicas moved, same greedy tokens
+    assert p0["moved"] == p1["moved"] > 0
+    assert p0["relaid_tokens"] == p1["relaid_tokens"] == expected
     # every MoE layer's A2E / E2A crossed from node 0 to node 1 and back, and the counters agree
     stats = p0["transfer_stats"]
     assert stats and all(s["a2e"]["cross"] > 0 and s["e2a"]["cross"] > 0 for s in stats.values())

@@ -49,6 +49,7 @@ class FakeModel:
             rid, ids = seq.request_id, seq.all_ids
             assert start == seq.num_computed and seq.num_scheduled == end - start
             assert seq.step_token_ids == ids[start:end]
+            assert len({b // self.bm.blocks_per_partition for b in seq.block_table}) == 1  # one partition
             for p, slot in enumerate(self.bm.slot_mapping(seq, 0, start)):
                 assert self.kv[slot] == (rid, p, ids[p]), f"KV of {rid}@{p} lost"
             for p, slot in zip(range(start, end), self.bm.slot_mapping(seq, start, end)):
@@ -58,8 +59,8 @@ class FakeModel:
         return out
 
 
-def make(num_blocks=64, block_size=4, policy=None, **kw):
-    bm = BlockManager(num_blocks, block_size)
+def make(num_blocks=64, block_size=4, policy=None, num_partitions=1, **kw):
+    bm = BlockManager(num_blocks, block_size, num_partitions)
     kw.setdefault("max_batch_tokens", 64)
     kw.setdefault("max_num_seqs", 8)
     return Scheduler(bm, policy or QLLMPolicy(), **kw), FakeModel(bm)
@@ -177,6 +178,24 @@ def test_victim_is_never_more_urgent_than_requester():
     assert [(s.request_id, st, e) for s, st, e in batch.prefills] == [("be", 0, 4)]
     drain(sched, model)
     assert ls.output_ids == expected_outputs(ls) and be.output_ids == expected_outputs(be)
+
+
+def test_partitions_evict_only_in_the_partition_that_needs_blocks():
+    # 2 partitions x 3 blocks x 4 slots: a, b in partition 0; c, d (the newest) in partition 1.
+    sched, model = make(num_blocks=6, block_size=4, policy=FCFSPolicy(), num_partitions=2)
+    a, c, b, d = mk("a", 4, t=0, max_tokens=6), mk("c", 8, t=1), mk("b", 8, t=2), mk("d", 3, t=3)
+    for s in (a, c, b, d):
+        sched.add(s)
+    step(sched, model)
+    assert [sched.bm.partition_of(s) for s in (a, b, c, d)] == [0, 0, 1, 1]
+    batch, _ = step(sched, model)
+    # a's decode needs a block of partition 0: it evicts b, not the newer d (whose blocks would not
+    # help); then c's decode needs one of partition 1 and evicts d.
+    assert batch.decodes == [a, c] and batch.preempted == [b, d]
+    drain(sched, model)
+    assert all(s.output_ids == expected_outputs(s) for s in (a, b, c, d))
+    with pytest.raises(ValueError, match="capacity"):
+        sched.add(mk("e", 13))                  # more than one partition holds
 
 
 def test_sequence_longer_than_cache_finishes_with_length():
@@ -403,11 +422,12 @@ def test_should_yield_hook_and_stats():
 
 @pytest.mark.parametrize("policy", ["qllm", "fcfs", "qllm_relaxed"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_soak_never_loses_tokens(policy, seed):
+@pytest.mark.parametrize("parts", [1, 2])
+def test_random_soak_never_loses_tokens(policy, seed, parts):
     import random
     rng = random.Random(seed)
     pol = QLLMPolicy(True) if policy == "qllm_relaxed" else make_policy(policy)
-    sched, model = make(num_blocks=12, block_size=4, policy=pol,
+    sched, model = make(num_blocks=12 * parts, block_size=4, policy=pol, num_partitions=parts,
                         max_batch_tokens=rng.choice([5, 8, 16]), max_num_seqs=rng.choice([2, 4, 8]))
     seqs, t = [], 0
     for _ in range(400):

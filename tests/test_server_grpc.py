@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from jaxmoe.engine.sampler import SamplingParams
 from server.app import ServeOptions, ServerThread
 from server.client import JaxmoeClient, make_request
-from server.testing import WARMUP, engine_idle_and_free, hold_engine_loop, shared_demo_llm, wait_until
+from server.testing import WARMUP, engine_idle_and_free, failing_steps, hold_engine_loop, shared_demo_llm, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -145,18 +145,8 @@ def test_still_serving_after_bad_requests(client, reference):
 
 
 def test_engine_failure_is_internal_and_server_survives(server, client, reference):
-    runner = server.async_engine.engine.runner
-    real_run = runner.run
-
-    def broken(rows):
-        raise RuntimeError("injected failure")
-
-    server.async_engine.call(lambda e: setattr(runner, "run", broken))
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            list(client.generate(PROMPTS[2], max_tokens=4, timeout=30))
-    finally:
-        server.async_engine.call(lambda e: setattr(runner, "run", real_run))
+    with failing_steps(server.async_engine, "injected failure"), pytest.raises(grpc.RpcError) as err:
+        list(client.generate(PROMPTS[2], max_tokens=4, timeout=30))
     SENT["accepted"] += 1  # accepted, then failed (and aborted in the engine)
     assert err.value.code() == grpc.StatusCode.INTERNAL and "injected failure" in err.value.details()
     _, ids, _ = _collect(client.generate(PROMPTS[2], max_tokens=MAX_TOKENS))

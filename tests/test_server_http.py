@@ -13,7 +13,7 @@ import pytest
 
 from jaxmoe.engine.sampler import SamplingParams
 from server.app import ServeOptions, ServerThread
-from server.testing import WARMUP, engine_idle_and_free, hold_engine_loop, shared_demo_llm, wait_until
+from server.testing import WARMUP, engine_idle_and_free, failing_steps, hold_engine_loop, shared_demo_llm, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -167,18 +167,9 @@ def test_overload_is_429(server):
 
 
 def test_engine_failure_is_500(server):
-    runner = server.async_engine.engine.runner
-    real_run = runner.run
-
-    def broken(rows):
-        raise RuntimeError("injected failure")
-
-    server.async_engine.call(lambda e: setattr(runner, "run", broken))
-    try:
+    with failing_steps(server.async_engine, "injected failure"):
         status, err = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
         s_status, events = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": True})
-    finally:
-        server.async_engine.call(lambda e: setattr(runner, "run", real_run))
     assert status == 500 and err["error"]["code"] == "internal_error" and "injected" in err["error"]["message"]
     assert s_status == 200 and '"internal_error"' in events and events.rstrip().endswith("data: [DONE]")
     assert _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200

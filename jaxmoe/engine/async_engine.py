@@ -12,7 +12,8 @@ command queue that the loop drains between steps:
 * ``abort(request_id)`` from any thread; processed before the next step, frees the KV blocks and
   ends the stream with ``finish_reason="abort"``.
 * An exception inside ``step()`` fails the requests of that step (their streams raise
-  ``EngineStepError``, their blocks are freed); the loop keeps serving the others.
+  ``EngineStepError``, their blocks are freed); the loop keeps serving the others (if the failed
+  program took the KV cache with it, the engine re-allocates it and the others recompute theirs).
 * ``shutdown(abort_inflight)`` stops admission, then aborts or finishes the in-flight requests.
 * ``snapshot()`` returns scheduler / KV statistics published by the loop after every step (for
   metrics; no engine access from other threads), ``call(fn)`` runs ``fn(engine)`` on the loop.
@@ -28,7 +29,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from jaxmoe.engine.engine import LLMEngine, RequestOutput
+from jaxmoe.engine.engine import LLMEngine, RequestOutput, StepFailedError
 from jaxmoe.engine.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -297,7 +298,13 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except StepFailedError as e:  # the model run failed: fail that step's requests
+            self.step_errors += 1
+            log.exception("engine step failed")
+            self._fail(e.request_ids, str(e))
+            self._publish()
+            return
+        except Exception as e:  # scheduling / bookkeeping failed
             self.step_errors += 1
             log.exception("engine step failed")
             self._fail(self._in_step(), f"engine step failed: {type(e).__name__}: {e}")

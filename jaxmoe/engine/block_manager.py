@@ -6,8 +6,15 @@ of the sequence lives in slot::
 
     block_table[p // block_size] * block_size + p % block_size
 
-Blocks are handed out from a FIFO free list and returned on ``free``. No
+Blocks are handed out from FIFO free lists and returned on ``free``. No
 prefix sharing (each block has exactly one owner).
+
+Partitions (block-to-instance affinity): with ``num_partitions = m`` the
+block ids are split into m contiguous equal ranges, one free list each. A
+sequence gets its partition with its first block (the partition with the
+most free blocks, ties: the lowest id) and all its blocks come from it until
+it is freed. The engine makes partition j the slot range of attention
+instance j, so a sequence's KV lives on one instance (see ``ModelRunner``).
 """
 
 from __future__ import annotations
@@ -18,26 +25,36 @@ from jaxmoe.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, num_partitions: int = 1):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+        if num_partitions <= 0 or num_blocks % num_partitions:
+            raise ValueError(f"num_partitions must be > 0 and divide num_blocks={num_blocks}, "
+                             f"got {num_partitions}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.num_partitions = num_partitions
+        self.blocks_per_partition = n = num_blocks // num_partitions
+        self._free: list[deque[int]] = [deque(range(p * n, (p + 1) * n)) for p in range(num_partitions)]
         self._owner: dict[int, str] = {}  # block id -> request_id
 
     # -- accounting --------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(map(len, self._free))
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens one sequence can hold (all its blocks are in one partition)."""
+        return self.blocks_per_partition * self.block_size
 
     def utilization(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
@@ -51,39 +68,55 @@ class BlockManager:
         """Extra blocks ``seq`` needs so its table covers ``n_tokens`` tokens."""
         return max(0, self.blocks_for(n_tokens) - len(seq.block_table))
 
+    def partition_of(self, seq: Sequence) -> int | None:
+        """The partition of ``seq``'s blocks; None while it holds none."""
+        return seq.block_table[0] // self.blocks_per_partition if seq.block_table else None
+
+    def _partition_for(self, seq: Sequence | None) -> int:
+        """``seq``'s partition, or for a sequence without blocks the one with the most free blocks."""
+        p = None if seq is None else self.partition_of(seq)
+        if p is None:
+            p = max(range(self.num_partitions), key=lambda i: (len(self._free[i]), -i))
+        return p
+
+    def num_free_for(self, seq: Sequence | None = None) -> int:
+        """Free blocks ``seq`` (or a new sequence) can get: those of its partition."""
+        return len(self._free[self._partition_for(seq)])
+
     def can_allocate(self, n_tokens: int, seq: Sequence | None = None) -> bool:
         """Whether ``n_tokens`` tokens fit: from scratch, or, with ``seq``,
         whether ``seq``'s table can grow to cover ``n_tokens`` tokens."""
         need = self.blocks_for(n_tokens) if seq is None else self.num_blocks_needed(seq, n_tokens)
-        return need <= len(self._free)
+        return need <= self.num_free_for(seq)
 
     # -- allocation --------------------------------------------------------
     def allocate(self, seq: Sequence, n_tokens_needed: int) -> list[int]:
         """Grow ``seq.block_table`` to cover ``n_tokens_needed`` tokens.
 
         Returns the newly added block ids. Raises ``MemoryError`` (and
-        allocates nothing) when there are not enough free blocks.
+        allocates nothing) when its partition has not enough free blocks.
         """
         need = self.num_blocks_needed(seq, n_tokens_needed)
-        if need > len(self._free):
+        free = self._free[self._partition_for(seq)]
+        if need > len(free):
             raise MemoryError(
-                f"KV cache exhausted: {seq.request_id} needs {need} blocks, {len(self._free)} free"
+                f"KV cache exhausted: {seq.request_id} needs {need} blocks, {len(free)} free"
             )
-        new = [self._free.popleft() for _ in range(need)]
+        new = [free.popleft() for _ in range(need)]
         for b in new:
             self._owner[b] = seq.request_id
         seq.block_table.extend(new)
         return new
 
     def free(self, seq: Sequence) -> int:
-        """Return all of ``seq``'s blocks to the free list; returns how many."""
+        """Return all of ``seq``'s blocks to their free lists; returns how many."""
         n = len(seq.block_table)
         for b in seq.block_table:
             if self._owner.get(b) != seq.request_id:
                 raise RuntimeError(f"block {b} is not owned by {seq.request_id} (double free?)")
         for b in seq.block_table:
             del self._owner[b]
-            self._free.append(b)
+            self._free[b // self.blocks_per_partition].append(b)
         seq.block_table = []
         return n
 

@@ -7,7 +7,8 @@
    program -> transfer -> expert program -> transfer back per layer — then the sampler.
 3. Stop conditions (EOS, stop tokens, stop strings) are checked, ``Scheduler.postprocess`` appends
    the tokens and frees the blocks of finished requests.
-4. One :class:`RequestOutput` per touched request is returned for streaming.
+4. One :class:`RequestOutput` per touched request is returned for streaming; ``step_hooks`` run
+   (between steps: e.g. ``runtime.controller.PlacementController`` re-places expert replicas).
 """
 from __future__ import annotations
 
@@ -15,12 +16,24 @@ import dataclasses
 import random
 import time
 
+import jax
+import numpy as np
+
 from jaxmoe.engine.block_manager import BlockManager
 from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.engine.policies import make_policy
 from jaxmoe.engine.sampler import SamplingParams
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
+
+
+class StepFailedError(RuntimeError):
+    """A step's model run raised; ``request_ids`` were in that step (the caller decides their
+    fate: ``AsyncEngine`` fails them). The KV cache is valid again when this is raised."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 
 
 @dataclasses.dataclass
@@ -66,7 +79,7 @@ class _RequestState:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    num_blocks: int = 1024
+    num_blocks: int = 1024  # disaggregated: rounded up to a multiple of the attention instances
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
     max_waiting: int = 1024
@@ -79,7 +92,7 @@ class LLMEngine:
         self.cfg, self.tokenizer, self.config = cfg, tokenizer, config
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         max_blocks = -(-self.max_model_len // config.block_size)
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = _block_manager(executor, config)
         self.scheduler = Scheduler(
             self.block_manager,
             policy if policy is not None else make_policy(config.policy),
@@ -93,6 +106,8 @@ class LLMEngine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self._requests: dict[str, _RequestState] = {}
         self._counter = 0
+        self.step_hooks: list = []  # hook(engine) after every step that ran the model
+        self._seeds = _unseeded_seeds()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
@@ -116,7 +131,7 @@ class LLMEngine:
         sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
         seq = Sequence(request_id, prompt_ids, sampling, Priority.parse(priority))
         self.scheduler.add(seq)
-        seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
+        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(32)
         self._requests[request_id] = _RequestState(seq, sampling, seed,
                                                    logprobs=[] if sampling.logprobs is not None else None)
         return request_id
@@ -140,7 +155,11 @@ class LLMEngine:
         for seq in batch.decodes:
             rows.append(self._row(seq, [seq.last_token_id], seq.num_tokens - 1, sample=True))
             seqs.append(seq)
-        sampled = self.runner.run(rows)
+        try:
+            sampled = self.runner.run(rows)
+        except Exception as e:
+            self._recover_cache()
+            raise StepFailedError([seq.request_id for seq in seqs], e) from e
 
         new_tokens, finished = {}, {}
         for seq, s in zip(seqs, sampled):
@@ -154,8 +173,19 @@ class LLMEngine:
             if reason:
                 finished[seq.request_id] = reason
         self.scheduler.postprocess(batch, new_tokens, finished)
-        return [self._output(self._requests[seq.request_id]) for seq in seqs
-                if seq.request_id in new_tokens or seq.is_finished]
+        outputs = [self._output(self._requests[seq.request_id]) for seq in seqs
+                   if seq.request_id in new_tokens or seq.is_finished]
+        for hook in self.step_hooks:  # between steps: e.g. the expert placement controller
+            hook(self)
+        return outputs
+
+    def _recover_cache(self) -> None:
+        """After a failed step: if the executor's KV cache is gone (a failed program that donates
+        the cache deletes it), allocate a new one; every sequence that had KV recomputes it."""
+        executor = self.runner.executor
+        if any(a.is_deleted() for a in jax.tree.leaves(executor.cache)):
+            executor.reset_cache()
+            self.scheduler.drop_all_kv()
 
     def _row(self, seq: Sequence, tokens: list[int], start: int, sample: bool) -> Row:
         state = self._requests[seq.request_id]
@@ -205,6 +235,30 @@ class LLMEngine:
         return final
 
 
+def _block_manager(executor, config: EngineConfig) -> BlockManager:
+    """One block partition per attention instance of the executor (``num_attention``, 1 if none).
+
+    With m > 1 the blocks are exactly the executor's KV cache (``num_cache_slots``, whole blocks per
+    instance), so partition j is instance j's slot range: its sequences' KV never leaves it.
+    """
+    m = getattr(executor, "num_attention", 1)
+    if m == 1:
+        return BlockManager(config.num_blocks, config.block_size)
+    return BlockManager(executor.num_cache_slots // config.block_size, config.block_size, m)
+
+
 def _cut_at_stop(text: str, stops) -> str:
     cut = min((text.find(s) for s in stops if s and s in text), default=-1)
     return text if cut < 0 else text[:cut]
+
+
+def _unseeded_seeds():
+    """Where unseeded requests get their seed (``.getrandbits``). One process: Python's
+    ``random``. Under ``jax.distributed`` every process must draw the same seeds, or sampling
+    diverges and the next collective hangs: a generator seeded once from process 0 (a broadcast,
+    so every process must build the engine); processes add the same requests in the same order."""
+    if jax.process_count() == 1:
+        return random
+    from jax.experimental import multihost_utils
+
+    return random.Random(int(multihost_utils.broadcast_one_to_all(np.uint32(random.getrandbits(32)))))

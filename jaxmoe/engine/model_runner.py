@@ -3,6 +3,14 @@ device arrays, runs the executor (monolithic or disaggregated) and samples the n
 
 Shapes are bucketed to powers of two (rows, tokens per row, blocks per row) so a serving run
 compiles a handful of programs, not one per batch.
+
+Row placement: an executor with m attention instances (``num_attention``) splits the batch rows
+contiguously over them and holds the KV cache slot range j*S/m .. (j+1)*S/m on instance j. The
+runner puts each row in the row range of the instance that holds its first KV block (with the
+engine's partitioned ``BlockManager``, all its blocks): B = m * R rows, R the bucketed largest
+per-instance row count, padding rows with slot -1, block table padding with the instance's first
+block, so the executor can run attention per instance (``DisaggregatedExecutor.is_local``).
+Results come back in the callers' row order.
 """
 from __future__ import annotations
 
@@ -43,18 +51,34 @@ class ModelRunner:
         self.executor = executor
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_instances = m = getattr(executor, "num_attention", 1)
+        # blocks in each attention instance's KV slot range (instance j: blocks j*n .. (j+1)*n)
+        self.blocks_per_instance = executor.num_cache_slots // (m * block_size) if m > 1 else 0
+
+    def placement(self, rows: list[Row]) -> tuple[np.ndarray, int]:
+        """(padded row of each row [len(rows)], padded rows B): rows of instance j at j*R.., B = m*R."""
+        m = self.num_instances
+        inst = [r.block_table[0] // self.blocks_per_instance for r in rows] if m > 1 else [0] * len(rows)
+        R = _bucket(int(np.bincount(inst, minlength=m).max()))
+        where, used = [], [0] * m
+        for j in inst:
+            where.append(j * R + used[j])
+            used[j] += 1
+        return np.array(where), m * R
 
     def prepare(self, rows: list[Row]):
-        """Padded (tokens [B, T], AttentionBatch, logits_index [B]) for the rows."""
-        B = _bucket(len(rows))
+        """Padded (tokens [B, T], AttentionBatch, logits_index [B]) for the rows, and each row's
+        padded row ``where`` [len(rows)] (see ``placement``)."""
+        where, B = self.placement(rows)
         T = _bucket(max(len(r.token_ids) for r in rows))
         NB = min(_bucket(max(len(r.block_table) for r in rows)), _bucket(self.max_blocks_per_seq))
         tokens = np.zeros((B, T), np.int32)
         positions = np.zeros((B, T), np.int32)
         slots = np.full((B, T), -1, np.int32)
-        tables = np.zeros((B, NB), np.int32)
+        first = np.arange(B, dtype=np.int32) // (B // self.num_instances) * self.blocks_per_instance
+        tables = np.repeat(first[:, None], NB, axis=1)  # padding entries: the instance's first block
         last = np.zeros((B,), np.int32)
-        for i, r in enumerate(rows):
+        for i, r in zip(where, rows):
             n = len(r.token_ids)
             pos = np.arange(r.start, r.start + n)
             table = np.asarray(r.block_table, np.int32)
@@ -63,12 +87,13 @@ class ModelRunner:
             slots[i, :n] = table[pos // self.block_size] * self.block_size + pos % self.block_size
             tables[i, : len(table)] = table
             last[i] = n - 1
-        return tokens, AttentionBatch(positions, slots, tables), last
+        return tokens, AttentionBatch(positions, slots, tables), last, where
 
     def forward(self, rows: list[Row], all_logits: bool = False):
-        tokens, batch, last = self.prepare(rows)
-        logits = self.executor.forward(tokens, batch, None if all_logits else last)
-        return logits
+        """Logits of the rows, in their order: [len(rows), V] at each row's last token, or
+        [len(rows), T, V] with ``all_logits``."""
+        tokens, batch, last, where = self.prepare(rows)
+        return self.executor.forward(tokens, batch, None if all_logits else last)[where]
 
     def run(self, rows: list[Row]) -> list[Sampled | None]:
         """One step: forward every row, sample a token for rows that have sampling params.
@@ -76,20 +101,15 @@ class ModelRunner:
         With an executor that has ``forward_sample`` (the monolithic one) the forward pass and the
         sampler run as one jitted program and only the sampled tokens come back to the host.
         """
-        fused = getattr(self.executor, "forward_sample", None)
-        if fused is not None:
-            tokens_in, batch, last = self.prepare(rows)
-            B = tokens_in.shape[0]
-        else:
-            logits = self.forward(rows)
-            B = logits.shape[0]
+        tokens_in, batch, last, where = self.prepare(rows)
+        B = tokens_in.shape[0]
         temperature = np.zeros(B, np.float32)
         top_k = np.zeros(B, np.int32)
         top_p = np.ones(B, np.float32)
         seeds = np.zeros(B, np.uint32)
         steps = np.zeros(B, np.int32)
         want_logprobs = 0
-        for i, r in enumerate(rows):
+        for i, r in zip(where, rows):
             if r.sampling is None:
                 continue
             s = r.sampling
@@ -98,13 +118,15 @@ class ModelRunner:
             if s.logprobs is not None:
                 want_logprobs = MAX_LOGPROBS
         sampling = (temperature, top_k, top_p, seeds, steps)
+        fused = getattr(self.executor, "forward_sample", None)
         if fused is not None:
             result = fused(tokens_in, batch, last, *sampling, num_logprobs=want_logprobs)
         else:
+            logits = self.executor.forward(tokens_in, batch, last)
             result = sample(logits, *sampling, num_logprobs=want_logprobs)
         tokens, chosen, top_ids, top_lp = jax.device_get(result)  # one host transfer for all four
         out: list[Sampled | None] = []
-        for i, r in enumerate(rows):
+        for i, r in zip(where, rows):
             if r.sampling is None:
                 out.append(None)
                 continue

@@ -88,15 +88,15 @@ class Scheduler:
 
         Raises ``OverloadedError`` when ``max_waiting`` requests are already
         waiting, ``ValueError`` for an empty prompt, a duplicate id, or a
-        prompt that cannot fit in the whole KV cache.
+        prompt that cannot fit in the KV cache (``bm.max_seq_tokens``).
         """
         if seq.request_id in self._seqs:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         if not seq.prompt_ids:
             raise ValueError(f"request {seq.request_id!r} has an empty prompt")
-        if seq.num_tokens > self.bm.capacity_tokens:
+        if seq.num_tokens > self.bm.max_seq_tokens:
             raise ValueError(f"request {seq.request_id!r}: {seq.num_tokens} tokens exceed the "
-                             f"KV cache capacity of {self.bm.capacity_tokens} tokens")
+                             f"KV cache capacity of {self.bm.max_seq_tokens} tokens per sequence")
         if self.num_waiting >= self.max_waiting:
             self.num_rejected += 1
             raise OverloadedError(f"{self.num_waiting} requests waiting (max_waiting={self.max_waiting})")
@@ -162,10 +162,12 @@ class Scheduler:
         lower-ranked sequences if needed. Returns the tokens granted (a prefill
         chunk may shrink to what fits; 0 = cannot run this step)."""
         bm, my_rank = self.bm, rank[seq.request_id]
+        part = bm.partition_of(seq)  # None: a new one takes any partition, so any victim may help
         while not bm.can_allocate(seq.num_computed + want, seq):
             victims = [s for s in live if s.has_kv and s is not seq
                        and s.request_id not in scheduled
-                       and rank.get(s.request_id, _INF) > my_rank]
+                       and rank.get(s.request_id, _INF) > my_rank
+                       and part in (None, bm.partition_of(s))]
             if not victims:
                 break
             victim = self.policy.victim(victims)
@@ -177,7 +179,7 @@ class Scheduler:
             if not prefill:
                 return 0  # a decode cannot shrink; it keeps its KV and waits
             # Shrink the prefill chunk to the blocks it has plus the free ones.
-            want = (len(seq.block_table) + bm.num_free) * bm.block_size - seq.num_computed
+            want = (len(seq.block_table) + bm.num_free_for(seq)) * bm.block_size - seq.num_computed
             if want <= 0:
                 return 0
         bm.allocate(seq, seq.num_computed + want)
@@ -188,6 +190,15 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_scheduled = 0
         self._mark_preempted(seq, "recompute", batch)
+
+    def drop_all_kv(self) -> list[Sequence]:
+        """The KV cache was lost (re-allocated after a failed step): every sequence holding
+        blocks is recompute-preempted, keeping its prompt and generated tokens. Returns them."""
+        hit = [s for s in self._seqs.values() if s.has_kv or s.num_computed]
+        batch = ScheduledBatch()
+        for seq in hit:
+            self._preempt_recompute(seq, batch)
+        return hit
 
     def _mark_preempted(self, seq: Sequence, kind: str, batch: ScheduledBatch) -> None:
         seq.status = SequenceStatus.PREEMPTED
@@ -210,7 +221,7 @@ class Scheduler:
         absent for a partial prefill chunk. ``finished[rid] = reason`` ends a
         request (its token, if any, is appended first). The scheduler itself
         also finishes with reason "length" when ``sampling.max_tokens`` is
-        reached or the sequence can no longer fit in the whole KV cache.
+        reached or the sequence can no longer fit in the KV cache (``bm.max_seq_tokens``).
         Sequences aborted since ``schedule()`` are skipped.
         """
         finished = finished or {}
@@ -240,7 +251,7 @@ class Scheduler:
             reason = finished.get(rid)
             if reason is None and seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
                 reason = "length"
-            if reason is None and seq.num_tokens > self.bm.capacity_tokens:
+            if reason is None and seq.num_tokens > self.bm.max_seq_tokens:
                 reason = "length"  # the next decode could never get its KV block
             if reason is not None:
                 self._finish(seq, reason, now)

@@ -4,7 +4,7 @@ Three programs, all with the batch split over attention instances (P("attn") on 
 and the parameters replicated on every attention device:
 
   embed   tokens [B, T] -> (x [B, T, D], zeros [B, T, D])
-  layer   (layer params, x, y_prev, batch, layer cache) -> (h, xn, layer cache)
+  layer   (layer params, x, y_prev, batch, layer cache, local) -> (h, xn, layer cache)
           x <- x + y_prev (the previous layer's routed-expert output, back from E2A; the zeros
           from ``embed`` for the first layer and after a dense layer, so that one compiled program
           serves both cases: x + 0 == x exactly), then ``attention_layer`` (norm, attention
@@ -17,13 +17,19 @@ shapes and pytree structure, so all layers of one kind (MoE, MoE + shared, dense
 compiled program per batch shape.
 
 KV cache: each layer's cache arrays [num_slots, ...] are sharded P("attn") on the slot axis, so
-attention instance i holds the contiguous slot range i*num_slots/m .. (i+1)*num_slots/m. The
-cache write (scatter) and read (gather by block table) are ordinary jnp indexing: XLA's SPMD
-partitioner keeps them correct wherever a sequence's blocks live (a gather from a remote
-instance becomes a masked local gather plus a cross-instance reduction). They are *local*,
-i.e. need no cross-instance traffic, only when the block manager allocates a sequence's blocks
-from the slot range of the attention instance that owns the sequence's batch row
-(block-to-instance affinity); the runtime is correct without it, and fast with it.
+attention instance i holds the contiguous slot range i*num_slots/m .. (i+1)*num_slots/m. ``layer``
+has two forms (the static ``local`` argument):
+
+  local=False  the cache write (scatter) and read (gather by block table) are ordinary jnp
+               indexing; XLA's SPMD partitioner keeps them correct wherever a row's blocks live,
+               at the price of collectives in every layer (all-gathers of the new K/V and the
+               indices, an all-reduce of the gathered keys/values), whatever the block values.
+  local=True   attention runs per instance (``jax.shard_map`` over "attn"): each instance reads
+               and writes only its own cache shard, slot and block ids made local by subtracting
+               its first slot; no cross-instance traffic. Correct only when every row's slots and
+               blocks lie in its own instance's range (block-to-instance affinity: the engine's
+               partitioned ``BlockManager`` + ``ModelRunner`` row placement); the executor checks
+               that on the host (``DisaggregatedExecutor.is_local``) and falls back to local=False.
 """
 from __future__ import annotations
 
@@ -55,17 +61,32 @@ class AttentionPrograms:
 def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -> AttentionPrograms:
     """The jitted programs (cached: executors with the same model, block size and sub-meshes
     share them, and so share their compiled executables)."""
-    rows = NamedSharding(sub.attention, P(ATTN_AXES[0]))
+    attn = ATTN_AXES[0]
+    rows = NamedSharding(sub.attention, P(attn))
     replicated = NamedSharding(sub.attention, P())
-    cache = NamedSharding(sub.attention, P(ATTN_AXES[0]))
+    cache = NamedSharding(sub.attention, P(attn))
 
     def embed_step(table, tokens):
         x = embed({"embed": table}, tokens)
         return x, jnp.zeros_like(x)
 
-    def layer_step(layer, x, y_prev, batch: AttentionBatch, layer_cache):
+    def attend(p, x, batch: AttentionBatch, layer_cache):
+        return attention_layer(p, cfg, x, batch, layer_cache, block_size)
+
+    def attend_on_instance(p, x, batch: AttentionBatch, layer_cache):
+        """``attend`` on one instance's rows and cache shard, with local slot and block ids."""
+        n = jax.tree.leaves(layer_cache)[0].shape[0]  # this instance's slots
+        first = jax.lax.axis_index(attn) * n
+        slots = jnp.where(batch.slots >= 0, batch.slots - first, -1)
+        tables = jnp.clip(batch.block_tables - first // block_size, 0, n // block_size - 1)
+        return attend(p, x, AttentionBatch(batch.positions, slots, tables), layer_cache)
+
+    attend_local = jax.shard_map(attend_on_instance, mesh=sub.attention,
+                                 in_specs=(P(), P(attn), P(attn), P(attn)), out_specs=P(attn))
+
+    def layer_step(layer, x, y_prev, batch: AttentionBatch, layer_cache, local: bool = False):
         x = x + y_prev
-        h, xn, layer_cache = attention_layer(layer["attn"], cfg, x, batch, layer_cache, block_size)
+        h, xn, layer_cache = (attend_local if local else attend)(layer["attn"], x, batch, layer_cache)
         out = attention_side_ffn(layer, xn)
         return (h if out is None else h + out), xn, layer_cache
 
@@ -77,7 +98,7 @@ def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -
 
     return AttentionPrograms(
         embed=jax.jit(embed_step, out_shardings=(rows, rows)),
-        layer=jax.jit(layer_step, out_shardings=(rows, rows, cache), donate_argnums=(4,)),
+        layer=jax.jit(layer_step, out_shardings=(rows, rows, cache), donate_argnums=(4,), static_argnums=(5,)),
         head=jax.jit(head_step, out_shardings=rows),
         rows=rows,
         replicated=replicated,

@@ -45,6 +45,9 @@ runtime's host logic is deterministic and the sampled tokens reach every process
 on its side's mesh, then one ppermute hop from a device of that side to the first device of each
 process that has none. The executor uses it for the logits (the engine samples on every process)
 and for host reads of expert-side counters.
+
+``DisaggregatedExecutor`` uses this class by default when its sub-meshes span processes
+(``spans_processes``); in one process it uses ``transfer.LocalTransfer``.
 """
 from __future__ import annotations
 

@@ -14,9 +14,13 @@ One step, as code (``DisaggregatedExecutor.forward``)::
         else:
             y = 0
     logits = attention.head(x, y)                        # last residual add, final norm, LM head
+    return to_local(logits)                              # readable by this process
 
-No jit spans both meshes: the transfers between them are explicit (``jaxmoe.runtime.transfer``,
-one ``jax.device_put`` per hop of the layer's plan) and counted per layer (``transfer_stats``).
+No jit spans both meshes: the transfers between them are explicit and counted per layer
+(``transfer_stats``): in one process ``jaxmoe.runtime.transfer`` (one ``jax.device_put`` per hop
+of the layer's plan); when the sub-meshes span processes (``jax.distributed``)
+``jaxmoe.runtime.cross_process`` (the same plan as ppermute rounds; every process runs this same
+code and gets the logits, docs/multi_host.md).
 The batch is padded to a multiple of the attention instances; padding tokens (slot -1) activate
 no expert. The KV cache is sharded over attention instances on the slot axis (see
 ``attention_program``). Routed experts live in S = N x C physical slots with a logical->physical
@@ -40,11 +44,10 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import ClusterSpec, SubMeshes, build_meshes, load_mesh
 from jaxmoe.models.attention import AttentionBatch, init_layer_cache
 from jaxmoe.runtime.attention_program import attention_side_params, head_params, make_attention_programs
+from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.runtime.expert_program import make_expert_program, place_layer, place_tables, relayout_layer
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
-from jaxmoe.runtime.transfer import TransferCounts, plan_transfers
-from jaxmoe.runtime.transfer import a2e as a2e_transfer
-from jaxmoe.runtime.transfer import e2a as e2a_transfer
+from jaxmoe.runtime.transfer import LocalTransfer, TransferCounts, plan_transfers
 
 
 @dataclasses.dataclass
@@ -71,9 +74,10 @@ class DisaggregatedExecutor:
       interpret: Pallas interpret mode for both kernels (None: on CPU only).
       placement: slot -> logical expert list [S] (-1 = unused), the same for every MoE layer,
         or one list per MoE layer; default ``replicas.default_placement``.
-      transfer: what executes A2E / E2A: None (``jaxmoe.runtime.transfer``, one device_put per
-        hop, single process), an object with ``a2e(x, plan, sub)`` / ``e2a(y, plan, sub)``, or a
-        factory called with the SubMeshes (e.g. ``cross_process.CrossProcessTransfer``).
+      transfer: what executes A2E / E2A and host reads (kept as ``.transfer``): an object with
+        ``a2e(x, plan, sub)``, ``e2a(y, plan, sub)``, ``to_local(x)`` and ``fetch(x)``, or a
+        factory called with the SubMeshes. None: ``cross_process.CrossProcessTransfer`` when the
+        sub-meshes span processes, else ``transfer.LocalTransfer`` (device_put hops).
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, num_slots: int, block_size: int, mesh, *,
@@ -90,10 +94,11 @@ class DisaggregatedExecutor:
         self.shared_on_experts = spec.shared_experts == "experts"
         self.moe_layers = [i for i, layer in enumerate(params["layers"]) if "moe" in layer]
 
-        if isinstance(transfer, type) or (transfer is not None and not hasattr(transfer, "a2e")):
+        if transfer is None:
+            transfer = CrossProcessTransfer(self.sub) if spans_processes(self.sub) else LocalTransfer()
+        elif isinstance(transfer, type) or not hasattr(transfer, "a2e"):
             transfer = transfer(self.sub)
-        self._a2e = transfer.a2e if transfer is not None else a2e_transfer
-        self._e2a = transfer.e2a if transfer is not None else e2a_transfer
+        self.transfer = transfer
 
         self.attention = make_attention_programs(cfg, block_size, self.sub)
         self.experts = make_expert_program(cfg, self.sub, self.slots_per_instance, policy=replica_policy,
@@ -115,13 +120,13 @@ class DisaggregatedExecutor:
         per = self.num_attention * block_size
         self.num_cache_slots = -(-num_slots // per) * per
         dtype = cache_dtype or params["embed"].dtype
-        new_cache = jax.jit(lambda: init_layer_cache(cfg, self.num_cache_slots, dtype),
-                            out_shardings=self.attention.cache)  # each instance allocates only its slots
-        self.cache = [new_cache() for _ in range(cfg.num_layers)]
+        self._new_layer_cache = jax.jit(lambda: init_layer_cache(cfg, self.num_cache_slots, dtype),
+                                        out_shardings=self.attention.cache)  # each instance: only its slots
+        self.reset_cache()
 
         E = cfg.moe.num_experts
-        self._counts = {i: jax.device_put(np.zeros(E, np.int32), self.experts.replicated) for i in self.moe_layers}
-        self._counts_host = {i: np.zeros(E, np.int64) for i in self.moe_layers}
+        self._coact = {i: jax.device_put(np.zeros((E, E), np.int32), self.experts.replicated) for i in self.moe_layers}
+        self._coact_host = {i: np.zeros((E, E), np.int64) for i in self.moe_layers}
         self._activated = {}
         self._transfers = {i: LayerTransferStats() for i in self.moe_layers}
         self._step = 0
@@ -129,12 +134,18 @@ class DisaggregatedExecutor:
         self.timings: collections.deque[dict] = collections.deque(maxlen=1000)
         self.observer = None  # observer(phase, layer, outputs) after every phase (tests, debugging)
 
+    def reset_cache(self) -> None:
+        """A fresh (zero) KV cache, e.g. after a failed step deleted the donated one."""
+        self.cache = [self._new_layer_cache() for _ in range(self.cfg.num_layers)]
+
     # ------------------------------------------------------------------ the data path
 
     def forward(self, tokens, batch: AttentionBatch, logits_index) -> jax.Array:
-        """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None); updates the KV cache."""
+        """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None), readable by this
+        process (``transfer.to_local``: every process calls forward); updates the KV cache."""
         tokens, batch, logits_index, B = self._pad(tokens, batch, logits_index)
         valid = jax.device_put(batch.slots >= 0, self.experts.replicated)  # host metadata for the gate
+        local = self.is_local(batch)  # attention per instance, no cross-instance traffic
         rows = self.attention.rows
         tokens = jax.device_put(tokens, rows)
         batch = AttentionBatch(*(jax.device_put(a, rows) for a in batch))
@@ -146,21 +157,21 @@ class DisaggregatedExecutor:
         x, zeros = run("embed", None, self.attention.embed, self._embed, tokens)
         y = zeros  # no routed output to add before the first layer (nor after a dense layer)
         for i, layer in enumerate(self._attn_layers):
-            x, xn, self.cache[i] = run("attention", i, self.attention.layer, layer, x, y, batch, self.cache[i])
+            x, xn, self.cache[i] = run("attention", i, self.attention.layer, layer, x, y, batch, self.cache[i], local)
             if i not in self._expert_layers:
                 y = zeros
                 continue
             plan = plan_transfers(self.sub.spec, xn.nbytes // self.num_attention)
-            xe = run("a2e", i, self._a2e, xn, plan, self.sub)
-            partials, self._counts[i], self._activated[i] = run(
+            xe = run("a2e", i, self.transfer.a2e, xn, plan, self.sub)
+            partials, self._coact[i], self._activated[i] = run(
                 "expert", i, self.experts.run, self._expert_layers[i], self._tables[i], xe, valid, step,
-                self._counts[i])
-            y = run("e2a", i, self._e2a, partials, plan, self.sub)
+                self._coact[i])
+            y = run("e2a", i, self.transfer.e2a, partials, plan, self.sub)
             self._count_transfers(i, plan)
         logits = run("head", None, self.attention.head, self._head, x, y, index)
         if self.timing:
             self.timings.append(run.record)
-        return logits if B == logits.shape[0] else logits[:B]
+        return self.transfer.to_local(logits if B == logits.shape[0] else logits[:B])
 
     def _pad(self, tokens, batch: AttentionBatch, logits_index):
         """Rows padded to a multiple of the attention instances (padding: slot -1, table 0)."""
@@ -175,6 +186,14 @@ class DisaggregatedExecutor:
             batch = AttentionBatch(rows(batch.positions, 0), rows(batch.slots, -1), rows(batch.block_tables, 0))
             index = None if index is None else rows(index, 0)
         return tokens, batch, index, B
+
+    def is_local(self, batch: AttentionBatch) -> bool:
+        """Whether every row's slots and block table entries (host arrays, rows padded to a multiple
+        of the attention instances) lie in the KV slot range of the instance that gets the row."""
+        B, per = batch.slots.shape[0], self.num_cache_slots // self.num_attention
+        inst = (np.arange(B) * self.num_attention // B)[:, None]
+        slots_ok = (batch.slots < 0) | (batch.slots // per == inst)
+        return bool(slots_ok.all() and (batch.block_tables * self.block_size // per == inst).all())
 
     def _count_transfers(self, layer: int, plan) -> None:
         s = self._transfers[layer]
@@ -200,21 +219,27 @@ class DisaggregatedExecutor:
         return out
 
     def expert_activation_counts(self) -> list[list[int]]:
-        """Per MoE layer: cumulative tokens routed to each logical expert (padding excluded).
+        """Per MoE layer: cumulative tokens routed to each logical expert (padding excluded): the
+        diagonal of ``expert_coactivation``."""
+        return [[int(c) for c in np.diagonal(a)] for a in self.expert_coactivation()]
+
+    def expert_coactivation(self) -> list[np.ndarray]:
+        """Per MoE layer: cumulative co-activation counts [E, E] int64 (tokens that chose both e
+        and f; the diagonal: tokens that chose e), the placement controller's statistics.
 
         Counted on device (int32, per step inside the expert program); a read folds the device
-        counters into host int64 totals and resets them, so they never overflow.
+        counters into host int64 totals and resets them, so they never overflow. Across
+        processes it is a collective (``transfer.fetch``): every process must call it.
         """
-        out = []
         for i in self.moe_layers:
-            self._counts_host[i] += np.asarray(self._counts[i]).astype(np.int64)
-            self._counts[i] = jax.device_put(np.zeros_like(self._counts_host[i], np.int32), self.experts.replicated)
-            out.append([int(c) for c in self._counts_host[i]])
-        return out
+            self._coact_host[i] += self.transfer.fetch(self._coact[i]).astype(np.int64)
+            self._coact[i] = jax.device_put(np.zeros_like(self._coact_host[i], np.int32), self.experts.replicated)
+        return [self._coact_host[i].copy() for i in self.moe_layers]
 
     def activated_per_instance(self) -> dict[int, list[int]]:
-        """Per MoE layer: distinct replicas each expert instance ran in the last step (AEBS's load)."""
-        return {i: [int(v) for v in np.asarray(a)] for i, a in self._activated.items()}
+        """Per MoE layer: distinct replicas each expert instance ran in the last step (AEBS's load).
+        A collective across processes, like ``expert_activation_counts``."""
+        return {i: [int(v) for v in self.transfer.fetch(a)] for i, a in self._activated.items()}
 
     @property
     def params(self) -> dict:
@@ -243,6 +268,8 @@ class DisaggregatedExecutor:
         ``slot_to_expert``: one list [S] for every MoE layer, or one per MoE layer. Moves weights
         with ``jax.device_put`` (``expert_program.relayout_layer``) and installs the new replica
         tables; AEBS uses them from the next step. Returns the slots copied across instances.
+        Under ``jax.distributed``: every process calls it; NotImplementedError when the expert
+        sub-mesh spans processes.
         """
         new = self._layouts(slot_to_expert)
         moved = 0

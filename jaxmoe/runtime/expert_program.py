@@ -15,8 +15,10 @@ metadata) and runs
                 split over instances along their hidden width, each adding its slice;
 
 and returns partial[None] [1, B, T, D] -> [N, B, T, D] sharded P("expert"); E2A sums the
-partials into the attention side. The program also adds this step's tokens-per-logical-expert
-to a replicated on-device counter and returns the activated replicas per instance.
+partials into the attention side. The program also adds this step's co-activation counts
+(tokens per pair of logical experts, the diagonal: tokens per expert) to a replicated on-device
+[E, E] counter, the statistics of the placement controller, and returns the activated replicas per
+instance.
 
 Weights: routed experts as slot arrays [S, D, F] / [S, F, D] sharded P("expert") (S = N x C,
 see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias) replicated; shared experts
@@ -74,7 +76,7 @@ def _shardings(mesh, specs):
 
 @dataclasses.dataclass(frozen=True)
 class ExpertProgram:
-    run: Callable  # (params, tables, x, valid, step, counts) -> (partials, counts, activated)
+    run: Callable  # (params, tables, x, valid, step, coact) -> (partials, coact, activated)
     replicated: NamedSharding  # P() on the expert mesh
 
 
@@ -103,18 +105,19 @@ def make_expert_program(cfg: ModelConfig, sub: SubMeshes, slots_per_instance: in
         # 4. this instance's slice of the shared experts (shared_experts: experts)
         if "shared" in p:
             y = y + shared_experts(p["shared"], x2).astype(y.dtype)
-        counts = jnp.zeros((E + 1,), jnp.int32).at[jnp.where(ids >= 0, ids, E).reshape(-1)].add(1)[:E]
-        return y.reshape(1, B, T, D), counts, activated
+        hit = jax.nn.one_hot(ids, E, dtype=jnp.float32).sum(1)  # [B*T, E]: 1 where the token chose e
+        coact = jnp.round(jnp.matmul(hit.T, hit, precision="highest")).astype(jnp.int32)  # both e and f (diag: e)
+        return y.reshape(1, B, T, D), coact, activated
 
-    def run(p, tables, x, valid, step, counts):
+    def run(p, tables, x, valid, step, coact):
         mapped = jax.shard_map(
             per_instance, mesh=sub.experts,
             in_specs=(param_specs(p), P(), P(), P(), P()),
             out_specs=(P(EXP), P(), P()),
-            check_vma=False,  # counts/activated are replicated by construction (same inputs everywhere)
+            check_vma=False,  # coact/activated are replicated by construction (same inputs everywhere)
         )
-        partials, step_counts, activated = mapped(p, tables, x, valid, step)
-        return partials, counts + step_counts, activated
+        partials, step_coact, activated = mapped(p, tables, x, valid, step)
+        return partials, coact + step_coact, activated
 
     replicated = NamedSharding(sub.experts, P())
     return ExpertProgram(run=jax.jit(run, donate_argnums=(5,)), replicated=replicated)
@@ -143,7 +146,7 @@ def place_layer(layer: dict, layout: ReplicaLayout, sub: SubMeshes, shared_on_ex
             rows = np.arange(layout.num_slots)[index[0]]
             return np.where(used[rows].reshape((-1,) + (1,) * (host.ndim - 1)), host[idx[rows]], 0).astype(host.dtype)
 
-        out[k] = jax.make_array_from_callback(shape, slot_sharding, shard)
+        out[k] = jax.make_array_from_callback(shape, slot_sharding, shard, dtype=host.dtype)
     if shared_on_experts and "shared" in layer:
         n = sub.spec.experts.count
         shared = dict(layer["shared"])
@@ -166,7 +169,14 @@ def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: Su
     (a local copy) over a remote one (one ``jax.device_put`` of one expert's weights to each
     device of the instance). Unused slots become zeros. Returns (new params, slots moved across
     instances).
+
+    Under ``jax.distributed`` it works when the expert sub-mesh is inside one process (the
+    others, holding no expert device, just build the new array's metadata); an expert side
+    spanning processes raises NotImplementedError (moves would need ``cross_process`` collectives).
     """
+    if len({dev.process_index for dev in sub.experts.devices.flat}) > 1:
+        raise NotImplementedError("set_placement: the expert sub-mesh spans processes; moving expert "
+                                  "replicas between processes is not implemented (docs/multi_host.md)")
     C = new.slots_per_instance
     insts = sub.spec.experts.devices
     plan: list[int] = []  # source slot per new slot (-1: zeros)
@@ -188,6 +198,8 @@ def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: Su
         for j, inst in enumerate(insts):
             for t, d in enumerate(inst):
                 dev = sub.devices[d]
+                if dev.process_index != jax.process_index():
+                    continue
                 pieces = []
                 for s in range(j * C, (j + 1) * C):
                     src = plan[s]
@@ -198,7 +210,7 @@ def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: Su
                     piece = shards[src_dev][src % C:src % C + 1]
                     pieces.append(piece if src_dev == dev else jax.device_put(piece, dev))
                 per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
-        out[k] = jax.make_array_from_single_device_arrays(arr.shape, sharding, per_device)
+        out[k] = jax.make_array_from_single_device_arrays(arr.shape, sharding, per_device, dtype=arr.dtype)
     return out, moved
 
 

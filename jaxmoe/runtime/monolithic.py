@@ -31,8 +31,8 @@ class MonolithicExecutor:
 
     def __init__(self, cfg: ModelConfig, params: dict, num_slots: int, block_size: int, cache_dtype=None):
         self.cfg, self.params, self.block_size = cfg, params, block_size
-        dtype = cache_dtype or params["embed"].dtype
-        self.cache = init_cache(cfg, num_slots, dtype)
+        self._new_cache = lambda: init_cache(cfg, num_slots, cache_dtype or params["embed"].dtype)
+        self.cache = self._new_cache()
 
         def step(params, tokens, batch, cache, logits_index):
             return forward(params, cfg, tokens, batch, cache, block_size, logits_index)
@@ -43,6 +43,10 @@ class MonolithicExecutor:
 
         self._step = jax.jit(step, donate_argnums=(3,))
         self._step_sample = jax.jit(step_sample, donate_argnums=(3,), static_argnames=("num_logprobs",))
+
+    def reset_cache(self) -> None:
+        """A fresh (zero) KV cache, e.g. after a failed step deleted the donated one."""
+        self.cache = self._new_cache()
 
     def _args(self, tokens, batch: AttentionBatch, logits_index):
         batch = AttentionBatch(*(_int32(a) for a in batch))

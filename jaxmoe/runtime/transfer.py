@@ -26,7 +26,8 @@ whether it crosses nodes. Strategies:
 Execution walks the plan hop by hop with one `jax.device_put` per Transfer (a jit cannot
 take inputs on one mesh and return outputs on another); concatenation and summation
 happen on the receiving device. So the plan's counters are exactly the hops executed.
-This is single-controller: every device must be addressable from this process.
+This is single-controller: every device must be addressable from this process
+(``LocalTransfer``); across processes ``cross_process.CrossProcessTransfer`` runs the same plan.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmoe.mesh import ClusterSpec, SubMeshes
 
@@ -232,6 +234,20 @@ def e2a(y_expert: jax.Array, plan: TransferPlan, sub_meshes: SubMeshes) -> jax.A
                 raise RuntimeError(f"transfer plan bug: attention device {d} got partials {sorted(parts)} of {n}")
             outs.append(data)
     return jax.make_array_from_single_device_arrays(y_expert.shape[1:], sub_meshes.batch_sharding, outs)
+
+
+class LocalTransfer:
+    """``a2e`` / ``e2a`` as a transfer object (``DisaggregatedExecutor.transfer``) for one process,
+    with the interface of ``cross_process.CrossProcessTransfer``: every array is readable here,
+    so ``to_local`` is the identity and ``fetch`` is ``np.asarray``."""
+
+    a2e = staticmethod(a2e)
+    e2a = staticmethod(e2a)
+    fetch = staticmethod(np.asarray)
+
+    @staticmethod
+    def to_local(x: jax.Array) -> jax.Array:
+        return x
 
 
 # --------------------------------------------------------------------------- helpers

@@ -1,0 +1,70 @@
+"""The host-side expert controller (JANUS 3.4): re-places expert replicas from recent activations.
+
+Every ``every_steps`` engine steps (or on ``rebalance()``), it reads the expert side's
+co-activation counters (``DisaggregatedExecutor.expert_coactivation``), takes the counts of the
+window since the last rebalance, plans a new placement per MoE layer with activation-aware
+replication + Algorithm 2 (``jaxmoe.runtime.placement``) and re-shards the replicas between steps
+(``executor.set_placement``; AEBS reads the new replica tables from the next step). Results are
+unchanged by construction — any replica of an expert computes the same thing — only which
+instance does the work moves.
+
+    controller = PlacementController(llm.executor, every_steps=500)
+    llm.engine.step_hooks.append(controller)       # or LLM(..., rebalance_every=500)
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from jaxmoe.runtime.placement import coactivation_load, plan_placement
+
+
+@dataclasses.dataclass
+class Rebalance:
+    """What one rebalance did: per MoE layer the window's tokens and max_g I(g) before / after."""
+
+    tokens: list[int]
+    max_load_before: list[float]
+    max_load_after: list[float]
+    slots_moved: int
+
+
+class PlacementController:
+    def __init__(self, executor, every_steps: int = 0, min_tokens: int = 1):
+        if not hasattr(executor, "expert_coactivation"):
+            raise TypeError(f"{type(executor).__name__} has no expert replicas to place (use a mesh file)")
+        self.executor, self.every_steps, self.min_tokens = executor, every_steps, min_tokens
+        self._seen = executor.expert_coactivation()  # the window starts now
+        self._steps = 0
+        self.history: collections.deque[Rebalance] = collections.deque(maxlen=100)
+
+    def __call__(self, engine=None) -> Rebalance | None:
+        """An engine step hook: rebalance every ``every_steps`` calls (0: never)."""
+        self._steps += 1
+        if self.every_steps and self._steps % self.every_steps == 0:
+            return self.rebalance()
+        return None
+
+    def rebalance(self) -> Rebalance | None:
+        """Plan and apply a new placement from the window's statistics; None (nothing changed)
+        when a layer saw fewer than ``min_tokens`` tokens."""
+        ex = self.executor
+        now = ex.expert_coactivation()
+        window = [a - b for a, b in zip(now, self._seen)]
+        tokens = [int(np.diagonal(w).sum()) for w in window]
+        if min(tokens) < self.min_tokens:
+            return None
+        self._seen = now
+        N, C = ex.num_expert_instances, ex.slots_per_instance
+        old = [ex.placement(i) for i in ex.moe_layers]
+        new = [plan_placement(np.diagonal(w), w, N, C, previous=p) for w, p in zip(window, old)]
+        result = Rebalance(
+            tokens=tokens,
+            max_load_before=[max(coactivation_load(p, w, C)) for p, w in zip(old, window)],
+            max_load_after=[max(coactivation_load(p, w, C)) for p, w in zip(new, window)],
+            slots_moved=ex.set_placement(new),
+        )
+        self.history.append(result)
+        return result
