@@ -72,6 +72,27 @@ def test_load_places_each_tensor_with_the_callback(checkpoint_dir):
     assert all(x.devices() == {devices[1]} for x in jax.tree.leaves(params))
 
 
+def test_load_progress_bar_forced_on_and_off(checkpoint_dir, capsys):
+    from tqdm import tqdm
+
+    from jaxmoe.checkpoint import SafetensorsCheckpoint
+
+    path = checkpoint_dir("mixtral")
+    cfg = load_config(path)
+    ckpt = SafetensorsCheckpoint(path)
+    num_tensors = len(ckpt.names())
+    size = tqdm.format_sizeof(sum(ckpt.nbytes(n) for n in ckpt.names()), divisor=1024)  # e.g. "379k"
+    capsys.readouterr()
+    load_params(path, cfg)  # auto: a tiny checkpoint (< 1 GiB) shows nothing
+    load_params(path, cfg, progress=False)
+    assert capsys.readouterr().err == ""
+    load_params(path, cfg, progress=True)
+    err = capsys.readouterr().err
+    assert "loading weights: 100%" in err
+    assert f"{num_tensors}/{num_tensors} tensors" in err
+    assert f"{size}/{size}" in err  # bytes read / total bytes
+
+
 @pytest.mark.parametrize("case", ["missing", "extra", "misshaped", "truncated", "index_missing_shard"])
 def test_bad_checkpoints_fail_naming_the_tensor(checkpoint_dir, tmp_path, case):
     name = "model.layers.1.mlp.experts.3.up_proj.weight"

@@ -63,21 +63,30 @@ def load_params(directory: str | Path, cfg: ModelConfig, *, dtype=None, place: P
     """Load a checkpoint's parameters as a pytree of jax arrays.
 
     ``dtype`` converts every tensor (default: keep the checkpoint's dtype); ``place(path, array)``
-    puts one converted host array where it belongs (default: the default device).
+    puts one converted host array where it belongs (default: the default device).  ``progress``
+    shows a tqdm bar on stderr (bytes read, checkpoint tensors done): True / False force it on / off, None (the
+    default) shows it when the checkpoint holds more than 1 GiB.
     """
     ckpt = SafetensorsCheckpoint(directory)
     check_checkpoint(ckpt, cfg)
     plan = param_plan(cfg)
+    sizes = [sum(ckpt.nbytes(s) for s in leaf.sources) for leaf in plan]
+    total, num_tensors, done = sum(sizes), sum(len(leaf.sources) for leaf in plan), 0
     if progress is None:
-        progress = sum(ckpt.nbytes(s) for leaf in plan for s in leaf.sources) > _PROGRESS_BYTES
+        progress = total > _PROGRESS_BYTES
     place = place or (lambda path, x: jnp.asarray(x))
     params = empty_tree(cfg)
-    for leaf in tqdm(plan, desc="loading weights", unit="tensor", disable=not progress):
-        arrays = [ckpt.read(s) for s in leaf.sources]
-        host = np.stack(arrays) if leaf.stack else arrays[0]
-        if leaf.transpose:
-            host = np.swapaxes(host, -1, -2)
-        if dtype is not None:
-            host = host.astype(jnp.dtype(dtype))
-        set_leaf(params, leaf.path, place(leaf.path, np.ascontiguousarray(host)))
+    with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+              disable=not progress) as bar:
+        for leaf, size in zip(plan, sizes):
+            arrays = [ckpt.read(s) for s in leaf.sources]
+            host = np.stack(arrays) if leaf.stack else arrays[0]
+            if leaf.transpose:
+                host = np.swapaxes(host, -1, -2)
+            if dtype is not None:
+                host = host.astype(jnp.dtype(dtype))
+            set_leaf(params, leaf.path, place(leaf.path, np.ascontiguousarray(host)))
+            done += len(leaf.sources)
+            bar.set_postfix_str(f"{done}/{num_tensors} tensors", refresh=False)
+            bar.update(size)
     return params

@@ -2,6 +2,11 @@
 
 A converted checkpoint directory holds ``params/`` (Orbax) and ``jaxmoe_config.json``; restoring it
 skips the name mapping and transposes of a Hugging Face load.
+
+Arrays are saved uncompressed (OCDBT, zarr v2, no zstd): Orbax's default zstd saves ~7% of the disk
+space on (random fp32) weights but makes a restore ~2x slower on CPU -- slower than re-converting the
+safetensors -- because decompression, not I/O, is the bottleneck (``bench/load_speed.py``,
+BENCHMARKS.md).  Restore reads either form (the codec is recorded per array).
 """
 from __future__ import annotations
 
@@ -18,9 +23,8 @@ CONFIG_FILE = "jaxmoe_config.json"
 def save_converted(directory: str | Path, params: dict, cfg: ModelConfig) -> None:
     directory = Path(directory).absolute()
     directory.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(directory / "params", params, force=True)
-        ckptr.wait_until_finished()
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ckptr:
+        ckptr.save(directory / "params", args=ocp.args.PyTreeSave(params), force=True)
     (directory / CONFIG_FILE).write_text(cfg.to_json())
 
 

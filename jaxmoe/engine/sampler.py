@@ -64,11 +64,21 @@ def _filter(logits: jnp.ndarray, top_k: jnp.ndarray, top_p: jnp.ndarray) -> jnp.
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
+def _argmax_and_max(logits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(``jnp.argmax(logits, -1)``, max) as two plain reductions.  Same result (first index of the
+    maximum; a NaN counts as the maximum), but XLA:CPU runs the (value, index) pair reduction of
+    ``jnp.argmax`` as a scalar loop: ~1.1 ms of a batch-16 decode step over a 32000 vocabulary."""
+    V = logits.shape[-1]
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    hit = (logits == m) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1), m
+
+
 @partial(jax.jit, static_argnames=("num_logprobs",))
 def sample(logits, temperature, top_k, top_p, seeds, steps, num_logprobs: int = 0):
     """Returns (tokens [B], logprob of token [B], top ids [B, n], top logprobs [B, n])."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy, row_max = _argmax_and_max(logits)
 
     def random_tokens(logits):
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
@@ -81,8 +91,11 @@ def sample(logits, temperature, top_k, top_p, seeds, steps, num_logprobs: int = 
 
     # An all-greedy batch (the common serving case) skips the sort and the random draws entirely.
     tokens = jax.lax.cond(jnp.any(temperature > 0), random_tokens, lambda _: greedy, logits)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs) if num_logprobs else (
-        jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0), jnp.int32))
+    # log p(token) = logit - logsumexp(logits), without materialising the [B, V] log-softmax
+    log_z = row_max[:, 0] + jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1))
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z
+    if num_logprobs:
+        top_lp, top_ids = jax.lax.top_k(logits - log_z[:, None], num_logprobs)
+    else:
+        top_lp, top_ids = jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0), jnp.int32)
     return tokens, chosen, top_ids, top_lp

@@ -61,7 +61,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe.mesh import SubMeshes
-from jaxmoe.runtime.transfer import Transfer, TransferCounts, TransferPlan, plan_transfers
+from jaxmoe.runtime.transfer import Transfer, TransferCounts, TransferPlan, check_input, plan_transfers
 
 XFER = "xfer"  # the global mesh axis: one position per cluster device, in spec device order
 
@@ -143,7 +143,7 @@ class CrossProcessTransfer:
         self._same_cluster(sub)
         plan = plan or self.plan(x)
         m = self.spec.attention.count
-        _check(x, self.sub.batch_sharding, plan.bytes_per_instance * m, plan, "a2e input")
+        check_input(x, self.sub.batch_sharding, plan.bytes_per_instance * m, plan, "a2e input")
         rows = x.shape[0] // m
         fn, rounds = self._program("a2e", plan)
         xg = self._to_global(x, (rows,) + x.shape[1:])
@@ -158,7 +158,7 @@ class CrossProcessTransfer:
         if y.ndim < 2 or y.shape[0] != n:
             raise ValueError(f"e2a input: expected [{n} expert instances, B, ...], got shape {y.shape}")
         plan = plan or plan_transfers(self.spec, y.nbytes // (n * m))
-        _check(y, self.sub.partials_sharding, n * m * plan.bytes_per_instance, plan, "e2a input")
+        check_input(y, self.sub.partials_sharding, n * m * plan.bytes_per_instance, plan, "e2a input")
         fn, rounds = self._program("e2a", plan)
         yg = self._to_global(y, (1,) + y.shape[1:])
         out = fn(yg)
@@ -420,11 +420,3 @@ def _replicate(mesh: Mesh):
     if mesh not in _REPLICATE:
         _REPLICATE[mesh] = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))
     return _REPLICATE[mesh]
-
-
-def _check(x: jax.Array, sharding, nbytes: int, plan: TransferPlan, what: str) -> None:
-    if not x.sharding.is_equivalent_to(sharding, x.ndim):
-        raise ValueError(f"{what}: expected sharding {sharding}, got {x.sharding}")
-    if x.nbytes != nbytes:
-        raise ValueError(f"{what}: the plan was made for {plan.bytes_per_instance} bytes per attention instance "
-                         f"({nbytes} bytes here) but the array has {x.nbytes}; make one plan per batch shape")

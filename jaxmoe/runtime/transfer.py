@@ -198,7 +198,7 @@ def plan_transfers(spec: ClusterSpec, bytes_per_instance: int, strategy: str | N
 def a2e(x_attn: jax.Array, plan: TransferPlan, sub_meshes: SubMeshes) -> jax.Array:
     """[B, ...] P('attn') on the attention mesh -> [B, ...] replicated on the expert mesh."""
     spec, devices = sub_meshes.spec, sub_meshes.devices
-    _check(x_attn, sub_meshes.batch_sharding, spec.attention.count * plan.bytes_per_instance, plan, "a2e input")
+    check_input(x_attn, sub_meshes.batch_sharding, spec.attention.count * plan.bytes_per_instance, plan, "a2e input")
     shards = {s.device: s.data for s in x_attn.addressable_shards}
     held: dict[int, list[_Chunk]] = defaultdict(list)
     for i, inst in enumerate(spec.attention.devices):
@@ -217,7 +217,7 @@ def e2a(y_expert: jax.Array, plan: TransferPlan, sub_meshes: SubMeshes) -> jax.A
     n, m = spec.experts.count, spec.attention.count
     if y_expert.ndim < 2 or y_expert.shape[0] != n:
         raise ValueError(f"e2a input: expected [{n} expert instances, B, ...], got shape {y_expert.shape}")
-    _check(y_expert, sub_meshes.partials_sharding, n * m * plan.bytes_per_instance, plan, "e2a input")
+    check_input(y_expert, sub_meshes.partials_sharding, n * m * plan.bytes_per_instance, plan, "e2a input")
     shards = {s.device: s.data for s in y_expert.addressable_shards}
     everything = tuple(range(m))
     held: dict[int, list[_Chunk]] = defaultdict(list)
@@ -314,7 +314,8 @@ def _sum(chunks: list[_Chunk], blocks: tuple[int, ...]) -> tuple[frozenset[int],
     return parts, functools.reduce(operator.add, picked)
 
 
-def _check(x: jax.Array, sharding, nbytes: int, plan: TransferPlan, what: str) -> None:
+def check_input(x: jax.Array, sharding, nbytes: int, plan: TransferPlan, what: str) -> None:
+    """Raise ValueError unless x has the sharding and size the transfer plan was made for."""
     if not x.sharding.is_equivalent_to(sharding, x.ndim):
         raise ValueError(f"{what}: expected sharding {sharding}, got {x.sharding}")
     if x.nbytes != nbytes:
