@@ -278,3 +278,28 @@ def test_replica_tables():
         ReplicaLayout(tuple([0] * 28), 8, 7, 4)
     with pytest.raises(ValueError, match="entries"):
         ReplicaLayout((0, 1), 8, 7, 4)
+
+
+def test_failed_step_that_deletes_the_cache_is_recovered(llms):
+    """A crashed step that took the donated KV cache with it: the engine re-allocates the sharded
+    cache (same shapes and shardings) and later requests get the monolithic tokens."""
+    from jax import tree
+
+    from jaxmoe.engine.engine import StepFailedError
+    from server.testing import crashing_run
+
+    dis = llms("mixtral", "meshes/cpu-8.yaml")
+    layout = [(a.shape, a.sharding) for a in tree.leaves(dis.executor.cache)]
+    engine, real_run = dis.engine, dis.engine.runner.run
+    engine.runner.run = crashing_run(engine.runner)
+    try:
+        rid = engine.add_request(PROMPTS[0], GREEDY)
+        with pytest.raises(StepFailedError, match="injected device failure") as err:
+            engine.step()
+    finally:
+        engine.runner.run = real_run
+    assert err.value.request_ids == [rid]
+    engine.abort(rid)
+    leaves = tree.leaves(dis.executor.cache)
+    assert [(a.shape, a.sharding) for a in leaves] == layout and not any(a.is_deleted() for a in leaves)
+    assert _greedy(dis) == _greedy(llms("mixtral"))
