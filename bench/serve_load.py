@@ -141,15 +141,19 @@ def precompile(engine: LLMEngine) -> int:
 
 
 def track_shapes(executor) -> set:
-    """Record the shape of every step the executor runs (to count compiles during a run)."""
+    """Record the shape of every step the executor runs (to count compiles during a run): its
+    ``forward`` and, when it has one, the fused ``forward_sample`` the model runner prefers."""
     seen: set = set()
-    forward = executor.forward
+    for name in ("forward", "forward_sample"):
+        method = getattr(executor, name, None)
+        if method is None:
+            continue
 
-    def recording(tokens, batch, logits_index):
-        seen.add((np.shape(tokens), np.shape(batch.block_tables), logits_index is None))
-        return forward(tokens, batch, logits_index)
+        def recording(tokens, batch, logits_index, *args, _method=method, _name=name, **kwargs):
+            seen.add((_name, np.shape(tokens), np.shape(batch.block_tables), logits_index is None))
+            return _method(tokens, batch, logits_index, *args, **kwargs)
 
-    executor.forward = recording
+        setattr(executor, name, recording)
     return seen
 
 

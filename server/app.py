@@ -32,8 +32,8 @@ class ServeOptions:
     model_name: str = "demo"
     mesh_description: str = "monolithic: one device (no mesh file)"
     warmup: bool = True
-    warmup_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    warmup_prompt_lens: tuple[int, ...] = (16, 64)
+    warmup_batch_sizes: tuple[int, ...] | None = None  # None: AsyncEngine.warmup's defaults (from the
+    warmup_prompt_lens: tuple[int, ...] | None = None  # engine's max_num_seqs / max_batch_tokens)
     grpc_workers: int = 64
 
 

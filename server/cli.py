@@ -34,8 +34,10 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--rebalance-every", type=int, default=0,
                        help="with --mesh: re-place expert replicas from recent activations every N steps")
     serve.add_argument("--no-warmup", action="store_true", help="skip compiling before serving")
-    serve.add_argument("--warmup-batch-sizes", default="1,2,4,8")
-    serve.add_argument("--warmup-prompt-lens", default="16,64")
+    serve.add_argument("--warmup-batch-sizes", default=None,
+                       help="comma-separated (default: powers of two up to --max-num-seqs)")
+    serve.add_argument("--warmup-prompt-lens", default=None,
+                       help="comma-separated (default: powers of two from 16 to min(512, --max-batch-tokens))")
     serve.add_argument("--shutdown-grace", type=float, default=10.0,
                        help="seconds in-flight requests may take to finish on SIGTERM")
     serve.add_argument("--abort-on-shutdown", action="store_true", help="abort in-flight requests at once")
@@ -57,8 +59,8 @@ def register(sub, add_model_args) -> None:
     client.set_defaults(func=cmd_client)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    return None if text is None else tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def cmd_serve(args) -> int:

@@ -180,3 +180,36 @@ def test_snapshot_is_published(aengine):
     snap = aengine.snapshot()
     assert set(snap["queues"]) == {"ls_prefill", "ls_decode", "be_prefill", "be_decode"}
     assert snap["kv_free_blocks"] == snap["num_blocks"]
+
+
+def test_default_warmup_compiles_the_shapes_serving_meets(llm):
+    """warmup() with its defaults (from max_num_seqs / max_batch_tokens) runs decodes of every
+    power-of-two batch and prefills of every power-of-two length: afterwards, a mixed load of
+    short prompts arriving while others decode runs no step shape that warm-up did not."""
+    import numpy as np
+
+    ex = llm.executor
+    seen, real = set(), ex.forward_sample
+
+    def recording(tokens, batch, *args, **kwargs):
+        seen.add((np.shape(tokens), np.shape(batch.block_tables)))
+        return real(tokens, batch, *args, **kwargs)
+
+    ex.forward_sample = recording
+    ae = AsyncEngine(llm.engine).start()
+    try:
+        old = llm.engine.scheduler.max_batch_tokens
+        llm.engine.scheduler.max_batch_tokens = 64  # default grid: lengths 16, 32, 64
+        ae.warmup()
+        warm = set(seen)
+        streams = [ae.add("x" * n, SamplingParams(max_tokens=4, ignore_eos=True)) for n in (3, 20, 9, 40)]
+        late = [ae.add("y" * n, SamplingParams(max_tokens=3, ignore_eos=True)) for n in (12, 30, 5, 50)]
+        for stream in streams + late:
+            _drain(stream)
+    finally:
+        llm.engine.scheduler.max_batch_tokens = old
+        ae.shutdown(abort_inflight=True, timeout=10)
+        ex.forward_sample = real
+    assert {t[0] for t, _ in warm if t[1] == 1} >= {1, 2, 4, 8}  # decode batches up to max_num_seqs
+    assert {t[1] for t, _ in warm} >= {16, 32, 64}
+    assert seen <= warm, sorted(seen - warm)

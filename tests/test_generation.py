@@ -45,6 +45,29 @@ def test_batched_prompts_equal_individual_generation(llm):
     assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in together)
 
 
+def test_mixed_step_runs_decodes_and_prefills_as_separate_batches(llm):
+    """A prompt arriving while others decode: that step runs [B, 1] decodes and the [b, T] prefill
+    as two batches (no decode row padded to the chunk's length), and every request still gets
+    the tokens it gets alone."""
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = {p: llm.generate(p, greedy)[0].token_ids for p in PROMPTS}
+    engine, ex = llm.engine, llm.executor
+    shapes, real = [], ex.forward_sample
+    ex.forward_sample = lambda tokens, *a, **k: (shapes.append(np.shape(tokens)), real(tokens, *a, **k))[1]
+    try:
+        first = [engine.add_request(p, greedy) for p in PROMPTS[:2]]
+        engine.step(), engine.step()  # both decoding now
+        shapes.clear()
+        late = engine.add_request(PROMPTS[2], greedy)
+        engine.step()
+        mixed_step = list(shapes)
+        final = engine.run_until_done(timeout=120)
+    finally:
+        ex.forward_sample = real
+    assert [s[1] for s in mixed_step] == [1, 64] and mixed_step[0][0] == 2
+    assert [final[r].token_ids for r in first + [late]] == [alone[p] for p in PROMPTS]
+
+
 def test_logprobs_are_the_model_distribution(llm):
     prompt = llm.tokenizer.encode("logprobs please")
     out = llm.generate([prompt], SamplingParams(max_tokens=3, logprobs=5, ignore_eos=True))[0]

@@ -189,20 +189,27 @@ class AsyncEngine:
         """Latest statistics published by the loop (scheduler stats, KV blocks, expert counts)."""
         return self._snapshot
 
-    def warmup(self, batch_sizes=(1, 2, 4, 8), prompt_lens=(16,), max_tokens: int = 2) -> float:
-        """Compile the prefill/decode programs for common bucket shapes by running tiny requests
-        (``b`` prompts of each length at once, then their decodes). Returns the seconds spent."""
+    def warmup(self, batch_sizes=None, prompt_lens=None, max_tokens: int = 2) -> float:
+        """Compile the step programs for the bucket shapes serving will meet, by running tiny
+        requests: decodes of each batch size (``batch_sizes``; default every power of two up to
+        ``max_num_seqs``; the block-table width of short contexts) and prefills of 1, 2 and 4
+        prompts of each length (``prompt_lens``;
+        default powers of two from 16 up to the longest chunk a step can hold, at most 512).
+        Mixed steps run decodes and prefills as separate batches, so these cover them. Returns
+        the seconds spent."""
         def run(engine: LLMEngine) -> float:
             t0 = time.monotonic()
             limit = min(engine.scheduler.max_num_seqs, engine.scheduler.max_waiting)
-            sizes = sorted({min(b, limit) for b in batch_sizes if limit > 0})
+            longest = max(1, min(512, engine.scheduler.max_batch_tokens, engine.max_model_len - max_tokens - 1))
+            sizes = sorted({min(b, limit) for b in (batch_sizes or _powers_of_two(limit)) if limit > 0})
+            lens = sorted({max(1, min(n, longest)) for n in (prompt_lens or _powers_of_two(longest, 16))})
             sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            for n in prompt_lens:
-                n = max(1, min(n, engine.max_model_len - max_tokens - 1))
-                for b in sizes:
-                    for _ in range(b):
-                        engine.add_request([1] * n, sampling)
-                    engine.run_until_done(timeout=600)
+            # 1-token prompts: prefill and decodes are both [b, 1]; then prefills of each length
+            shapes = [(b, 1) for b in sizes] + [(b, n) for n in lens for b in sizes if b <= 4]
+            for b, n in shapes:
+                for _ in range(b):
+                    engine.add_request([1] * n, sampling)
+                engine.run_until_done(timeout=600)
             return time.monotonic() - t0
 
         return self.call(run, timeout=None)
@@ -386,3 +393,12 @@ class AsyncEngine:
             except Exception:
                 log.exception("expert_activation_counts() failed")
         self._snapshot = snap
+
+
+def _powers_of_two(upto: int, start: int = 1) -> list[int]:
+    """start, 2*start, ... while <= upto, and ``upto`` itself (the shapes buckets round to)."""
+    out, n = [], start
+    while n < upto:
+        out.append(n)
+        n *= 2
+    return out + [upto]

@@ -1,8 +1,9 @@
 """Turns one scheduled step (rows of tokens with their positions and block tables) into padded
 device arrays, runs the executor (monolithic or disaggregated) and samples the next tokens.
 
-Shapes are bucketed to powers of two (rows, tokens per row, blocks per row) so a serving run
-compiles a handful of programs, not one per batch.
+Shapes are bucketed to powers of two (rows, tokens per row — at least 16 for a prefill chunk —,
+blocks per row) so a serving run compiles a handful of programs, not one per batch; a step mixing
+decodes and prefill chunks runs them as two batches (``run``).
 
 Row placement: an executor with m attention instances (``num_attention``) splits the batch rows
 contiguously over them and holds the KV cache slot range j*S/m .. (j+1)*S/m on instance j. The
@@ -42,6 +43,9 @@ class Sampled:
     top: list[tuple[int, float]]  # top alternatives (token id, logprob), when asked
 
 
+MIN_PREFILL_BUCKET = 16  # prefill chunks shorter than this pad to it: fewer programs to compile
+
+
 def _bucket(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
@@ -70,7 +74,8 @@ class ModelRunner:
         """Padded (tokens [B, T], AttentionBatch, logits_index [B]) for the rows, and each row's
         padded row ``where`` [len(rows)] (see ``placement``)."""
         where, B = self.placement(rows)
-        T = _bucket(max(len(r.token_ids) for r in rows))
+        longest = max(len(r.token_ids) for r in rows)
+        T = 1 if longest == 1 else _bucket(longest, MIN_PREFILL_BUCKET)
         NB = min(_bucket(max(len(r.block_table) for r in rows)), _bucket(self.max_blocks_per_seq))
         tokens = np.zeros((B, T), np.int32)
         positions = np.zeros((B, T), np.int32)
@@ -98,9 +103,24 @@ class ModelRunner:
     def run(self, rows: list[Row]) -> list[Sampled | None]:
         """One step: forward every row, sample a token for rows that have sampling params.
 
-        With an executor that has ``forward_sample`` (the monolithic one) the forward pass and the
-        sampler run as one jitted program and only the sampled tokens come back to the host.
+        A step that mixes decodes (one token per row) with prefill chunks runs as two batches,
+        decodes and prefills: one padded [B, T] batch would pad every decode row to the longest
+        chunk (16 decodes beside a 256-token chunk: 4096 token slots for 272 tokens).
         """
+        single = [len(r.token_ids) == 1 for r in rows]
+        if any(single) and not all(single):
+            groups = [[i for i, one in enumerate(single) if one], [i for i, one in enumerate(single) if not one]]
+            out: list[Sampled | None] = [None] * len(rows)
+            for group in groups:
+                for i, sampled in zip(group, self._run([rows[i] for i in group])):
+                    out[i] = sampled
+            return out
+        return self._run(rows)
+
+    def _run(self, rows: list[Row]) -> list[Sampled | None]:
+        """Forward + sample one padded batch. With an executor that has ``forward_sample`` (the
+        monolithic one) the forward pass and the sampler run as one jitted program and only the
+        sampled tokens come back to the host."""
         tokens_in, batch, last, where = self.prepare(rows)
         B = tokens_in.shape[0]
         temperature = np.zeros(B, np.float32)
