@@ -315,9 +315,8 @@ def start_jaxmoe(a, ckpt: pathlib.Path, log_dir: pathlib.Path) -> Server:
     cmd = base + ["serve", "--model", str(ckpt), "--dtype", a.dtype, "--host", "127.0.0.1", "--http-port",
                   str(port), "--grpc-port", "0", "--served-model-name", "bench", "--max-num-seqs",
                   str(a.max_num_seqs), "--max-model-len", str(a.max_model_len),
-                  "--max-batch-tokens", str(a.max_batch_tokens),
-                  "--warmup-batch-sizes", ",".join(str(1 << i) for i in range(a.max_num_seqs.bit_length())),
-                  "--warmup-prompt-lens", "16,64", "--shutdown-grace", "0", *a.jaxmoe_arg]
+                  "--max-batch-tokens", str(a.max_batch_tokens),  # default warm-up grid from these
+                  "--shutdown-grace", "0", *a.jaxmoe_arg]
     env = dict(os.environ, JAX_LOG_COMPILES="1", PYTHONUNBUFFERED="1")
     env.setdefault("JAX_PLATFORMS", "cpu")
     return Server("jaxmoe", cmd, env, port, log_dir / "jaxmoe.log")

@@ -183,9 +183,10 @@ def test_snapshot_is_published(aengine):
 
 
 def test_default_warmup_compiles_the_shapes_serving_meets(llm):
-    """warmup() with its defaults (from max_num_seqs / max_batch_tokens) runs decodes of every
-    power-of-two batch and prefills of every power-of-two length: afterwards, a mixed load of
-    short prompts arriving while others decode runs no step shape that warm-up did not."""
+    """warmup() runs decodes of every power-of-two batch up to max_num_seqs (default) at every
+    block-table width up to max_model_len, and first prefill chunks of the given lengths:
+    afterwards, a mixed load (prompts of 4-15 and 101-121 tokens, up to 3 KV blocks of 64 with
+    their outputs, arriving while others decode) runs no step shape that warm-up did not."""
     import numpy as np
 
     ex = llm.executor
@@ -197,19 +198,19 @@ def test_default_warmup_compiles_the_shapes_serving_meets(llm):
 
     ex.forward_sample = recording
     ae = AsyncEngine(llm.engine).start()
+    old = llm.engine.scheduler.max_batch_tokens
     try:
-        old = llm.engine.scheduler.max_batch_tokens
-        llm.engine.scheduler.max_batch_tokens = 64  # default grid: lengths 16, 32, 64
-        ae.warmup()
+        llm.engine.scheduler.max_batch_tokens = 256  # no prompt here is chunked
+        ae.warmup(prompt_lens=(16, 128))
         warm = set(seen)
-        streams = [ae.add("x" * n, SamplingParams(max_tokens=4, ignore_eos=True)) for n in (3, 20, 9, 40)]
-        late = [ae.add("y" * n, SamplingParams(max_tokens=3, ignore_eos=True)) for n in (12, 30, 5, 50)]
+        streams = [ae.add("x" * n, SamplingParams(max_tokens=6, ignore_eos=True)) for n in (3, 100, 9, 14, 120)]
+        late = [ae.add("y" * n, SamplingParams(max_tokens=3, ignore_eos=True)) for n in (12, 110, 5)]
         for stream in streams + late:
             _drain(stream)
     finally:
         llm.engine.scheduler.max_batch_tokens = old
         ae.shutdown(abort_inflight=True, timeout=10)
         ex.forward_sample = real
-    assert {t[0] for t, _ in warm if t[1] == 1} >= {1, 2, 4, 8}  # decode batches up to max_num_seqs
-    assert {t[1] for t, _ in warm} >= {16, 32, 64}
+    assert {t[0] for t, nb in warm if t[1] == 1} >= {1, 2, 4, 8}  # decode batches up to max_num_seqs
+    assert {nb[1] for t, nb in warm if t[1] == 1} >= {1, 2, 4}  # block-table widths up to 256 tokens
     assert seen <= warm, sorted(seen - warm)

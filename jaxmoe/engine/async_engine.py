@@ -192,8 +192,8 @@ class AsyncEngine:
     def warmup(self, batch_sizes=None, prompt_lens=None, max_tokens: int = 2) -> float:
         """Compile the step programs for the bucket shapes serving will meet, by running tiny
         requests: decodes of each batch size (``batch_sizes``; default every power of two up to
-        ``max_num_seqs``; the block-table width of short contexts) and prefills of 1, 2 and 4
-        prompts of each length (``prompt_lens``;
+        ``max_num_seqs``, at every block-table width up to ``max_model_len``) and prefills of 1, 2
+        and 4 prompts of each length (``prompt_lens``;
         default powers of two from 16 up to the longest chunk a step can hold, at most 512).
         Mixed steps run decodes and prefills as separate batches, so these cover them. Returns
         the seconds spent."""
@@ -206,10 +206,17 @@ class AsyncEngine:
             sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             # 1-token prompts: prefill and decodes are both [b, 1]; then prefills of each length
             shapes = [(b, 1) for b in sizes] + [(b, n) for n in lens for b in sizes if b <= 4]
+            if engine.has_work():
+                raise RuntimeError("warm up before serving traffic: requests are in flight")
             for b, n in shapes:
                 for _ in range(b):
                     engine.add_request([1] * n, sampling)
                 engine.run_until_done(timeout=600)
+            # decodes of every batch size at every block-table width (contexts up to max_model_len)
+            runner = engine.runner
+            for nb in _powers_of_two(runner.max_blocks_per_seq):
+                for b in sizes:
+                    runner.warm_decode(b, nb)
             return time.monotonic() - t0
 
         return self.call(run, timeout=None)

@@ -94,6 +94,14 @@ class ModelRunner:
             last[i] = n - 1
         return tokens, AttentionBatch(positions, slots, tables), last, where
 
+    def warm_decode(self, batch_size: int, blocks: int) -> None:
+        """Compile (by running) the decode program for ``batch_size`` rows with block tables
+        ``blocks`` wide, on dummy rows spread over the attention instances. Each row writes one
+        KV slot (the first of its instance's first block): only while no sequence holds KV."""
+        m, per = self.num_instances, self.blocks_per_instance
+        greedy = SamplingParams(max_tokens=1)
+        self.run([Row([0], 0, [(j % m) * per] * blocks, greedy) for j in range(batch_size)])
+
     def forward(self, rows: list[Row], all_logits: bool = False):
         """Logits of the rows, in their order: [len(rows), V] at each row's last token, or
         [len(rows), T, V] with ``all_logits``."""
