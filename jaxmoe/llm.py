@@ -65,8 +65,7 @@ class LLM:
         if rebalance_every:
             from jaxmoe.runtime.controller import PlacementController
 
-            self.controller = PlacementController(self.executor, every_steps=rebalance_every)
-            self.engine.step_hooks.append(self.controller)
+            self.controller = PlacementController.attach(self.engine, rebalance_every)
 
     @property
     def params(self) -> dict:

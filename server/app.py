@@ -48,7 +48,7 @@ def load_engine(model: str, engine_config: EngineConfig, mesh: str | None = None
     if rebalance_every:
         from jaxmoe.runtime.controller import PlacementController
 
-        engine.step_hooks.append(PlacementController(engine.runner.executor, every_steps=rebalance_every))
+        PlacementController.attach(engine, rebalance_every)
     return engine
 
 

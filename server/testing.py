@@ -8,6 +8,7 @@ then a server / ``AsyncEngine`` wraps that same engine. The small KV geometry (6
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import threading
@@ -44,13 +45,26 @@ def engine_idle_and_free(async_engine) -> bool:
     return async_engine.call(check)
 
 
-def hold_engine_loop(async_engine, seconds: float) -> threading.Thread:
-    """Keep the engine thread busy for ``seconds`` (a blocking ``call``), so that requests sent
-    meanwhile are admitted together, deterministically, when it ends (overload tests)."""
-    t = threading.Thread(target=async_engine.call, args=(lambda engine: time.sleep(seconds),), daemon=True)
-    t.start()
-    time.sleep(0.05)  # let the call reach the loop first
-    return t
+def burst_into_full_queue(async_engine, send, n: int = 12, max_waiting: int = 2) -> list:
+    """Send ``n`` requests at once (``send(i)`` from n threads) while the engine loop is held
+    busy and at most ``max_waiting`` requests may wait: ``max_waiting`` are admitted, the rest
+    are overloaded. Returns the ``send`` results in order; restores the queue bound."""
+    old = async_engine.call(lambda e: e.scheduler.max_waiting)
+    async_engine.call(lambda e: setattr(e.scheduler, "max_waiting", max_waiting))
+    barrier = threading.Barrier(n)
+    busy = threading.Thread(target=async_engine.call, args=(lambda engine: time.sleep(1.0),), daemon=True)
+    busy.start()
+    time.sleep(0.05)  # let the blocking call reach the loop first: all n requests arrive meanwhile
+
+    def one(i):
+        barrier.wait(10)
+        return send(i)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            return list(pool.map(one, range(n), timeout=120))
+    finally:
+        async_engine.call(lambda e: setattr(e.scheduler, "max_waiting", old))
 
 
 def crashing_run(runner, message: str = "injected device failure"):

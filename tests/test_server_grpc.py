@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,7 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from jaxmoe.engine.sampler import SamplingParams
 from server.app import ServeOptions, ServerThread
 from server.client import JaxmoeClient, make_request
-from server.testing import WARMUP, engine_idle_and_free, failing_steps, hold_engine_loop, shared_demo_llm, wait_until
+from server.testing import WARMUP, burst_into_full_queue, engine_idle_and_free, failing_steps, shared_demo_llm, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -154,14 +153,7 @@ def test_engine_failure_is_internal_and_server_survives(server, client, referenc
 
 
 def test_overload_is_resource_exhausted(server, client):
-    ae = server.async_engine
-    old = ae.call(lambda e: e.scheduler.max_waiting)
-    ae.call(lambda e: setattr(e.scheduler, "max_waiting", 2))
-    barrier = threading.Barrier(12)
-    hold_engine_loop(ae, 1.0)  # all 12 arrive while the loop is busy: 2 fit in the waiting queue
-
     def one(i):
-        barrier.wait(10)
         try:
             _collect(client.generate(PROMPTS[i % 8], max_tokens=8, timeout=60))
             return "ok"
@@ -170,11 +162,7 @@ def test_overload_is_resource_exhausted(server, client):
             assert "overloaded" in e.details()
             return "exhausted"
 
-    try:
-        with ThreadPoolExecutor(12) as pool:
-            codes = list(pool.map(one, range(12), timeout=120))
-    finally:
-        ae.call(lambda e: setattr(e.scheduler, "max_waiting", old))
+    codes = burst_into_full_queue(server.async_engine, one)
     assert codes.count("exhausted") == 10 and codes.count("ok") == 2, codes
 
 

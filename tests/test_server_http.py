@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
 from jaxmoe.engine.sampler import SamplingParams
 from server.app import ServeOptions, ServerThread
-from server.testing import WARMUP, engine_idle_and_free, failing_steps, hold_engine_loop, shared_demo_llm, wait_until
+from server.testing import WARMUP, burst_into_full_queue, engine_idle_and_free, failing_steps, shared_demo_llm, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -145,21 +143,8 @@ def test_other_400s(server, oai):
 
 
 def test_overload_is_429(server):
-    ae = server.async_engine
-    old = ae.call(lambda e: e.scheduler.max_waiting)
-    ae.call(lambda e: setattr(e.scheduler, "max_waiting", 2))
-    barrier = threading.Barrier(12)
-    hold_engine_loop(ae, 1.0)  # all 12 arrive while the loop is busy: 2 fit in the waiting queue
-
-    def one(i):
-        barrier.wait(10)
-        return _post(server, "/v1/completions", {"prompt": f"req {i}", "max_tokens": 8})
-
-    try:
-        with ThreadPoolExecutor(12) as pool:
-            results = list(pool.map(one, range(12), timeout=120))
-    finally:
-        ae.call(lambda e: setattr(e.scheduler, "max_waiting", old))
+    results = burst_into_full_queue(
+        server.async_engine, lambda i: _post(server, "/v1/completions", {"prompt": f"req {i}", "max_tokens": 8}))
     statuses = [s for s, _ in results]
     assert statuses.count(429) == 10 and statuses.count(200) == 2, statuses
     err = next(body for s, body in results if s == 429)["error"]

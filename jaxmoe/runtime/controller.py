@@ -9,7 +9,8 @@ unchanged by construction â€” any replica of an expert computes the same thing â
 instance does the work moves.
 
     controller = PlacementController(llm.executor, every_steps=500)
-    llm.engine.step_hooks.append(controller)       # or LLM(..., rebalance_every=500)
+    llm.engine.step_hooks.append(controller)       # or PlacementController.attach(llm.engine, 500),
+                                                   # or LLM(..., rebalance_every=500)
 """
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ class PlacementController:
         self._seen = executor.expert_coactivation()  # the window starts now
         self._steps = 0
         self.history: collections.deque[Rebalance] = collections.deque(maxlen=100)
+
+    @classmethod
+    def attach(cls, engine, every_steps: int) -> "PlacementController":
+        """A controller for the engine's executor, run after every engine step."""
+        controller = cls(engine.runner.executor, every_steps=every_steps)
+        engine.step_hooks.append(controller)
+        return controller
 
     def __call__(self, engine=None) -> Rebalance | None:
         """An engine step hook: rebalance every ``every_steps`` calls (0: never)."""
