@@ -1,0 +1,252 @@
+"""FinDEP planning: alpha-beta fits, the event model of a pipelined step, its closed form, the solver."""
+
+import itertools
+import json
+import random
+
+import pytest
+
+from jaxmoe.planning.linear import LinearModel
+from jaxmoe.planning.paper_profile import paper_profile
+from jaxmoe.planning.profile import Dims, Profile, ProfileError, StageModels
+from jaxmoe.planning.schedule import StageTimes, estimate, layer_kinds, simulate
+from jaxmoe.planning.solver import BatchShape, Limits, PlanError, brute_force, pppipe, solve
+
+
+def deepseek_dims(ag=3, eg=5, moe_layers=16, dense_layers=1) -> Dims:
+    return Dims(
+        hidden=5120,
+        heads=128,
+        qk_head_dim=192,
+        v_head_dim=128,
+        expert_width=1536,
+        shared_width=3072,
+        num_experts=160,
+        top_k=6,
+        moe_layers=moe_layers,
+        dense_layers=dense_layers,
+        dtype_bytes=2,
+        attention_instances=ag,
+        expert_instances=eg,
+    )
+
+
+def random_times(rng: random.Random) -> StageTimes:
+    def mag():
+        return 0.0 if rng.random() < 0.1 else 10 ** rng.uniform(-3, 1)
+
+    return StageTimes(mag() or 1e-3, mag(), mag(), mag() or 1e-3, mag(), dense=mag())
+
+
+# ------------------------------------------------------------------ alpha-beta fits (eq. 7-9)
+
+
+def test_fit_recovers_coefficients_and_reports_r2():
+    rng = random.Random(0)
+    xs = [[rng.uniform(1, 1e6), rng.uniform(1, 1e9)] for _ in range(40)]
+    ys = [2e-4 + 3e-9 * a + 5e-13 * b for a, b in xs]
+    m = LinearModel.fit(xs, ys)
+    assert m.alpha == pytest.approx(2e-4, rel=1e-6)
+    assert m.betas == pytest.approx((3e-9, 5e-13), rel=1e-6)
+    assert m.r2 == pytest.approx(1.0) and m.points == 40
+    noisy = LinearModel.fit([x[0] for x in xs], [2e-4 + 3e-9 * x[0] + rng.gauss(0, 1e-4) for x in xs])
+    assert 0.0 < noisy.r2 < 1.0 and noisy.alpha >= 0 and noisy.betas[0] >= 0
+
+
+def test_fit_keeps_coefficients_non_negative_and_needs_enough_points():
+    m = LinearModel.fit([1, 2, 3, 4], [4.0, 3.0, 2.0, 1.0])  # decreasing data: beta clamps at 0
+    assert m.betas[0] == 0.0 and m.alpha > 0
+    with pytest.raises(ValueError, match="at least 2"):
+        LinearModel.fit([1.0], [1.0])
+
+
+# ------------------------------------------------------------------ the event model of one step
+
+
+def check_constraints(events, times: StageTimes, order: str, r1: int, r2: int, layers) -> None:
+    """FinDEP eq. 5 on a timeline: one task at a time per resource, and every dependency respected."""
+    by_res = {}
+    for e in events:
+        by_res.setdefault(e.resource, []).append(e)
+    for evs in by_res.values():
+        evs.sort(key=lambda e: e.start)
+        for a, b in zip(evs, evs[1:]):
+            assert b.start >= a.end - 1e-9
+    end = {(e.task, e.layer, e.micro_batch, e.chunk): e for e in events}
+    for e in events:
+        t, i, j = e.layer, e.micro_batch, e.chunk
+        if e.task == "attention" and t > 0:
+            prev = [end[k] for k in end if k[1] == t - 1 and k[2] == i and k[0] in ("e2a", "shared", "dense")]
+            assert all(e.start >= p.end - 1e-9 for p in prev)
+        if e.task in ("shared", "dense"):
+            assert e.start >= end["attention", t, i, -1].end - 1e-9
+        if e.task == "a2e":
+            first = (
+                end[("shared", t, i, -1)]
+                if order == "PP" and ("shared", t, i, -1) in end
+                else end["attention", t, i, -1]
+            )
+            assert e.start >= first.end - 1e-9
+        if e.task == "expert":
+            assert e.start >= end["a2e", t, i, j].end - 1e-9
+        if e.task == "e2a":
+            assert e.start >= end["expert", t, i, j].end - 1e-9
+
+
+def test_sequential_schedule_is_the_sum_of_its_stages():
+    times = StageTimes(attention=1.0, shared=0.5, a2e=0.2, expert=2.0, e2a=0.3)
+    total, _ = simulate(times, "PP", 1, 1, layer_kinds(4, 0))
+    assert total == pytest.approx(4 * (1.0 + 0.5 + 0.2 + 2.0 + 0.3))
+
+
+def test_asas_two_micro_batches_by_hand():
+    # A0 [0,1) S0 [1,1.5) A1 [1.5,2.5) S1 [2.5,3); chunks of mb0 released at 1: a2e [1,1.2) expert [1.2,3.2)
+    # e2a [3.2,3.5); mb1 released at 2.5: a2e [2.5,2.7) expert [3.2,5.2) e2a [5.2,5.5) -> one layer ends at 5.5
+    times = StageTimes(attention=1.0, shared=0.5, a2e=0.2, expert=2.0, e2a=0.3)
+    total, events = simulate(times, "ASAS", 2, 1, layer_kinds(1, 0), timeline=True)
+    assert total == pytest.approx(5.5)
+    assert {(e.task, e.micro_batch): (e.start, e.end) for e in events}[("expert", 1)] == pytest.approx((3.2, 5.2))
+
+
+@pytest.mark.parametrize("order", ["ASAS", "AASS", "PP"])
+def test_timeline_respects_resources_and_dependencies(order):
+    rng = random.Random(hash(order) % 1000)
+    for _ in range(20):
+        times, r1, r2 = random_times(rng), rng.randint(1, 4), rng.randint(1, 4)
+        layers = layer_kinds(rng.randint(1, 4), rng.randint(0, 1))
+        _, events = simulate(times, order, r1, r2, layers, timeline=True)
+        check_constraints(events, times, order, r1, r2, layers)
+
+
+def test_steady_state_extrapolation_and_closed_form_equal_the_full_event_model():
+    rng = random.Random(1)
+    for _ in range(1000):
+        times = random_times(rng)
+        order, r1, r2 = rng.choice(["ASAS", "AASS", "PP"]), rng.randint(1, 16), rng.randint(1, 32)
+        moe, dense = rng.randint(1, 40), rng.randint(0, 3)
+        full, _ = simulate(times, order, r1, r2, layer_kinds(moe, dense), timeline=True)
+        fast, _ = simulate(times, order, r1, r2, layer_kinds(moe, dense))
+        assert fast == pytest.approx(full, rel=1e-9)
+        assert estimate(times, order, r1, r2, moe, dense) == pytest.approx(full, rel=1e-9)
+
+
+# ------------------------------------------------------------------ the solver (Algorithm 1)
+
+
+def grid_cases():
+    for (ag, eg), batch, seq in itertools.product(
+        [(3, 5), (4, 4), (1, 7), (8, 24)], [1, 4, 16, 33], [1, 1024, 4096, 8192]
+    ):
+        yield (ag, eg), BatchShape(batch, seq if seq > 1 else 1, seq if seq > 1 else 2048)
+
+
+@pytest.mark.parametrize("mode", ["batch", "max"])
+def test_solver_matches_brute_force_within_one_percent_and_runs_under_5ms(mode):
+    cases = list(grid_cases())
+    assert len(cases) >= 50
+    slowest = 0.0
+    for (ag, eg), shape in cases:
+        profile = paper_profile(deepseek_dims(ag, eg), "mesh", "model")
+        plan = solve(profile, shape, mode=mode)
+        best = brute_force(profile, shape, mode=mode)
+        assert plan.tokens_per_s >= 0.99 * best.tokens_per_s, (ag, eg, shape, plan, best)
+        slowest = max(slowest, min(solve(profile, shape, mode=mode).solve_ms for _ in range(3)))
+        predicted, _ = simulate(plan.stage_times, plan.order, plan.r1, plan.r2, layer_kinds(16, 1))
+        assert plan.time_s == pytest.approx(predicted, rel=1e-9)  # the plan's time is the event model's
+    assert slowest <= 5.0
+
+
+def test_solver_on_random_profiles_and_limits_matches_brute_force():
+    rng = random.Random(2)
+    for _ in range(60):
+        ag, eg = rng.choice([(1, 7), (2, 6), (4, 4)])
+        dims = Dims(
+            hidden=256,
+            heads=8,
+            qk_head_dim=32,
+            v_head_dim=32,
+            expert_width=512,
+            shared_width=rng.choice([0, 512]),
+            num_experts=8,
+            top_k=2,
+            moe_layers=rng.randint(1, 24),
+            dense_layers=rng.randint(0, 2),
+            dtype_bytes=4,
+            attention_instances=ag,
+            expert_instances=eg,
+        )
+
+        def m(k=1):
+            return LinearModel(
+                alpha=10 ** rng.uniform(-5, -3), betas=tuple(10 ** rng.uniform(-10, -6) for _ in range(k))
+            )
+
+        stages = StageModels(
+            attention=m(2), shared=m() if dims.shared_width else None, dense=m(), a2e=m(), expert=m(), e2a=m()
+        )
+        profile = paper_profile(dims, "mesh", "model").model_copy(update={"stages": stages})
+        shape = BatchShape(rng.randint(1, 24), rng.choice([1, 16, 256]), rng.randint(1, 4096))
+        limits = Limits(max_micro_batch_tokens=rng.choice([None, 4096]), max_chunk_tokens=rng.choice([None, 8192]))
+        mode = rng.choice(["batch", "max"])
+        try:
+            best = brute_force(profile, shape, limits, mode=mode)
+        except PlanError:
+            with pytest.raises(PlanError):
+                solve(profile, shape, limits, mode=mode)
+            continue
+        assert solve(profile, shape, limits, mode=mode).tokens_per_s >= 0.99 * best.tokens_per_s
+
+
+def test_throughput_grows_with_micro_batch_size_and_pipeline_degree():
+    """The shape of FinDEP's Tables 3 and 4: max-mode throughput, r2 and order optimised per point."""
+    profile = paper_profile(deepseek_dims(3, 5, moe_layers=2, dense_layers=0), "mesh", "model")
+    for seq in (2048, 4096):
+
+        def tps(m_a, r1):
+            return solve(profile, BatchShape(m_a * r1, seq, seq), mode="max", r1=r1).tokens_per_s
+
+        assert tps(1, 1) <= tps(2, 1) <= tps(4, 1)
+        assert tps(1, 1) <= tps(1, 2) <= tps(1, 4)
+
+
+def test_findep_beats_or_ties_the_best_pppipe():
+    for (ag, eg), shape in grid_cases():
+        profile = paper_profile(deepseek_dims(ag, eg), "mesh", "model")
+        assert solve(profile, shape).tokens_per_s >= pppipe(profile, shape).tokens_per_s * (1 - 1e-12)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_impossible_forced_values_and_unfit_batches_are_named():
+    profile = paper_profile(deepseek_dims(), "mesh", "model")
+    shape = BatchShape(8, 16, 16)
+    with pytest.raises(PlanError, match="r1=9"):
+        solve(profile, shape, r1=9)
+    with pytest.raises(PlanError, match="r2=0"):
+        solve(profile, shape, r2=0)
+    with pytest.raises(PlanError, match="no pipeline configuration fits batch=8 x tokens=16"):
+        solve(profile, shape, Limits(max_micro_batch_tokens=8))
+    with pytest.raises(PlanError, match="order must be one of"):
+        solve(profile, shape, orders=("ABAB",))
+    with pytest.raises(PlanError, match="batch must be a positive integer"):
+        BatchShape(0)
+
+
+def test_profile_round_trip_and_mismatch_errors(tmp_path):
+    profile = paper_profile(deepseek_dims(), "cpu-2a6e-abc", "mixtral-xyz", "float32")
+    path = profile.save(tmp_path / "p.json")
+    again = Profile.load(path)
+    assert again == profile
+    again.check(mesh="cpu-2a6e-abc", model="mixtral-xyz", dtype="float32")
+    with pytest.raises(ProfileError, match="mesh 'cpu-2a6e-abc', not 'cpu-4a4e-def'"):
+        again.check(mesh="cpu-4a4e-def")
+    with pytest.raises(ProfileError, match="dtype 'float32', not 'bfloat16'"):
+        again.check(dtype="bfloat16")
+    raw = json.loads(path.read_text())
+    raw["dims"]["hidden"] = -1
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(ProfileError, match="dims.hidden"):
+        Profile.load(tmp_path / "bad.json")
+    with pytest.raises(ProfileError, match="no profile at"):
+        Profile.load(tmp_path / "missing.json")
