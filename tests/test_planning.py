@@ -70,7 +70,7 @@ def check_constraints(events, times: StageTimes, order: str, r1: int, r2: int, l
         by_res.setdefault(e.resource, []).append(e)
     for evs in by_res.values():
         evs.sort(key=lambda e: e.start)
-        for a, b in zip(evs, evs[1:]):
+        for a, b in itertools.pairwise(evs):
             assert b.start >= a.end - 1e-9
     end = {(e.task, e.layer, e.micro_batch, e.chunk): e for e in events}
     for e in events:
@@ -137,7 +137,7 @@ def grid_cases():
     for (ag, eg), batch, seq in itertools.product(
         [(3, 5), (4, 4), (1, 7), (8, 24)], [1, 4, 16, 33], [1, 1024, 4096, 8192]
     ):
-        yield (ag, eg), BatchShape(batch, seq if seq > 1 else 1, seq if seq > 1 else 2048)
+        yield (ag, eg), BatchShape(batch, max(1, seq), seq if seq > 1 else 2048)
 
 
 @pytest.mark.parametrize("mode", ["batch", "max"])
@@ -202,7 +202,7 @@ def test_throughput_grows_with_micro_batch_size_and_pipeline_degree():
     profile = paper_profile(deepseek_dims(3, 5, moe_layers=2, dense_layers=0), "mesh", "model")
     for seq in (2048, 4096):
 
-        def tps(m_a, r1):
+        def tps(m_a, r1, seq=seq):
             return solve(profile, BatchShape(m_a * r1, seq, seq), mode="max", r1=r1).tokens_per_s
 
         assert tps(1, 1) <= tps(2, 1) <= tps(4, 1)

@@ -32,7 +32,7 @@ class LinearModel(BaseModel):
         return self.alpha + (betas[0] * x[0] if len(x) == 1 else sum(b * v for b, v in zip(betas, x)))
 
     @classmethod
-    def fit(cls, x: Sequence[float] | Sequence[Sequence[float]], y: Sequence[float]) -> "LinearModel":
+    def fit(cls, x: Sequence[float] | Sequence[Sequence[float]], y: Sequence[float]) -> LinearModel:
         """Least-squares fit with alpha, betas >= 0; ``x`` is [n] (one work term) or [n, k]."""
         X = np.asarray(x, dtype=np.float64)
         if X.ndim == 1:

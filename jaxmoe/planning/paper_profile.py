@@ -24,7 +24,7 @@ FIG7_COMM = {  # (eg, ag) -> (alpha ms, beta ms per byte)
 def fig7_comm(ag: int, eg: int) -> LinearModel:
     """The Fig. 7(b) fit whose attention share ag / (ag + eg) is closest to this layout's."""
     share = ag / (ag + eg)
-    (e, a), (alpha, beta) = min(FIG7_COMM.items(), key=lambda kv: abs(kv[0][1] / sum(kv[0]) - share))
+    _, (alpha, beta) = min(FIG7_COMM.items(), key=lambda kv: abs(kv[0][1] / sum(kv[0]) - share))
     return LinearModel(alpha=alpha * MS, betas=(beta * MS,))
 
 

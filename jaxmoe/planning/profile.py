@@ -113,7 +113,7 @@ class Profile(BaseModel):
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
+    def load(cls, path: str | Path) -> Profile:
         path = Path(path)
         try:
             return cls.model_validate_json(path.read_text())
