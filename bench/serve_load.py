@@ -37,7 +37,8 @@ import numpy as np
 
 from jaxmoe.engine.async_engine import AsyncEngine
 from jaxmoe.engine.engine import EngineConfig, LLMEngine
-from jaxmoe.engine.model_runner import Row, _bucket
+from jaxmoe.engine.buckets import bucket as _bucket
+from jaxmoe.engine.model_runner import Row
 from jaxmoe.engine.sampler import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.llm import build_executor, load_model
@@ -141,10 +142,9 @@ def precompile(engine: LLMEngine) -> int:
 
 
 def track_shapes(executor) -> set:
-    """Record the shape of every step the executor runs (to count compiles during a run): its
-    ``forward`` and, when it has one, the fused ``forward_sample`` the model runner prefers."""
+    """Record the shape of every step the executor runs (to count compiles during a run)."""
     seen: set = set()
-    for name in ("forward", "forward_sample"):
+    for name in ("forward",):
         method = getattr(executor, name, None)
         if method is None:
             continue

@@ -11,6 +11,7 @@ from typing import Sequence as Seq
 import jax.numpy as jnp
 
 from jaxmoe.checkpoint import is_converted, load_params, restore_converted
+from jaxmoe.compilation import enable_persistent_cache
 from jaxmoe.config import ModelConfig, load_config
 from jaxmoe.demo import demo_config, demo_params
 from jaxmoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
@@ -56,7 +57,9 @@ class LLM:
     def __init__(self, model: str | Path = "demo", *, dtype=None, mesh=None, executor_kwargs: dict | None = None,
                  rebalance_every: int = 0, **engine_kwargs):
         """``rebalance_every``: with a mesh, re-place the expert replicas from recent activations
-        every that many steps (``runtime.controller.PlacementController``, JANUS Algorithm 2)."""
+        every that many steps (``runtime.controller.PlacementController``, JANUS Algorithm 2).
+        Compiled programs go to the persistent compilation cache (``jaxmoe.compilation``)."""
+        enable_persistent_cache()
         self.cfg, params, self.tokenizer = load_model(model, dtype)
         self.engine_config = EngineConfig(**engine_kwargs)
         self.executor = build_executor(self.cfg, params, self.engine_config, mesh, executor_kwargs)

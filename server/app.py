@@ -32,8 +32,8 @@ class ServeOptions:
     model_name: str = "demo"
     mesh_description: str = "monolithic: one device (no mesh file)"
     warmup: bool = True
-    warmup_batch_sizes: tuple[int, ...] | None = None  # None: AsyncEngine.warmup's defaults (from the
-    warmup_prompt_lens: tuple[int, ...] | None = None  # engine's max_num_seqs / max_batch_tokens)
+    warmup_shapes: tuple[tuple[int, int], ...] | None = None  # None: every shape of the engine's ShapePlan
+    warmup_progress: bool | None = None  # tqdm bar on stderr (None: when stderr is a terminal)
     grpc_workers: int = 64
 
 
@@ -41,8 +41,10 @@ def load_engine(model: str, engine_config: EngineConfig, mesh: str | None = None
                 rebalance_every: int = 0) -> LLMEngine:
     """The engine ``jaxmoe serve`` runs; ``rebalance_every`` > 0 attaches the expert placement
     controller (a mesh file is needed)."""
+    from jaxmoe.compilation import enable_persistent_cache
     from jaxmoe.llm import build_executor, load_model
 
+    enable_persistent_cache()
     cfg, params, tokenizer = load_model(model, dtype)
     engine = LLMEngine(cfg, build_executor(cfg, params, engine_config, mesh), tokenizer, engine_config)
     if rebalance_every:
@@ -70,6 +72,7 @@ class JaxmoeServer:
         self.ready = False
         self.grpc_port = self.http_port = None
         self.warmup_seconds = 0.0
+        self.cancel_warmup = threading.Event()  # set it to stop start() between two warm-up compiles
         self._grpc = self._health = self._runner = None
 
     async def start(self) -> None:
@@ -78,7 +81,7 @@ class JaxmoeServer:
         o = self.opts
         if o.warmup:
             self.warmup_seconds = await loop.run_in_executor(
-                None, lambda: self.async_engine.warmup(o.warmup_batch_sizes, o.warmup_prompt_lens))
+                None, lambda: self.async_engine.warmup(o.warmup_shapes, o.warmup_progress, self.cancel_warmup))
         info = model_info(self.async_engine.engine, o)
         self._grpc, self.grpc_port, self._health = build_grpc_server(
             self.async_engine, info, o.host, o.grpc_port, self.metrics, o.grpc_workers)

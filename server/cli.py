@@ -33,11 +33,10 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--rebalance-every", type=int, default=0,
                        help="with --mesh: re-place expert replicas from recent activations every N steps")
-    serve.add_argument("--no-warmup", action="store_true", help="skip compiling before serving")
-    serve.add_argument("--warmup-batch-sizes", default=None,
-                       help="comma-separated (default: powers of two up to --max-num-seqs)")
-    serve.add_argument("--warmup-prompt-lens", default=None,
-                       help="comma-separated (default: powers of two from 16 to min(512, --max-batch-tokens))")
+    serve.add_argument("--max-prefill-chunk", type=int, default=512,
+                       help="tokens of one prefill chunk (longer prompts are chunked)")
+    serve.add_argument("--no-warmup", action="store_true",
+                       help="skip compiling before serving (the first requests of each shape then compile)")
     serve.add_argument("--shutdown-grace", type=float, default=10.0,
                        help="seconds in-flight requests may take to finish on SIGTERM")
     serve.add_argument("--abort-on-shutdown", action="store_true", help="abort in-flight requests at once")
@@ -59,10 +58,6 @@ def register(sub, add_model_args) -> None:
     client.set_defaults(func=cmd_client)
 
 
-def _ints(text: str | None) -> tuple[int, ...] | None:
-    return None if text is None else tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def cmd_serve(args) -> int:
     from jaxmoe.engine.engine import EngineConfig
     from server.app import ServeOptions, load_engine
@@ -70,7 +65,8 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                           max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting,
-                          max_model_len=args.max_model_len, policy=args.policy)
+                          max_model_len=args.max_model_len, max_prefill_chunk=args.max_prefill_chunk,
+                          policy=args.policy)
     mesh_description = "monolithic: one device (no mesh file)"
     if args.mesh:
         from jaxmoe.mesh import load_mesh
@@ -79,14 +75,14 @@ def cmd_serve(args) -> int:
     engine = load_engine(args.model, config, args.mesh, args.dtype, args.rebalance_every)
     opts = ServeOptions(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                         model_name=args.served_model_name or str(args.model), mesh_description=mesh_description,
-                        warmup=not args.no_warmup, warmup_batch_sizes=_ints(args.warmup_batch_sizes),
-                        warmup_prompt_lens=_ints(args.warmup_prompt_lens))
+                        warmup=not args.no_warmup)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"jaxmoe: warning: binding {args.host}: the server has no authentication", file=sys.stderr)
     return asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace))
 
 
 async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:
+    from jaxmoe.engine.async_engine import WarmupCancelled
     from server.app import JaxmoeServer
 
     loop = asyncio.get_running_loop()
@@ -95,11 +91,23 @@ async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:
         loop.add_signal_handler(sig, stop.set)
     server = JaxmoeServer(engine, opts)
     print("jaxmoe: warming up (compiling) ..." if opts.warmup else "jaxmoe: starting ...", flush=True)
-    await server.start()  # a signal during warm-up is handled once it is done
+    starting = asyncio.ensure_future(server.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # a signal during warm-up: stop at the next program boundary
+        server.cancel_warmup.set()
+        try:
+            await starting
+        except WarmupCancelled:
+            pass
+        print("jaxmoe: stopped during warm-up", flush=True)
+        await server.stop(abort_inflight=True, grace=0.0)
+        return 0
+    starting.result()
     print(f"jaxmoe: warm-up took {server.warmup_seconds:.1f}s", flush=True)
     print(f"jaxmoe: grpc listening on {opts.host}:{server.grpc_port}", flush=True)
     print(f"jaxmoe: http listening on {opts.host}:{server.http_port}", flush=True)
-    await stop.wait()
+    await stopping
     print("jaxmoe: shutting down", flush=True)
     await server.stop(abort_inflight=abort_on_shutdown, grace=grace)
     print("jaxmoe: stopped", flush=True)

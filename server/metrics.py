@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxmoe.compilation import compile_events
 from jaxmoe.engine.engine import RequestOutput
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -93,6 +94,18 @@ class _EngineCollector:
         yield CounterMetricFamily("jaxmoe_engine_steps", "Engine steps", value=snap["steps"])
         yield CounterMetricFamily("jaxmoe_engine_step_errors", "Engine steps that raised",
                                   value=snap["step_errors"])
+        xla = compile_events()
+        yield CounterMetricFamily("jaxmoe_xla_compiles", "XLA programs compiled by this process",
+                                  value=xla["compiles"])
+        yield CounterMetricFamily("jaxmoe_xla_cache_loads", "XLA programs loaded from the persistent cache",
+                                  value=xla["cache_hits"])
+        yield CounterMetricFamily("jaxmoe_xla_compile_seconds", "Seconds spent compiling XLA programs",
+                                  value=xla["compile_seconds"])
+        late = self.async_engine.compiles_after_warmup
+        if late is not None:
+            yield GaugeMetricFamily("jaxmoe_compiles_after_warmup",
+                                    "XLA programs compiled or loaded since warm-up ended (0: none while serving)",
+                                    value=late)
         counts = snap.get("expert_counts")
         if counts:
             act = CounterMetricFamily("jaxmoe_expert_activations",

@@ -17,7 +17,7 @@ import time
 import jax
 
 TEST_ENGINE_KWARGS = dict(block_size=64, num_blocks=32, max_num_seqs=8, max_model_len=256, max_waiting=64)
-WARMUP = dict(warmup_batch_sizes=(1, 2, 4, 8), warmup_prompt_lens=(16, 32))
+WARMUP = dict(warmup_shapes=tuple([(b, 1) for b in (1, 2, 4, 8)] + [(b, t) for t in (16, 32) for b in (1, 2, 4)]))
 
 
 @functools.lru_cache(maxsize=None)

@@ -183,34 +183,49 @@ def test_snapshot_is_published(aengine):
 
 
 def test_default_warmup_compiles_the_shapes_serving_meets(llm):
-    """warmup() runs decodes of every power-of-two batch up to max_num_seqs (default) at every
-    block-table width up to max_model_len, and first prefill chunks of the given lengths:
-    afterwards, a mixed load (prompts of 4-15 and 101-121 tokens, up to 3 KV blocks of 64 with
-    their outputs, arriving while others decode) runs no step shape that warm-up did not."""
+    """warmup() runs every shape of the engine's ShapePlan (decodes of every power-of-two batch up
+    to max_num_seqs, prefill chunks of 1-4 rows of 16..max_prefill_chunk tokens; block tables have
+    one width whatever the context): afterwards, a mixed load (prompts of 4-15 and 101-121 tokens,
+    up to 3 KV blocks of 64 with their outputs, arriving while others decode) runs no step shape that
+    warm-up did not, and XLA compiles nothing."""
     import numpy as np
 
     ex = llm.executor
-    seen, real = set(), ex.forward_sample
+    seen, real = set(), ex.forward
 
     def recording(tokens, batch, *args, **kwargs):
         seen.add((np.shape(tokens), np.shape(batch.block_tables)))
         return real(tokens, batch, *args, **kwargs)
 
-    ex.forward_sample = recording
+    ex.forward = recording
     ae = AsyncEngine(llm.engine).start()
-    old = llm.engine.scheduler.max_batch_tokens
     try:
-        llm.engine.scheduler.max_batch_tokens = 256  # no prompt here is chunked
-        ae.warmup(prompt_lens=(16, 128))
+        ae.warmup()
         warm = set(seen)
         streams = [ae.add("x" * n, SamplingParams(max_tokens=6, ignore_eos=True)) for n in (3, 100, 9, 14, 120)]
-        late = [ae.add("y" * n, SamplingParams(max_tokens=3, ignore_eos=True)) for n in (12, 110, 5)]
+        late = [ae.add("y" * n, SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2)) for n in (12, 110, 5)]
         for stream in streams + late:
             _drain(stream)
+        compiled_late = ae.compiles_after_warmup
     finally:
-        llm.engine.scheduler.max_batch_tokens = old
         ae.shutdown(abort_inflight=True, timeout=10)
-        ex.forward_sample = real
+        ex.forward = real
     assert {t[0] for t, nb in warm if t[1] == 1} >= {1, 2, 4, 8}  # decode batches up to max_num_seqs
-    assert {nb[1] for t, nb in warm if t[1] == 1} >= {1, 2, 4}  # block-table widths up to 256 tokens
+    assert len({nb[1] for t, nb in warm}) == 1  # one block-table width serves every context length
     assert seen <= warm, sorted(seen - warm)
+    assert compiled_late == 0
+
+
+def test_warmup_can_be_cancelled_between_programs(llm):
+    import threading
+
+    from jaxmoe.engine.async_engine import WarmupCancelled
+
+    cancel = threading.Event()
+    cancel.set()
+    ae = AsyncEngine(llm.engine).start()
+    try:
+        with pytest.raises(WarmupCancelled):
+            ae.warmup(cancel=cancel)
+    finally:
+        ae.shutdown(abort_inflight=True, timeout=10)

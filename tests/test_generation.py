@@ -52,8 +52,8 @@ def test_mixed_step_runs_decodes_and_prefills_as_separate_batches(llm):
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     alone = {p: llm.generate(p, greedy)[0].token_ids for p in PROMPTS}
     engine, ex = llm.engine, llm.executor
-    shapes, real = [], ex.forward_sample
-    ex.forward_sample = lambda tokens, *a, **k: (shapes.append(np.shape(tokens)), real(tokens, *a, **k))[1]
+    shapes, real = [], ex.forward
+    ex.forward = lambda tokens, *a, **k: (shapes.append(np.shape(tokens)), real(tokens, *a, **k))[1]
     try:
         first = [engine.add_request(p, greedy) for p in PROMPTS[:2]]
         engine.step(), engine.step()  # both decoding now
@@ -63,7 +63,7 @@ def test_mixed_step_runs_decodes_and_prefills_as_separate_batches(llm):
         mixed_step = list(shapes)
         final = engine.run_until_done(timeout=120)
     finally:
-        ex.forward_sample = real
+        ex.forward = real
     assert [s[1] for s in mixed_step] == [1, 64] and mixed_step[0][0] == 2
     assert [final[r].token_ids for r in first + [late]] == [alone[p] for p in PROMPTS]
 

@@ -25,10 +25,14 @@ import concurrent.futures
 import dataclasses
 import logging
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable
 
+from tqdm import tqdm
+
+from jaxmoe.compilation import compile_events
 from jaxmoe.engine.engine import LLMEngine, RequestOutput, StepFailedError
 from jaxmoe.engine.sampler import SamplingParams
 
@@ -39,6 +43,10 @@ _END = object()
 
 class EngineClosedError(RuntimeError):
     """The engine is shutting down and accepts no new requests."""
+
+
+class WarmupCancelled(RuntimeError):
+    """``warmup`` stopped early because its ``cancel`` event was set."""
 
 
 class EngineStepError(RuntimeError):
@@ -130,6 +138,8 @@ class AsyncEngine:
         self._counts_time = 0.0
         self.step_errors = 0
         self.num_steps = 0
+        self._compiles_at_ready: int | None = None
+        compile_events()  # start counting
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
@@ -189,37 +199,35 @@ class AsyncEngine:
         """Latest statistics published by the loop (scheduler stats, KV blocks, expert counts)."""
         return self._snapshot
 
-    def warmup(self, batch_sizes=None, prompt_lens=None, max_tokens: int = 2) -> float:
-        """Compile the step programs for the bucket shapes serving will meet, by running tiny
-        requests: decodes of each batch size (``batch_sizes``; default every power of two up to
-        ``max_num_seqs``, at every block-table width up to ``max_model_len``) and prefills of 1, 2
-        and 4 prompts of each length (``prompt_lens``;
-        default powers of two from 16 up to the longest chunk a step can hold, at most 512).
-        Mixed steps run decodes and prefills as separate batches, so these cover them. Returns
-        the seconds spent."""
+    def warmup(self, shapes: list[tuple[int, int]] | None = None, progress: bool | None = None,
+               cancel: threading.Event | None = None) -> float:
+        """Compile the step program of every shape serving can meet (``runner.plan.shapes()``:
+        (rows per attention instance, tokens per row)), by running each once on padding rows that
+        write no KV. Returns the seconds spent. ``progress``: a tqdm bar on stderr (None: when
+        stderr is a terminal). ``cancel``: set it to stop between two shapes (``WarmupCancelled``).
+        Afterwards ``compiles_after_warmup`` counts programs compiled while serving."""
         def run(engine: LLMEngine) -> float:
             t0 = time.monotonic()
-            limit = min(engine.scheduler.max_num_seqs, engine.scheduler.max_waiting)
-            longest = max(1, min(512, engine.scheduler.max_batch_tokens, engine.max_model_len - max_tokens - 1))
-            sizes = sorted({min(b, limit) for b in (batch_sizes or _powers_of_two(limit)) if limit > 0})
-            lens = sorted({max(1, min(n, longest)) for n in (prompt_lens or _powers_of_two(longest, 16))})
-            sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            # 1-token prompts: prefill and decodes are both [b, 1]; then prefills of each length
-            shapes = [(b, 1) for b in sizes] + [(b, n) for n in lens for b in sizes if b <= 4]
-            if engine.has_work():
-                raise RuntimeError("warm up before serving traffic: requests are in flight")
-            for b, n in shapes:
-                for _ in range(b):
-                    engine.add_request([1] * n, sampling)
-                engine.run_until_done(timeout=600)
-            # decodes of every batch size at every block-table width (contexts up to max_model_len)
-            runner = engine.runner
-            for nb in _powers_of_two(runner.max_blocks_per_seq):
-                for b in sizes:
-                    runner.warm_decode(b, nb)
+            todo = list(shapes if shapes is not None else engine.runner.plan.shapes())
+            bar = tqdm(todo, desc="jaxmoe warm-up", unit="program", file=sys.stderr,
+                       disable=not (sys.stderr.isatty() if progress is None else progress))
+            for rows, tokens in bar:
+                if cancel is not None and cancel.is_set():
+                    raise WarmupCancelled(f"warm-up cancelled after {time.monotonic() - t0:.1f}s")
+                bar.set_postfix_str(f"{rows}x{tokens}")
+                engine.runner.warm(rows, tokens)
+            self._compiles_at_ready = compile_events()["programs"]
             return time.monotonic() - t0
 
         return self.call(run, timeout=None)
+
+    @property
+    def compiles_after_warmup(self) -> int | None:
+        """XLA programs compiled (or loaded from the persistent cache) in this process since warm-up
+        ended (None: no warm-up ran)."""
+        if self._compiles_at_ready is None:
+            return None
+        return compile_events()["programs"] - self._compiles_at_ready
 
     # -- the loop thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -401,11 +409,3 @@ class AsyncEngine:
                 log.exception("expert_activation_counts() failed")
         self._snapshot = snap
 
-
-def _powers_of_two(upto: int, start: int = 1) -> list[int]:
-    """start, 2*start, ... while <= upto, and ``upto`` itself (the shapes buckets round to)."""
-    out, n = [], start
-    while n < upto:
-        out.append(n)
-        n *= 2
-    return out + [upto]

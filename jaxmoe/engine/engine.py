@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxmoe.engine.block_manager import BlockManager
+from jaxmoe.engine.buckets import ShapePlan
 from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.engine.policies import make_policy
 from jaxmoe.engine.sampler import SamplingParams
@@ -84,6 +85,7 @@ class EngineConfig:
     max_batch_tokens: int = 2048
     max_waiting: int = 1024
     max_model_len: int | None = None  # default: the model's max_position
+    max_prefill_chunk: int = 512  # tokens of one prefill chunk (longer prompts are chunked)
     policy: str = "qllm"
 
 
@@ -99,8 +101,11 @@ class LLMEngine:
             max_batch_tokens=config.max_batch_tokens,
             max_num_seqs=config.max_num_seqs,
             max_waiting=config.max_waiting,
+            max_prefill_chunk=config.max_prefill_chunk,
         )
-        self.runner = ModelRunner(executor, config.block_size, max_blocks)
+        plan = ShapePlan(max_num_seqs=config.max_num_seqs,
+                         max_prefill_chunk=min(config.max_prefill_chunk, config.max_batch_tokens, self.max_model_len))
+        self.runner = ModelRunner(executor, config.block_size, max_blocks, plan)
         self.eos_ids = set(cfg.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(tokenizer.eos_token_id)

@@ -7,8 +7,6 @@ gives the same tokens whatever else is in the batch.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 
@@ -74,9 +72,11 @@ def _argmax_and_max(logits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1), m
 
 
-@partial(jax.jit, static_argnames=("num_logprobs",))
-def sample(logits, temperature, top_k, top_p, seeds, steps, num_logprobs: int = 0):
-    """Returns (tokens [B], logprob of token [B], top ids [B, n], top logprobs [B, n])."""
+@jax.jit
+def sample(logits, temperature, top_k, top_p, seeds, steps, want_logprobs=False):
+    """Returns (tokens [B], logprob of token [B], top ids [B, MAX_LOGPROBS], top logprobs [B,
+    MAX_LOGPROBS]). The top alternatives are computed only when ``want_logprobs`` (a traced flag: one
+    program serves steps with and without logprobs); otherwise they are zeros."""
     logits = logits.astype(jnp.float32)
     greedy, row_max = _argmax_and_max(logits)
 
@@ -94,8 +94,8 @@ def sample(logits, temperature, top_k, top_p, seeds, steps, num_logprobs: int = 
     # log p(token) = logit - logsumexp(logits), without materialising the [B, V] log-softmax
     log_z = row_max[:, 0] + jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1))
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z
-    if num_logprobs:
-        top_lp, top_ids = jax.lax.top_k(logits - log_z[:, None], num_logprobs)
-    else:
-        top_lp, top_ids = jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0), jnp.int32)
+    n = min(MAX_LOGPROBS, logits.shape[-1])
+    top_lp, top_ids = jax.lax.cond(
+        want_logprobs, lambda: tuple(jax.lax.top_k(logits - log_z[:, None], n)),
+        lambda: (jnp.zeros((logits.shape[0], n), logits.dtype), jnp.zeros((logits.shape[0], n), jnp.int32)))
     return tokens, chosen, top_ids, top_lp

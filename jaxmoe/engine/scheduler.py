@@ -68,9 +68,13 @@ class Scheduler:
         max_batch_tokens: int = 2048,
         max_num_seqs: int = 64,
         max_waiting: int = 1024,
+        max_prefill_chunk: int | None = None,
     ):
         if max_batch_tokens < 1 or max_num_seqs < 1 or max_waiting < 0:
             raise ValueError("max_batch_tokens and max_num_seqs must be >= 1, max_waiting >= 0")
+        if max_prefill_chunk is not None and max_prefill_chunk < 1:
+            raise ValueError(f"max_prefill_chunk must be >= 1, got {max_prefill_chunk}")
+        self.max_prefill_chunk = max_prefill_chunk or max_batch_tokens
         self.bm = block_manager
         self.policy = policy if policy is not None else QLLMPolicy()
         self.max_batch_tokens = max_batch_tokens
@@ -135,7 +139,7 @@ class Scheduler:
             if seq.request_id in evicted:
                 continue
             prefill = seq.is_prefill
-            want = min(seq.num_uncomputed, tokens_left) if prefill else 1
+            want = min(seq.num_uncomputed, tokens_left, self.max_prefill_chunk) if prefill else 1
             n = self._reserve(seq, want, prefill, rank, scheduled, evicted, live, batch)
             if n == 0:
                 continue

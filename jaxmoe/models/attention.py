@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import ModelConfig
-from jaxmoe.models.common import rms_norm
+from jaxmoe.models.common import pack16, rms_norm, unpack16
 from jaxmoe.models.rope import apply_rope, rope_cos_sin
 
 
@@ -47,31 +47,73 @@ def _linear(p: dict, name: str, x: jnp.ndarray) -> jnp.ndarray:
     return y if bias is None else y + bias
 
 
-def _write(cache: jnp.ndarray, slots: jnp.ndarray, values: jnp.ndarray) -> jnp.ndarray:
-    """Scatter values [B, T, ...] into cache slots; slot -1 (padding) is dropped."""
-    num_slots = cache.shape[0]
+KV_CHUNK_TOKENS = 128  # keys per step of the attention loop (rounded to whole blocks)
+
+
+def _write(cache: jnp.ndarray, slots: jnp.ndarray, values: jnp.ndarray, layer=None) -> jnp.ndarray:
+    """Scatter values [B, T, ...] into cache slots; slot -1 (padding) is dropped. ``layer``: the
+    cache is stacked [L, slots, ...] (the monolithic scan) and this layer's slice is written in place.
+    A uint16 cache holds 16-bit floats as bits (``common.pack16``, as the scan's stacked weights)."""
+    num_slots = cache.shape[0 if layer is None else 1]
     flat = slots.reshape(-1)
     flat = jnp.where(flat < 0, num_slots, flat)
-    return cache.at[flat].set(values.reshape((-1,) + values.shape[2:]).astype(cache.dtype), mode="drop")
+    values = values.reshape((-1,) + values.shape[2:])
+    values = pack16(values) if cache.dtype == jnp.uint16 else values.astype(cache.dtype)
+    if layer is None:
+        return cache.at[flat].set(values, mode="drop")
+    return cache.at[layer, flat].set(values, mode="drop")
 
 
-def _gather(cache: jnp.ndarray, block_tables: jnp.ndarray, block_size: int) -> jnp.ndarray:
-    """Each sequence's cached tokens in logical order: [B, NB * block_size, ...]."""
-    idx = block_tables[:, :, None] * block_size + jnp.arange(block_size)
-    return cache[idx.reshape(block_tables.shape[0], -1)]
+def _read(cache: jnp.ndarray, idx: jnp.ndarray, layer, dtype) -> jnp.ndarray:
+    """Cache rows ``idx`` (of layer ``layer`` of a stacked cache) as ``dtype`` if packed."""
+    return unpack16(cache[idx] if layer is None else cache[layer, idx], dtype)
 
 
-def _causal_mask(positions: jnp.ndarray, num_keys: int) -> jnp.ndarray:
-    """[B, T, L]: key l is visible to a query at position p when l <= p."""
-    return jnp.arange(num_keys)[None, None, :] <= positions[:, :, None]
+def paged_attention(block_tables, positions, block_size: int, chunk_scores, mix) -> jnp.ndarray:
+    """Softmax attention over each sequence's paged keys, a chunk of blocks at a time (online softmax).
+
+    The loop runs ceil((max position + 1) / chunk) times, a number known only on device, so one
+    compiled program serves every context length (no program per block-table width) and a step reads
+    only the chunks some query can see. ``chunk_scores(idx, key_pos)`` -> (scores [..., T, W] fp32
+    before masking, values of the chunk); ``mix(p, values)`` -> [..., T, out]; positions [B, T].
+    Returns [..., T, out] (fp32) where ``...`` is what chunk_scores puts before T (batch first).
+    """
+    B, NB = block_tables.shape
+    per_chunk = max(1, min(NB, KV_CHUNK_TOKENS // block_size))
+    pad = -NB % per_chunk
+    if pad:  # whole chunks; padded entries are masked (their keys lie past every position)
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+    width = per_chunk * block_size
+    num_chunks = jnp.minimum((jnp.max(positions) + width) // width, (NB + pad) // per_chunk)
+
+    def chunk(c):
+        """Masked scores and values of chunk c: [..., T, W] fp32 (-inf where not visible)."""
+        blocks = jax.lax.dynamic_slice_in_dim(block_tables, c * per_chunk, per_chunk, axis=1)
+        idx = (blocks[:, :, None] * block_size + jnp.arange(block_size)).reshape(B, width)
+        key_pos = c * width + jnp.arange(width)
+        scores, values = chunk_scores(idx, key_pos)
+        visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, W]
+        extra = scores.ndim - 3  # axes between batch and T (heads)
+        return jnp.where(visible.reshape((B,) + (1,) * extra + visible.shape[1:]), scores, -jnp.inf), values
+
+    def body(c, state):
+        m, l, acc = state
+        scores, values = chunk(c)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        p = jnp.exp(scores - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        return m_new, l * scale + p.sum(axis=-1), acc * scale[..., None] + mix(p, values)
+
+    # Chunk 0 (key 0 is visible to every query, so every row's max is finite) starts the state; the
+    # state then has the types of real outputs (inside shard_map: varying over the mesh axes).
+    scores, values = chunk(0)
+    m = scores.max(axis=-1)
+    p = jnp.exp(scores - m[..., None])
+    _, l, acc = jax.lax.fori_loop(1, num_chunks, body, (m, p.sum(axis=-1), mix(p, values)))
+    return acc / l[..., None]
 
 
-def _softmax(scores: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
-    scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
-    return jax.nn.softmax(scores, axis=-1)
-
-
-def gqa_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int):
+def gqa_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, layer=None):
     a = cfg.attn
     B, T, _ = x.shape
     q = _linear(p, "q", x).reshape(B, T, a.num_heads, a.head_dim)
@@ -83,19 +125,25 @@ def gqa_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
     cos, sin = rope_cos_sin(cfg.rope, cfg.max_position, batch.positions)
     q = apply_rope(q, cos, sin, cfg.rope.interleaved)
     k = apply_rope(k, cos, sin, cfg.rope.interleaved)
-    cache = {"k": _write(cache["k"], batch.slots, k), "v": _write(cache["v"], batch.slots, v)}
-    keys = _gather(cache["k"], batch.block_tables, block_size)  # [B, L, KVH, hd]
-    values = _gather(cache["v"], batch.block_tables, block_size)
+    cache = {"k": _write(cache["k"], batch.slots, k, layer), "v": _write(cache["v"], batch.slots, v, layer)}
     group = a.num_heads // a.num_kv_heads
     q = q.reshape(B, T, a.num_kv_heads, group, a.head_dim)
-    scores = jnp.einsum("btkgd,blkd->bkgtl", q, keys) * a.softmax_scale
-    mask = _causal_mask(batch.positions, keys.shape[1])[:, None, None]
-    probs = _softmax(scores, mask).astype(values.dtype)
-    out = jnp.einsum("bkgtl,blkd->btkgd", probs, values).reshape(B, T, a.num_heads * a.head_dim)
+
+    def chunk_scores(idx, key_pos):
+        keys, values = _read(cache["k"], idx, layer, k.dtype), _read(cache["v"], idx, layer, v.dtype)  # [B, W, KVH, hd]
+        scores = jnp.einsum("btkgd,bwkd->bkgtw", q, keys, preferred_element_type=jnp.float32)
+        return scores * a.softmax_scale, values
+
+    def mix(probs, values):
+        return jnp.einsum("bkgtw,bwkd->bkgtd", probs.astype(values.dtype), values,
+                          preferred_element_type=jnp.float32)
+
+    out = paged_attention(batch.block_tables, batch.positions, block_size, chunk_scores, mix)  # [B, KVH, G, T, hd]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, a.num_heads * a.head_dim).astype(x.dtype)
     return _linear(p, "o", out), cache
 
 
-def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int):
+def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, layer=None):
     """DeepSeek multi-head latent attention, caching the compressed KV (absorbed form)."""
     a = cfg.attn
     B, T, _ = x.shape
@@ -112,23 +160,33 @@ def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
     cos, sin = rope_cos_sin(cfg.rope, cfg.max_position, batch.positions)
     q_pe = apply_rope(q_pe, cos, sin, cfg.rope.interleaved)
     k_pe = apply_rope(k_pe, cos, sin, cfg.rope.interleaved)[:, :, 0]
-    cache = {"ckv": _write(cache["ckv"], batch.slots, ckv), "kpe": _write(cache["kpe"], batch.slots, k_pe)}
-    all_ckv = _gather(cache["ckv"], batch.block_tables, block_size)  # [B, L, C]
-    all_kpe = _gather(cache["kpe"], batch.block_tables, block_size)  # [B, L, R]
+    cache = {"ckv": _write(cache["ckv"], batch.slots, ckv, layer),
+             "kpe": _write(cache["kpe"], batch.slots, k_pe, layer)}
     w_kv_b = p["kv_b"].reshape(a.kv_lora_rank, H, nope + a.v_head_dim)
     w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
-    q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
-    scores = jnp.einsum("bthc,blc->bhtl", q_latent, all_ckv) + jnp.einsum("bthr,blr->bhtl", q_pe, all_kpe)
-    mask = _causal_mask(batch.positions, all_ckv.shape[1])[:, None]
-    probs = _softmax(scores * a.softmax_scale, mask).astype(all_ckv.dtype)
-    out_latent = jnp.einsum("bhtl,blc->bthc", probs, all_ckv)
-    out = jnp.einsum("bthc,chv->bthv", out_latent, w_uv).reshape(B, T, H * a.v_head_dim)
+    q_latent = jnp.einsum("bthn,chn->bhtc", q_nope, w_uk)
+    q_pe = q_pe.transpose(0, 2, 1, 3)  # [B, H, T, R]
+
+    def chunk_scores(idx, key_pos):
+        ckv_c = _read(cache["ckv"], idx, layer, ckv.dtype)  # [B, W, C]
+        kpe_c = _read(cache["kpe"], idx, layer, k_pe.dtype)  # [B, W, R]
+        scores = (jnp.einsum("bhtc,bwc->bhtw", q_latent, ckv_c, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bhtr,bwr->bhtw", q_pe, kpe_c, preferred_element_type=jnp.float32))
+        return scores * a.softmax_scale, ckv_c
+
+    def mix(probs, ckv_c):
+        return jnp.einsum("bhtw,bwc->bhtc", probs.astype(ckv_c.dtype), ckv_c, preferred_element_type=jnp.float32)
+
+    out_latent = paged_attention(batch.block_tables, batch.positions, block_size, chunk_scores, mix)
+    out_latent = out_latent.astype(x.dtype)  # [B, H, T, C]
+    out = jnp.einsum("bhtc,chv->bthv", out_latent, w_uv).reshape(B, T, H * a.v_head_dim)
     return _linear(p, "o", out), cache
 
 
-def attention_layer(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int):
-    """Residual attention block.  Returns (h, xn, cache): h = x + attn(norm(x)), xn = post_norm(h)."""
+def attention_layer(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, layer=None):
+    """Residual attention block.  Returns (h, xn, cache): h = x + attn(norm(x)), xn = post_norm(h).
+    ``layer``: index into a cache stacked over layers (see ``_write``); None: a one-layer cache."""
     attend = mla_attention if cfg.attn.kind == "mla" else gqa_attention
-    out, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), batch, cache, block_size)
+    out, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), batch, cache, block_size, layer)
     h = x + out.astype(x.dtype)
     return h, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), cache

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import ModelConfig
-from jaxmoe.models.common import swiglu_mlp
+from jaxmoe.models.common import swiglu_mlp, unpack16
 from jaxmoe.models.router import route
 
 
@@ -52,22 +52,32 @@ GROUPED_MAX_BUCKETS = 10
 def _routed_impl(num_assignments: int, num_experts: int) -> str:
     if ROUTED_EXPERTS_IMPL != "auto":
         return ROUTED_EXPERTS_IMPL
-    if jax.default_backend() != "cpu":
-        return "dense"
-    return "grouped" if num_experts <= num_assignments <= 8 * num_experts else "bucketed_loop"
+    return "dense" if jax.default_backend() != "cpu" else "bucketed_loop"
 
 
-def routed_experts(p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:
-    """sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]) for x [T, D]."""
-    num_experts = p["w_gate"].shape[0]
+def _layer_weights(p: dict, layer, dtype) -> dict:
+    """The routed expert weights [E, ...] of one layer. With ``layer`` (the monolithic scan) they are
+    stacked [L, E, ...] (16-bit floats packed, ``common.pack16``) and sliced here, at their use: a
+    slice taken before an inner loop or switch would be copied whole (every expert of the layer) on
+    every step."""
+    if layer is None:
+        return {k: p[k] for k in ("w_gate", "w_up", "w_down")}
+    return {k: unpack16(jax.lax.dynamic_index_in_dim(p[k], layer, keepdims=False), dtype)
+            for k in ("w_gate", "w_up", "w_down")}
+
+
+def routed_experts(p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray, layer=None) -> jnp.ndarray:
+    """sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]) for x [T, D]; ``layer``: see ``_layer_weights``."""
+    num_experts = p["w_gate"].shape[0 if layer is None else 1]
     impl = _routed_impl(ids.size, num_experts)
     if impl == "grouped":
-        return _grouped_experts(p, x, ids, weights)
+        return _grouped_experts(p, x, ids, weights, layer)
     combine = dense_combine_weights(ids, weights, num_experts)
     if impl == "bucketed_loop":
-        return _bucketed_loop_experts(p, x, combine)
-    h = jax.nn.silu(jnp.einsum("td,edf->tef", x, p["w_gate"])) * jnp.einsum("td,edf->tef", x, p["w_up"])
-    y = jnp.einsum("tef,efd->ted", h, p["w_down"])
+        return _bucketed_loop_experts(p, x, combine, layer)
+    w = _layer_weights(p, layer, x.dtype)
+    h = jax.nn.silu(jnp.einsum("td,edf->tef", x, w["w_gate"])) * jnp.einsum("td,edf->tef", x, w["w_up"])
+    y = jnp.einsum("tef,efd->ted", h, w["w_down"])
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine).astype(x.dtype)
 
 
@@ -79,13 +89,16 @@ def capacity_buckets(num_tokens: int, growth: float = 2.0, max_buckets: int = MA
     return caps[::-1]
 
 
-def _bucketed_loop_experts(p: dict, x: jnp.ndarray, combine: jnp.ndarray) -> jnp.ndarray:
+def _bucketed_loop_experts(p: dict, x: jnp.ndarray, combine: jnp.ndarray, layer=None) -> jnp.ndarray:
     """The same sum, one expert at a time over only its routed tokens (see the module docstring)."""
     T = x.shape[0]
     caps = capacity_buckets(T)
 
     def expert_weights(e):
-        return {k: jax.lax.dynamic_index_in_dim(p[k], e, keepdims=False) for k in ("w_gate", "w_up", "w_down")}
+        if layer is None:
+            return {k: jax.lax.dynamic_index_in_dim(p[k], e, keepdims=False) for k in ("w_gate", "w_up", "w_down")}
+        return {k: unpack16(jax.lax.dynamic_slice(p[k], (layer, e, 0, 0), (1, 1) + p[k].shape[2:])[0, 0], x.dtype)
+                for k in ("w_gate", "w_up", "w_down")}
 
     def body(e, acc):
         w = jax.lax.dynamic_index_in_dim(combine, e, axis=1, keepdims=False)  # [T]
@@ -109,10 +122,10 @@ def _bucketed_loop_experts(p: dict, x: jnp.ndarray, combine: jnp.ndarray) -> jnp
     return acc.astype(x.dtype)
 
 
-def _grouped_experts(p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:
+def _grouped_experts(p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray, layer=None) -> jnp.ndarray:
     """The same sum via an [E, C, D] dispatch buffer and batched matmuls (see the module docstring)."""
     T, D = x.shape
-    E, K = p["w_gate"].shape[0], ids.shape[1]
+    E, K = p["w_gate"].shape[0 if layer is None else 1], ids.shape[1]
     expert = ids.reshape(-1)  # [A]: assignment a = (token a // K, choice a % K)
     valid = (expert >= 0) & (expert < E)  # id -1: no expert
     one_hot = jax.nn.one_hot(expert, E, dtype=jnp.int32)  # -1 -> all zeros
@@ -125,8 +138,9 @@ def _grouped_experts(p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.nda
             slot = jnp.where(valid, expert * cap + rank, E * cap)  # E * cap (out of range): dropped
             source = jnp.full((E * cap,), T, jnp.int32).at[slot].set(token, mode="drop")
             xg = jnp.take(x, source, axis=0, mode="fill", fill_value=0).reshape(E, cap, D)
-            h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", xg, p["w_gate"])) * jnp.einsum("ecd,edf->ecf", xg, p["w_up"])
-            y = jnp.einsum("ecf,efd->ecd", h, p["w_down"]).reshape(E * cap, D)
+            w = _layer_weights(p, layer, x.dtype)
+            h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", xg, w["w_gate"])) * jnp.einsum("ecd,edf->ecf", xg, w["w_up"])
+            y = jnp.einsum("ecf,efd->ecd", h, w["w_down"]).reshape(E * cap, D)
             yk = jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(T, K, D)
             return jnp.einsum("tkd,tk->td", yk.astype(jnp.float32), weights.astype(jnp.float32)).astype(x.dtype)
         return apply
@@ -135,12 +149,13 @@ def _grouped_experts(p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.nda
     return jax.lax.switch(jnp.searchsorted(jnp.asarray(caps), busiest), [run(cap) for cap in caps], None)
 
 
-def moe_layer(p: dict, cfg: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
-    """Routed-experts output for normed activations x [..., D] (gate + top-k + experts + combine)."""
+def moe_layer(p: dict, cfg: ModelConfig, x: jnp.ndarray, layer=None) -> jnp.ndarray:
+    """Routed-experts output for normed activations x [..., D] (gate + top-k + experts + combine).
+    ``layer``: the expert weights in ``p`` are stacked over layers (see ``_layer_weights``)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     ids, weights = route(p, cfg.moe, x)
-    return routed_experts(p, x, ids, weights).reshape(shape)
+    return routed_experts(p, x, ids, weights, layer).reshape(shape)
 
 
 def shared_experts(p: dict, x: jnp.ndarray) -> jnp.ndarray:

@@ -1,10 +1,9 @@
 """The monolithic executor: every layer's attention and experts in one jitted program on one device
 set.  It is the baseline the disaggregated runtime is checked against, and the single-GPU default.
 
-Besides ``forward`` (the interface every executor has), it offers ``forward_sample``: the same step
-with the sampler fused into the jitted program, so a decode step is one dispatch that returns only
-the sampled tokens (and logprobs) instead of the [B, V] logits.  ``ModelRunner`` uses it when the
-executor has it.
+``forward`` returns logits that stay on device; ``ModelRunner`` samples them with the sampler's own
+program (one per batch size, shared by every token bucket: the sampler is not compiled again into
+each step program).
 """
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config import ModelConfig
-from jaxmoe.engine.sampler import sample
 from jaxmoe.models.attention import AttentionBatch
-from jaxmoe.models.transformer import forward, init_cache
+from jaxmoe.models.transformer import forward, init_stacked_cache, stack_layers, unstack_layers
 
 
 def _int32(a):
@@ -27,22 +25,27 @@ def _int32(a):
 
 
 class MonolithicExecutor:
-    """Owns the parameters and the paged KV cache; ``forward`` runs one step over all layers."""
+    """Owns the parameters and the paged KV cache; ``forward`` runs one step over all layers.
+
+    Parameters and caches are stacked per layer group (``models.transformer.stack_layers``): the
+    jitted step scans over layers."""
 
     def __init__(self, cfg: ModelConfig, params: dict, num_slots: int, block_size: int, cache_dtype=None):
-        self.cfg, self.params, self.block_size = cfg, params, block_size
-        self._new_cache = lambda: init_cache(cfg, num_slots, cache_dtype or params["embed"].dtype)
+        self.cfg, self.block_size = cfg, block_size
+        self.stacked = stack_layers(params)
+        dtype = cache_dtype or params["embed"].dtype
+        self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, num_slots, dtype)
         self.cache = self._new_cache()
 
         def step(params, tokens, batch, cache, logits_index):
             return forward(params, cfg, tokens, batch, cache, block_size, logits_index)
 
-        def step_sample(params, tokens, batch, cache, logits_index, sampling, num_logprobs):
-            logits, cache = forward(params, cfg, tokens, batch, cache, block_size, logits_index)
-            return sample(logits, *sampling, num_logprobs=num_logprobs), cache
-
         self._step = jax.jit(step, donate_argnums=(3,))
-        self._step_sample = jax.jit(step_sample, donate_argnums=(3,), static_argnames=("num_logprobs",))
+
+    @property
+    def params(self) -> dict:
+        """Per-layer parameters (views of the stacked arrays)."""
+        return unstack_layers(self.stacked)
 
     def reset_cache(self) -> None:
         """A fresh (zero) KV cache, e.g. after a failed step deleted the donated one."""
@@ -56,15 +59,5 @@ class MonolithicExecutor:
     def forward(self, tokens, batch: AttentionBatch, logits_index) -> jax.Array:
         """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None); updates the KV cache."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
-        logits, self.cache = self._step(self.params, tokens, batch, self.cache, index)
+        logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index)
         return logits
-
-    def forward_sample(self, tokens, batch: AttentionBatch, logits_index, temperature, top_k, top_p, seeds,
-                       steps, num_logprobs: int = 0):
-        """``sampler.sample(forward(...), temperature, ..., num_logprobs)`` as one jitted program:
-        (tokens [B], logprob of token [B], top ids [B, n], top logprobs [B, n]); updates the KV cache."""
-        tokens, batch, index = self._args(tokens, batch, logits_index)
-        sampling = (temperature, top_k, top_p, seeds, steps)
-        out, self.cache = self._step_sample(self.params, tokens, batch, self.cache, index, sampling,
-                                            num_logprobs=num_logprobs)
-        return out

@@ -1,0 +1,47 @@
+"""The shapes a step is padded to, and the closed set of them that warm-up compiles.
+
+A step's rows are padded to a power of two per attention instance (``rows``) and a prefill chunk
+to a power of two of at least ``MIN_PREFILL_TOKENS`` tokens; block tables always have the same
+width (attention loops over the blocks a step needs). The scheduler caps a prefill chunk at
+``max_prefill_chunk`` tokens and the runner puts at most ``prefill_rows`` chunks per instance in
+one program call, so the set below is every shape serving can meet: after warm-up no step compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MIN_PREFILL_TOKENS = 16  # prefill chunks shorter than this pad to it
+
+
+def bucket(n: int, lo: int = 1) -> int:
+    """The power of two >= max(n, lo)."""
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def powers_of_two(lo: int, hi: int) -> list[int]:
+    """lo, 2 lo, ... up to bucket(hi)."""
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= 2
+    return out + [bucket(hi, lo)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePlan:
+    max_num_seqs: int  # decode rows per step (all instances)
+    max_prefill_chunk: int  # tokens of one prefill chunk
+    prefill_rows: int = 4  # prefill chunks per attention instance in one program call
+
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """(rows per instance, tokens per row) of every decode step."""
+        return [(r, 1) for r in powers_of_two(1, self.max_num_seqs)]
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        rows = powers_of_two(1, self.prefill_rows)
+        tokens = powers_of_two(MIN_PREFILL_TOKENS, max(self.max_prefill_chunk, MIN_PREFILL_TOKENS))
+        return [(r, t) for t in tokens for r in rows]
+
+    def shapes(self) -> list[tuple[int, int]]:
+        return self.decode_shapes() + self.prefill_shapes()
