@@ -1,0 +1,104 @@
+"""Start-up: warm-up compiles a closed set of programs whose number (and the JIT's memory mappings)
+does not grow with depth, and ``jaxmoe serve`` stops promptly on SIGTERM, warm-up included."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from jaxmoe.compilation import compile_events
+from jaxmoe.config import from_hf_config
+from jaxmoe.demo import DEMO_HF_CONFIG, demo_params
+from jaxmoe.engine.async_engine import AsyncEngine
+from jaxmoe.engine.engine import EngineConfig, LLMEngine
+from jaxmoe.llm import build_executor
+from jaxmoe.tokenizer import ByteTokenizer
+
+TINY = dict(DEMO_HF_CONFIG, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def _warm(layers: int) -> tuple[int, int, int]:
+    """(shapes warmed, programs XLA compiled or loaded, memory mappings added) for a fresh model."""
+    jax.clear_caches()
+    cfg = from_hf_config(dict(TINY, num_hidden_layers=layers))
+    config = EngineConfig(max_num_seqs=4, max_prefill_chunk=32, max_model_len=256, num_blocks=64)
+    engine = LLMEngine(cfg, build_executor(cfg, demo_params(cfg, seed=layers), config), ByteTokenizer(), config)
+    ae = AsyncEngine(engine).start()
+    try:
+        maps, programs = _mappings(), compile_events()["programs"]
+        ae.warmup(progress=False)
+        return len(engine.runner.plan.shapes()), compile_events()["programs"] - programs, _mappings() - maps
+    finally:
+        ae.shutdown()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
+def test_programs_and_mappings_do_not_grow_with_depth():
+    shallow, deep = _warm(2), _warm(32)
+    assert shallow[0] == deep[0] == 3 + 3 * 2  # decode batches 1, 2, 4; prefill 1-4 rows x 16, 32 tokens
+    # every shape compiles its step program; the sampler compiles once per batch size
+    assert deep[1] == shallow[1] <= deep[0] + 3
+    assert deep[2] <= 1.5 * shallow[2] + 500, (shallow, deep)
+
+
+def _serve(*args, cache=None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if cache is not None:
+        env["JAXMOE_COMPILATION_CACHE"] = str(cache)
+    cmd = [sys.executable, "-m", "jaxmoe.cli", "serve", "--model", "demo", "--http-port", "0", "--grpc-port", "0",
+           *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(proc: subprocess.Popen, text: str, timeout: float) -> str:
+    seen, deadline = "", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen += line
+        if text in line:
+            return seen
+    raise AssertionError(f"{text!r} not seen in {timeout}s; output:\n{seen}")
+
+
+def test_sigterm_during_warmup_stops_within_seconds(tmp_path):
+    proc = _serve(cache=tmp_path / "xla")  # a fresh cache: warm-up compiles for over a minute
+    try:
+        _wait_for(proc, "warming up", timeout=120)
+        time.sleep(1.0)  # inside the first compiles
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        rest = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, rest
+    assert "stopped during warm-up" in rest
+    assert took < 15, took
+
+
+def test_sigterm_while_serving_drains_and_exits():
+    proc = _serve("--max-num-seqs", "2", "--max-prefill-chunk", "16", "--max-model-len", "64")
+    try:
+        _wait_for(proc, "http listening", timeout=300)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        rest = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0 and "stopped" in rest
+    assert time.monotonic() - t0 < 15
