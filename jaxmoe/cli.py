@@ -1,4 +1,4 @@
-"""The ``jaxmoe`` command line: ``generate``, ``mesh show``, ``serve``, ``client``.
+"""The ``jaxmoe`` command line: ``generate``, ``mesh show``, ``profile``, ``plan``, ``serve``, ``client``.
 
 Each subcommand is a small function taking the parsed arguments; ``main`` only dispatches.
 """
@@ -57,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("file")
     show.set_defaults(func=cmd_mesh_show)
 
+    from jaxmoe.planning.commands import register as register_planning_commands  # profile, plan
     from server.cli import register as register_server_commands  # serve, client
 
+    register_planning_commands(sub, _add_model_args)
     register_server_commands(sub, _add_model_args)
     return parser
 

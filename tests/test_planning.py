@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import pathlib
 import random
 
 import pytest
@@ -11,6 +12,8 @@ from jaxmoe.planning.paper_profile import paper_profile
 from jaxmoe.planning.profile import Dims, Profile, ProfileError, StageModels
 from jaxmoe.planning.schedule import StageTimes, estimate, layer_kinds, simulate
 from jaxmoe.planning.solver import BatchShape, Limits, PlanError, brute_force, pppipe, solve
+
+MESHES = pathlib.Path(__file__).parent.parent / "meshes"
 
 
 def deepseek_dims(ag=3, eg=5, moe_layers=16, dense_layers=1) -> Dims:
@@ -250,3 +253,54 @@ def test_profile_round_trip_and_mismatch_errors(tmp_path):
         Profile.load(tmp_path / "bad.json")
     with pytest.raises(ProfileError, match="no profile at"):
         Profile.load(tmp_path / "missing.json")
+
+
+# ---- measured profiles: jaxmoe profile / jaxmoe plan on the CPU mesh ------------------------------
+
+
+def test_profile_and_plan_cli(checkpoint_dir, tmp_path, capsys):
+    """`jaxmoe profile` times the disaggregated runtime's own programs on the cpu-8 mesh, fits every
+    stage (R² reported), writes a loadable profile and a plot; `jaxmoe plan` solves from it."""
+    from jaxmoe.cli import main
+    from jaxmoe.planning import Profile
+
+    ckpt = checkpoint_dir("mixtral")
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    rc = main(["profile", "--model", str(ckpt), "--mesh", str(MESHES / "cpu-8.yaml"), "--rows", "1,2,4",
+               "--contexts", "16,48", "--repeats", "2", "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "R²" in text and "profile written" in text
+    prof = Profile.load(out)
+    assert prof.dims.attention_instances == 2 and prof.dims.expert_instances == 6
+    assert prof.source.startswith("measured by jaxmoe profile")
+    for stage in ("attention", "a2e", "expert", "e2a"):
+        model = getattr(prof.stages, stage)
+        assert model.points == 6 and model.r2 is not None
+        assert len(prof.samples[stage]) == 6 and all(p[-1] > 0 for p in prof.samples[stage])
+    # attention work terms: tokens per instance and tokens x attended
+    assert sorted({tuple(p[:2]) for p in prof.samples["attention"]}) == sorted(
+        (r, r * c) for r in (1, 2, 4) for c in (16, 48))
+    assert png.stat().st_size > 10_000
+
+    assert main(["plan", "--profile", str(out), "--batch", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["findep"]["order"] in ("ASAS", "AASS") and plan["speedup"] >= 1.0 - 1e-9
+    assert plan["findep"]["r1"] * plan["findep"]["m_a"] >= 8
+
+
+def test_profile_bad_input(checkpoint_dir, tmp_path, capsys):
+    from jaxmoe.cli import main
+
+    ckpt = checkpoint_dir("mixtral")
+    assert main(["profile", "--model", str(ckpt), "--out", str(tmp_path / "p.json")]) == 2
+    assert "--mesh" in capsys.readouterr().err
+    assert main(["profile", "--model", str(ckpt), "--mesh", str(MESHES / "cpu-8.yaml"), "--rows", "4",
+                 "--out", str(tmp_path / "p.json")]) == 2
+    assert "rows" in capsys.readouterr().err
+    assert main(["plan", "--profile", str(tmp_path / "missing.json"), "--batch", "4"]) == 2
+    assert "no profile" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"kind": "jaxmoe-findep-profile", "version": 1}')
+    assert main(["plan", "--profile", str(bad), "--batch", "4"]) == 2
+    assert "field" in capsys.readouterr().err

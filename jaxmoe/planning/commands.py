@@ -1,0 +1,85 @@
+"""``jaxmoe profile`` and ``jaxmoe plan`` (registered into ``jaxmoe.cli`` by ``register``).
+
+``jaxmoe profile --mesh FILE --model DIR --out P.json [--plot P.png]`` measures and fits the FinDEP
+stage models of the disaggregated runtime on that mesh (``measure``); ``jaxmoe plan --profile
+P.json --batch B`` runs the solver (FinDEP Algorithm 1) and prints the chosen configuration beside
+the best PPPipe one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def register(sub, add_model_args) -> None:
+    prof = sub.add_parser("profile", help="measure the FinDEP stage models of a model on a mesh")
+    add_model_args(prof)
+    prof.add_argument("--rows", default="1,2,4,8,16", help="sequences per attention instance to measure")
+    prof.add_argument("--contexts", default="16,128", help="tokens attended per sequence to measure")
+    prof.add_argument("--tokens", type=int, default=1, help="new tokens per sequence (1: decode)")
+    prof.add_argument("--repeats", type=int, default=5, help="timed steps per point (median)")
+    prof.add_argument("--out", required=True, help="profile JSON to write")
+    prof.add_argument("--plot", default=None, help="PNG of measured points against the fits (matplotlib)")
+    prof.set_defaults(func=cmd_profile)
+
+    plan = sub.add_parser("plan", help="FinDEP configuration (r1, r2, order) for a batch, from a profile")
+    plan.add_argument("--profile", required=True, help="profile JSON from `jaxmoe profile`")
+    plan.add_argument("--batch", type=int, required=True, help="sequences per attention instance")
+    plan.add_argument("--tokens", type=int, default=1, help="new tokens per sequence (1: decode)")
+    plan.add_argument("--context", type=int, default=0, help="tokens attended (default: --tokens)")
+    plan.add_argument("--mode", default="batch", choices=["batch", "max"],
+                      help="batch: run exactly --batch; max: --batch is the memory limit (the paper)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(func=cmd_plan)
+
+
+def cmd_profile(args) -> int:
+    from jaxmoe.llm import load_model
+    from jaxmoe.planning.measure import Sweep, plot_profile, profile_executor
+    from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
+
+    if args.mesh is None:
+        raise ValueError("--mesh: profiling measures the disaggregated runtime; give a mesh file")
+    sweep = Sweep(rows=_ints(args.rows), contexts=_ints(args.contexts), tokens=args.tokens, repeats=args.repeats)
+    cfg, params, _ = load_model(args.model, args.dtype)
+    block_size = 16
+    executor = DisaggregatedExecutor(cfg, params, 1, block_size, args.mesh)
+    ag = executor.num_attention
+    slots = ag * -(-sweep.max_context // block_size) * block_size
+    executor = DisaggregatedExecutor(cfg, params, slots, block_size, executor.sub)
+    profile = profile_executor(executor, sweep, progress=lambda line: print(line, file=sys.stderr))
+    profile.save(args.out)
+    for stage in ("attention", "a2e", "expert", "e2a"):
+        m = getattr(profile.stages, stage)
+        betas = ", ".join(f"{b:.3e}" for b in m.betas)
+        print(f"{stage:>9}: alpha {m.alpha * 1e3:.4f} ms, beta ({betas}) s/unit, R² {m.r2:.4f}, {m.points} points")
+    print(f"profile written to {args.out}")
+    if args.plot:
+        plot_profile(profile, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from jaxmoe.planning import BatchShape, Profile, pppipe, solve
+
+    profile = Profile.load(args.profile)
+    shape = BatchShape(batch=args.batch, tokens=args.tokens, context=args.context)
+    best, base = solve(profile, shape, mode=args.mode), pppipe(profile, shape, mode=args.mode)
+    speedup = best.tokens_per_s / base.tokens_per_s
+    if args.json:
+        print(json.dumps({"findep": best.as_dict(), "pppipe": base.as_dict(), "speedup": speedup}))
+        return 0
+    for name, p in (("FinDEP", best), ("PPPipe", base)):
+        print(f"{name:>6}: {p.order} r1={p.r1} m_a={p.m_a} r2={p.r2} m_e={p.m_e:.2f} "
+              f"step {p.time_s * 1e3:.3f} ms, {p.tokens_per_s:.1f} tokens/s (solved in {p.solve_ms:.2f} ms)")
+    print(f"predicted speedup over PPPipe: {speedup:.3f}x")
+    return 0
