@@ -159,7 +159,7 @@ def table(rows) -> str:
 def cpu_mode(args):
     from jaxmoe.llm import load_model
 
-    cfg, params, _ = load_model("demo", dtype="float32")
+    cfg, params, _ = load_model("tiny-random", dtype="float32")
     num_blocks, bs = args.num_blocks, args.block_size
     results = []
     rows_for = lambda m: make_rows(args.batch, args.prompt_len, bs, num_blocks, m, args.steps)  # noqa: E731

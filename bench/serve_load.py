@@ -159,7 +159,7 @@ def track_shapes(executor) -> set:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="demo")
+    p.add_argument("--model", default="tiny-random")
     p.add_argument("--rates", default="1.5,3,6", help="request rates (req/s), comma separated")
     p.add_argument("--policies", default="qllm,fcfs")
     p.add_argument("--num-requests", type=int, default=48)

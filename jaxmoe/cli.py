@@ -1,4 +1,5 @@
-"""The ``jaxmoe`` command line: ``generate``, ``mesh show``, ``profile``, ``plan``, ``serve``, ``client``.
+"""The ``jaxmoe`` command line: ``generate``, ``mesh show``, ``train``, ``eval``, ``profile``, ``plan``,
+``serve``, ``client``.
 
 Each subcommand is a small function taking the parsed arguments; ``main`` only dispatches.
 """
@@ -9,7 +10,8 @@ import sys
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo", help="checkpoint directory, or 'demo' (built in, no download)")
+    p.add_argument("--model", default="demo",
+                   help="checkpoint directory, 'demo' (the built-in trained model) or 'tiny-random' (a test fixture)")
     p.add_argument("--mesh", default=None, help="mesh file (meshes/*.yaml); default: monolithic on one device")
     p.add_argument("--dtype", default=None, help="parameter dtype (float32, bfloat16); default: checkpoint's")
 
@@ -58,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_mesh_show)
 
     from jaxmoe.planning.commands import register as register_planning_commands  # profile, plan
+    from jaxmoe.train.commands import register as register_train_commands  # train, eval
     from server.cli import register as register_server_commands  # serve, client
 
+    register_train_commands(sub, _add_model_args)
     register_planning_commands(sub, _add_model_args)
     register_server_commands(sub, _add_model_args)
     return parser

@@ -1,13 +1,23 @@
-"""The built-in ``demo`` model: a small Mixtral-style MoE with random weights from a fixed seed and
-the byte-level tokenizer, so every entry point runs with no download."""
+"""The built-in models: ``demo`` and ``tiny-random``.
+
+``demo`` is a small Mixtral trained on the Python standard library (``jaxmoe train``; how it was
+made: docs/demo_model.md), shipped as a Hugging Face checkpoint in ``jaxmoe/assets/demo``.
+``tiny-random`` is a tiny Mixtral-style MoE with random weights from a fixed seed and the byte-level
+tokenizer: a test fixture (fast to compile), its text is noise.
+"""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
 from jaxmoe.config import ModelConfig, from_hf_config
 from jaxmoe.checkpoint.hf_names import param_plan
 
-DEMO_HF_CONFIG = {
+DEMO_DIR = Path(__file__).parent / "assets" / "demo"
+TINY_RANDOM = "tiny-random"
+
+DEMO_HF_CONFIG = {  # tiny-random
     "model_type": "mixtral",
     "vocab_size": 320,  # 258 byte-level ids, padded
     "hidden_size": 256,

@@ -1,6 +1,6 @@
 """The notebook API: ``LLM("path/or/demo").generate(prompts, SamplingParams(...))``.
 
-``load_model`` resolves a model name: ``demo`` (built in), a directory converted by jaxmoe (Orbax),
+``load_model`` resolves a model name: ``demo`` / ``tiny-random`` (built in), a directory converted by jaxmoe (Orbax),
 or a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxmoe.checkpoint import is_converted, load_params, restore_converted
 from jaxmoe.compilation import enable_persistent_cache
 from jaxmoe.config import ModelConfig, load_config
-from jaxmoe.demo import demo_config, demo_params
+from jaxmoe.demo import DEMO_DIR, TINY_RANDOM, demo_config, demo_params
 from jaxmoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from jaxmoe.engine.sampler import SamplingParams
 from jaxmoe.runtime.monolithic import MonolithicExecutor
@@ -21,13 +21,16 @@ from jaxmoe.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object]:
-    """(config, params, tokenizer) for ``demo``, a jaxmoe-converted directory or an HF checkpoint."""
-    if str(model) == "demo":
+    """(config, params, tokenizer) for a built-in name (``demo``: the trained demo model shipped in
+    ``jaxmoe/assets/demo``; ``tiny-random``: a tiny random-weight model with the byte tokenizer, for
+    tests), a jaxmoe-converted directory or an HF checkpoint."""
+    if str(model) == TINY_RANDOM:
         cfg = demo_config()
         return cfg, demo_params(cfg, dtype=jnp.dtype(dtype or jnp.float32)), ByteTokenizer()
-    path = Path(model)
+    path = DEMO_DIR if str(model) == "demo" else Path(model)
     if not path.is_dir():
-        raise FileNotFoundError(f"model {str(model)!r} is neither 'demo' nor a checkpoint directory")
+        raise FileNotFoundError(f"model {str(model)!r} is neither a built-in name ('demo', "
+                                f"'{TINY_RANDOM}') nor a checkpoint directory")
     if is_converted(path):
         params, cfg = restore_converted(path)
     else:

@@ -1,7 +1,7 @@
 """Helpers for the serving tests and benchmarks.
 
 Compiling the demo model's programs dominates a CPU test run, and compiled programs belong to an
-executor, so all serving tests of one pytest process share one ``LLM("demo")`` (and its engine):
+executor, so all serving tests of one pytest process share one ``LLM("tiny-random")`` (and its engine):
 the standalone references are computed with ``llm.generate`` while no server wraps the engine,
 then a server / ``AsyncEngine`` wraps that same engine. The small KV geometry (64-token blocks,
 256-token context) keeps every test sequence in one block, so few bucket shapes get compiled.
@@ -24,7 +24,7 @@ WARMUP = dict(warmup_shapes=tuple([(b, 1) for b in (1, 2, 4, 8)] + [(b, t) for t
 def shared_demo_llm():
     from jaxmoe.llm import LLM
 
-    return LLM("demo", **TEST_ENGINE_KWARGS)
+    return LLM("tiny-random", **TEST_ENGINE_KWARGS)
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:

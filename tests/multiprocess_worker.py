@@ -1,7 +1,7 @@
 """One process of a multi-process jaxmoe run (spawned by tests/test_multiprocess.py, or by hand).
 
 Every process runs this same script (multi-controller SPMD): it joins ``jax.distributed`` on
-127.0.0.1, builds ``LLM("demo", mesh=MESH)`` over the global devices (node n == process n; with
+127.0.0.1, builds ``LLM("tiny-random", mesh=MESH)`` over the global devices (node n == process n; with
 meshes/cpu-8-4a4e.yaml and 4 CPU devices per process, attention on process 0 and experts on
 process 1; the executor picks ``cross_process.CrossProcessTransfer`` itself), generates for the
 prompts (greedy; sampled, seeded and unseeded; greedy again after moving expert replicas) and
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--port", type=int, required=True, help="coordinator port on 127.0.0.1")
     ap.add_argument("--mesh", default=str(ROOT / "meshes" / "cpu-8-4a4e.yaml"))
-    ap.add_argument("--model", default="demo")
+    ap.add_argument("--model", default="tiny-random")
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--prompts", default=json.dumps(PROMPTS), help="JSON list of prompts")
     ap.add_argument("--out", required=True, help="JSON file to write")

@@ -15,7 +15,7 @@ from jaxmoe.engine.model_runner import Row
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("demo", num_blocks=256, block_size=8, max_num_seqs=16)
+    return LLM("tiny-random", num_blocks=256, block_size=8, max_num_seqs=16)
 
 
 PROMPTS = ["Hello, MoE world", "a", "The quick brown fox jumps over the lazy dog"]
@@ -123,10 +123,10 @@ def test_bad_prompts_raise_and_lose_nothing(llm):
 
 
 def test_cli_generate_runs_the_demo():
-    out = subprocess.run([sys.executable, "-m", "jaxmoe.cli", "generate", "--model", "demo", "--prompt", "hi",
+    out = subprocess.run([sys.executable, "-m", "jaxmoe.cli", "generate", "--model", "tiny-random", "--prompt", "hi",
                           "--max-tokens", "5"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "5 tokens, finish_reason=length" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "jaxmoe.cli", "generate", "--model", "/nonexistent"],
                          capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "neither 'demo' nor a checkpoint directory" in bad.stderr
+    assert bad.returncode == 2 and "neither a built-in name" in bad.stderr

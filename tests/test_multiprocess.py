@@ -6,8 +6,8 @@
 * Two subprocesses (``tests/multiprocess_worker.py``, 4 CPU devices each, gloo, coordinator on
   127.0.0.1, meshes/cpu-8-4a4e.yaml: attention on process 0, experts on process 1): a probe
   records that ``jax.device_put`` cannot cross processes and that the collective transfer can;
-  then ``LLM("demo", mesh=...)`` (no wiring: the executor picks the collective transfer) generates
-  on both processes: greedy tokens equal to the single-process monolithic ``LLM("demo")``'s,
+  then ``LLM("tiny-random", mesh=...)`` (no wiring: the executor picks the collective transfer) generates
+  on both processes: greedy tokens equal to the single-process monolithic ``LLM("tiny-random")``'s,
   sampled tokens (seeded and unseeded) equal on both processes, expert activation counts
   identical on both, and the same greedy tokens after ``set_placement`` moves replicas.
 
@@ -172,7 +172,7 @@ def test_two_processes_generate_the_same_tokens_as_one(tmp_path):
     from multiprocess_worker import ENGINE, PROMPTS, SAMPLE_SEED
 
     results = _run_workers(tmp_path, "--max-tokens", str(MAX_TOKENS))
-    ref = LLM("demo", dtype="float32", **ENGINE)
+    ref = LLM("tiny-random", dtype="float32", **ENGINE)
     greedy = ref.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     expected = [list(o.token_ids) for o in greedy]
     (seeded,) = ref.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True,

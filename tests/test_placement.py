@@ -122,8 +122,8 @@ def test_controller_rebalances_between_steps_without_changing_tokens():
     from jaxmoe.runtime.controller import PlacementController
 
     prompts, sampling = ["The mixture of experts", "Hello, world", "abc"], SamplingParams(max_tokens=10)
-    want = [o.token_ids for o in LLM("demo").generate(prompts, sampling)]
-    llm = LLM("demo", mesh="meshes/cpu-8-4a4e.yaml", rebalance_every=3)
+    want = [o.token_ids for o in LLM("tiny-random").generate(prompts, sampling)]
+    llm = LLM("tiny-random", mesh="meshes/cpu-8-4a4e.yaml", rebalance_every=3)
     ex, first = llm.executor, llm.executor.placement()
     assert [o.token_ids for o in llm.generate(prompts, sampling)] == want
     history = llm.controller.history
@@ -148,4 +148,4 @@ def test_controller_needs_expert_replicas():
     from jaxmoe import LLM
 
     with pytest.raises(TypeError, match="mesh file"):
-        LLM("demo", rebalance_every=2)
+        LLM("tiny-random", rebalance_every=2)

@@ -182,7 +182,7 @@ def _jaxmoe_command() -> list[str]:
 @pytest.mark.timeout(240)
 def test_jaxmoe_serve_subprocess_exits_cleanly_on_sigterm():
     cmd = _jaxmoe_command() + [
-        "serve", "--model", "demo", "--grpc-port", "0", "--http-port", "0", "--block-size", "128",
+        "serve", "--model", "tiny-random", "--grpc-port", "0", "--http-port", "0", "--block-size", "128",
         "--num-blocks", "8", "--max-model-len", "256", "--max-num-seqs", "2", "--max-batch-tokens", "32"]
     # default warm-up grid: decodes of 1 and 2 rows, prefills of 16 and 32 tokens
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -1,0 +1,73 @@
+"""``jaxmoe train`` and ``jaxmoe eval`` (registered into ``jaxmoe.cli`` by ``register``).
+
+``jaxmoe train --preset demo --out DIR`` trains (or resumes) a run in DIR and exports the model to
+DIR/model; ``jaxmoe eval --model DIR`` prints held-out perplexity (``--json``: one JSON object).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+
+def register(sub, add_model_args) -> None:
+    tr = sub.add_parser("train", help="train a small MoE (the demo model) on the Python standard library")
+    tr.add_argument("--preset", default="demo", help="settings to start from: demo | tiny")
+    tr.add_argument("--config", default=None, help="a train_config.json to start from instead of a preset")
+    tr.add_argument("--out", required=True, help="run directory (created; an existing run there resumes)")
+    tr.add_argument("--steps", type=int, default=None, help="optimisation steps (default: the preset's)")
+    tr.add_argument("--corpus", default=None, help="'stdlib' (default), a folder of text files, or a text file")
+    tr.add_argument("--seed", type=int, default=None)
+    tr.add_argument("--dense", action="store_true", help="train the dense baseline (same active parameters)")
+    tr.add_argument("--no-progress", action="store_true")
+    tr.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("eval", help="held-out perplexity of a model on the standard library's held-out part")
+    add_model_args(ev)
+    ev.add_argument("--corpus", default="stdlib", help="text to score: its held-out part (as in training)")
+    ev.add_argument("--heldout-fraction", type=float, default=0.05)
+    ev.add_argument("--seq-len", type=int, default=256, help="tokens per scored window")
+    ev.add_argument("--max-tokens", type=int, default=32768, help="tokens to score (0: all held-out text)")
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.set_defaults(func=cmd_eval)
+
+
+def cmd_train(args) -> int:
+    from jaxmoe.train.config import PRESETS, load_train_config
+    from jaxmoe.train.loop import train
+
+    if args.config:
+        tc = load_train_config(args.config)
+    elif args.preset in PRESETS:
+        tc = PRESETS[args.preset]
+    else:
+        raise ValueError(f"--preset: unknown preset {args.preset!r} (known: {', '.join(PRESETS)})")
+    changes = {k: v for k, v in (("steps", args.steps), ("corpus", args.corpus), ("seed", args.seed)) if v is not None}
+    if args.dense:
+        changes["dense"] = True
+    tc = dataclasses.replace(tc, **changes)
+    report = train(tc, args.out, progress=not args.no_progress)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from jaxmoe.llm import load_model
+    from jaxmoe.train import data
+    from jaxmoe.train.corpus import load_corpus
+    from jaxmoe.train.evaluate import expert_token_share, perplexity
+
+    cfg, params, tokenizer = load_model(args.model, args.dtype or "float32")
+    corpus = load_corpus(args.corpus, args.heldout_fraction)
+    stream = data.encode_documents(tokenizer, [d.text for d in corpus.heldout])
+    windows = data.eval_windows(stream, args.seq_len, args.max_tokens)
+    result = perplexity(cfg, params, windows, progress=not args.json)
+    result["model"] = str(args.model)
+    if cfg.num_moe_layers:
+        result["expert_share"] = [[round(x, 4) for x in row] for row in expert_token_share(cfg, params, windows)]
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{args.model}: held-out perplexity {result['perplexity']:.3f} ({result['tokens']} tokens, "
+              f"{result['loss']:.4f} nats/token)")
+    return 0
