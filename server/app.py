@@ -35,6 +35,8 @@ class ServeOptions:
     warmup_shapes: tuple[tuple[int, int], ...] | None = None  # None: every shape of the engine's ShapePlan
     warmup_progress: bool | None = None  # tqdm bar on stderr (None: when stderr is a terminal)
     grpc_workers: int = 64
+    request_timeout_s: float | None = 600.0  # a request still running after this long is ended (None: never)
+    max_body_bytes: int = 4 << 20  # HTTP request bodies larger than this are refused (413)
 
 
 def load_engine(model: str, engine_config: EngineConfig, mesh: str | None = None, dtype=None,
@@ -67,7 +69,8 @@ class JaxmoeServer:
     def __init__(self, engine: LLMEngine, opts: ServeOptions = ServeOptions()):
         self.opts = opts
         self.metrics = ServerMetrics()
-        self.async_engine = AsyncEngine(engine, on_finish=self.metrics.observe_finished)
+        self.async_engine = AsyncEngine(engine, on_finish=self.metrics.observe_finished,
+                                        request_timeout_s=opts.request_timeout_s)
         self.metrics.watch(self.async_engine)
         self.ready = False
         self.grpc_port = self.http_port = None
@@ -85,7 +88,8 @@ class JaxmoeServer:
         info = model_info(self.async_engine.engine, o)
         self._grpc, self.grpc_port, self._health = build_grpc_server(
             self.async_engine, info, o.host, o.grpc_port, self.metrics, o.grpc_workers)
-        http = OpenAIServer(self.async_engine, o.model_name, self.metrics, ready=lambda: self.ready)
+        http = OpenAIServer(self.async_engine, o.model_name, self.metrics, ready=lambda: self.ready,
+                            max_body_bytes=o.max_body_bytes)
         self._runner = web.AppRunner(http.app(), handler_cancellation=True, shutdown_timeout=5.0,
                                      access_log=None)
         await self._runner.setup()

@@ -39,6 +39,9 @@ def register(sub, add_model_args) -> None:
                        help="skip compiling before serving (the first requests of each shape then compile)")
     serve.add_argument("--shutdown-grace", type=float, default=10.0,
                        help="seconds in-flight requests may take to finish on SIGTERM")
+    serve.add_argument("--request-timeout", type=float, default=600.0,
+                       help="seconds a request may run before the server ends it (0: no deadline)")
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest HTTP request body (413 above)")
     serve.add_argument("--abort-on-shutdown", action="store_true", help="abort in-flight requests at once")
     serve.set_defaults(func=cmd_serve)
 
@@ -75,7 +78,8 @@ def cmd_serve(args) -> int:
     engine = load_engine(args.model, config, args.mesh, args.dtype, args.rebalance_every)
     opts = ServeOptions(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                         model_name=args.served_model_name or str(args.model), mesh_description=mesh_description,
-                        warmup=not args.no_warmup)
+                        warmup=not args.no_warmup, request_timeout_s=args.request_timeout or None,
+                        max_body_bytes=args.max_body_bytes)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"jaxmoe: warning: binding {args.host}: the server has no authentication", file=sys.stderr)
     return asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace))

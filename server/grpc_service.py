@@ -3,8 +3,9 @@ the standard health service and server reflection (so ``grpcurl`` works without 
 
 Runs on a ``grpc.server`` thread pool; each ``Generate`` call admits its request with the blocking
 ``AsyncEngine.add`` and streams the engine's outputs. Status codes: INVALID_ARGUMENT for bad input
-(the message says what), RESOURCE_EXHAUSTED when the waiting queue is full, UNAVAILABLE while
-shutting down, INTERNAL when the engine failed the request. A client cancel (or deadline) aborts
+(the message names the field), RESOURCE_EXHAUSTED when the waiting queue is full, UNAVAILABLE while
+shutting down, DEADLINE_EXCEEDED when the server's request deadline passed, INTERNAL when the
+engine failed the request. An unset temperature is 1.0 (the OpenAI API's default, as over HTTP). A client cancel (or deadline) aborts
 the request in the engine, which frees its KV blocks.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxmoe.engine.async_engine import EngineClosedError, EngineStepError
+from jaxmoe.engine.async_engine import EngineClosedError, EngineStepError, RequestTimeoutError
 from jaxmoe.engine.engine import RequestOutput
 from jaxmoe.engine.sampler import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
@@ -28,9 +29,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxmoe"].full_name  # "jaxmoe.v1.
 
 
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
-    """Raises ValueError with a message for out-of-range values."""
+    """The shared validator (``SamplingParams``: raises ``SamplingParamsError`` naming the field) with
+    the defaults of the HTTP API: an unset temperature is 1.0, as in the OpenAI API."""
     kw = dict(top_k=s.top_k, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-              ignore_eos=s.ignore_eos)
+              ignore_eos=s.ignore_eos, temperature=1.0)
     for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
         if s.HasField(name):
             kw[name] = getattr(s, name)
@@ -104,6 +106,8 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
                 yield output_to_proto(out, self.tokenizer)
         except StopIteration:
             return
+        except RequestTimeoutError as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except EngineStepError as e:
             context.abort(grpc.StatusCode.INTERNAL, str(e))
 

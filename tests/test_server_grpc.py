@@ -75,7 +75,7 @@ def test_model_info_health_and_reflection(server, client):
 def test_concurrent_mixed_priority_clients_match_standalone(client, reference):
     def one(i):
         prio = "ls" if i % 4 == 0 else "be"  # 2 of 8 latency-sensitive
-        chunks, ids, text = _collect(client.generate(PROMPTS[i], max_tokens=MAX_TOKENS, priority=prio,
+        chunks, ids, text = _collect(client.generate(PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0, priority=prio,
                                                      request_id=f"mix-{i}", timeout=90))
         last = chunks[-1]
         assert last.request_id == f"mix-{i}" and last.priority == prio
@@ -89,7 +89,7 @@ def test_concurrent_mixed_priority_clients_match_standalone(client, reference):
 
 
 def test_logprobs(client):
-    chunks, ids, _ = _collect(client.generate(PROMPTS[0], max_tokens=4, logprobs=3))
+    chunks, ids, _ = _collect(client.generate(PROMPTS[0], max_tokens=4, logprobs=3, temperature=0))
     lps = [lp for c in chunks for lp in c.logprobs]
     assert [lp.token_id for lp in lps] == ids
     for lp in lps:  # greedy: the chosen token is the most likely one
@@ -139,7 +139,7 @@ def test_invalid_arguments(client, kwargs, match):
 
 
 def test_still_serving_after_bad_requests(client, reference):
-    _, ids, _ = _collect(client.generate(PROMPTS[1], max_tokens=MAX_TOKENS))
+    _, ids, _ = _collect(client.generate(PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0))
     assert ids == reference[PROMPTS[1]][0]
 
 
@@ -148,7 +148,7 @@ def test_engine_failure_is_internal_and_server_survives(server, client, referenc
         list(client.generate(PROMPTS[2], max_tokens=4, timeout=30))
     SENT["accepted"] += 1  # accepted, then failed (and aborted in the engine)
     assert err.value.code() == grpc.StatusCode.INTERNAL and "injected failure" in err.value.details()
-    _, ids, _ = _collect(client.generate(PROMPTS[2], max_tokens=MAX_TOKENS))
+    _, ids, _ = _collect(client.generate(PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0))
     assert ids == reference[PROMPTS[2]][0]
 
 

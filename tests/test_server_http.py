@@ -3,6 +3,7 @@ client (completions, chat, streaming) against the standalone LLM, OpenAI-style e
 priority extension, client disconnect, /v1/models, /health and the Prometheus /metrics."""
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import json
 
@@ -120,7 +121,21 @@ BAD = [
     ({"prompt": "x" * 300}, "context"),
     ({"prompt": "hi", "priority": "urgent"}, "unknown priority"),
     ({"prompt": "hi", "n": 2}, "n=1"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", 5]}, "prompt"),
+    # each of these once passed validation and broke the step of every co-batched request
+    ({"prompt": "hi", "seed": "1"}, "seed"),
+    ({"prompt": "hi", "seed": 1.5}, "seed"),
+    ({"prompt": "hi", "seed": 2**70}, "seed"),
+    ({"prompt": "hi", "top_k": 2**31}, "top_k"),
+    ({"prompt": "hi", "top_k": float("inf")}, "top_k"),
+    ({"prompt": "hi", "logprobs": 2.5}, "logprobs"),
+    ({"prompt": "hi", "stop": ["ok", 1]}, "stop"),
+    ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
+    # and these were silently coerced
+    ({"prompt": "hi", "ignore_eos": "false"}, "ignore_eos"),
+    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "hi", "stream": "false"}, "stream"),
+    ({"prompt": "hi\ud800"}, "surrogate"),
 ]
 
 
@@ -130,6 +145,7 @@ def test_invalid_request_is_400(server, body, match):
     assert status == 400, err
     assert err["error"]["type"] == "invalid_request_error" and match in err["error"]["message"]
     assert err["error"]["code"] == "invalid_argument"
+    assert set(err["error"]) == {"message", "type", "param", "code"}
 
 
 def test_other_400s(server, oai):
@@ -202,6 +218,126 @@ def test_metrics(server, oai):
         'jaxmoe_requests_finished_total{finish_reason="length",priority="ls"}',
     ]:
         assert needle in text, needle
+
+
+def test_errors_name_the_field(server):
+    cases = [
+        ("/v1/completions", {"prompt": "hi", "seed": "1"}, "seed"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["ok", 1]}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 2.5}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+        ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 2}, "top_p"),
+    ]
+    for path, body, param in cases:
+        status, err = _post(server, path, body)
+        assert status == 400 and err["error"]["param"].startswith(param), (body, err)
+
+
+def test_unparseable_bodies_are_json_4xx(server):
+    gz = {"Content-Encoding": "gzip"}
+    cases = [
+        (b"[" * 100_000, {}, 400),  # deeply nested JSON
+        (json.dumps({"messages": [{"content": "x"}]}).encode(), {}, 400),
+        (b"\x1f\x8b not gzip at all", gz, 400),
+        (b"{}", {"Content-Encoding": "zstd-nonsense"}, 415),
+        (b'{"prompt": "' + b"x" * (5 << 20) + b'"}', {}, 413),
+    ]
+    for body, headers, want in cases:
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        status, err = _post(server, path, body, headers)
+        assert status == want and set(err["error"]) == {"message", "type", "param", "code"}, (body[:40], status)
+    status, body = _get(server, "/no/such/path")
+    assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
+
+
+def test_unknown_model_is_404(server, oai):
+    status, err = _post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
+    assert status == 404 and err["error"]["code"] == "model_not_found" and err["error"]["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-9")
+    assert oai.models.retrieve("demo-moe").id == "demo-moe"
+
+
+def test_openai_compatibility(server, oai, llm):
+    greedy = dict(max_tokens=5, temperature=0)
+    want = [o.text for o in llm.generate(["one", "two"], SamplingParams(max_tokens=5))]
+    r = oai.completions.create(model="demo-moe", prompt=["one", "two"], **greedy)
+    assert [c.index for c in r.choices] == [0, 1] and [c.text for c in r.choices] == want
+    assert r.usage.completion_tokens == sum(len(o.token_ids) for o in llm.generate(["one", "two"],
+                                                                                    SamplingParams(max_tokens=5)))
+    plain = oai.chat.completions.create(model="demo-moe", messages=MESSAGES, **greedy)
+    parts = oai.chat.completions.create(
+        model="demo-moe", messages=[{"role": "user", "content": [{"type": "text", "text": "Hel"},
+                                                                  {"type": "text", "text": "lo"}]}], **greedy)
+    assert parts.choices[0].message.content == plain.choices[0].message.content and plain.usage.total_tokens
+    capped = oai.chat.completions.create(model="demo-moe", messages=MESSAGES, max_completion_tokens=2,
+                                         temperature=0)
+    assert capped.usage.completion_tokens == 2
+    chunks = list(oai.completions.create(model="demo-moe", prompt=["one", "two"], stream=True,
+                                         stream_options={"include_usage": True}, **greedy))
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens and not chunks[-1].choices
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    assert texts == want
+
+
+def test_a_failing_request_fails_alone(server, llm):
+    """A request whose rows break the model run fails by itself (the step is re-run without it);
+    the requests batched with it get exactly their standalone tokens and the KV cache survives."""
+    ae = server.async_engine
+    runner = ae.engine.runner
+    real_run, POISON = runner.run, 299
+
+    def run(rows):
+        if any(POISON in r.token_ids for r in rows):
+            raise RuntimeError("injected per-request failure")
+        return real_run(rows)
+
+    prompts = ["good one", "another good", "third"]
+    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+    ae.call(lambda e: setattr(runner, "run", run))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            bad = pool.submit(_post, server, "/v1/completions", {"prompt": [5, 6, POISON], "max_tokens": 8})
+            good = [pool.submit(_post, server, "/v1/completions",
+                                {"prompt": p, "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+                    for p in prompts]
+            status, err = bad.result(60)
+            results = [f.result(60) for f in good]
+    finally:
+        ae.call(lambda e: setattr(runner, "run", real_run))
+    assert status == 500 and "injected per-request failure" in err["error"]["message"]
+    tok = ae.engine.tokenizer
+    assert [s for s, _ in results] == [200] * 3
+    assert [r["choices"][0]["text"] for _, r in results] == [tok.decode(w) for w in want]
+    assert wait_until(lambda: ae.snapshot()["in_flight"] == 0, timeout=10) and engine_idle_and_free(ae)
+
+
+def test_failure_after_a_request_finished_does_not_hang(server):
+    """A step that raises after its requests finished (here: a failing step hook) still ends
+    every one of them: an error, never a stream that waits forever."""
+    ae = server.async_engine
+
+    def hook(engine):
+        engine.step_hooks.remove(hook)
+        raise RuntimeError("injected bookkeeping failure")
+
+    ae.call(lambda e: e.step_hooks.append(hook))
+    status, err = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert status == 500 and "bookkeeping" in err["error"]["message"]
+    assert wait_until(lambda: ae.snapshot()["in_flight"] == 0, timeout=10) and engine_idle_and_free(ae)
+
+
+def test_request_deadline(server):
+    ae = server.async_engine
+    old = ae.request_timeout_s
+    ae.request_timeout_s = 0.3
+    try:
+        status, err = _post(server, "/v1/completions", {"prompt": "slow", "max_tokens": 200, "ignore_eos": True})
+    finally:
+        ae.request_timeout_s = old
+    assert status == 504 and err["error"]["code"] == "timeout" and "deadline" in err["error"]["message"]
+    assert wait_until(lambda: ae.snapshot()["in_flight"] == 0, timeout=10) and engine_idle_and_free(ae)
 
 
 def test_every_block_free_at_the_end(server):

@@ -53,6 +53,10 @@ class EngineStepError(RuntimeError):
     """A step failed while this request was in it; the request was ended."""
 
 
+class RequestTimeoutError(EngineStepError):
+    """The request was still running when the server's request deadline passed; it was ended."""
+
+
 class RequestStream:
     """The outputs of one request. Iterate it synchronously (``for out in stream``) or, when made by
     ``add_async``, asynchronously (``async for out in stream``). Raises ``EngineStepError`` if the
@@ -124,8 +128,12 @@ class _Add:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_finish: Callable[[RequestOutput], None] | None = None,
-                 idle_poll_s: float = 0.5, counts_every_s: float = 1.0):
+                 idle_poll_s: float = 0.5, counts_every_s: float = 1.0, request_timeout_s: float | None = None):
+        """``request_timeout_s``: a request still running that long after admission is ended
+        with ``RequestTimeoutError`` (None: no deadline)."""
         self.engine = engine
+        self.request_timeout_s = request_timeout_s
+        self._admitted: dict[str, float] = {}  # request id -> admission time (for the deadline)
         self.on_finish = on_finish  # called on the loop thread with each final output (metrics)
         self._idle_poll_s, self._counts_every_s = idle_poll_s, counts_every_s
         self._commands: queue.Queue = queue.Queue()
@@ -234,6 +242,7 @@ class AsyncEngine:
         try:
             while True:
                 self._drain_commands(block=not self.engine.has_work())
+                self._expire()
                 if self._stop is not None:
                     abort_inflight, deadline = self._stop
                     if abort_inflight or time.monotonic() > deadline:
@@ -294,6 +303,7 @@ class AsyncEngine:
             return
         stream = RequestStream(rid, req.stream_loop)
         self._streams[rid] = stream
+        self._admitted[rid] = time.monotonic()
         req.future.set_result(stream)
 
     def _abort(self, rid: str) -> None:
@@ -318,32 +328,49 @@ class AsyncEngine:
             self._abort(rid)
 
     def _step(self) -> None:
+        self.engine.step_request_ids = []
         try:
             outputs = self.engine.step()
-        except StepFailedError as e:  # the model run failed: fail that step's requests
+        except StepFailedError as e:  # the model run failed and took the KV cache: fail that step
             self.step_errors += 1
             log.exception("engine step failed")
             self._fail(e.request_ids, str(e))
-            self._publish()
+            self._after_failure()
             return
-        except Exception as e:  # scheduling / bookkeeping failed
+        except Exception as e:  # scheduling / bookkeeping failed: the step's requests, by id
             self.step_errors += 1
             log.exception("engine step failed")
-            self._fail(self._in_step(), f"engine step failed: {type(e).__name__}: {e}")
-            self._publish()
+            self._fail(self.engine.step_request_ids, f"engine step failed: {type(e).__name__}: {e}")
+            self._after_failure()
             return
         self.num_steps += 1
         for out in outputs:
+            if out.error is not None:
+                self.step_errors += 1
+                log.error("request %s failed in the engine: %s", out.request_id, out.error)
             self._deliver(out)
         self._publish()
 
-    def _in_step(self) -> list[str]:
-        """Requests of the step that just failed (all live ones if that cannot be told)."""
-        sch = self.engine.scheduler
-        hit = [s.request_id for s in sch.running]
-        return hit or [s.request_id for s in sch.waiting + sch.preempted]
+    def _after_failure(self) -> None:
+        """No stream may wait forever: fail every stream whose request the engine no longer holds."""
+        orphans = [rid for rid in self._streams if self.engine.scheduler.get(rid) is None]
+        self._fail(orphans, "the request was lost by a failed engine step")
+        self._publish()
 
-    def _fail(self, rids: list[str], message: str) -> None:
+    def _expire(self) -> None:
+        """End the requests older than the request deadline (``RequestTimeoutError``)."""
+        if self.request_timeout_s is None or not self._admitted:
+            return
+        limit = time.monotonic() - self.request_timeout_s
+        late = [rid for rid, t in self._admitted.items() if t < limit]
+        if late:
+            log.warning("%d request(s) passed the %g s request deadline; ending them", len(late),
+                        self.request_timeout_s)
+            self._fail(late, f"the request did not finish within the server's deadline of "
+                             f"{self.request_timeout_s:g} s", RequestTimeoutError)
+            self._publish()
+
+    def _fail(self, rids: list[str], message: str, error: type[EngineStepError] = EngineStepError) -> None:
         for rid in rids:
             try:
                 self.engine.abort(rid)
@@ -351,12 +378,16 @@ class AsyncEngine:
                 log.exception("abort of %s failed", rid)
             stream = self._streams.pop(rid, None)
             self._last.pop(rid, None)
+            self._admitted.pop(rid, None)
             if stream is not None:
-                stream._put(EngineStepError(message))
+                stream._put(error(message))
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is None:  # a request added through call() (warm-up)
+            return
+        if out.error is not None:
+            self._fail([out.request_id], out.error)
             return
         stream._put(out)
         if out.finished:
@@ -372,6 +403,7 @@ class AsyncEngine:
     def _close(self, rid: str) -> None:
         stream = self._streams.pop(rid, None)
         self._last.pop(rid, None)
+        self._admitted.pop(rid, None)
         if stream is not None:
             stream._put(_END)
 

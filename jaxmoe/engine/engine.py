@@ -60,6 +60,7 @@ class RequestOutput:
     priority: str
     ttft: float | None = None
     tpot: float | None = None
+    error: str | None = None  # set (with finish_reason "error") when this request failed in the engine
 
     @property
     def usage(self) -> dict[str, int]:
@@ -113,6 +114,7 @@ class LLMEngine:
         self._counter = 0
         self.step_hooks: list = []  # hook(engine) after every step that ran the model
         self._seeds = _unseeded_seeds()
+        self.step_request_ids: list[str] = []  # the requests of the last step (set before it runs)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
@@ -136,7 +138,7 @@ class LLMEngine:
         sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
         seq = Sequence(request_id, prompt_ids, sampling, Priority.parse(priority))
         self.scheduler.add(seq)
-        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(32)
+        seed = sampling.seed32 if sampling.seed is not None else self._seeds.getrandbits(32)
         self._requests[request_id] = _RequestState(seq, sampling, seed,
                                                    logprobs=[] if sampling.logprobs is not None else None)
         return request_id
@@ -160,37 +162,77 @@ class LLMEngine:
         for seq in batch.decodes:
             rows.append(self._row(seq, [seq.last_token_id], seq.num_tokens - 1, sample=True))
             seqs.append(seq)
-        try:
-            sampled = self.runner.run(rows)
-        except Exception as e:
-            self._recover_cache()
-            raise StepFailedError([seq.request_id for seq in seqs], e) from e
+        self.step_request_ids = [seq.request_id for seq in seqs]
+        errors: dict[str, str] = {}
+        sampled = self._run_isolating(rows, seqs, errors)
 
         new_tokens, finished = {}, {}
         for seq, s in zip(seqs, sampled):
-            if s is None:
+            if s is None or seq.request_id in errors:
                 continue
             state = self._requests[seq.request_id]
+            try:
+                reason = self._stop_reason(state, s.token_id)
+            except Exception as e:  # this request's own settings broke its post-processing
+                errors[seq.request_id] = f"{type(e).__name__}: {e}"
+                continue
             new_tokens[seq.request_id] = s.token_id
             if state.logprobs is not None:
                 state.logprobs.append(TokenLogprob(s.token_id, s.logprob, s.top))
-            reason = self._stop_reason(state, s.token_id)
             if reason:
                 finished[seq.request_id] = reason
-        self.scheduler.postprocess(batch, new_tokens, finished)
-        outputs = [self._output(self._requests[seq.request_id]) for seq in seqs
-                   if seq.request_id in new_tokens or seq.is_finished]
+        failed = [self._failed(seq, errors[seq.request_id]) for seq in seqs if seq.request_id in errors]
+        self.scheduler.postprocess(batch, new_tokens, finished)  # skips the failed (aborted) ones
+        outputs = []
+        for seq in seqs:
+            if seq.request_id in errors or not (seq.request_id in new_tokens or seq.is_finished):
+                continue
+            try:
+                outputs.append(self._output(self._requests[seq.request_id]))
+            except Exception as e:  # e.g. detokenizing this request's tokens
+                failed.append(self._failed(seq, f"{type(e).__name__}: {e}"))
         for hook in self.step_hooks:  # between steps: e.g. the expert placement controller
             hook(self)
-        return outputs
+        return outputs + failed
 
-    def _recover_cache(self) -> None:
-        """After a failed step: if the executor's KV cache is gone (a failed program that donates
-        the cache deletes it), allocate a new one; every sequence that had KV recomputes it."""
+    def _run_isolating(self, rows: list[Row], seqs: list[Sequence], errors: dict[str, str]) -> list:
+        """``runner.run(rows)``; when it raises, only the requests that make it fail are failed
+        (``errors``): the rows are run again in halves until the failing ones are found. Rows
+        run twice write the same KV again. If the failed program took the KV cache with it, the
+        cache is re-allocated and the whole step fails (``StepFailedError``: every sequence then
+        recomputes its KV)."""
+        try:
+            return self.runner.run(rows)
+        except Exception as e:
+            if self._recover_cache():
+                raise StepFailedError([seq.request_id for seq in seqs], e) from e
+            if len(rows) == 1:
+                errors[seqs[0].request_id] = f"engine step failed: {type(e).__name__}: {e}"
+                return [None]
+            mid = len(rows) // 2
+            return (self._run_isolating(rows[:mid], seqs[:mid], errors)
+                    + self._run_isolating(rows[mid:], seqs[mid:], errors))
+
+    def _failed(self, seq: Sequence, message: str) -> RequestOutput:
+        """Abort a request that failed in this step; its final output carries the error."""
+        state = self._requests.get(seq.request_id)
+        self.abort(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
+            text=state.text if state else "", delta_token_ids=[], delta_text="",
+            logprobs=list(state.logprobs) if state and state.logprobs is not None else None, finished=True,
+            finish_reason="error", priority=seq.priority.value, ttft=seq.ttft, tpot=seq.tpot, error=message)
+
+    def _recover_cache(self) -> bool:
+        """After a failed run: if the executor's KV cache is gone (a failed program that donates
+        the cache deletes it), allocate a new one (every sequence that had KV recomputes it) and
+        return True."""
         executor = self.runner.executor
         if any(a.is_deleted() for a in jax.tree.leaves(executor.cache)):
             executor.reset_cache()
             self.scheduler.drop_all_kv()
+            return True
+        return False
 
     def _row(self, seq: Sequence, tokens: list[int], start: int, sample: bool) -> Row:
         state = self._requests[seq.request_id]

@@ -7,44 +7,112 @@ gives the same tokens whatever else is in the batch.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKENS_LIMIT = 1 << 20  # the context length clamps it further (``LLMEngine.add_request``)
+TOP_K_LIMIT = (1 << 31) - 1
+SEED_RANGE = (-(1 << 63), 1 << 64)  # a signed or unsigned 64-bit integer
+
+
+class SamplingParamsError(ValueError):
+    """A sampling setting out of its type or range; ``param`` names the field (as the OpenAI API's
+    ``error.param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings (names follow vLLM / OpenAI)."""
+    """Per-request sampling settings (names follow vLLM / OpenAI). Checked on construction, strictly:
+    a wrong type is an error, never coerced (``ignore_eos="false"`` or ``max_tokens=True`` are
+    refused), so nothing that reaches a step can fail it. The Python API's default is greedy
+    (temperature 0); the HTTP and gRPC front ends default to the OpenAI API's 1.0."""
 
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # any 64-bit integer
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token's + top-n alternatives
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            stop = tuple(stop)
+        else:
+            raise SamplingParamsError("stop", f"must be a string or a list of strings, got {type(stop).__name__}")
+        object.__setattr__(self, "stop", stop)
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise SamplingParamsError("stop_token_ids", f"must be a list of integers, got {type(ids).__name__}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        """Raise ``SamplingParamsError`` naming the first field of a wrong type or out of range."""
+        _int_in("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        _real_in("temperature", self.temperature, 0.0, math.inf)
+        _real_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _int_in("top_k", self.top_k, 0, TOP_K_LIMIT)
+        if self.seed is not None:
+            _int_in("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for i, text in enumerate(self.stop):
+            if not isinstance(text, str):
+                raise SamplingParamsError(f"stop[{i}]", f"must be a string, got {type(text).__name__}")
+            if len(text) > MAX_STOP_LENGTH:
+                raise SamplingParamsError(f"stop[{i}]", f"longer than {MAX_STOP_LENGTH} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+        for i, t in enumerate(self.stop_token_ids):
+            _int_in(f"stop_token_ids[{i}]", t, 0, TOP_K_LIMIT)
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+    @property
+    def seed32(self) -> int | None:
+        """The seed folded to the sampler's 32-bit key (both halves of the 64-bit value count)."""
+        if self.seed is None:
+            return None
+        s = self.seed % (1 << 64)
+        return (s ^ (s >> 32)) & 0xFFFFFFFF
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _int_in(name: str, v, lo: int, hi: int) -> None:
+    if not _is_int(v):
+        raise SamplingParamsError(name, f"must be an integer, got {v!r}")
+    if not lo <= v <= hi:
+        raise SamplingParamsError(name, f"must be between {lo} and {hi}, got {v}")
+
+
+def _real_in(name: str, v, lo: float, hi: float, low_open: bool = False) -> None:
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        raise SamplingParamsError(name, f"must be a number, got {v!r}")
+    if not math.isfinite(v) or v < lo or v > hi or (low_open and v == lo):
+        bounds = f"{'(' if low_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi) else f">= {lo:g} and finite"
+        raise SamplingParamsError(name, f"must be {'in ' if math.isfinite(hi) else ''}{bounds}, got {v!r}")
 
 
 def _filter(logits: jnp.ndarray, top_k: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
