@@ -407,9 +407,8 @@ def test_custom_policy_example_plugs_in():
 
 # -- hooks and metrics --------------------------------------------------------
 
-def test_should_yield_hook_and_stats():
+def test_stats():
     sched, model = make()
-    assert sched.should_yield(0) is False
     sched.add(mk("a", 4, "ls")), sched.add(mk("b", 4, "be"))
     st = sched.stats()
     assert st["num_waiting"] == 2 and st["queue_ls_prefill"] == 1 and st["queue_be_prefill"] == 1

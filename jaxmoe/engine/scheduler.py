@@ -277,13 +277,6 @@ class Scheduler:
         self.num_finished += 1
 
     # -- hooks & views -------------------------------------------------------
-    def should_yield(self, layer_idx: int) -> bool:
-        """Layer-boundary preemption hook (future): the engine may call this
-        between layers of a step; True would mean "stop this step here, more
-        urgent work arrived". Always False now: preemption happens only at
-        step boundaries. See docs/scheduling_policies.md."""
-        return False
-
     def has_work(self) -> bool:
         return bool(self._seqs)
 

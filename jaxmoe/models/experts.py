@@ -21,7 +21,7 @@ decode; prefill), ``"grouped"`` otherwise (decode batches).  All forms compute t
   weights; no data-dependent control flow, which GPU/TPU prefer.  On XLA:CPU it transpose-copies
   the stacked weights every step: whole greedy decodes of a 114M-parameter Mixtral-style model
   are 4.7x (batch 1) and 2.6x (batch 16) slower with it than with "auto"
-  (``bench/decode_throughput.py``, ``bench/RESULTS_decode.md``).
+  (``bench/decode_throughput.py``; BENCHMARKS.md, decode throughput).
 
 The loop bodies / switch branches are compiled once per layer, so compile time stays close to the
 dense form's.  The disaggregated runtime uses grouped matmuls over physical replicas instead
