@@ -21,6 +21,7 @@ from server.grpc_service import build_grpc_server, set_serving
 from server.http_service import OpenAIServer
 from server.metrics import ServerMetrics
 from server.proto import jaxmoe_pb2 as pb
+from server.security import SecurityOptions, http_middleware
 
 
 
@@ -35,6 +36,7 @@ class ServeOptions:
     warmup_shapes: tuple[tuple[int, int], ...] | None = None  # None: every shape of the engine's ShapePlan
     warmup_progress: bool | None = None  # tqdm bar on stderr (None: when stderr is a terminal)
     grpc_workers: int = 64
+    security: SecurityOptions = SecurityOptions()  # API key, allowed hosts and origins
     request_timeout_s: float | None = 600.0  # a request still running after this long is ended (None: never)
     max_body_bytes: int = 4 << 20  # HTTP request bodies larger than this are refused (413)
 
@@ -87,10 +89,11 @@ class JaxmoeServer:
                 None, lambda: self.async_engine.warmup(o.warmup_shapes, o.warmup_progress, self.cancel_warmup))
         info = model_info(self.async_engine.engine, o)
         self._grpc, self.grpc_port, self._health = build_grpc_server(
-            self.async_engine, info, o.host, o.grpc_port, self.metrics, o.grpc_workers)
+            self.async_engine, info, o.host, o.grpc_port, self.metrics, o.grpc_workers, o.security)
         http = OpenAIServer(self.async_engine, o.model_name, self.metrics, ready=lambda: self.ready,
                             max_body_bytes=o.max_body_bytes)
-        self._runner = web.AppRunner(http.app(), handler_cancellation=True, shutdown_timeout=5.0,
+        guard = http_middleware(o.security, o.host, lambda: self.http_port)
+        self._runner = web.AppRunner(http.app(guard), handler_cancellation=True, shutdown_timeout=5.0,
                                      access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, o.host, o.http_port)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -42,6 +43,15 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--request-timeout", type=float, default=600.0,
                        help="seconds a request may run before the server ends it (0: no deadline)")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest HTTP request body (413 above)")
+    serve.add_argument("--api-key", default=os.environ.get("JAXMOE_API_KEY"),
+                       help="require this key (HTTP Authorization: Bearer KEY, gRPC metadata authorization) "
+                            "(default: $JAXMOE_API_KEY; none)")
+    serve.add_argument("--protect-health", action="store_true",
+                       help="with --api-key: /health, /metrics and gRPC health need the key too")
+    serve.add_argument("--allowed-origins", default="",
+                       help="comma-separated browser origins allowed to call the API ('*': any; default none)")
+    serve.add_argument("--allowed-hosts", default=None,
+                       help="comma-separated Host header values accepted ('*': any; default: the bound address)")
     serve.add_argument("--abort-on-shutdown", action="store_true", help="abort in-flight requests at once")
     serve.set_defaults(func=cmd_serve)
 
@@ -61,9 +71,14 @@ def register(sub, add_model_args) -> None:
     client.set_defaults(func=cmd_client)
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
 def cmd_serve(args) -> int:
     from jaxmoe.engine.engine import EngineConfig
     from server.app import ServeOptions, load_engine
+    from server.security import SecurityOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
@@ -79,9 +94,13 @@ def cmd_serve(args) -> int:
     opts = ServeOptions(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                         model_name=args.served_model_name or str(args.model), mesh_description=mesh_description,
                         warmup=not args.no_warmup, request_timeout_s=args.request_timeout or None,
-                        max_body_bytes=args.max_body_bytes)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"jaxmoe: warning: binding {args.host}: the server has no authentication", file=sys.stderr)
+                        max_body_bytes=args.max_body_bytes, security=SecurityOptions(
+                            api_key=args.api_key or None, protect_health=args.protect_health,
+                            allowed_origins=_names(args.allowed_origins),
+                            allowed_hosts=None if args.allowed_hosts is None else _names(args.allowed_hosts)))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"jaxmoe: warning: binding {args.host} without --api-key: anyone who reaches it can use it",
+              file=sys.stderr)
     return asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace))
 
 

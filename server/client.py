@@ -38,14 +38,15 @@ def make_request(prompt: str | list[int], *, max_tokens: int | None = None, temp
 
 
 class JaxmoeClient:
-    def __init__(self, target: str, channel: grpc.Channel | None = None):
+    def __init__(self, target: str, channel: grpc.Channel | None = None, api_key: str | None = None):
         self.channel = channel or grpc.insecure_channel(target)
         self.stub = pb_grpc.JaxmoeStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def generate(self, prompt: str | list[int], timeout: float | None = None, **kwargs):
         """Stream of ``GenerateResponse``; keyword arguments as in ``make_request``. The returned
         object is also a ``grpc.Call``: ``.cancel()`` aborts the request on the server."""
-        return self.stub.Generate(make_request(prompt, **kwargs), timeout=timeout)
+        return self.stub.Generate(make_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
 
     def complete(self, prompt: str | list[int], timeout: float | None = None, **kwargs) -> dict:
         """Run a request to the end: {"text", "token_ids", "finish_reason", "usage"}."""
@@ -59,7 +60,7 @@ class JaxmoeClient:
         return {"text": "".join(text), "token_ids": ids, "finish_reason": last.finish_reason, "usage": usage}
 
     def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfoResponse:
-        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     def health(self, service: str = "", timeout: float | None = 10.0) -> str:
         """"SERVING" / "NOT_SERVING" (standard grpc.health.v1)."""

@@ -24,6 +24,7 @@ from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
 from server.proto import jaxmoe_pb2 as pb
 from server.proto import jaxmoe_pb2_grpc as pb_grpc
+from server.security import ApiKeyInterceptor, SecurityOptions
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxmoe"].full_name  # "jaxmoe.v1.Jaxmoe"
 
@@ -116,10 +117,12 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
 
 
 def build_grpc_server(async_engine, model_info: pb.ModelInfoResponse, host: str, port: int,
-                      metrics=None, max_workers: int = 64):
-    """A started-later ``grpc.Server`` bound to host:port (0 = pick). Returns (server, port, health)."""
+                      metrics=None, max_workers: int = 64, security: SecurityOptions | None = None):
+    """A started-later ``grpc.Server`` bound to host:port (0 = pick). Returns (server, port, health).
+    With an API key in ``security``, RPCs need ``authorization: Bearer <key>`` metadata."""
+    interceptors = [ApiKeyInterceptor(security)] if security is not None and security.api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jaxmoe-grpc"),
-                         maximum_concurrent_rpcs=max_workers)
+                         maximum_concurrent_rpcs=max_workers, interceptors=interceptors)
     pb_grpc.add_JaxmoeServicer_to_server(JaxmoeServicer(async_engine, model_info, metrics), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

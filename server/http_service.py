@@ -106,8 +106,9 @@ class OpenAIServer:
         self.tokenizer = async_engine.engine.tokenizer
         self.max_body_bytes = max_body_bytes
 
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[json_errors], client_max_size=self.max_body_bytes)
+    def app(self, *guards) -> web.Application:
+        """The aiohttp app; ``guards`` are middlewares run before everything (``server.security``)."""
+        app = web.Application(middlewares=[*guards, json_errors], client_max_size=self.max_body_bytes)
         app["max_body_bytes"] = self.max_body_bytes
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)

@@ -1,0 +1,103 @@
+"""Who may talk to the server: an optional API key (HTTP ``Authorization: Bearer`` and gRPC
+``authorization`` metadata), a Host-header check against the bound address (DNS rebinding), and
+cross-origin (browser) requests refused unless their origin is allowed.
+
+``SecurityOptions`` is what ``jaxmoe serve`` configures (``--api-key`` / ``$JAXMOE_API_KEY``,
+``--allowed-origins``, ``--allowed-hosts``, ``--protect-health``); ``http_middleware`` and
+``grpc_interceptor`` apply it to each front end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+
+import grpc
+from aiohttp import web
+
+OPEN_PATHS = ("/health", "/metrics")
+OPEN_GRPC_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIX = "/grpc.reflection."
+
+
+@dataclasses.dataclass(frozen=True)
+class SecurityOptions:
+    api_key: str | None = None  # None: no key asked
+    protect_health: bool = False  # True: /health and /metrics (and gRPC health) need the key too
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed ("*": any); none by default
+    allowed_hosts: tuple[str, ...] | None = None  # Host header values allowed; None: the bound address only
+
+    def key_ok(self, presented: str | None) -> bool:
+        if self.api_key is None:
+            return True
+        if not presented or not presented.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(presented[len("Bearer "):].encode(), self.api_key.encode())
+
+    def hosts_for(self, bind_host: str, port: int) -> set[str] | None:
+        """Host header values accepted for a server bound to bind_host:port (None: any)."""
+        if self.allowed_hosts is not None:
+            return None if "*" in self.allowed_hosts else {h.lower() for h in self.allowed_hosts}
+        if bind_host in ("0.0.0.0", "::", ""):
+            return None  # bound to every interface: the operator names hosts with --allowed-hosts
+        names = {bind_host}
+        if bind_host in ("127.0.0.1", "::1", "localhost"):
+            names |= {"127.0.0.1", "localhost", "[::1]"}
+        return {n.lower() for n in names} | {f"{n}:{port}".lower() for n in names}
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+        status=status)
+
+
+def http_middleware(opts: SecurityOptions, bind_host: str, port_of):
+    """aiohttp middleware; ``port_of()`` gives the bound port (known once the site started)."""
+
+    @web.middleware
+    async def security(request: web.Request, handler):
+        hosts = opts.hosts_for(bind_host, port_of())
+        host = (request.headers.get("Host") or "").lower()
+        if hosts is not None and host not in hosts:
+            return _error(421, f"Host {host!r} is not served here", "misdirected_request")
+        origin = request.headers.get("Origin")
+        if origin is not None and "*" not in opts.allowed_origins and origin not in opts.allowed_origins:
+            return _error(403, f"cross-origin requests from {origin!r} are not allowed (see --allowed-origins)",
+                          "origin_not_allowed")
+        if (opts.protect_health or request.path not in OPEN_PATHS) and not opts.key_ok(
+                request.headers.get("Authorization")):
+            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
+        response = await handler(request)
+        if origin is not None:  # allowed: tell the browser
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+        return response
+
+    return security
+
+
+class ApiKeyInterceptor(grpc.ServerInterceptor):
+    """Refuses RPCs without ``authorization: Bearer <key>`` metadata (UNAUTHENTICATED); health and
+    reflection stay open unless ``protect_health``."""
+
+    def __init__(self, opts: SecurityOptions):
+        self.opts = opts
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata authorization: "
+                                                           "Bearer <key>)")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        method = details.method
+        open_ = not self.opts.protect_health and (method.startswith(OPEN_GRPC_PREFIX)
+                                                  or method.startswith(REFLECTION_PREFIX))
+        if open_ or self.opts.key_ok(dict(details.invocation_metadata).get("authorization")):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is not None and handler.response_streaming:
+            return self._deny_stream
+        return self._deny_unary

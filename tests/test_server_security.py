@@ -1,0 +1,83 @@
+"""Security options of `jaxmoe serve`: API key on HTTP and gRPC, Host header check, cross-origin
+requests refused unless allowed; /health stays open."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import grpc
+import pytest
+
+from server.app import ServeOptions, ServerThread
+from server.client import JaxmoeClient
+from server.security import SecurityOptions
+from server.testing import WARMUP, shared_demo_llm
+
+pytestmark = pytest.mark.timeout(180)
+KEY = "s3cret-key"
+ALLOWED = "https://app.example"
+
+
+@pytest.fixture(scope="module")
+def server():
+    llm = shared_demo_llm()
+    opts = ServeOptions(model_name="m", security=SecurityOptions(api_key=KEY, allowed_origins=(ALLOWED,)), **WARMUP)
+    st = ServerThread(llm.engine, opts)
+    yield st.start()
+    st.stop(abort_inflight=True)
+
+
+def _request(server, method, path, body=None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    data = None if body is None else json.dumps(body).encode()
+    conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    return resp.status, (json.loads(raw) if raw.startswith("{") else raw), resp.headers
+
+
+BODY = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_api_key_on_http(server):
+    admitted = server.async_engine.call(lambda e: e.scheduler.stats()["admitted"])
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        status, err, _ = _request(server, "POST", "/v1/completions", BODY, headers)
+        assert status == 401 and err["error"]["code"] == "invalid_api_key", headers
+    assert server.async_engine.call(lambda e: e.scheduler.stats()["admitted"]) == admitted  # nothing ran
+    assert _request(server, "POST", "/v1/completions", BODY, AUTH)[0] == 200
+    assert _request(server, "GET", "/v1/models")[0] == 401
+    assert _request(server, "GET", "/health")[0] == 200 and _request(server, "GET", "/metrics")[0] == 200
+
+
+def test_host_header_must_name_the_server(server):
+    status, err, _ = _request(server, "POST", "/v1/completions", BODY, {**AUTH, "Host": "evil.example"})
+    assert status == 421 and err["error"]["code"] == "misdirected_request"
+    assert _request(server, "POST", "/v1/completions", BODY, {**AUTH, "Host": f"localhost:{server.http_port}"})[0] == 200
+
+
+def test_cross_origin_requests_refused_unless_allowed(server):
+    admitted = server.async_engine.call(lambda e: e.scheduler.stats()["admitted"])
+    # the simple request a web page can send without a preflight: text/plain, cross-origin
+    status, err, _ = _request(server, "POST", "/v1/completions", BODY,
+                              {**AUTH, "Origin": "https://evil.example", "Content-Type": "text/plain"})
+    assert status == 403 and err["error"]["code"] == "origin_not_allowed"
+    assert server.async_engine.call(lambda e: e.scheduler.stats()["admitted"]) == admitted
+    status, _, headers = _request(server, "POST", "/v1/completions", BODY, {**AUTH, "Origin": ALLOWED})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == ALLOWED
+
+
+def test_api_key_on_grpc(server):
+    with JaxmoeClient(server.grpc_target) as anonymous, JaxmoeClient(server.grpc_target, api_key=KEY) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            list(anonymous.generate("hi", max_tokens=2, timeout=30))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            anonymous.model_info()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert anonymous.health() == "SERVING"  # health stays open
+        chunks = list(client.generate("hi", max_tokens=2, temperature=0, timeout=30))
+        assert chunks[-1].finish_reason and client.model_info().model == "m"
