@@ -68,6 +68,37 @@ def output_to_proto(out: RequestOutput, tokenizer) -> pb.GenerateResponse:
     return resp
 
 
+class Undecodable:
+    """A request whose bytes are not the message they should be (the servicer answers
+    INVALID_ARGUMENT; grpcio would answer INTERNAL if the deserializer raised)."""
+
+    def __init__(self, error: Exception):
+        self.error = f"{type(error).__name__}: {error}"
+
+
+def _lenient(parse):
+    def parse_or_mark(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:
+            return Undecodable(e)
+
+    return parse_or_mark
+
+
+def add_servicer(servicer: "JaxmoeServicer", server) -> None:
+    """``pb_grpc.add_JaxmoeServicer_to_server`` with deserializers that never raise."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest.FromString),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "ModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.ModelInfo, request_deserializer=_lenient(pb.ModelInfoRequest.FromString),
+            response_serializer=pb.ModelInfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 class JaxmoeServicer(pb_grpc.JaxmoeServicer):
     def __init__(self, async_engine, model_info: pb.ModelInfoResponse, metrics=None):
         self.engine = async_engine
@@ -81,6 +112,9 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
         context.abort(code, message)
 
     def Generate(self, request, context):
+        if isinstance(request, Undecodable):
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
+                         f"the request is not a GenerateRequest ({request.error})")
         try:
             prompt, sampling, priority = request_from_proto(request)
         except ValueError as e:
@@ -113,6 +147,9 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
             context.abort(grpc.StatusCode.INTERNAL, str(e))
 
     def ModelInfo(self, request, context):
+        if isinstance(request, Undecodable):
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
+                         f"the request is not a ModelInfoRequest ({request.error})")
         return self.info
 
 
@@ -123,7 +160,7 @@ def build_grpc_server(async_engine, model_info: pb.ModelInfoResponse, host: str,
     interceptors = [ApiKeyInterceptor(security)] if security is not None and security.api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jaxmoe-grpc"),
                          maximum_concurrent_rpcs=max_workers, interceptors=interceptors)
-    pb_grpc.add_JaxmoeServicer_to_server(JaxmoeServicer(async_engine, model_info, metrics), server)
+    add_servicer(JaxmoeServicer(async_engine, model_info, metrics), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
