@@ -35,7 +35,6 @@ class ServeOptions:
     warmup: bool = True
     warmup_shapes: tuple[tuple[int, int], ...] | None = None  # None: every shape of the engine's ShapePlan
     warmup_progress: bool | None = None  # tqdm bar on stderr (None: when stderr is a terminal)
-    grpc_workers: int = 64
     security: SecurityOptions = SecurityOptions()  # API key, allowed hosts and origins
     request_timeout_s: float | None = 600.0  # a request still running after this long is ended (None: never)
     max_body_bytes: int = 4 << 20  # HTTP request bodies larger than this are refused (413)
@@ -89,7 +88,8 @@ class JaxmoeServer:
                 None, lambda: self.async_engine.warmup(o.warmup_shapes, o.warmup_progress, self.cancel_warmup))
         info = model_info(self.async_engine.engine, o)
         self._grpc, self.grpc_port, self._health = build_grpc_server(
-            self.async_engine, info, o.host, o.grpc_port, self.metrics, o.grpc_workers, o.security)
+            self.async_engine, info, o.host, o.grpc_port, self.metrics, o.security)
+        await set_serving(self._health, False)
         http = OpenAIServer(self.async_engine, o.model_name, self.metrics, ready=lambda: self.ready,
                             max_body_bytes=o.max_body_bytes)
         guard = http_middleware(o.security, o.host, lambda: self.http_port)
@@ -99,8 +99,8 @@ class JaxmoeServer:
         site = web.TCPSite(self._runner, o.host, o.http_port)
         await site.start()
         self.http_port = self._runner.addresses[0][1]
-        self._grpc.start()
-        set_serving(self._health, True)
+        await self._grpc.start()
+        await set_serving(self._health, True)
         self.ready = True
 
     async def stop(self, abort_inflight: bool = False, grace: float = 10.0) -> None:
@@ -108,11 +108,12 @@ class JaxmoeServer:
         loop = asyncio.get_running_loop()
         self.ready = False
         if self._health is not None:
-            set_serving(self._health, False)
-        grpc_done = self._grpc.stop(grace + 5.0) if self._grpc is not None else None
+            await set_serving(self._health, False)
+        # new RPCs are refused at once; open streams end when the engine finishes or aborts them
+        grpc_done = asyncio.ensure_future(self._grpc.stop(grace + 5.0)) if self._grpc is not None else None
         await loop.run_in_executor(None, lambda: self.async_engine.shutdown(abort_inflight, grace))
         if grpc_done is not None:
-            await loop.run_in_executor(None, grpc_done.wait)
+            await grpc_done
         if self._runner is not None:
             await self._runner.cleanup()
 

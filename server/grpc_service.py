@@ -1,8 +1,10 @@
 """The gRPC front end (``jaxmoe.v1.Jaxmoe``): server-streaming ``Generate`` and ``ModelInfo``, plus
 the standard health service and server reflection (so ``grpcurl`` works without the .proto).
 
-Runs on a ``grpc.server`` thread pool; each ``Generate`` call admits its request with the blocking
-``AsyncEngine.add`` and streams the engine's outputs. Status codes: INVALID_ARGUMENT for bad input
+Runs on ``grpc.aio`` (one event loop, shared with the HTTP front end); each ``Generate`` call admits
+its request with ``AsyncEngine.add_async`` and streams the engine's outputs. Health and ModelInfo
+answer under any load; RESOURCE_EXHAUSTED (waiting queue full) carries a ``retry-after-ms``
+trailer and is counted in ``jaxmoe_requests_rejected_total``. Status codes: INVALID_ARGUMENT for bad input
 (the message names the field), RESOURCE_EXHAUSTED when the waiting queue is full, UNAVAILABLE while
 shutting down, DEADLINE_EXCEEDED when the server's request deadline passed, INTERNAL when the
 engine failed the request. An unset temperature is 1.0 (the OpenAI API's default, as over HTTP). A client cancel (or deadline) aborts
@@ -11,7 +13,6 @@ the request in the engine, which frees its KV blocks.
 from __future__ import annotations
 
 import uuid
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -100,71 +101,73 @@ def add_servicer(servicer: "JaxmoeServicer", server) -> None:
 
 
 class JaxmoeServicer(pb_grpc.JaxmoeServicer):
+    """The ``jaxmoe.v1.Jaxmoe`` service on ``grpc.aio``: every RPC is a coroutine on the server's
+    event loop, so health checks and ModelInfo answer under any number of open streams; how many
+    streams may wait is the engine's admission (``--max-waiting``), not a thread pool's."""
+
     def __init__(self, async_engine, model_info: pb.ModelInfoResponse, metrics=None):
         self.engine = async_engine
         self.info = model_info
         self.metrics = metrics
         self.tokenizer = async_engine.engine.tokenizer
 
-    def _reject(self, context, code, reason: str, message: str):
+    async def _reject(self, context, code, reason: str, message: str, retry_after_s: float | None = None):
         if self.metrics is not None:
             self.metrics.reject(reason)
-        context.abort(code, message)
+        if retry_after_s is not None:
+            context.set_trailing_metadata((("retry-after-ms", str(int(retry_after_s * 1000))),))
+        await context.abort(code, message)
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         if isinstance(request, Undecodable):
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
-                         f"the request is not a GenerateRequest ({request.error})")
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
+                               f"the request is not a GenerateRequest ({request.error})")
         try:
             prompt, sampling, priority = request_from_proto(request)
         except ValueError as e:
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
         rid = request.request_id or f"grpc-{uuid.uuid4().hex[:16]}"
         try:
-            stream = self.engine.add(prompt, sampling, priority, rid)
+            stream = await self.engine.add_async(prompt, sampling, priority, rid)
         except ValueError as e:
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
         except OverloadedError as e:
-            self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", f"server overloaded: {e}")
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded",
+                               f"server overloaded: {e}; retry later", retry_after_s=1.0)
         except EngineClosedError as e:
-            self._reject(context, grpc.StatusCode.UNAVAILABLE, "unavailable", str(e))
-        # Runs when the RPC ends for any reason; after a normal finish the abort is a no-op.
-        context.add_callback(lambda: self.engine.abort(rid))
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "unavailable", str(e))
+        finished = False
         try:
-            while True:
-                out = stream.get(timeout=1.0)
-                if out is None:  # nothing this second: is the client still there?
-                    if not context.is_active():
-                        self.engine.abort(rid)
-                        return
-                    continue
+            async for out in stream:
                 yield output_to_proto(out, self.tokenizer)
-        except StopIteration:
-            return
+            finished = True
         except RequestTimeoutError as e:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            finished = True
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except EngineStepError as e:
-            context.abort(grpc.StatusCode.INTERNAL, str(e))
+            finished = True
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        finally:
+            if not finished:  # cancelled by the client (or its deadline): free the KV blocks
+                self.engine.abort(rid)
 
-    def ModelInfo(self, request, context):
+    async def ModelInfo(self, request, context):
         if isinstance(request, Undecodable):
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
-                         f"the request is not a ModelInfoRequest ({request.error})")
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
+                               f"the request is not a ModelInfoRequest ({request.error})")
         return self.info
 
 
 def build_grpc_server(async_engine, model_info: pb.ModelInfoResponse, host: str, port: int,
-                      metrics=None, max_workers: int = 64, security: SecurityOptions | None = None):
-    """A started-later ``grpc.Server`` bound to host:port (0 = pick). Returns (server, port, health).
-    With an API key in ``security``, RPCs need ``authorization: Bearer <key>`` metadata."""
+                      metrics=None, security: SecurityOptions | None = None):
+    """A ``grpc.aio.Server`` bound to host:port (0 = pick), not started (``await server.start()``
+    on the serving event loop). Returns (server, port, health). With an API key in ``security``,
+    RPCs need ``authorization: Bearer <key>`` metadata."""
     interceptors = [ApiKeyInterceptor(security)] if security is not None and security.api_key else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jaxmoe-grpc"),
-                         maximum_concurrent_rpcs=max_workers, interceptors=interceptors)
+    server = grpc.aio.server(interceptors=interceptors)
     add_servicer(JaxmoeServicer(async_engine, model_info, metrics), server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server)
@@ -174,10 +177,10 @@ def build_grpc_server(async_engine, model_info: pb.ModelInfoResponse, host: str,
     return server, bound, health_servicer
 
 
-def set_serving(health_servicer, serving: bool) -> None:
+async def set_serving(health_servicer, serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", SERVICE_NAME):
-        health_servicer.set(name, status)
+        await health_servicer.set(name, status)
 
 
 def _host(host: str) -> str:

@@ -77,27 +77,32 @@ def http_middleware(opts: SecurityOptions, bind_host: str, port_of):
     return security
 
 
-class ApiKeyInterceptor(grpc.ServerInterceptor):
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses RPCs without ``authorization: Bearer <key>`` metadata (UNAUTHENTICATED); health and
     reflection stay open unless ``protect_health``."""
+
+    MESSAGE = "missing or wrong API key (metadata authorization: Bearer <key>)"
 
     def __init__(self, opts: SecurityOptions):
         self.opts = opts
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata authorization: "
-                                                           "Bearer <key>)")
+        async def deny_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.MESSAGE)
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.MESSAGE)
+            yield  # an async generator, as a streaming handler must be
 
-    def intercept_service(self, continuation, details):
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny_unary)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
+
+    async def intercept_service(self, continuation, details):
         method = details.method
         open_ = not self.opts.protect_health and (method.startswith(OPEN_GRPC_PREFIX)
                                                   or method.startswith(REFLECTION_PREFIX))
-        if open_ or self.opts.key_ok(dict(details.invocation_metadata).get("authorization")):
-            return continuation(details)
-        handler = continuation(details)
+        if open_ or self.opts.key_ok(dict(details.invocation_metadata or ()).get("authorization")):
+            return await continuation(details)
+        handler = await continuation(details)
         if handler is not None and handler.response_streaming:
             return self._deny_stream
         return self._deny_unary
