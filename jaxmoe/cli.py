@@ -1,5 +1,5 @@
 """The ``jaxmoe`` command line: ``generate``, ``mesh show``, ``train``, ``eval``, ``profile``, ``plan``,
-``serve``, ``client``.
+``simulate``, ``serve``, ``client``.
 
 Each subcommand is a small function taking the parsed arguments; ``main`` only dispatches.
 """
@@ -60,11 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_mesh_show)
 
     from jaxmoe.planning.commands import register as register_planning_commands  # profile, plan
+    from jaxmoe.scaling.commands import register as register_scaling_commands  # simulate
     from jaxmoe.train.commands import register as register_train_commands  # train, eval
     from server.cli import register as register_server_commands  # serve, client
 
     register_train_commands(sub, _add_model_args)
     register_planning_commands(sub, _add_model_args)
+    register_scaling_commands(sub, _add_model_args)
     register_server_commands(sub, _add_model_args)
     return parser
 

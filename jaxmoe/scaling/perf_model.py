@@ -1,0 +1,152 @@
+"""Per-token decode latency (TPOT) of an MoE model on a layout of GPUs, from a roofline of its parts.
+
+JANUS (arXiv:2512.13525, section 2.2) measures that an MoE layer is memory-bound and its time grows
+linearly with the number of experts each GPU activates (Takeaway #2), while attention time depends
+on the batch and context per attention instance. Per layer and decode step:
+
+* attention (per attention instance, batch ``b``): read the layer's non-expert weights and the batch's
+  KV cache, or its FLOPs if that is longer, plus a launch overhead;
+* MoE (per expert instance): ``activated experts x bytes per expert`` at memory bandwidth (or the
+  expert FLOPs), plus a launch overhead. Activated experts per instance: the expected number of
+  distinct experts ``T`` tokens choose, ``E (1 - (1 - k/E)^T)``, spread evenly by AEBS ("balanced")
+  or as unevenly as random scheduling leaves them (expected maximum of a balls-in-bins load);
+* A2E + E2A: ``hops x alpha + bytes / bandwidth`` with the two-phase scheme's hops (one send per
+  expert node) or direct m-to-n hops.
+
+A monolithic deployment of N GPUs (as SGLang: attention data-parallel over nodes and
+tensor-parallel inside one, experts sharded over all GPUs) runs both on every GPU with an
+all-to-all in between. Parameters are GPU-shaped (H100: 3.35 TB/s, 989 TFLOP/s, 80 GB;
+DeepSeek-V2's footprint from JANUS Table 1: 421 GB of experts in 472 GB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_bandwidth: float  # bytes/s actually reached by decode kernels
+    flops: float  # FLOP/s actually reached
+    memory: float  # bytes per GPU usable for weights and KV
+    link_bandwidth: float  # bytes/s between nodes (per GPU)
+    link_alpha: float  # seconds per message
+    gpus_per_node: int = 8
+    launch_overhead: float = 20e-6  # seconds per layer part
+
+
+H100 = Hardware("H100 SXM (80 GB)", memory_bandwidth=0.8 * 3.35e12, flops=0.5 * 989e12, memory=72e9,
+                link_bandwidth=50e9, link_alpha=10e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    moe_layers: int
+    hidden: int
+    experts: int
+    top_k: int
+    expert_bytes_total: float  # all routed experts of all layers
+    other_bytes_total: float  # everything else (attention, shared experts, embeddings)
+    kv_bytes_per_token_layer: float
+    dtype_bytes: int = 2
+
+    @property
+    def expert_bytes(self) -> float:
+        """One expert of one layer."""
+        return self.expert_bytes_total / (self.experts * self.moe_layers)
+
+    @property
+    def other_bytes_per_layer(self) -> float:
+        return self.other_bytes_total / self.layers
+
+
+# JANUS Table 1 (DS-V2: 421 GB of experts, 472 GB total) and DeepSeek-V2's config (60 layers, the
+# first dense; hidden 5120; 160 routed experts top-6; MLA cache of 512 + 64 values per token and layer).
+DEEPSEEK_V2 = ModelShape("DeepSeek-V2", layers=60, moe_layers=59, hidden=5120, experts=160, top_k=6,
+                         expert_bytes_total=421e9, other_bytes_total=51e9, kv_bytes_per_token_layer=576 * 2)
+
+
+class PerfModel:
+    def __init__(self, model: ModelShape = DEEPSEEK_V2, hw: Hardware = H100):
+        self.model, self.hw = model, hw
+
+    # -- parts ---------------------------------------------------------------------------------
+    def attention_s(self, batch: float, context: float) -> float:
+        """One layer's attention (+ shared experts) on one instance for ``batch`` sequences."""
+        m, hw = self.model, self.hw
+        read = m.other_bytes_per_layer + batch * context * m.kv_bytes_per_token_layer
+        flops = 2 * batch * m.other_bytes_per_layer / m.dtype_bytes
+        return hw.launch_overhead + max(read / hw.memory_bandwidth, flops / hw.flops)
+
+    def distinct_experts(self, tokens: float) -> float:
+        m = self.model
+        return m.experts * (1 - (1 - m.top_k / m.experts) ** tokens) if tokens > 0 else 0.0
+
+    def activated_per_instance(self, tokens: float, instances: int, balanced: bool) -> float:
+        """Experts the busiest instance runs in one layer."""
+        distinct = self.distinct_experts(tokens)
+        per = self.model.experts / instances  # experts an instance holds
+        mean = distinct / instances
+        if balanced:  # AEBS: replicas let every instance run an even share
+            return min(per, math.ceil(mean - 1e-9))
+        spread = math.sqrt(2 * mean * max(math.log(instances), 1e-9)) if instances > 1 else 0.0
+        return min(per, mean + spread)
+
+    def moe_s(self, tokens: float, instances: int, balanced: bool = True) -> float:
+        m, hw = self.model, self.hw
+        act = self.activated_per_instance(tokens, instances, balanced)
+        flops = 2 * 3 * tokens * m.top_k * m.hidden * (m.expert_bytes / (3 * m.hidden * m.dtype_bytes)) / instances
+        return hw.launch_overhead + max(act * m.expert_bytes / hw.memory_bandwidth, flops / hw.flops)
+
+    def transfer_s(self, tokens: float, senders: int, receivers: int, two_phase: bool = True) -> float:
+        """A2E + E2A of one layer: activations out, results back."""
+        hw = self.hw
+        nbytes = tokens * self.model.hidden * self.model.dtype_bytes
+        nodes = math.ceil(receivers / hw.gpus_per_node)
+        hops = nodes if two_phase else receivers
+        per_sender = nbytes / max(senders, 1)
+        return 2 * (hops * hw.link_alpha + hops * per_sender / hw.link_bandwidth)
+
+    # -- a step ----------------------------------------------------------------------------------
+    def tpot_disaggregated(self, batch: float, context: float, attention: int, experts: int,
+                           balanced: bool = True, two_phase: bool = True) -> float:
+        m = self.model
+        per_layer_attn = self.attention_s(batch / attention, context)
+        per_moe = self.moe_s(batch, experts, balanced) + self.transfer_s(batch, attention, experts, two_phase)
+        return m.layers * per_layer_attn + m.moe_layers * per_moe
+
+    def tpot_monolithic(self, batch: float, context: float, gpus: int) -> float:
+        """SGLang-style deployment of ``gpus`` GPUs: attention data-parallel over nodes and
+        tensor-parallel inside a node (weights split over its GPUs, two all-reduces per layer),
+        experts sharded over all GPUs, an all-to-all before and after the experts."""
+        m, hw = self.model, self.hw
+        tp = min(hw.gpus_per_node, gpus)
+        dp = gpus // tp
+        b = batch / dp
+        read = m.other_bytes_per_layer / tp + b * context * m.kv_bytes_per_token_layer / tp
+        flops = 2 * b * m.other_bytes_per_layer / m.dtype_bytes / tp
+        attn = hw.launch_overhead + max(read / hw.memory_bandwidth, flops / hw.flops) + 2 * hw.link_alpha
+        moe = self.moe_s(batch, gpus, balanced=False)
+        nbytes = batch * m.hidden * m.dtype_bytes / gpus
+        all_to_all = 2 * (max(gpus // hw.gpus_per_node - 1, 1) * hw.link_alpha + nbytes / hw.link_bandwidth)
+        return m.layers * attn + m.moe_layers * (moe + all_to_all)
+
+    # -- memory ----------------------------------------------------------------------------------
+    def min_expert_instances(self) -> int:
+        return math.ceil(self.model.expert_bytes_total / self.hw.memory)
+
+    def kv_capacity(self, attention: int, context: float) -> float:
+        """Sequences of ``context`` tokens the attention instances' memory holds."""
+        m = self.model
+        free = self.hw.memory - m.other_bytes_total
+        return attention * free / (context * m.kv_bytes_per_token_layer * m.layers)
+
+    def monolithic_capacity(self, gpus: int, context: float) -> float:
+        m = self.model
+        tp = min(self.hw.gpus_per_node, gpus)
+        free = gpus * self.hw.memory - m.expert_bytes_total - gpus * m.other_bytes_total / tp
+        return max(free, 0.0) / (context * m.kv_bytes_per_token_layer * m.layers / tp)
