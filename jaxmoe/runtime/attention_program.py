@@ -8,8 +8,10 @@ and the parameters replicated on every attention device:
           x <- x + y_prev (the previous layer's routed-expert output, back from E2A; the zeros
           from ``embed`` for the first layer and after a dense layer, so that one compiled program
           serves both cases: x + 0 == x exactly), then ``attention_layer`` (norm, attention
-          over the paged KV cache, residual add), then the attention-side FFN (a dense MLP or
-          the shared experts, FinDEP) added into h. xn (post-attention norm) is what A2E sends.
+          over the paged KV cache, residual add), then a dense layer's MLP added into h. xn
+          (post-attention norm) is what A2E sends.
+  shared  (shared-expert params, h, xn) -> h + shared experts(xn): its own program (FinDEP), so
+          the executor dispatches it after A2E and the expert program, and it overlaps with them.
   head    (head params, x, y_prev, logits_index) -> logits, after the last layer's residual add.
 
 One jitted ``layer`` function serves every layer: jax caches the compiled program per input
@@ -44,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import ATTN_AXES, SubMeshes
 from jaxmoe.models.attention import AttentionBatch, attention_layer
+from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.transformer import attention_side_ffn, embed, lm_head
 
 
@@ -51,6 +54,7 @@ from jaxmoe.models.transformer import attention_side_ffn, embed, lm_head
 class AttentionPrograms:
     embed: Callable
     layer: Callable
+    shared: Callable  # (shared params, h, xn) -> h + shared experts(xn)
     head: Callable
     rows: NamedSharding  # P("attn"): batch rows split over attention instances
     replicated: NamedSharding  # P(): on every attention device
@@ -90,6 +94,9 @@ def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -
         out = attention_side_ffn(layer, xn)
         return (h if out is None else h + out), xn, layer_cache
 
+    def shared_step(p, h, xn):
+        return h + shared_experts(p, xn)  # the monolithic forward's order: (h + shared) + routed
+
     def head_step(head, x, y_prev, logits_index):
         x = x + y_prev
         if logits_index is not None:
@@ -99,6 +106,7 @@ def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -
     return AttentionPrograms(
         embed=jax.jit(embed_step, out_shardings=(rows, rows)),
         layer=jax.jit(layer_step, out_shardings=(rows, rows, cache), donate_argnums=(4,), static_argnums=(5,)),
+        shared=jax.jit(shared_step, out_shardings=rows),
         head=jax.jit(head_step, out_shardings=rows),
         rows=rows,
         replicated=replicated,
@@ -106,10 +114,10 @@ def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -
     )
 
 
-def attention_side_params(layer: dict, shared_on_attention: bool) -> dict:
-    """The part of a layer's parameters the attention program reads."""
-    keep = ("attn", "mlp", "shared") if shared_on_attention else ("attn", "mlp")
-    return {k: v for k, v in layer.items() if k in keep}
+def attention_side_params(layer: dict) -> dict:
+    """The part of a layer's parameters the attention ``layer`` program reads (the shared experts,
+    when they run on the attention side, are the ``shared`` program's)."""
+    return {k: v for k, v in layer.items() if k in ("attn", "mlp")}
 
 
 def head_params(params: dict, cfg: ModelConfig) -> dict:

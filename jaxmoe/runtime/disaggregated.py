@@ -4,12 +4,14 @@ One step, as code (``DisaggregatedExecutor.forward``)::
 
     x, y = embed(tokens), 0                              # attention mesh, rows split P("attn")
     for each layer:
-        x, xn, cache = attention.layer(x, y, ...)        # residual add of y, attention, dense MLP /
-                                                         # shared experts (FinDEP), on attention mesh
+        x, xn, cache = attention.layer(x, y, ...)        # residual add of y, attention, dense MLP,
+                                                         # on the attention mesh
         if MoE layer:
             xe = a2e(xn)                                 # full activations -> every expert device
             partials = expert.run(xe, ...)               # gate + AEBS + grouped matmul, per expert
                                                          # instance (shard_map over "expert")
+            x = attention.shared(x, xn)                  # shared experts (FinDEP: attention side,
+                                                         # dispatched after the experts: overlaps)
             y = e2a(partials)                            # sum of partials -> rows on attention mesh
         else:
             y = 0
@@ -26,6 +28,9 @@ no expert. The KV cache is sharded over attention instances on the slot axis (se
 ``attention_program``). Routed experts live in S = N x C physical slots with a logical->physical
 replica table (``replicas``); ``set_placement`` moves replicas between steps.
 
+With ``pipeline=Pipeline(r1, order)`` the rows run as r1 micro-batches interleaved per layer
+(``runtime.pipeline``, FinDEP's ASAS / AASS orders).
+
 Same interface as ``MonolithicExecutor``: ``.params``, ``.cache``, ``forward``.
 """
 from __future__ import annotations
@@ -36,8 +41,10 @@ import functools
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config import ModelConfig
@@ -46,8 +53,16 @@ from jaxmoe.models.attention import AttentionBatch, init_layer_cache
 from jaxmoe.runtime.attention_program import attention_side_params, head_params, make_attention_programs
 from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.runtime.expert_program import make_expert_program, place_layer, place_tables, relayout_layer
+from jaxmoe.runtime.pipeline import Pipeline, split_rows
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 from jaxmoe.runtime.transfer import LocalTransfer, TransferCounts, plan_transfers
+
+
+class _MicroBatch(NamedTuple):
+    tokens: jax.Array
+    batch: AttentionBatch
+    index: jax.Array | None
+    valid: jax.Array  # [B, T] real tokens, on the expert mesh
 
 
 @dataclasses.dataclass
@@ -83,7 +98,7 @@ class DisaggregatedExecutor:
     def __init__(self, cfg: ModelConfig, params: dict, num_slots: int, block_size: int, mesh, *,
                  replica_policy: str = "aebs", kernel_impl: str = "reference", aebs_impl: str = "reference",
                  interpret: bool | None = None, placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                 transfer=None, cache_dtype=None):
+                 transfer=None, cache_dtype=None, pipeline: Pipeline | dict | None = None):
         self.cfg, self.block_size = cfg, block_size
         self.sub = mesh if isinstance(mesh, SubMeshes) else _sub_meshes(_spec(mesh))
         spec = self.sub.spec
@@ -108,8 +123,11 @@ class DisaggregatedExecutor:
         rep = self.attention.replicated
         self._embed = jax.device_put(params["embed"], rep)
         self._head = jax.device_put(head_params(params, cfg), rep)
-        self._attn_layers = [jax.device_put(attention_side_params(layer, not self.shared_on_experts), rep)
-                             for layer in params["layers"]]
+        self._attn_layers = [jax.device_put(attention_side_params(layer), rep) for layer in params["layers"]]
+        self._shared_layers = {} if self.shared_on_experts else {
+            i: jax.device_put(layer["shared"], rep) for i, layer in enumerate(params["layers"]) if "shared" in layer}
+        self.pipeline = Pipeline.parse(pipeline)
+        self._plans: dict[int, object] = {}
         # Expert side: router + slot arrays (+ shared experts) per MoE layer, on the expert mesh.
         self.layouts = self._layouts(placement)
         self._expert_layers = {i: place_layer(params["layers"][i], self.layouts[i], self.sub, self.shared_on_experts)
@@ -142,36 +160,64 @@ class DisaggregatedExecutor:
 
     def forward(self, tokens, batch: AttentionBatch, logits_index) -> jax.Array:
         """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None), readable by this
-        process (``transfer.to_local``: every process calls forward); updates the KV cache."""
+        process (``transfer.to_local``: every process calls forward); updates the KV cache.
+        With ``pipeline.r1 > 1`` the rows run as micro-batches interleaved layer by layer (FinDEP)."""
         tokens, batch, logits_index, B = self._pad(tokens, batch, logits_index)
-        valid = jax.device_put(batch.slots >= 0, self.experts.replicated)  # host metadata for the gate
         local = self.is_local(batch)  # attention per instance, no cross-instance traffic
-        rows = self.attention.rows
-        tokens = jax.device_put(tokens, rows)
-        batch = AttentionBatch(*(jax.device_put(a, rows) for a in batch))
-        index = None if logits_index is None else jax.device_put(logits_index, rows)
+        r1 = self.pipeline.micro_batches(tokens.shape[0] // self.num_attention)
+        parts, where = split_rows(tokens, batch, logits_index, self.num_attention, r1)
+        mbs = [self._upload(*part) for part in parts]
         step = jax.device_put(np.int32(self._step), self.experts.replicated)
         self._step += 1
         run = _Phases(self.timing, self.observer)
 
-        x, zeros = run("embed", None, self.attention.embed, self._embed, tokens)
-        y = zeros  # no routed output to add before the first layer (nor after a dense layer)
+        xs, ys = map(list, zip(*(run("embed", None, self.attention.embed, self._embed, mb.tokens) for mb in mbs)))
+        zeros = ys[0]  # no routed output to add before the first layer (nor after a dense layer)
         for i, layer in enumerate(self._attn_layers):
-            x, xn, self.cache[i] = run("attention", i, self.attention.layer, layer, x, y, batch, self.cache[i], local)
-            if i not in self._expert_layers:
-                y = zeros
-                continue
-            plan = plan_transfers(self.sub.spec, xn.nbytes // self.num_attention)
-            xe = run("a2e", i, self.transfer.a2e, xn, plan, self.sub)
-            partials, self._coact[i], self._activated[i] = run(
-                "expert", i, self.experts.run, self._expert_layers[i], self._tables[i], xe, valid, step,
-                self._coact[i])
-            y = run("e2a", i, self.transfer.e2a, partials, plan, self.sub)
-            self._count_transfers(i, plan)
-        logits = run("head", None, self.attention.head, self._head, x, y, index)
+            xns = [None] * r1
+            for k, mb in enumerate(mbs):
+                xs[k], xns[k], self.cache[i] = run("attention", i, self.attention.layer, layer, xs[k], ys[k],
+                                                   mb.batch, self.cache[i], local)
+                if self.pipeline.order == "ASAS":
+                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, zeros)
+            if self.pipeline.order == "AASS":
+                for k, mb in enumerate(mbs):
+                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, zeros)
+            if i in self._expert_layers:  # E2A last: the attention mesh had other work meanwhile
+                for k in range(r1):
+                    ys[k] = run("e2a", i, self.transfer.e2a, ys[k], self._plans[k], self.sub)
+        logits = [self.transfer.to_local(run("head", None, self.attention.head, self._head, xs[k], ys[k], mb.index))
+                  for k, mb in enumerate(mbs)]
         if self.timing:
             self.timings.append(run.record)
-        return self.transfer.to_local(logits if B == logits.shape[0] else logits[:B])
+        out = logits[0] if r1 == 1 else jnp.concatenate(logits)[where]
+        return out if B == out.shape[0] else out[:B]
+
+    def _expert_side(self, run, i: int, k: int, h, xn, mb: _MicroBatch, step, ys: list, zeros):
+        """Dispatch micro-batch k's A2E and expert program (async, on the expert mesh), then its
+        shared experts (attention mesh: they overlap). The expert partials go to ``ys[k]`` for
+        E2A; returns h (+ the shared experts' output)."""
+        if i not in self._expert_layers:
+            ys[k] = zeros
+            return h
+        plan = plan_transfers(self.sub.spec, xn.nbytes // self.num_attention)
+        self._plans[k] = plan
+        xe = run("a2e", i, self.transfer.a2e, xn, plan, self.sub)
+        ys[k], self._coact[i], self._activated[i] = run(
+            "expert", i, self.experts.run, self._expert_layers[i], self._tables[i], xe, mb.valid, step,
+            self._coact[i])
+        self._count_transfers(i, plan)
+        if i in self._shared_layers:
+            h = run("shared", i, self.attention.shared, self._shared_layers[i], h, xn)
+        return h
+
+    def _upload(self, tokens, batch: AttentionBatch, index) -> _MicroBatch:
+        rows = self.attention.rows
+        return _MicroBatch(
+            tokens=jax.device_put(tokens, rows),
+            batch=AttentionBatch(*(jax.device_put(a, rows) for a in batch)),
+            index=None if index is None else jax.device_put(index, rows),
+            valid=jax.device_put(batch.slots >= 0, self.experts.replicated))  # host metadata for the gate
 
     def _pad(self, tokens, batch: AttentionBatch, logits_index):
         """Rows padded to a multiple of the attention instances (padding: slot -1, table 0)."""
@@ -248,6 +294,8 @@ class DisaggregatedExecutor:
         layers = []
         for i, layer in enumerate(self._attn_layers):
             layer = dict(layer)
+            if i in self._shared_layers:
+                layer["shared"] = self._shared_layers[i]
             if i in self._expert_layers:
                 moe = dict(self._expert_layers[i])
                 if "shared" in moe:
@@ -314,7 +362,8 @@ class _Phases:
 
     def __init__(self, timing: bool, observer):
         self.timing, self.observer = timing, observer
-        self.record: dict = {"embed": 0.0, "attention": {}, "a2e": {}, "expert": {}, "e2a": {}, "head": 0.0}
+        self.record: dict = {"embed": 0.0, "attention": {}, "a2e": {}, "expert": {}, "shared": {}, "e2a": {},
+                             "head": 0.0}
 
     def __call__(self, phase: str, layer, fn, *args):
         t0 = time.perf_counter()
@@ -322,10 +371,10 @@ class _Phases:
         if self.timing:
             out = jax.block_until_ready(out)
             dt = time.perf_counter() - t0
-            if layer is None:
-                self.record[phase] = dt
+            if layer is None:  # times of every micro-batch add up
+                self.record[phase] += dt
             else:
-                self.record[phase][layer] = dt
+                self.record[phase][layer] = self.record[phase].get(layer, 0.0) + dt
         if self.observer is not None:
             self.observer(phase, layer, out)
         return out
