@@ -9,8 +9,9 @@ stage; ``LinearModel.fit`` turns the samples into the alpha-beta models the solv
 ========== ============================================ =========================================
 stage      work terms of a sample                       phase timed
 ========== ============================================ =========================================
-attention  (tokens, tokens x attended) per instance     ``attention`` (also runs the shared
-                                                        experts while they live in that program)
+attention  (tokens, tokens x attended) per instance     ``attention``
+shared     tokens per instance                          ``shared`` (when the model has shared
+                                                        experts on the attention side)
 a2e, e2a   bytes one attention instance sends           ``a2e`` / ``e2a``
 expert     tokens of the step, all attention instances  ``expert`` (gate, AEBS, grouped matmul)
 ========== ============================================ =========================================
@@ -96,6 +97,7 @@ def measure_samples(
     hidden_bytes = cfg.hidden_size * _dtype_bytes(executor)
     ag = executor.num_attention
     samples: dict[str, list[list[float]]] = {s: [] for s in STAGES}
+    shared_layers = [i for i in moe if i in executor.shared_layers]
     was = executor.timing
     try:
         for context in sweep.contexts:
@@ -114,6 +116,9 @@ def measure_samples(
                 samples["a2e"].append([tok * hidden_bytes, t["a2e"]])
                 samples["expert"].append([tok * ag, t["expert"]])
                 samples["e2a"].append([tok * hidden_bytes, t["e2a"]])
+                if shared_layers:
+                    shared = statistics.median(statistics.fmean(r["shared"][i] for i in shared_layers) for r in records)
+                    samples.setdefault("shared", []).append([tok, shared])
                 if progress is not None:
                     ms = ", ".join(f"{s} {t[s] * 1e3:.3f}" for s in STAGES)
                     progress(f"rows {rows:>4} context {context:>5}: {ms} ms")
@@ -125,9 +130,10 @@ def measure_samples(
 def fit_stages(samples: dict[str, list[list[float]]]) -> StageModels:
     """Alpha-beta models of every stage from ``measure_samples``' points."""
     models = {}
-    for stage in STAGES:
-        pts = np.asarray(samples[stage], np.float64)
-        models[stage] = LinearModel.fit(pts[:, :-1], pts[:, -1])
+    for stage in STAGES + ("shared",):
+        if samples.get(stage):
+            pts = np.asarray(samples[stage], np.float64)
+            models[stage] = LinearModel.fit(pts[:, :-1], pts[:, -1])
     return StageModels(**models)
 
 

@@ -250,6 +250,11 @@ class DisaggregatedExecutor:
 
     # ------------------------------------------------------------------ observability
 
+    @property
+    def shared_layers(self) -> list[int]:
+        """Layers whose shared experts run as the attention side's ``shared`` program."""
+        return sorted(self._shared_layers)
+
     def transfer_stats(self) -> dict[int, dict]:
         """Per MoE layer (by layer index): steps run, A2E/E2A hops and bytes so far (cumulative,
         split intra/cross-node), hops per step, and the strategy of the last step."""
