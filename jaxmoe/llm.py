@@ -41,14 +41,19 @@ def load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object
 
 
 def build_executor(cfg: ModelConfig, params: dict, engine_config: EngineConfig, mesh=None,
-                   executor_kwargs: dict | None = None):
+                   executor_kwargs: dict | None = None, brownout=None):
     """Monolithic executor by default; with a mesh file, the disaggregated one.
 
-    ``executor_kwargs`` go to ``DisaggregatedExecutor`` (replica_policy, kernel_impl, placement, ...).
+    ``executor_kwargs`` go to ``DisaggregatedExecutor`` (replica_policy, kernel_impl, placement,
+    pipeline, ...). ``brownout``: a ``BrownoutConfig`` (monolithic executor only, so far).
     """
     num_slots = engine_config.num_blocks * engine_config.block_size
     if mesh is None:
-        return MonolithicExecutor(cfg, params, num_slots, engine_config.block_size)
+        return MonolithicExecutor(cfg, params, num_slots, engine_config.block_size, brownout=brownout)
+    if brownout is not None:
+        from jaxmoe.brownout import BrownoutError
+
+        raise BrownoutError("brownout runs on the monolithic executor only (not built for a mesh yet)")
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
     return DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **(executor_kwargs or {}))
@@ -58,14 +63,20 @@ class LLM:
     """Offline generation over a batch of prompts, with continuous batching underneath."""
 
     def __init__(self, model: str | Path = "demo", *, dtype=None, mesh=None, executor_kwargs: dict | None = None,
-                 rebalance_every: int = 0, **engine_kwargs):
+                 rebalance_every: int = 0, brownout=None, **engine_kwargs):
         """``rebalance_every``: with a mesh, re-place the expert replicas from recent activations
         every that many steps (``runtime.controller.PlacementController``, JANUS Algorithm 2).
+        ``brownout``: a ``BrownoutConfig`` (BrownoutServe); the model directory must hold united
+        experts (``jaxmoe unite``); ``llm.executor.brownout_threshold`` may change between steps.
         Compiled programs go to the persistent compilation cache (``jaxmoe.compilation``)."""
         enable_persistent_cache()
         self.cfg, params, self.tokenizer = load_model(model, dtype)
+        if brownout is not None:
+            from jaxmoe.brownout.united import attach
+
+            params = attach(params, self.cfg, DEMO_DIR if str(model) == "demo" else model)
         self.engine_config = EngineConfig(**engine_kwargs)
-        self.executor = build_executor(self.cfg, params, self.engine_config, mesh, executor_kwargs)
+        self.executor = build_executor(self.cfg, params, self.engine_config, mesh, executor_kwargs, brownout)
         self.engine = LLMEngine(self.cfg, self.executor, self.tokenizer, self.engine_config)
         self.controller = None
         if rebalance_every:

@@ -64,8 +64,12 @@ class _File:
         return self._mmap[self.data_start + start : self.data_start + end].view(dtype).reshape(shape)
 
 
+SIDECARS = ("united_experts.safetensors",)  # beside the model, not part of it (jaxmoe.brownout.united)
+
+
 class SafetensorsCheckpoint:
-    """All tensors of a checkpoint directory: ``model.safetensors`` or an index of shards."""
+    """All tensors of a checkpoint directory: ``model.safetensors`` or an index of shards (files in
+    ``SIDECARS`` are not the model's)."""
 
     def __init__(self, directory: str | Path):
         directory = Path(directory)
@@ -77,7 +81,7 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(f"{index}: malformed index ({e})") from None
             files = sorted(set(weight_map.values()))
         else:
-            files = sorted(p.name for p in directory.glob("*.safetensors"))
+            files = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in SIDECARS)
             if not files:
                 raise CheckpointError(f"{directory}: no *.safetensors files")
         self._files: dict[str, _File] = {}

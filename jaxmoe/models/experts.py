@@ -32,6 +32,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from typing import NamedTuple
+
+from jaxmoe.brownout.routing import split
 from jaxmoe.config import ModelConfig
 from jaxmoe.models.common import swiglu_mlp, unpack16
 from jaxmoe.models.router import route
@@ -149,13 +152,28 @@ def _grouped_experts(p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.nda
     return jax.lax.switch(jnp.searchsorted(jnp.asarray(caps), busiest), [run(cap) for cap in caps], None)
 
 
-def moe_layer(p: dict, cfg: ModelConfig, x: jnp.ndarray, layer=None) -> jnp.ndarray:
+class Brownout(NamedTuple):
+    """Brownout inputs of one step (BrownoutServe, ``jaxmoe.brownout``): ``threshold`` a traced
+    scalar (no recompile when it changes), ``valid`` [tokens] real tokens, ``full`` static."""
+
+    threshold: jnp.ndarray
+    valid: jnp.ndarray
+    full: bool = False
+
+
+def moe_layer(p: dict, cfg: ModelConfig, x: jnp.ndarray, layer=None, brownout: Brownout | None = None) -> jnp.ndarray:
     """Routed-experts output for normed activations x [..., D] (gate + top-k + experts + combine).
-    ``layer``: the expert weights in ``p`` are stacked over layers (see ``_layer_weights``)."""
+    ``layer``: the expert weights in ``p`` are stacked over layers (see ``_layer_weights``).
+    ``brownout`` (with united experts ``p["united"]`` and their groups ``p["united_groups"]``): each
+    choice goes to its original expert or its group's united expert (Algorithm 1, eq. 5)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     ids, weights = route(p, cfg.moe, x)
-    return routed_experts(p, x, ids, weights, layer).reshape(shape)
+    if brownout is None or "united" not in p:
+        return routed_experts(p, x, ids, weights, layer).reshape(shape)
+    original, united = split(ids, brownout.valid, p["united_groups"], brownout.threshold, brownout.full)
+    y = routed_experts(p, x, original, weights, layer) + routed_experts(p["united"], x, united, weights, layer)
+    return y.reshape(shape)
 
 
 def shared_experts(p: dict, x: jnp.ndarray) -> jnp.ndarray:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxmoe.config import ModelConfig
 from jaxmoe.models.attention import AttentionBatch, attention_layer, init_layer_cache
 from jaxmoe.models.common import pack16, rms_norm, swiglu_mlp, unpack16
-from jaxmoe.models.experts import moe_layer, shared_experts
+from jaxmoe.models.experts import Brownout, moe_layer, shared_experts
 
 
 def layer_groups(layers: list[dict]) -> list[tuple[int, int]]:
@@ -94,19 +94,19 @@ def _layer_view(group: dict, index, dtype) -> dict:
 
 
 def layer_step(layer: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int,
-               index=None):
+               index=None, brownout: Brownout | None = None):
     """One whole layer (attention side, then the routed experts); ``index`` as ``attention_layer``'s
     (and, for the routed expert weights of a ``_layer_view``, ``moe_layer``'s)."""
     h, xn, cache = attention_layer(layer["attn"], cfg, x, batch, cache, block_size, index)
     out = attention_side_ffn(layer, xn)
     x = h if out is None else h + out
     if "moe" in layer:
-        x = x + moe_layer(layer["moe"], cfg, xn, index)
+        x = x + moe_layer(layer["moe"], cfg, xn, index, brownout)
     return x, cache
 
 
 def forward(params: dict, cfg: ModelConfig, tokens, batch: AttentionBatch, cache: list, block_size: int,
-            logits_index=None):
+            logits_index=None, brownout_threshold=None, full_brownout: bool = False):
     """Monolithic forward over tokens [B, T] with stacked parameters and caches (``stack_layers``,
     ``init_stacked_cache``): one ``lax.scan`` per layer group.
 
@@ -114,12 +114,14 @@ def forward(params: dict, cfg: ModelConfig, tokens, batch: AttentionBatch, cache
     row), or [B, T, V] when ``logits_index`` is None.
     """
     x = embed(params, tokens)
+    brownout = None if brownout_threshold is None else Brownout(
+        brownout_threshold, (batch.slots >= 0).reshape(-1), full_brownout)
     new_cache = []
     for group, group_cache in zip(params["groups"], cache):
         def body(carry, index, group=group):
             x, group_cache = carry
             layer = _layer_view(group, index, params["embed"].dtype)
-            return layer_step(layer, cfg, x, batch, group_cache, block_size, index), None
+            return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout), None
 
         n = jax.tree.leaves(group)[0].shape[0]
         (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), jnp.arange(n))

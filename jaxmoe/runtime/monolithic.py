@@ -30,15 +30,22 @@ class MonolithicExecutor:
     Parameters and caches are stacked per layer group (``models.transformer.stack_layers``): the
     jitted step scans over layers."""
 
-    def __init__(self, cfg: ModelConfig, params: dict, num_slots: int, block_size: int, cache_dtype=None):
+    def __init__(self, cfg: ModelConfig, params: dict, num_slots: int, block_size: int, cache_dtype=None,
+                 brownout=None):
+        """``brownout``: a ``BrownoutConfig`` (the params must hold united experts,
+        ``jaxmoe.brownout.united.attach``); its threshold is ``brownout_threshold``, which may
+        change between steps (SALC) without recompiling."""
         self.cfg, self.block_size = cfg, block_size
         self.stacked = stack_layers(params)
         dtype = cache_dtype or params["embed"].dtype
         self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, num_slots, dtype)
         self.cache = self._new_cache()
+        self.brownout = brownout
+        self.brownout_threshold = None if brownout is None else brownout.threshold
+        full = brownout is not None and brownout.use_full_brownout
 
-        def step(params, tokens, batch, cache, logits_index):
-            return forward(params, cfg, tokens, batch, cache, block_size, logits_index)
+        def step(params, tokens, batch, cache, logits_index, threshold):
+            return forward(params, cfg, tokens, batch, cache, block_size, logits_index, threshold, full)
 
         self._step = jax.jit(step, donate_argnums=(3,))
 
@@ -59,5 +66,6 @@ class MonolithicExecutor:
     def forward(self, tokens, batch: AttentionBatch, logits_index) -> jax.Array:
         """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None); updates the KV cache."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
-        logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index)
+        threshold = None if self.brownout_threshold is None else np.float32(self.brownout_threshold)
+        logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index, threshold)
         return logits

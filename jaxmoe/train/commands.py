@@ -1,4 +1,4 @@
-"""``jaxmoe train`` and ``jaxmoe eval`` (registered into ``jaxmoe.cli`` by ``register``).
+"""``jaxmoe train``, ``jaxmoe eval`` and ``jaxmoe unite`` (registered into ``jaxmoe.cli`` by ``register``).
 
 ``jaxmoe train --preset demo --out DIR`` trains (or resumes) a run in DIR and exports the model to
 DIR/model; ``jaxmoe eval --model DIR`` prints held-out perplexity (``--json``: one JSON object).
@@ -28,8 +28,20 @@ def register(sub, add_model_args) -> None:
     ev.add_argument("--heldout-fraction", type=float, default=0.05)
     ev.add_argument("--seq-len", type=int, default=256, help="tokens per scored window")
     ev.add_argument("--max-tokens", type=int, default=32768, help="tokens to score (0: all held-out text)")
+    ev.add_argument("--brownout-threshold", type=float, default=None,
+                    help="score with brownout at this threshold (the model needs united experts: jaxmoe unite)")
+    ev.add_argument("--full-brownout", action="store_true", help="full brownout instead of partial")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(func=cmd_eval)
+
+    un = sub.add_parser("unite", help="distil united experts (BrownoutServe) for a checkpoint")
+    add_model_args(un)
+    un.add_argument("--ways", type=int, required=True, help="experts per united expert (k)")
+    un.add_argument("--grouping", default="index", choices=["index", "similarity"])
+    un.add_argument("--tokens", type=int, default=8192, help="tokens of text whose hidden states train them")
+    un.add_argument("--steps", type=int, default=300, help="Adam steps per united expert")
+    un.add_argument("--out", required=True, help="new directory: the checkpoint plus its united experts")
+    un.set_defaults(func=cmd_unite)
 
 
 def cmd_train(args) -> int:
@@ -58,16 +70,39 @@ def cmd_eval(args) -> int:
     from jaxmoe.train.evaluate import expert_token_share, perplexity
 
     cfg, params, tokenizer = load_model(args.model, args.dtype or "float32")
+    brownout = None
+    if args.brownout_threshold is not None or args.full_brownout:
+        from jaxmoe.brownout import BrownoutConfig
+        from jaxmoe.brownout.united import attach
+        from jaxmoe.demo import DEMO_DIR
+
+        config = BrownoutConfig(1.0 if args.brownout_threshold is None else args.brownout_threshold,
+                                args.full_brownout)
+        params = attach(params, cfg, DEMO_DIR if args.model == "demo" else args.model)
+        brownout = (config.threshold, config.use_full_brownout)
     corpus = load_corpus(args.corpus, args.heldout_fraction)
     stream = data.encode_documents(tokenizer, [d.text for d in corpus.heldout])
     windows = data.eval_windows(stream, args.seq_len, args.max_tokens)
-    result = perplexity(cfg, params, windows, progress=not args.json)
+    result = perplexity(cfg, params, windows, progress=not args.json, brownout=brownout)
     result["model"] = str(args.model)
-    if cfg.num_moe_layers:
+    if brownout is not None:
+        result["brownout"] = {"threshold": brownout[0], "full": brownout[1]}
+    if cfg.num_moe_layers and brownout is None:
         result["expert_share"] = [[round(x, 4) for x in row] for row in expert_token_share(cfg, params, windows)]
     if args.json:
         print(json.dumps(result))
     else:
         print(f"{args.model}: held-out perplexity {result['perplexity']:.3f} ({result['tokens']} tokens, "
               f"{result['loss']:.4f} nats/token)")
+    return 0
+
+
+def cmd_unite(args) -> int:
+    from jaxmoe.brownout.united import unite
+
+    report = unite(args.model, args.ways, args.out, grouping=args.grouping, tokens=args.tokens, steps=args.steps)
+    for layer, r in report.items():
+        print(f"layer {layer}: groups {r['groups']}, distillation MSE per united expert "
+              + ", ".join(f"{v:.4g}" for v in r["losses"]))
+    print(f"united experts written to {args.out}")
     return 0

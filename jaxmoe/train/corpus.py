@@ -58,6 +58,18 @@ def load_corpus(source: str | Path = STDLIB, heldout_fraction: float = 0.05) -> 
     paragraphs of blank lines into chunks of about 4k characters, named by their index)."""
     if not 0 < heldout_fraction < 1:
         raise CorpusError(f"heldout_fraction must lie in (0, 1), got {heldout_fraction}")
+    docs = documents(source)
+    train = [d for d in docs if not is_heldout(d.name, heldout_fraction)]
+    heldout = [d for d in docs if is_heldout(d.name, heldout_fraction)]
+    if not train or not heldout:
+        part = "training" if not train else "held-out"
+        raise CorpusError(f"corpus {str(source)!r} has {len(docs)} document(s): none falls in the {part} "
+                          f"part (held-out fraction {heldout_fraction}); give more files")
+    return Corpus(train, heldout)
+
+
+def documents(source: str | Path = STDLIB) -> list[Document]:
+    """Every non-empty document of ``source`` (see ``load_corpus``), unsplit."""
     if str(source) == STDLIB:
         docs = stdlib_documents()
     else:
@@ -71,13 +83,7 @@ def load_corpus(source: str | Path = STDLIB, heldout_fraction: float = 0.05) -> 
     docs = [d for d in docs if d.text.strip()]
     if not docs:
         raise CorpusError(f"corpus {str(source)!r} holds no text (looked for {', '.join(TEXT_SUFFIXES)} files)")
-    train = [d for d in docs if not is_heldout(d.name, heldout_fraction)]
-    heldout = [d for d in docs if is_heldout(d.name, heldout_fraction)]
-    if not train or not heldout:
-        part = "training" if not train else "held-out"
-        raise CorpusError(f"corpus {str(source)!r} has {len(docs)} document(s): none falls in the {part} "
-                          f"part (held-out fraction {heldout_fraction}); give more files")
-    return Corpus(train, heldout)
+    return docs
 
 
 def stdlib_documents(root: Path | None = None) -> list[Document]:

@@ -14,12 +14,17 @@ import optax
 from tqdm import tqdm
 
 from jaxmoe.config import ModelConfig
+from jaxmoe.models.experts import Brownout
 from jaxmoe.train.model import forward
 
 
-def _scorer(cfg: ModelConfig):
+def _scorer(cfg: ModelConfig, brownout=None):
+    """``brownout``: None, or (threshold, use_full_brownout) to score through brownout routing."""
+
     def score(params, window):
-        logits, stats = forward(params, cfg, window[None, :-1], capacity_factor=0.0)
+        bo = None if brownout is None else Brownout(jnp.float32(brownout[0]), jnp.ones(window.shape[0] - 1, bool),
+                                                    brownout[1])
+        logits, stats = forward(params, cfg, window[None, :-1], capacity_factor=0.0, brownout=bo)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits[0], window[1:]).sum()
         counts = stats["counts"] if stats else jnp.zeros((0,), jnp.int32)
         return nll, counts
@@ -27,9 +32,10 @@ def _scorer(cfg: ModelConfig):
     return jax.jit(score)
 
 
-def perplexity(cfg: ModelConfig, params: dict, windows: np.ndarray, progress: bool = True) -> dict:
-    """``{"perplexity", "loss" (mean nats per token), "tokens"}`` over windows [N, T + 1]."""
-    score = _scorer(cfg)
+def perplexity(cfg: ModelConfig, params: dict, windows: np.ndarray, progress: bool = True, brownout=None) -> dict:
+    """``{"perplexity", "loss" (mean nats per token), "tokens"}`` over windows [N, T + 1]
+    (``brownout``: (threshold, use_full_brownout), the params holding united experts)."""
+    score = _scorer(cfg, brownout)
     total, tokens = 0.0, 0
     for window in tqdm(windows, desc="held-out", unit="window", disable=not progress):
         nll, _ = score(params, jnp.asarray(window))

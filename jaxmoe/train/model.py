@@ -27,6 +27,7 @@ from jaxmoe.checkpoint.hf_names import param_plan
 from jaxmoe.checkpoint.loader import empty_tree, set_leaf
 from jaxmoe.config import ModelConfig
 from jaxmoe.models.common import rms_norm, swiglu_mlp
+from jaxmoe.models.experts import Brownout, moe_layer
 from jaxmoe.models.rope import apply_rope, rope_cos_sin
 from jaxmoe.models.router import route
 from jaxmoe.models.transformer import lm_head
@@ -101,8 +102,11 @@ def moe_ffn(p: dict, cfg: ModelConfig, x: jnp.ndarray, capacity_factor: float) -
     return out, {"aux": aux, "counts": counts, "dropped": jnp.sum(~kept)}
 
 
-def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, capacity_factor: float = 0.0):
-    """Logits [B, T, V] (fp32) for tokens [B, T], and per-MoE-layer router stats (stacked)."""
+def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, capacity_factor: float = 0.0,
+            brownout: Brownout | None = None):
+    """Logits [B, T, V] (fp32) for tokens [B, T], and per-MoE-layer router stats (stacked).
+    ``brownout`` (evaluation only; the layers must hold united experts): the MoE layers run the
+    serving code's ``moe_layer`` with brownout (no router stats then)."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     x = params["embed"][tokens]
@@ -113,6 +117,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, capacity_factor
         xn = rms_norm(h, attn["post_norm"], cfg.rms_norm_eps)
         if "mlp" in layer:
             x = h + swiglu_mlp(layer["mlp"], xn)
+        elif brownout is not None:
+            x = h + moe_layer(layer["moe"], cfg, xn, None, brownout)
         else:
             y, layer_stats = moe_ffn(layer["moe"], cfg, xn.reshape(B * T, -1), capacity_factor)
             x = h + y.reshape(B, T, -1)
@@ -133,3 +139,23 @@ def loss_fn(params: dict, cfg: ModelConfig, batch: jnp.ndarray, aux_loss_coef: f
         loss = loss + aux_loss_coef * aux
         metrics.update(aux=aux, counts=stats["counts"], dropped=stats["dropped"].sum())
     return loss, metrics
+
+
+def moe_inputs(params: dict, cfg: ModelConfig, tokens: jnp.ndarray) -> dict[int, jnp.ndarray]:
+    """Per MoE layer, its input hidden states (post-attention norm) [B * T, D] for tokens [B, T]
+    (no capacity limit: the serving forward's). United-expert distillation trains on these."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    x = params["embed"][tokens]
+    out = {}
+    for i, layer in enumerate(params["layers"]):
+        attn = layer["attn"]
+        h = x + causal_attention(attn, cfg, rms_norm(x, attn["input_norm"], cfg.rms_norm_eps), positions)
+        xn = rms_norm(h, attn["post_norm"], cfg.rms_norm_eps)
+        if "mlp" in layer:
+            x = h + swiglu_mlp(layer["mlp"], xn)
+        else:
+            out[i] = xn.reshape(B * T, -1)
+            y, _ = moe_ffn(layer["moe"], cfg, xn.reshape(B * T, -1), 0.0)
+            x = h + y.reshape(B, T, -1)
+    return out

@@ -1,0 +1,71 @@
+"""BrownoutServe's SLO analyzer and SLO-aware latency control (SALC, Algorithm 2).
+
+``SLOAnalyzer`` keeps (time, latency) samples per phase (``ttft``: prefill, ``tpot``: decode) and
+answers the P90 over the last ``tw`` seconds. ``SALC.update`` is Algorithm 2 for one phase: below
+``warning_factor x slo`` the threshold grows by ``increment`` (fewer tokens browned out), above
+``slo`` it shrinks by ``shrink_ratio``; it stays in [0, 1]. Paper defaults: warning 0.8, increment
+0.1, shrink 0.8.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from jaxmoe.brownout.config import BrownoutError, check_threshold
+
+PHASES = ("ttft", "tpot")
+
+
+class SLOAnalyzer:
+    def __init__(self, window_s: float = 10.0, clock=time.monotonic):
+        if not window_s > 0:
+            raise BrownoutError(f"SLO analyzer window must be > 0 seconds, got {window_s!r}")
+        self.window_s, self.clock = window_s, clock
+        self._samples = {p: collections.deque() for p in PHASES}
+
+    def record(self, phase: str, latency_s: float, at: float | None = None) -> None:
+        if phase not in self._samples:
+            raise BrownoutError(f"unknown phase {phase!r} (ttft, tpot)")
+        self._samples[phase].append((self.clock() if at is None else at, float(latency_s)))
+
+    def p90(self, phase: str, now: float | None = None) -> float | None:
+        """P90 latency of ``phase`` over the last window (None: no sample in it)."""
+        now = self.clock() if now is None else now
+        q = self._samples[phase]
+        while q and q[0][0] < now - self.window_s:
+            q.popleft()
+        return float(np.percentile([v for _, v in q], 90)) if q else None
+
+
+@dataclasses.dataclass
+class SALC:
+    slo: float  # seconds
+    warning_factor: float = 0.8
+    increment: float = 0.1
+    shrink_ratio: float = 0.8
+    threshold: float = 1.0
+
+    def __post_init__(self):
+        for name, value, ok in (("slo", self.slo, self.slo > 0), ("warning_factor", self.warning_factor,
+                                0 < self.warning_factor <= 1), ("increment", self.increment,
+                                0 < self.increment <= 1), ("shrink_ratio", self.shrink_ratio,
+                                0 < self.shrink_ratio < 1)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
+                raise BrownoutError(f"SALC {name} out of range: {value!r}")
+        self.threshold = check_threshold(self.threshold)
+
+    def update(self, latency: float | None) -> float:
+        """Algorithm 2 with the recent P90 ``latency`` (None: no data, nothing changes)."""
+        if latency is None:
+            return self.threshold
+        warning_line = self.slo * self.warning_factor
+        if latency < warning_line:
+            self.threshold = min(1.0, self.threshold + self.increment)
+        elif latency > self.slo:
+            self.threshold = self.threshold * self.shrink_ratio
+        return self.threshold

@@ -1,0 +1,204 @@
+"""United experts (BrownoutServe section III-B, eq. 4): one expert per group of k original experts,
+distilled to reproduce the group's outputs, saved beside a checkpoint, and attached to its params.
+
+``unite(model_dir, ways, out_dir)``: for every MoE layer, the layer's inputs (post-attention-norm
+hidden states) are collected from real forward passes over text; experts are grouped (``index``:
+experts k*j .. k*j + k - 1, as the paper; ``similarity``: greedily by the distance between the
+experts' outputs on those tokens, our extension); each united expert starts as the mean of its
+group's weights and is trained with optax (Adam) to minimise eq. 4, the mean over the group's
+experts of the MSE between its output and theirs, on the tokens routed to the group. Each finished
+layer is saved at once (``out_dir/.unite/``): a stopped run resumes at the next layer.
+
+``out_dir`` gets a copy of the checkpoint files plus ``united_experts.safetensors`` (tensor names
+``model.layers.{i}.united_experts.{j}.{w_gate,w_up,w_down}``, jaxmoe's [in, out] layout) and
+``brownout.json`` (ways, grouping, each layer's expert -> united expert map, distillation losses).
+``attach(params, cfg, dir)`` adds them to a param tree for ``LLM(dir, brownout=...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from jaxmoe.brownout.config import BrownoutError
+from jaxmoe.models.common import swiglu_mlp
+from jaxmoe.models.router import route
+
+UNITED_FILE = "united_experts.safetensors"
+META_FILE = "brownout.json"
+GROUPINGS = ("index", "similarity")
+NAMES = ("w_gate", "w_up", "w_down")
+
+
+def check_ways(num_experts: int, ways: int) -> None:
+    if not isinstance(ways, int) or ways < 2 or ways > num_experts or num_experts % ways:
+        raise BrownoutError(f"ways {ways!r} must be >= 2 and divide the {num_experts} experts of a layer")
+
+
+def group_by_index(num_experts: int, ways: int) -> np.ndarray:
+    return np.arange(num_experts) // ways
+
+
+def group_by_similarity(outputs: np.ndarray, ways: int) -> np.ndarray:
+    """Greedy: the lowest free expert and its ways - 1 nearest free experts (mean squared output
+    distance on the same tokens) form a group. ``outputs`` [E, N, D]."""
+    E = outputs.shape[0]
+    flat = outputs.reshape(E, -1).astype(np.float64)
+    sq = (flat**2).sum(1)
+    dist = sq[:, None] + sq[None, :] - 2 * flat @ flat.T
+    groups = np.full(E, -1)
+    for g in range(E // ways):
+        free = np.flatnonzero(groups < 0)
+        seed = free[0]
+        near = free[np.argsort(dist[seed, free], kind="stable")][:ways]
+        groups[near] = g
+    return groups
+
+
+def _expert(w: dict, e: int) -> dict:
+    return {k: w[k][e] for k in NAMES}
+
+
+def distill_layer(moe: dict, cfg, xs: np.ndarray, ways: int, grouping: str, steps: int, lr: float, seed: int):
+    """(united weights {name: [U, ...]}, groups [E], final losses [U]) for one layer's inputs xs [N, D]."""
+    E = moe["w_gate"].shape[0]
+    x = jnp.asarray(xs, jnp.float32)
+    w = {k: jnp.asarray(moe[k], jnp.float32) for k in NAMES}
+    ids, _ = route({k: jnp.asarray(v, jnp.float32) for k, v in moe.items() if k not in NAMES}, cfg.moe, x)
+    outs = jax.vmap(lambda e: swiglu_mlp(jax.tree.map(lambda a: a[e], w), x))(jnp.arange(E))  # [E, N, D]
+    if grouping == "index":
+        groups = group_by_index(E, ways)
+    elif grouping == "similarity":
+        groups = group_by_similarity(np.asarray(outs), ways)
+    else:
+        raise BrownoutError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    opt = optax.adam(lr)
+    united, losses = {k: [] for k in NAMES}, []
+    ids = np.asarray(ids)
+    for g in range(E // ways):
+        members = np.flatnonzero(groups == g)
+        rows = np.flatnonzero(np.isin(ids, members).any(axis=1))
+        if len(rows) == 0:  # never routed here in the sample: the group's mean
+            rows = np.arange(len(xs))
+        xg, target = x[rows], outs[members][:, rows]  # [n, D], [k, n, D]
+        params = {k: w[k][members].mean(axis=0) for k in NAMES}
+
+        def loss_fn(p, xg=xg, target=target):  # eq. 4: mean over the group's experts of the MSE
+            return jnp.mean((swiglu_mlp(p, xg)[None] - target) ** 2)
+
+        @jax.jit
+        def update(p, state):
+            loss, grad = jax.value_and_grad(loss_fn)(p)
+            upd, state = opt.update(grad, state, p)
+            return optax.apply_updates(p, upd), state, loss
+
+        state = opt.init(params)
+        for _ in range(steps):
+            params, state, loss = update(params, state)
+        losses.append(float(loss_fn(params)))
+        for k in NAMES:
+            united[k].append(np.asarray(params[k]))
+    return {k: np.stack(v) for k, v in united.items()}, groups.astype(np.int32), losses
+
+
+def collect_moe_inputs(cfg, params: dict, windows: np.ndarray) -> dict[int, np.ndarray]:
+    """Per MoE layer: its input hidden states [N, D] over token windows [W, T] (the training forward,
+    which equals the serving forward)."""
+    from jaxmoe.train.model import moe_inputs
+
+    fn = jax.jit(lambda p, t: moe_inputs(p, cfg, t))
+    got: dict[int, list[np.ndarray]] = {}
+    for window in windows:
+        for layer, xs in fn(params, jnp.asarray(window[None])).items():
+            got.setdefault(layer, []).append(np.asarray(xs, np.float32))
+    return {layer: np.concatenate(v) for layer, v in got.items()}
+
+
+def unite(model_dir, ways: int, out_dir, *, grouping: str = "index", tokens: int = 8192, steps: int = 300,
+          lr: float = 3e-3, seed: int = 0, corpus: str = "stdlib", progress: bool = True) -> dict:
+    """Build, distil and save united experts for every MoE layer of the checkpoint in ``model_dir``."""
+    from jaxmoe.llm import load_model
+    from jaxmoe.train import data
+    from jaxmoe.train.corpus import documents
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if grouping not in GROUPINGS:
+        raise BrownoutError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    cfg, params, tokenizer = load_model(model_dir, "float32")
+    check_ways(cfg.moe.num_experts, ways)
+    if out_dir.resolve() == model_dir.resolve():
+        raise BrownoutError("--out must be a new directory, not the model's")
+    work = out_dir / ".unite"
+    work.mkdir(parents=True, exist_ok=True)
+    texts = [d.text for d in documents(corpus)]
+    stream = data.encode_documents(tokenizer, texts[:: max(1, len(texts) // 64)])
+    windows = data.eval_windows(stream, 256, tokens)
+    moe_layers = [i for i, is_moe in enumerate(cfg.moe_layers) if is_moe]
+    inputs = None
+    report = {}
+    for i in tqdm(moe_layers, desc="uniting experts", unit="layer", disable=not progress):
+        done = work / f"layer_{i}.npz"
+        if not done.exists():
+            if inputs is None:
+                inputs = collect_moe_inputs(cfg, params, windows)
+            united, groups, losses = distill_layer(params["layers"][i]["moe"], cfg, inputs[i], ways, grouping,
+                                                   steps, lr, seed)
+            np.savez(done, groups=groups, losses=np.asarray(losses), **united)
+        saved = np.load(done)
+        report[i] = {"groups": saved["groups"].tolist(), "losses": saved["losses"].tolist()}
+    _write(model_dir, out_dir, work, moe_layers, ways, grouping, report, params)
+    return report
+
+
+def _write(model_dir: Path, out_dir: Path, work: Path, moe_layers, ways, grouping, report, params) -> None:
+    from safetensors.numpy import save_file
+
+    for f in model_dir.iterdir():
+        if f.is_file() and f.name not in (UNITED_FILE, META_FILE):
+            shutil.copyfile(f, out_dir / f.name)
+    dtype = np.asarray(params["embed"]).dtype
+    tensors = {}
+    for i in moe_layers:
+        saved = np.load(work / f"layer_{i}.npz")
+        for k in NAMES:
+            for j, w in enumerate(saved[k]):
+                tensors[f"model.layers.{i}.united_experts.{j}.{k}"] = np.ascontiguousarray(w.astype(np.float32))
+    save_file(tensors, str(out_dir / UNITED_FILE))
+    meta = {"ways": ways, "grouping": grouping, "dtype_of_base": str(dtype),
+            "layers": {str(i): r for i, r in report.items()}}
+    (out_dir / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    shutil.rmtree(work)
+
+
+def attach(params: dict, cfg, directory) -> dict:
+    """``params`` with each MoE layer's united experts (``moe["united"]``) and expert -> united
+    expert map (``moe["united_groups"]``) from ``directory``."""
+    from safetensors.numpy import load_file
+
+    directory = Path(directory)
+    if not (directory / UNITED_FILE).exists() or not (directory / META_FILE).exists():
+        raise BrownoutError(f"{directory} has no united experts ({UNITED_FILE}, {META_FILE}): "
+                            "create them with `jaxmoe unite --model DIR --ways K --out DIR2`")
+    meta = json.loads((directory / META_FILE).read_text())
+    tensors = load_file(str(directory / UNITED_FILE))
+    layers = list(params["layers"])
+    for i, is_moe in enumerate(cfg.moe_layers):
+        if not is_moe:
+            continue
+        entry = meta["layers"].get(str(i))
+        if entry is None:
+            raise BrownoutError(f"{directory / META_FILE}: no united experts for MoE layer {i}")
+        dtype = layers[i]["moe"]["w_gate"].dtype
+        U = cfg.moe.num_experts // meta["ways"]
+        united = {k: jnp.asarray(np.stack([tensors[f"model.layers.{i}.united_experts.{j}.{k}"] for j in range(U)]),
+                                 dtype) for k in NAMES}
+        moe = dict(layers[i]["moe"], united=united, united_groups=jnp.asarray(entry["groups"], jnp.int32))
+        layers[i] = dict(layers[i], moe=moe)
+    return dict(params, layers=layers)

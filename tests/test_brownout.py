@@ -1,0 +1,208 @@
+"""BrownoutServe: Algorithm 1 against a direct reading, brownout in the monolithic expert computation
+(threshold 1 = the exact model, any threshold = a plain jnp reference, no recompile when it moves),
+united experts (`jaxmoe unite`), SALC (Algorithm 2) and the SLO analyzer, bad input."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmoe import LLM, BrownoutConfig, BrownoutError, SamplingParams
+from jaxmoe.brownout.routing import split, split_reference
+from jaxmoe.brownout.salc import SALC, SLOAnalyzer
+from jaxmoe.compilation import compile_events
+from jaxmoe.models.common import swiglu_mlp
+from jaxmoe.models.experts import Brownout, moe_layer
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+PROMPTS = [[3, 9, 27, 81, 11], [5, 25, 17], [2, 4, 8, 16, 32, 64]]
+
+
+def _ids_with_counts(counts):
+    """Top-1 routing whose per-expert counts are ``counts``."""
+    return np.concatenate([[e] * c for e, c in enumerate(counts)]).astype(np.int32)[:, None]
+
+
+def test_the_papers_worked_example():
+    """Fig. 4b / 5a: 8 experts, 20 tokens with counts 2, 4, 1, 5, 2, 1, 2, 3, threshold 0.6: S1 = {E1, E3,
+    E7}; with k = 4, UE0 takes E0 and E2, UE1 takes E4, E5 and E6 (5 expert accesses instead of 8)."""
+    ids = _ids_with_counts([2, 4, 1, 5, 2, 1, 2, 3])
+    valid = np.ones(len(ids), bool)
+    orig, united = split_reference(ids, valid, np.arange(8) // 4, 0.6, full=False)
+    assert set(np.unique(orig[orig >= 0])) == {1, 3, 7}
+    assert {int(e): int(u) for e, u in zip(ids[:, 0], united[:, 0]) if u >= 0} == {0: 0, 2: 0, 4: 1, 5: 1, 6: 1}
+    # k = 3: groups {0,1,2} {3,4,5} {6,7}: E6 is alone in its group's S2 part -> keeps its original expert
+    orig, united = split_reference(ids, valid, np.arange(8) // 3, 0.6, full=False)
+    assert set(np.unique(orig[orig >= 0])) == {1, 3, 7, 6}
+    assert set(np.unique(united[united >= 0])) == {0, 1}
+    orig, united = split_reference(ids, valid, np.arange(8) // 4, 0.6, full=True)  # full: S2 dropped
+    assert set(np.unique(orig[orig >= 0])) == {1, 3, 7} and (united < 0).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_equals_the_direct_reading(seed):
+    rng = np.random.default_rng(seed)
+    E, K, T = [(8, 2, 40), (16, 4, 64), (8, 1, 7), (12, 3, 30), (6, 2, 100), (16, 2, 5)][seed]
+    f = jax.jit(split, static_argnames="full")
+    for trial in range(12):
+        ways = [w for w in (2, 3, 4) if E % w == 0][trial % 2]
+        groups = np.arange(E) // ways if trial % 3 else rng.permutation(np.arange(E) // ways)
+        probs = rng.dirichlet(np.full(E, 0.3))
+        ids = np.stack([rng.choice(E, K, replace=False, p=probs) for _ in range(T)]).astype(np.int32)
+        valid = rng.random(T) > 0.2
+        threshold = float(rng.choice([0.0, 1.0, rng.random()]))
+        full = bool(trial % 4 == 3)
+        want = split_reference(ids, valid, groups, threshold, full)
+        got = f(jnp.asarray(ids), jnp.asarray(valid), jnp.asarray(groups, jnp.int32), jnp.float32(threshold), full=full)
+        np.testing.assert_array_equal(np.asarray(got[0]), want[0])
+        np.testing.assert_array_equal(np.asarray(got[1]), want[1])
+
+
+def _layer(rng, E=8, D=16, F=24, U=4):
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)  # noqa: E731
+    return {"router": w(D, E), "w_gate": w(E, D, F), "w_up": w(E, D, F), "w_down": w(E, F, D),
+            "united": {"w_gate": w(U, D, F), "w_up": w(U, D, F), "w_down": w(U, F, D)},
+            "united_groups": jnp.asarray(np.arange(E) // (E // U), jnp.int32)}
+
+
+def test_moe_layer_with_brownout_equals_a_plain_reference(checkpoint_dir):
+    """eq. 5: original experts for S1, united experts (same weights g) for S2, computed per token."""
+    from jaxmoe.config import load_config
+    from jaxmoe.models.router import route
+
+    cfg = load_config(checkpoint_dir("mixtral"))  # 8 experts, top-2, softmax routing
+    rng = np.random.default_rng(0)
+    p = _layer(rng, D=cfg.hidden_size)
+    x = jnp.asarray(rng.standard_normal((37, cfg.hidden_size)), jnp.float32)
+    valid = jnp.asarray(rng.random(37) > 0.1)
+    plain = moe_layer(p, cfg, x)
+    for threshold, full in ((1.0, False), (0.55, False), (0.0, False), (0.4, True)):
+        got = moe_layer(p, cfg, x, None, Brownout(jnp.float32(threshold), valid, full))
+        ids, weights = route(p, cfg.moe, x)
+        orig, united = split_reference(np.asarray(ids), np.asarray(valid), np.asarray(p["united_groups"]), threshold,
+                                       full)
+        want = np.zeros(x.shape, np.float32)
+        for t in range(x.shape[0]):
+            for j in range(ids.shape[1]):
+                g = float(weights[t, j])
+                if orig[t, j] >= 0:
+                    want[t] += g * np.asarray(swiglu_mlp({k: p[k][orig[t, j]] for k in ("w_gate", "w_up", "w_down")},
+                                                         x[t]))
+                if united[t, j] >= 0:
+                    want[t] += g * np.asarray(swiglu_mlp({k: v[united[t, j]] for k, v in p["united"].items()}, x[t]))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
+        if threshold == 1.0:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))  # zero brownout: exact
+
+
+@pytest.fixture(scope="module")
+def united_dir(checkpoint_dir, tmp_path_factory):
+    from jaxmoe.brownout.united import unite
+
+    corpus = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("textwrap.py", "string.py", "bisect.py", "heapq.py", "glob.py"):
+        shutil.copy(stdlib / name, corpus / name)
+    out = tmp_path_factory.mktemp("united") / "m"
+    report = unite(checkpoint_dir("mixtral"), 2, out, tokens=1024, steps=60, corpus=str(corpus), progress=False)
+    return out, report
+
+
+def test_unite_writes_united_experts(united_dir):
+    out, report = united_dir
+    assert (out / "united_experts.safetensors").exists() and (out / "brownout.json").exists()
+    assert sorted(report) == [0, 1]
+    for r in report.values():
+        assert r["groups"] == [0, 0, 1, 1, 2, 2, 3, 3] and len(r["losses"]) == 4
+        assert all(np.isfinite(v) and v >= 0 for v in r["losses"])
+
+
+def test_threshold_one_is_the_original_model_and_moving_it_does_not_recompile(united_dir, checkpoint_dir):
+    out, _ = united_dir
+    want = [o.token_ids for o in LLM(checkpoint_dir("mixtral"), dtype="float32").generate(PROMPTS, GREEDY)]
+    llm = LLM(out, dtype="float32", brownout=BrownoutConfig(threshold=1.0))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    before = compile_events()["programs"]
+    for threshold in (0.5, 0.0, 0.8):
+        llm.executor.brownout_threshold = threshold
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert all(len(o.token_ids) == 8 for o in outs)
+    assert compile_events()["programs"] == before
+
+
+def test_eval_with_brownout(united_dir, capsys, tmp_path):
+    import json
+
+    from jaxmoe.cli import main
+
+    out, _ = united_dir
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("alpha beta gamma delta\n" * 200)
+    (corpus / "b.txt").write_text("one two three four five\n" * 200)
+    args = ["eval", "--model", str(out), "--corpus", str(corpus), "--heldout-fraction", "0.5", "--seq-len", "32",
+            "--max-tokens", "256", "--json"]
+    results = []
+    for extra in ([], ["--brownout-threshold", "1.0"], ["--brownout-threshold", "0.0"]):
+        assert main(args + extra) == 0
+        results.append(json.loads(capsys.readouterr().out)["perplexity"])
+    assert results[1] == pytest.approx(results[0], rel=1e-4)  # zero brownout: the model itself
+    assert results[2] != pytest.approx(results[0], rel=1e-6)
+
+
+def test_bad_brownout_input(checkpoint_dir, tmp_path, capsys):
+    from jaxmoe.brownout.united import unite
+    from jaxmoe.cli import main
+
+    for bad in (-0.1, 1.5, float("nan"), True):
+        with pytest.raises(BrownoutError, match="threshold"):
+            BrownoutConfig(threshold=bad)
+    with pytest.raises(BrownoutError, match="ways 3 must be >= 2 and divide the 8 experts"):
+        unite(checkpoint_dir("mixtral"), 3, tmp_path / "x", progress=False)
+    with pytest.raises(BrownoutError, match="no united experts"):
+        LLM(checkpoint_dir("mixtral"), brownout=BrownoutConfig(0.5))
+    with pytest.raises(BrownoutError, match="monolithic"):
+        from jaxmoe.llm import build_executor, load_model
+
+        cfg, params, _ = load_model(checkpoint_dir("mixtral"))
+        from jaxmoe.engine.engine import EngineConfig
+
+        build_executor(cfg, params, EngineConfig(), "meshes/cpu-8.yaml", brownout=BrownoutConfig(0.5))
+    assert main(["eval", "--model", str(checkpoint_dir("mixtral")), "--brownout-threshold", "2"]) == 2
+    assert "threshold" in capsys.readouterr().err
+    for kw in (dict(slo=0), dict(slo=1, warning_factor=1.5), dict(slo=1, increment=0), dict(slo=1, shrink_ratio=1.0)):
+        with pytest.raises(BrownoutError, match="SALC"):
+            SALC(**kw)
+
+
+def test_salc_is_algorithm_2():
+    """Below warning_factor x slo: + increment (capped at 1); above slo: x shrink_ratio; between: kept."""
+    salc = SALC(slo=1.0, threshold=0.5)
+    got = [salc.update(v) for v in (0.5, 0.9, 1.2, 1.2, 0.7, None, 0.81, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)]
+    want, t = [], 0.5
+    for v in (0.5, 0.9, 1.2, 1.2, 0.7, None, 0.81, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1):
+        if v is not None:
+            t = min(1.0, t + 0.1) if v < 0.8 else (t * 0.8 if v > 1.0 else t)
+        want.append(t)
+    assert got == pytest.approx(want)
+    assert got[-1] == 1.0
+
+
+def test_slo_analyzer_p90_over_a_sliding_window():
+    now = [0.0]
+    a = SLOAnalyzer(window_s=10.0, clock=lambda: now[0])
+    for i in range(100):
+        now[0] = i * 0.1
+        a.record("tpot", float(i))
+    assert a.p90("tpot") == pytest.approx(np.percentile(np.arange(100), 90))
+    now[0] = 25.0
+    a.record("tpot", 1.0)
+    assert a.p90("tpot") == 1.0 and a.p90("ttft") is None
+    with pytest.raises(BrownoutError, match="phase"):
+        a.record("e2e", 1.0)
