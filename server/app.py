@@ -15,6 +15,7 @@ import threading
 
 from aiohttp import web
 
+from jaxmoe.brownout.controller import BrownoutController
 from jaxmoe.engine.async_engine import AsyncEngine
 from jaxmoe.engine.engine import EngineConfig, LLMEngine
 from server.grpc_service import build_grpc_server, set_serving
@@ -41,15 +42,24 @@ class ServeOptions:
 
 
 def load_engine(model: str, engine_config: EngineConfig, mesh: str | None = None, dtype=None,
-                rebalance_every: int = 0) -> LLMEngine:
+                rebalance_every: int = 0, brownout=None, salc=None) -> LLMEngine:
     """The engine ``jaxmoe serve`` runs; ``rebalance_every`` > 0 attaches the expert placement
-    controller (a mesh file is needed)."""
+    controller (a mesh file is needed); ``brownout`` (a ``BrownoutConfig``, the model directory
+    holding united experts) and ``salc`` (a ``SALCConfig``: SLO-aware control of its threshold)."""
     from jaxmoe.compilation import enable_persistent_cache
     from jaxmoe.llm import build_executor, load_model
 
     enable_persistent_cache()
     cfg, params, tokenizer = load_model(model, dtype)
-    engine = LLMEngine(cfg, build_executor(cfg, params, engine_config, mesh), tokenizer, engine_config)
+    if brownout is not None:
+        from jaxmoe.brownout.united import attach
+        from jaxmoe.demo import DEMO_DIR
+
+        params = attach(params, cfg, DEMO_DIR if str(model) == "demo" else model)
+    engine = LLMEngine(cfg, build_executor(cfg, params, engine_config, mesh, brownout=brownout), tokenizer,
+                       engine_config)
+    if salc is not None:
+        BrownoutController.attach(engine, salc)
     if rebalance_every:
         from jaxmoe.runtime.controller import PlacementController
 
@@ -73,6 +83,7 @@ class JaxmoeServer:
         self.async_engine = AsyncEngine(engine, on_finish=self.metrics.observe_finished,
                                         request_timeout_s=opts.request_timeout_s)
         self.metrics.watch(self.async_engine)
+        self.async_engine.brownout = next((h for h in engine.step_hooks if isinstance(h, BrownoutController)), None)
         self.ready = False
         self.grpc_port = self.http_port = None
         self.warmup_seconds = 0.0

@@ -43,6 +43,16 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--request-timeout", type=float, default=600.0,
                        help="seconds a request may run before the server ends it (0: no deadline)")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest HTTP request body (413 above)")
+    serve.add_argument("--brownout-threshold", type=float, default=None,
+                       help="BrownoutServe: start threshold in [0, 1] (the model needs united experts: jaxmoe unite)")
+    serve.add_argument("--full-brownout", action="store_true", help="drop browned-out assignments (else united experts)")
+    serve.add_argument("--salc", action="store_true", help="SLO-aware latency control of the brownout threshold")
+    serve.add_argument("--slo-ttft-ms", type=float, default=None, help="SALC: TTFT SLO (P90)")
+    serve.add_argument("--slo-tpot-ms", type=float, default=None, help="SALC: TPOT SLO (P90)")
+    serve.add_argument("--salc-window", type=float, default=10.0, help="SALC: seconds of the P90 window (tw)")
+    serve.add_argument("--salc-warning-factor", type=float, default=0.8)
+    serve.add_argument("--salc-increment", type=float, default=0.1)
+    serve.add_argument("--salc-shrink-ratio", type=float, default=0.8)
     serve.add_argument("--api-key", default=os.environ.get("JAXMOE_API_KEY"),
                        help="require this key (HTTP Authorization: Bearer KEY, gRPC metadata authorization) "
                             "(default: $JAXMOE_API_KEY; none)")
@@ -90,7 +100,18 @@ def cmd_serve(args) -> int:
         from jaxmoe.mesh import load_mesh
 
         mesh_description = load_mesh(args.mesh).describe()
-    engine = load_engine(args.model, config, args.mesh, args.dtype, args.rebalance_every)
+    brownout = salc = None
+    if args.brownout_threshold is not None or args.full_brownout or args.salc:
+        from jaxmoe.brownout import BrownoutConfig
+        from jaxmoe.brownout.controller import SALCConfig
+
+        brownout = BrownoutConfig(1.0 if args.brownout_threshold is None else args.brownout_threshold,
+                                  args.full_brownout)
+        if args.salc:
+            ms = lambda v: None if v is None else v / 1e3  # noqa: E731
+            salc = SALCConfig(ms(args.slo_ttft_ms), ms(args.slo_tpot_ms), args.salc_window,
+                              args.salc_warning_factor, args.salc_increment, args.salc_shrink_ratio)
+    engine = load_engine(args.model, config, args.mesh, args.dtype, args.rebalance_every, brownout, salc)
     opts = ServeOptions(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                         model_name=args.served_model_name or str(args.model), mesh_description=mesh_description,
                         warmup=not args.no_warmup, request_timeout_s=args.request_timeout or None,

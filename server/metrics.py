@@ -106,6 +106,17 @@ class _EngineCollector:
             yield GaugeMetricFamily("jaxmoe_compiles_after_warmup",
                                     "XLA programs compiled or loaded since warm-up ended (0: none while serving)",
                                     value=late)
+        brownout = snap.get("brownout")
+        if brownout is not None:
+            yield GaugeMetricFamily("jaxmoe_brownout_threshold",
+                                    "BrownoutServe threshold: share of expert assignments kept by original experts",
+                                    value=brownout["threshold"])
+            p90 = GaugeMetricFamily("jaxmoe_slo_p90_seconds", "P90 latency over the SLO analyzer's window",
+                                    labels=["phase"])
+            for phase, value in brownout["p90"].items():
+                if value is not None:
+                    p90.add_metric([phase], value)
+            yield p90
         counts = snap.get("expert_counts")
         if counts:
             act = CounterMetricFamily("jaxmoe_expert_activations",

@@ -206,3 +206,33 @@ def test_slo_analyzer_p90_over_a_sliding_window():
     assert a.p90("tpot") == 1.0 and a.p90("ttft") is None
     with pytest.raises(BrownoutError, match="phase"):
         a.record("e2e", 1.0)
+
+
+def test_salc_moves_the_threshold_of_a_serving_engine(united_dir):
+    """A TPOT SLO no step can meet shrinks the threshold; the gauge and P90 are exported."""
+    import http.client
+
+    from jaxmoe.brownout.controller import BrownoutController, SALCConfig
+    from server.app import ServeOptions, ServerThread
+
+    out, _ = united_dir
+    llm = LLM(out, dtype="float32", brownout=BrownoutConfig(threshold=1.0))
+    ctl = BrownoutController.attach(llm.engine, SALCConfig(slo_tpot_s=1e-6, window_s=60.0))
+    llm.generate(PROMPTS, GREEDY)
+    assert ctl.state()["threshold"] < 0.5 and ctl.state()["p90"]["tpot"] > 1e-6
+    assert llm.executor.brownout_threshold == ctl.state()["threshold"]
+    st = ServerThread(llm.engine, ServeOptions(warmup=False))
+    server = st.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        st.stop()
+    assert "jaxmoe_brownout_threshold" in text and 'jaxmoe_slo_p90_seconds{phase="tpot"}' in text
+    relaxed = LLM(out, dtype="float32", brownout=BrownoutConfig(threshold=0.5))
+    ctl = BrownoutController.attach(relaxed.engine, SALCConfig(slo_tpot_s=60.0))
+    relaxed.generate(PROMPTS, GREEDY)
+    assert ctl.state()["threshold"] == 1.0  # far under the SLO: back to zero brownout
+    with pytest.raises(BrownoutError, match="needs an SLO"):
+        SALCConfig()

@@ -133,6 +133,7 @@ class AsyncEngine:
         with ``RequestTimeoutError`` (None: no deadline)."""
         self.engine = engine
         self.request_timeout_s = request_timeout_s
+        self.brownout = None  # a BrownoutController (SALC) whose state metrics export
         self._admitted: dict[str, float] = {}  # request id -> admission time (for the deadline)
         self.on_finish = on_finish  # called on the loop thread with each final output (metrics)
         self._idle_poll_s, self._counts_every_s = idle_poll_s, counts_every_s
@@ -428,6 +429,8 @@ class AsyncEngine:
         snap["in_flight"] = len(self._streams)
         snap["step_errors"] = self.step_errors
         snap["expert_counts"] = self._snapshot.get("expert_counts")
+        if self.brownout is not None:
+            snap["brownout"] = self.brownout.state()
         now = time.monotonic()
         counts_fn = getattr(e.runner.executor, "expert_activation_counts", None)
         if counts_fn is not None and now - self._counts_time >= self._counts_every_s:

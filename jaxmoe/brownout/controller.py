@@ -1,0 +1,72 @@
+"""SALC driving a running engine: a step hook that feeds the SLO analyzer and moves the threshold.
+
+After every step: each request that got its first token in it adds a TTFT sample; a step that
+decoded adds its wall time as a TPOT sample (the time every decoding request waited for its next
+token). Then Algorithm 2 runs per phase that has an SLO and the executor's brownout threshold
+becomes the lower of the phases' thresholds (the stricter phase wins). ``state()`` is what metrics
+export (``jaxmoe_brownout_threshold``, the P90s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jaxmoe.brownout.config import BrownoutError
+from jaxmoe.brownout.salc import SALC, SLOAnalyzer
+
+
+@dataclasses.dataclass(frozen=True)
+class SALCConfig:
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    window_s: float = 10.0  # tw
+    warning_factor: float = 0.8
+    increment: float = 0.1
+    shrink_ratio: float = 0.8
+
+    def __post_init__(self):
+        if self.slo_ttft_s is None and self.slo_tpot_s is None:
+            raise BrownoutError("SALC needs an SLO: slo_ttft_s and/or slo_tpot_s")
+
+
+class BrownoutController:
+    def __init__(self, executor, config: SALCConfig, clock=time.monotonic):
+        if getattr(executor, "brownout", None) is None:
+            raise BrownoutError("SALC needs an executor built with brownout (LLM(dir, brownout=...))")
+        self.executor, self.config, self.clock = executor, config, clock
+        self.analyzer = SLOAnalyzer(config.window_s, clock)
+        start = executor.brownout_threshold
+        self.salc = {phase: SALC(slo, config.warning_factor, config.increment, config.shrink_ratio, start)
+                     for phase, slo in (("ttft", config.slo_ttft_s), ("tpot", config.slo_tpot_s)) if slo is not None}
+        self._last = None
+        self._seen_first: set[str] = set()
+
+    @classmethod
+    def attach(cls, engine, config: SALCConfig) -> BrownoutController:
+        controller = cls(engine.runner.executor, config)
+        engine.step_hooks.append(controller)
+        return controller
+
+    def __call__(self, engine) -> None:
+        now = self.clock()
+        decoded = False
+        for rid in engine.step_request_ids:
+            seq = engine.scheduler.get(rid)
+            if seq is None or seq.first_token_time is None:
+                continue
+            if rid not in self._seen_first:
+                self._seen_first.add(rid)
+                self.analyzer.record("ttft", seq.first_token_time - seq.arrival_time, now)
+            elif seq.num_output_tokens > 1:
+                decoded = True
+        self._seen_first &= {s.request_id for s in engine.scheduler.running}
+        if decoded and self._last is not None:
+            self.analyzer.record("tpot", now - self._last, now)
+        self._last = now
+        thresholds = [salc.update(self.analyzer.p90(phase, now)) for phase, salc in self.salc.items()]
+        self.executor.brownout_threshold = min(thresholds)
+
+    def state(self) -> dict:
+        return {"threshold": float(self.executor.brownout_threshold),
+                "p90": {phase: self.analyzer.p90(phase) for phase in ("ttft", "tpot")}}
