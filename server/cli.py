@@ -28,6 +28,8 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--policy", default="qllm", choices=["qllm", "fcfs"])
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-batch-tokens", type=int, default=2048)
+    serve.add_argument("--layer-preemption", action="store_true",
+                       help="QLLM: latency-sensitive requests run between the layers of a best-effort step")
     serve.add_argument("--max-waiting", type=int, default=1024, help="waiting queue size (then 429)")
     serve.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
     serve.add_argument("--block-size", type=int, default=16)
@@ -94,7 +96,7 @@ def cmd_serve(args) -> int:
     config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                           max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting,
                           max_model_len=args.max_model_len, max_prefill_chunk=args.max_prefill_chunk,
-                          policy=args.policy)
+                          policy=args.policy, layer_preemption=args.layer_preemption)
     mesh_description = "monolithic: one device (no mesh file)"
     if args.mesh:
         from jaxmoe.mesh import load_mesh

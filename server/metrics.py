@@ -85,11 +85,13 @@ class _EngineCollector:
                                 value=snap["kv_utilization"])
         yield GaugeMetricFamily("jaxmoe_kv_free_blocks", "Free KV blocks", value=snap["kv_free_blocks"])
         yield GaugeMetricFamily("jaxmoe_kv_blocks", "KV blocks in all", value=snap["num_blocks"])
-        pre = CounterMetricFamily("jaxmoe_preemptions", "Preemptions by kind (keep_kv, recompute)",
-                                  labels=["kind", "priority"])
+        pre = CounterMetricFamily("jaxmoe_preemptions",
+                                  "Preemptions: at step boundaries (kind keep_kv, recompute) and between layers "
+                                  "(kind pause: a paused request, QLLM layer-level)",
+                                  labels=["kind", "level", "priority"])
         for kind, per in snap["preemptions"].items():
             for prio, n in per.items():
-                pre.add_metric([kind, prio], n)
+                pre.add_metric(["pause" if kind == "layer" else kind, "layer" if kind == "layer" else "step", prio], n)
         yield pre
         yield CounterMetricFamily("jaxmoe_engine_steps", "Engine steps", value=snap["steps"])
         yield CounterMetricFamily("jaxmoe_engine_step_errors", "Engine steps that raised",

@@ -71,7 +71,7 @@ def crashing_run(runner, message: str = "injected device failure"):
     """A stand-in for ``runner.run`` that fails like a crashed device program which had the KV
     cache donated to it: it deletes the cache arrays, then raises RuntimeError(message).
     ``.calls`` counts its calls."""
-    def run(rows):
+    def run(rows, between_layers=None):
         run.calls += 1
         for leaf in jax.tree.leaves(runner.executor.cache):
             leaf.delete()

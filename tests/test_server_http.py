@@ -211,8 +211,9 @@ def test_metrics(server, oai):
         'jaxmoe_time_per_output_token_seconds_count{priority="ls"}',
         'jaxmoe_queue_length{queue="ls_prefill"}', 'jaxmoe_queue_length{queue="be_decode"}',
         "jaxmoe_running_batch_size", "jaxmoe_kv_block_utilization",
-        'jaxmoe_preemptions_total{kind="keep_kv",priority="be"}',
-        'jaxmoe_preemptions_total{kind="recompute",priority="ls"}',
+        'jaxmoe_preemptions_total{kind="keep_kv",level="step",priority="be"}',
+        'jaxmoe_preemptions_total{kind="recompute",level="step",priority="ls"}',
+        'jaxmoe_preemptions_total{kind="pause",level="layer",priority="be"}',
         'jaxmoe_expert_activations_total{expert="2",layer="1"} 6.0',
         'jaxmoe_requests_rejected_total{reason="invalid"}',
         'jaxmoe_requests_finished_total{finish_reason="length",priority="ls"}',
@@ -288,10 +289,10 @@ def test_a_failing_request_fails_alone(server, llm):
     runner = ae.engine.runner
     real_run, POISON = runner.run, 299
 
-    def run(rows):
+    def run(rows, between_layers=None):
         if any(POISON in r.token_ids for r in rows):
             raise RuntimeError("injected per-request failure")
-        return real_run(rows)
+        return real_run(rows, between_layers)
 
     prompts = ["good one", "another good", "third"]
     want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]

@@ -134,6 +134,8 @@ class AsyncEngine:
         self.engine = engine
         self.request_timeout_s = request_timeout_s
         self.brownout = None  # a BrownoutController (SALC) whose state metrics export
+        self._deferred: list = []  # commands that arrived while a step was paused between layers
+        engine.poll = self._admit_arrivals
         self._admitted: dict[str, float] = {}  # request id -> admission time (for the deadline)
         self.on_finish = on_finish  # called on the loop thread with each final output (metrics)
         self._idle_poll_s, self._counts_every_s = idle_poll_s, counts_every_s
@@ -225,6 +227,8 @@ class AsyncEngine:
                     raise WarmupCancelled(f"warm-up cancelled after {time.monotonic() - t0:.1f}s")
                 bar.set_postfix_str(f"{rows}x{tokens}")
                 engine.runner.warm(rows, tokens)
+                if engine.config.layer_preemption:
+                    engine.runner.warm(rows, tokens, layer_by_layer=True)
             self._compiles_at_ready = compile_events()["programs"]
             return time.monotonic() - t0
 
@@ -261,7 +265,23 @@ class AsyncEngine:
             self._reject_pending()
             self._publish()
 
+    def _admit_arrivals(self) -> None:
+        """Between the layers of a paused step: admit new requests (layer-level preemption may run
+        them now); every other command waits for the step's end."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                self._handle(cmd)
+            else:
+                self._deferred.append(cmd)
+
     def _drain_commands(self, block: bool) -> None:
+        for cmd in self._deferred:
+            self._handle(cmd)
+        self._deferred = []
         try:
             cmd = self._commands.get(timeout=self._idle_poll_s) if block else self._commands.get_nowait()
         except queue.Empty:

@@ -88,6 +88,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position
     max_prefill_chunk: int = 512  # tokens of one prefill chunk (longer prompts are chunked)
     policy: str = "qllm"
+    layer_preemption: bool = False  # QLLM: latency-sensitive work may run between the layers of a BE step
 
 
 class LLMEngine:
@@ -115,6 +116,10 @@ class LLMEngine:
         self.step_hooks: list = []  # hook(engine) after every step that ran the model
         self._seeds = _unseeded_seeds()
         self.step_request_ids: list[str] = []  # the requests of the last step (set before it runs)
+        self.poll = None  # poll(): admit requests that arrived meanwhile (AsyncEngine; between layers)
+        self._paused: frozenset[str] = frozenset()  # the requests of a step paused between layers
+        self._inner_outputs: list[RequestOutput] = []
+        self.layer_pauses = 0  # times a step was paused between layers for latency-sensitive work
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
@@ -155,6 +160,17 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        pausable = self.config.layer_preemption and all(s.priority is Priority.BE for s in batch.seqs)
+        outputs = self._run_batch(batch, self._between_layers if pausable else None)
+        outputs, self._inner_outputs = self._inner_outputs + outputs, []
+        for hook in self.step_hooks:  # between steps: e.g. the expert placement controller
+            hook(self)
+        return outputs
+
+    def _run_batch(self, batch, between_layers=None) -> list[RequestOutput]:
+        """Run one scheduled batch through the model and record its tokens; the outputs of its
+        requests (failed ones with ``error`` set). ``between_layers``: called after each layer
+        (layer-level preemption may run another batch there)."""
         rows, seqs = [], []
         for seq, start, end in batch.prefills:
             rows.append(self._row(seq, seq.all_ids[start:end], start, sample=end == seq.num_tokens))
@@ -164,7 +180,13 @@ class LLMEngine:
             seqs.append(seq)
         self.step_request_ids = [seq.request_id for seq in seqs]
         errors: dict[str, str] = {}
-        sampled = self._run_isolating(rows, seqs, errors)
+        if between_layers is not None:
+            self._paused = frozenset(self.step_request_ids)
+        try:
+            sampled = self._run_isolating(rows, seqs, errors, between_layers)
+        finally:
+            self._paused = frozenset()
+            self.step_request_ids = [seq.request_id for seq in seqs]
 
         new_tokens, finished = {}, {}
         for seq, s in zip(seqs, sampled):
@@ -191,18 +213,39 @@ class LLMEngine:
                 outputs.append(self._output(self._requests[seq.request_id]))
             except Exception as e:  # e.g. detokenizing this request's tokens
                 failed.append(self._failed(seq, f"{type(e).__name__}: {e}"))
-        for hook in self.step_hooks:  # between steps: e.g. the expert placement controller
-            hook(self)
         return outputs + failed
 
-    def _run_isolating(self, rows: list[Row], seqs: list[Sequence], errors: dict[str, str]) -> list:
+    def _between_layers(self, layer: int) -> None:
+        """QLLM layer-level preemption: between two layers of a best-effort step, admit what arrived
+        and run the latency-sensitive work that waits as a step of its own; the paused step then
+        goes on from the next layer with its hidden states (kept on the device) and the KV it wrote."""
+        if self.poll is not None:
+            self.poll()
+        inner = self.scheduler.schedule(exclude=self._paused, priority=Priority.LS)
+        if inner.is_empty:
+            return
+        self.layer_pauses += 1
+        paused = self._paused
+        for rid in paused:
+            seq = self.scheduler.get(rid)
+            if seq is not None:
+                self.scheduler.preemptions["layer"][seq.priority.value] += 1
+        self._paused = frozenset()
+        try:
+            self._inner_outputs += self._run_batch(inner)
+        finally:
+            self._paused = paused
+            self.step_request_ids = sorted(paused)
+
+    def _run_isolating(self, rows: list[Row], seqs: list[Sequence], errors: dict[str, str],
+                       between_layers=None) -> list:
         """``runner.run(rows)``; when it raises, only the requests that make it fail are failed
         (``errors``): the rows are run again in halves until the failing ones are found. Rows
         run twice write the same KV again. If the failed program took the KV cache with it, the
         cache is re-allocated and the whole step fails (``StepFailedError``: every sequence then
         recomputes its KV)."""
         try:
-            return self.runner.run(rows)
+            return self.runner.run(rows, between_layers)
         except Exception as e:
             if self._recover_cache():
                 raise StepFailedError([seq.request_id for seq in seqs], e) from e

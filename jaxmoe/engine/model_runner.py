@@ -96,12 +96,14 @@ class ModelRunner:
             last[i] = n - 1
         return tokens, batch, last, where
 
-    def warm(self, rows_per_instance: int, tokens: int) -> None:
+    def warm(self, rows_per_instance: int, tokens: int, layer_by_layer: bool = False) -> None:
         """Compile (by running) the step program for one bucket shape, on padding rows: no KV is
-        written, so it is safe while sequences hold KV."""
+        written, so it is safe while sequences hold KV (``layer_by_layer``: the per-layer programs
+        that layer-level preemption runs)."""
         B = self.num_instances * rows_per_instance
         args = self._empty(B, tokens)
-        self._execute(*args, _sampling_arrays(B), want_logprobs=False)
+        self._execute(*args, _sampling_arrays(B), want_logprobs=False,
+                      between_layers=(lambda layer: None) if layer_by_layer else None)
 
     def forward(self, rows: list[Row], all_logits: bool = False):
         """Logits of the rows, in their order: [len(rows), V] at each row's last token, or
@@ -109,7 +111,7 @@ class ModelRunner:
         tokens, batch, last, where = self.prepare(rows)
         return self.executor.forward(tokens, batch, None if all_logits else last)[where]
 
-    def run(self, rows: list[Row]) -> list[Sampled | None]:
+    def run(self, rows: list[Row], between_layers=None) -> list[Sampled | None]:
         """One step: forward every row, sample a token for rows that have sampling params.
 
         Decodes (one token per row) and prefill chunks run as separate program calls: one padded
@@ -119,7 +121,7 @@ class ModelRunner:
         """
         out: list[Sampled | None] = [None] * len(rows)
         for group in self._calls(rows):
-            for i, sampled in zip(group, self._run([rows[i] for i in group])):
+            for i, sampled in zip(group, self._run([rows[i] for i in group], between_layers)):
                 out[i] = sampled
         return out
 
@@ -136,12 +138,13 @@ class ModelRunner:
             per_instance = {j: idx[k:] for j, idx in per_instance.items()}
         return calls
 
-    def _run(self, rows: list[Row]) -> list[Sampled | None]:
+    def _run(self, rows: list[Row], between_layers=None) -> list[Sampled | None]:
         """Forward + sample one padded batch; only the sampled tokens (and logprobs) come back."""
         tokens_in, batch, last, where = self.prepare(rows)
         sampling = _sampling_arrays(tokens_in.shape[0], rows, where)
         want_logprobs = any(r.sampling is not None and r.sampling.logprobs is not None for r in rows)
-        tokens, chosen, top_ids, top_lp = self._execute(tokens_in, batch, last, sampling, want_logprobs)
+        tokens, chosen, top_ids, top_lp = self._execute(tokens_in, batch, last, sampling, want_logprobs,
+                                                        between_layers)
         out: list[Sampled | None] = []
         for i, r in zip(where, rows):
             if r.sampling is None:
@@ -152,10 +155,13 @@ class ModelRunner:
             out.append(Sampled(int(tokens[i]), float(chosen[i]), top))
         return out
 
-    def _execute(self, tokens, batch, last, sampling, want_logprobs: bool):
+    def _execute(self, tokens, batch, last, sampling, want_logprobs: bool, between_layers=None):
         """The executor's forward pass, then the sampler as its own program (compiled once per batch
-        size, shared by every token bucket); only the sampled tokens come back to the host."""
-        result = sample(self.executor.forward(tokens, batch, last), *sampling, np.bool_(want_logprobs))
+        size, shared by every token bucket); only the sampled tokens come back to the host.
+        ``between_layers``: the executor runs layer by layer and calls it between layers."""
+        logits = (self.executor.forward(tokens, batch, last) if between_layers is None
+                  else self.executor.forward(tokens, batch, last, between_layers=between_layers))
+        result = sample(logits, *sampling, np.bool_(want_logprobs))
         return jax.device_get(result)  # one host transfer for all four
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from jaxmoe.engine.block_manager import BlockManager
 from jaxmoe.engine.policies import Budget, Queues, QLLMPolicy, SchedulingPolicy
-from jaxmoe.engine.sequence import Sequence, SequenceStatus
+from jaxmoe.engine.sequence import Priority, Sequence, SequenceStatus
 
 _INF = float("inf")
 
@@ -83,8 +83,9 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self.num_steps = 0
         self.num_admitted = self.num_rejected = self.num_aborted = self.num_finished = 0
-        # preemptions[kind][priority value], kind in {"keep_kv", "recompute"}
-        self.preemptions = {k: {"ls": 0, "be": 0} for k in ("keep_kv", "recompute")}
+        # preemptions[kind][priority value]: "keep_kv" / "recompute" at step boundaries, "layer" (paused
+        # between layers for latency-sensitive work, counted by LLMEngine)
+        self.preemptions = {k: {"ls": 0, "be": 0} for k in ("keep_kv", "recompute", "layer")}
 
     # -- admission ---------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -118,8 +119,12 @@ class Scheduler:
         return True
 
     # -- one step ----------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
-        live = list(self._seqs.values())
+    def schedule(self, exclude: frozenset[str] = frozenset(), priority: Priority | None = None) -> ScheduledBatch:
+        """The next batch. ``exclude``: sequences of a step that is paused between layers (they are
+        neither scheduled, evicted nor preempted); ``priority``: schedule only those (the step that
+        runs inside a paused one, QLLM layer-level preemption)."""
+        live = [s for s in self._seqs.values()
+                if s.request_id not in exclude and (priority is None or s.priority is priority)]
         queues = Queues.from_seqs(live)
         budget = Budget(self.max_batch_tokens, self.max_num_seqs, self.bm.num_free, self.bm.block_size)
         order = self.policy.order(queues, budget)

@@ -83,7 +83,7 @@ def lm_head(params: dict, cfg: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
 ROUTED = ("w_gate", "w_up", "w_down")  # routed expert weights: sliced per layer at their use (experts.py)
 
 
-def _layer_view(group: dict, index, dtype) -> dict:
+def layer_view(group: dict, index, dtype) -> dict:
     """Layer ``index`` of a stacked group, except the routed expert weights, which stay stacked (and
     packed: the expert code slices and unpacks them)."""
     def take(path, a):
@@ -96,7 +96,7 @@ def _layer_view(group: dict, index, dtype) -> dict:
 def layer_step(layer: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int,
                index=None, brownout: Brownout | None = None):
     """One whole layer (attention side, then the routed experts); ``index`` as ``attention_layer``'s
-    (and, for the routed expert weights of a ``_layer_view``, ``moe_layer``'s)."""
+    (and, for the routed expert weights of a ``layer_view``, ``moe_layer``'s)."""
     h, xn, cache = attention_layer(layer["attn"], cfg, x, batch, cache, block_size, index)
     out = attention_side_ffn(layer, xn)
     x = h if out is None else h + out
@@ -120,7 +120,7 @@ def forward(params: dict, cfg: ModelConfig, tokens, batch: AttentionBatch, cache
     for group, group_cache in zip(params["groups"], cache):
         def body(carry, index, group=group):
             x, group_cache = carry
-            layer = _layer_view(group, index, params["embed"].dtype)
+            layer = layer_view(group, index, params["embed"].dtype)
             return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout), None
 
         n = jax.tree.leaves(group)[0].shape[0]

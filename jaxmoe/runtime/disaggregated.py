@@ -158,10 +158,12 @@ class DisaggregatedExecutor:
 
     # ------------------------------------------------------------------ the data path
 
-    def forward(self, tokens, batch: AttentionBatch, logits_index) -> jax.Array:
+    def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
         """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None), readable by this
         process (``transfer.to_local``: every process calls forward); updates the KV cache.
-        With ``pipeline.r1 > 1`` the rows run as micro-batches interleaved layer by layer (FinDEP)."""
+        With ``pipeline.r1 > 1`` the rows run as micro-batches interleaved layer by layer (FinDEP).
+        ``between_layers(n)``: called after each of the first L - 1 layers (layer-level preemption:
+        it may run another batch on this executor meanwhile)."""
         tokens, batch, logits_index, B = self._pad(tokens, batch, logits_index)
         local = self.is_local(batch)  # attention per instance, no cross-instance traffic
         r1 = self.pipeline.micro_batches(tokens.shape[0] // self.num_attention)
@@ -186,6 +188,10 @@ class DisaggregatedExecutor:
             if i in self._expert_layers:  # E2A last: the attention mesh had other work meanwhile
                 for k in range(r1):
                     ys[k] = run("e2a", i, self.transfer.e2a, ys[k], self._plans[k], self.sub)
+            if between_layers is not None and i + 1 < len(self._attn_layers):
+                plans = dict(self._plans)
+                between_layers(i + 1)
+                self._plans = plans
         logits = [self.transfer.to_local(run("head", None, self.attention.head, self._head, xs[k], ys[k], mb.index))
                   for k, mb in enumerate(mbs)]
         if self.timing:

@@ -13,7 +13,17 @@ import numpy as np
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.models.attention import AttentionBatch
-from jaxmoe.models.transformer import forward, init_stacked_cache, stack_layers, unstack_layers
+from jaxmoe.models.experts import Brownout
+from jaxmoe.models.transformer import (
+    embed,
+    forward,
+    init_stacked_cache,
+    layer_step,
+    layer_view,
+    lm_head,
+    stack_layers,
+    unstack_layers,
+)
 
 
 def _int32(a):
@@ -47,7 +57,20 @@ class MonolithicExecutor:
         def step(params, tokens, batch, cache, logits_index, threshold):
             return forward(params, cfg, tokens, batch, cache, block_size, logits_index, threshold, full)
 
+        def one_layer(group, x, batch, group_cache, index, threshold):  # the layer-by-layer mode
+            brownout = None if threshold is None else Brownout(threshold, (batch.slots >= 0).reshape(-1), full)
+            layer = layer_view(group, index, self.stacked["embed"].dtype)
+            return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout)
+
+        def head(params, x, logits_index):
+            if logits_index is not None:
+                x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
+            return lm_head(params, cfg, x)
+
         self._step = jax.jit(step, donate_argnums=(3,))
+        self._embed = jax.jit(embed)
+        self._layer = jax.jit(one_layer, donate_argnums=(3,))
+        self._head = jax.jit(head)
 
     @property
     def params(self) -> dict:
@@ -63,9 +86,24 @@ class MonolithicExecutor:
         index = None if logits_index is None else _int32(logits_index)
         return _int32(tokens), batch, index
 
-    def forward(self, tokens, batch: AttentionBatch, logits_index) -> jax.Array:
-        """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None); updates the KV cache."""
+    def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
+        """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None); updates the KV cache.
+
+        ``between_layers(n)``: run layer by layer (one program per layer group, the layer index a
+        traced value) and call it after each of the first L - 1 layers; what it runs on this
+        executor meanwhile (another batch, on other KV slots) does not change this step's result.
+        Without it: the whole model as one fused program (the fast path)."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
         threshold = None if self.brownout_threshold is None else np.float32(self.brownout_threshold)
-        logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index, threshold)
-        return logits
+        if between_layers is None:
+            logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index, threshold)
+            return logits
+        x = self._embed(self.stacked, tokens)
+        done, total = 0, self.cfg.num_layers
+        for g, group in enumerate(self.stacked["groups"]):
+            for j in range(jax.tree.leaves(group)[0].shape[0]):
+                x, self.cache[g] = self._layer(group, x, batch, self.cache[g], np.int32(j), threshold)
+                done += 1
+                if done < total:
+                    between_layers(done)
+        return self._head(self.stacked, x, index)
