@@ -285,8 +285,13 @@ def test_profile_and_plan_cli(checkpoint_dir, tmp_path, capsys):
 
     assert main(["plan", "--profile", str(out), "--batch", "8", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["findep"]["order"] in ("ASAS", "AASS") and plan["speedup"] >= 1.0 - 1e-9
-    assert plan["findep"]["r1"] * plan["findep"]["m_a"] >= 8
+    for key in ("order", "m_a", "r1", "m_e", "r2", "predicted_ms", "predicted_tokens_per_s", "solve_ms"):
+        assert key in plan, key
+    assert plan["order"] in ("ASAS", "AASS") and plan["speedup_vs_pppipe"] >= 1.0 - 1e-9
+    assert plan["r1"] * plan["m_a"] >= 8 and plan["solve_ms"] < 5
+    assert main(["plan", "--profile", str(out), "--batch", "8", "--seq-len", "64", "--brute-force", "--json"]) == 0
+    brute = json.loads(capsys.readouterr().out)
+    assert brute["search"] == "brute_force" and brute["predicted_tokens_per_s"] > 0
 
 
 def test_profile_bad_input(checkpoint_dir, tmp_path, capsys):

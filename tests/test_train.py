@@ -116,3 +116,14 @@ def test_bad_settings_fail_before_training(corpus, tmp_path, capsys):
         train(tiny(corpus), blocked / "run", progress=False)
     assert main(["train", "--preset", "nope", "--out", str(tmp_path / "c")]) == 2
     assert "unknown preset" in capsys.readouterr().err
+
+
+def test_eval_cli_scores_a_text_file(trained, tmp_path, capsys):
+    from jaxmoe.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    assert main(["eval", "--model", str(trained[0] / "model"), "--text-file", str(text), "--seq-len", "32",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] > 100 and result["perplexity"] > 1 and result["tokens_per_s"] > 0

@@ -452,14 +452,15 @@ class AsyncEngine:
         if self.brownout is not None:
             snap["brownout"] = self.brownout.state()
         now = time.monotonic()
-        counts_fn = getattr(e.runner.executor, "expert_activation_counts", None)
-        if counts_fn is not None and now - self._counts_time >= self._counts_every_s:
+        if now - self._counts_time >= self._counts_every_s:
             self._counts_time = now
             try:
-                rows = [[int(c) for c in layer] for layer in counts_fn()]
-                moe = [i for i, is_moe in enumerate(e.cfg.moe_layers) if is_moe]
-                layers = moe if len(moe) == len(rows) else list(range(len(rows)))
-                snap["expert_counts"] = list(zip(layers, rows))  # (model layer index, counts)
+                counts = e.runner.executor.expert_activation_counts()
+                if counts is not None:
+                    rows = [[int(c) for c in layer] for layer in counts]
+                    moe = [i for i, is_moe in enumerate(e.cfg.moe_layers) if is_moe]
+                    layers = moe if len(moe) == len(rows) else list(range(len(rows)))
+                    snap["expert_counts"] = list(zip(layers, rows))  # (model layer index, counts)
             except Exception:
                 log.exception("expert_activation_counts() failed")
         self._snapshot = snap

@@ -331,7 +331,7 @@ def _block_manager(executor, config: EngineConfig) -> BlockManager:
     With m > 1 the blocks are exactly the executor's KV cache (``num_cache_slots``, whole blocks per
     instance), so partition j is instance j's slot range: its sequences' KV never leaves it.
     """
-    m = getattr(executor, "num_attention", 1)
+    m = executor.num_attention
     if m == 1:
         return BlockManager(config.num_blocks, config.block_size)
     return BlockManager(executor.num_cache_slots // config.block_size, config.block_size, m)

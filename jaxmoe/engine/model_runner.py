@@ -51,7 +51,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.plan = plan or ShapePlan(max_num_seqs=64, max_prefill_chunk=512)
-        self.num_instances = m = getattr(executor, "num_attention", 1)
+        self.num_instances = m = executor.num_attention
         # blocks in each attention instance's KV slot range (instance j: blocks j*n .. (j+1)*n)
         self.blocks_per_instance = executor.num_cache_slots // (m * block_size) if m > 1 else 0
 

@@ -31,31 +31,41 @@ def register(sub, add_model_args) -> None:
     prof.set_defaults(func=cmd_profile)
 
     plan = sub.add_parser("plan", help="FinDEP configuration (r1, r2, order) for a batch, from a profile")
-    plan.add_argument("--profile", required=True, help="profile JSON from `jaxmoe profile`")
+    add_model_args(plan)
+    plan.add_argument("--profile", default=None,
+                      help="profile JSON from `jaxmoe profile` (default: measure one for --model on --mesh first)")
     plan.add_argument("--batch", type=int, required=True, help="sequences per attention instance")
+    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence in the step (a prefill of "
+                      "that length); default: a decode step (--tokens 1 attending --context)")
     plan.add_argument("--tokens", type=int, default=1, help="new tokens per sequence (1: decode)")
     plan.add_argument("--context", type=int, default=0, help="tokens attended (default: --tokens)")
     plan.add_argument("--mode", default="batch", choices=["batch", "max"],
                       help="batch: run exactly --batch; max: --batch is the memory limit (the paper)")
+    plan.add_argument("--brute-force", action="store_true", help="search every configuration instead")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=cmd_plan)
 
 
-def cmd_profile(args) -> int:
+def _measure(model, mesh, dtype, sweep):
     from jaxmoe.llm import load_model
-    from jaxmoe.planning.measure import Sweep, plot_profile, profile_executor
+    from jaxmoe.planning.measure import profile_executor
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
-    if args.mesh is None:
+    if mesh is None:
         raise ValueError("--mesh: profiling measures the disaggregated runtime; give a mesh file")
-    sweep = Sweep(rows=_ints(args.rows), contexts=_ints(args.contexts), tokens=args.tokens, repeats=args.repeats)
-    cfg, params, _ = load_model(args.model, args.dtype)
+    cfg, params, _ = load_model(model, dtype)
     block_size = 16
-    executor = DisaggregatedExecutor(cfg, params, 1, block_size, args.mesh)
-    ag = executor.num_attention
-    slots = ag * -(-sweep.max_context // block_size) * block_size
+    executor = DisaggregatedExecutor(cfg, params, 1, block_size, mesh)
+    slots = executor.num_attention * -(-sweep.max_context // block_size) * block_size
     executor = DisaggregatedExecutor(cfg, params, slots, block_size, executor.sub)
-    profile = profile_executor(executor, sweep, progress=lambda line: print(line, file=sys.stderr))
+    return profile_executor(executor, sweep, progress=lambda line: print(line, file=sys.stderr))
+
+
+def cmd_profile(args) -> int:
+    from jaxmoe.planning.measure import Sweep, plot_profile
+
+    sweep = Sweep(rows=_ints(args.rows), contexts=_ints(args.contexts), tokens=args.tokens, repeats=args.repeats)
+    profile = _measure(args.model, args.mesh, args.dtype, sweep)
     profile.save(args.out)
     for stage in ("attention", "a2e", "expert", "e2a"):
         m = getattr(profile.stages, stage)
@@ -69,14 +79,22 @@ def cmd_profile(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from jaxmoe.planning import BatchShape, Profile, pppipe, solve
+    from jaxmoe.planning import BatchShape, Profile, brute_force, pppipe, solve
+    from jaxmoe.planning.measure import Sweep
 
-    profile = Profile.load(args.profile)
-    shape = BatchShape(batch=args.batch, tokens=args.tokens, context=args.context)
-    best, base = solve(profile, shape, mode=args.mode), pppipe(profile, shape, mode=args.mode)
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:
+        print("no --profile: measuring one first", file=sys.stderr)
+        profile = _measure(args.model, args.mesh, args.dtype, Sweep(rows=(1, 2, 4, 8), contexts=(16, 128), repeats=3))
+    tokens = args.seq_len or args.tokens
+    shape = BatchShape(batch=args.batch, tokens=tokens, context=args.context)
+    search = brute_force if args.brute_force else solve
+    best, base = search(profile, shape, mode=args.mode), pppipe(profile, shape, mode=args.mode)
     speedup = best.tokens_per_s / base.tokens_per_s
     if args.json:
-        print(json.dumps({"findep": best.as_dict(), "pppipe": base.as_dict(), "speedup": speedup}))
+        print(json.dumps({**best.as_dict(), "search": "brute_force" if args.brute_force else "solver",
+                          "pppipe": base.as_dict(), "speedup_vs_pppipe": speedup, "profile": profile.source}))
         return 0
     for name, p in (("FinDEP", best), ("PPPipe", base)):
         print(f"{name:>6}: {p.order} r1={p.r1} m_a={p.m_a} r2={p.r2} m_e={p.m_e:.2f} "

@@ -46,6 +46,7 @@ class MonolithicExecutor:
         ``jaxmoe.brownout.united.attach``); its threshold is ``brownout_threshold``, which may
         change between steps (SALC) without recompiling."""
         self.cfg, self.block_size = cfg, block_size
+        self.num_attention, self.num_cache_slots = 1, num_slots
         self.stacked = stack_layers(params)
         dtype = cache_dtype or params["embed"].dtype
         self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, num_slots, dtype)
@@ -76,6 +77,10 @@ class MonolithicExecutor:
     def params(self) -> dict:
         """Per-layer parameters (views of the stacked arrays)."""
         return unstack_layers(self.stacked)
+
+    def expert_activation_counts(self) -> None:
+        """The fused program does not count expert activations."""
+        return None
 
     def reset_cache(self) -> None:
         """A fresh (zero) KV cache, e.g. after a failed step deleted the donated one."""

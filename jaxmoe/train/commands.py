@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
+from pathlib import Path
 
 
 def register(sub, add_model_args) -> None:
@@ -25,6 +27,7 @@ def register(sub, add_model_args) -> None:
     ev = sub.add_parser("eval", help="held-out perplexity of a model on the standard library's held-out part")
     add_model_args(ev)
     ev.add_argument("--corpus", default="stdlib", help="text to score: its held-out part (as in training)")
+    ev.add_argument("--text-file", default=None, help="score this text file instead (all of it)")
     ev.add_argument("--heldout-fraction", type=float, default=0.05)
     ev.add_argument("--seq-len", type=int, default=256, help="tokens per scored window")
     ev.add_argument("--max-tokens", type=int, default=32768, help="tokens to score (0: all held-out text)")
@@ -80,10 +83,15 @@ def cmd_eval(args) -> int:
                                 args.full_brownout)
         params = attach(params, cfg, DEMO_DIR if args.model == "demo" else args.model)
         brownout = (config.threshold, config.use_full_brownout)
-    corpus = load_corpus(args.corpus, args.heldout_fraction)
-    stream = data.encode_documents(tokenizer, [d.text for d in corpus.heldout])
+    if args.text_file:
+        texts = [Path(args.text_file).read_text(encoding="utf-8")]
+    else:
+        texts = [d.text for d in load_corpus(args.corpus, args.heldout_fraction).heldout]
+    stream = data.encode_documents(tokenizer, texts)
     windows = data.eval_windows(stream, args.seq_len, args.max_tokens)
+    t0 = time.perf_counter()
     result = perplexity(cfg, params, windows, progress=not args.json, brownout=brownout)
+    result["tokens_per_s"] = round(result["tokens"] / (time.perf_counter() - t0), 1)
     result["model"] = str(args.model)
     if brownout is not None:
         result["brownout"] = {"threshold": brownout[0], "full": brownout[1]}

@@ -1,0 +1,42 @@
+"""The contract between the engine and an executor (what runs one step of the model).
+
+The engine (``ModelRunner``, ``LLMEngine``, ``AsyncEngine``) calls only what ``Executor`` declares;
+``MonolithicExecutor`` and ``DisaggregatedExecutor`` implement it (``tests/test_executor_protocol.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+from jaxmoe.config import ModelConfig
+from jaxmoe.models.attention import AttentionBatch
+
+
+@runtime_checkable
+class Executor(Protocol):
+    cfg: ModelConfig
+    block_size: int
+    num_attention: int  # attention instances: KV slots are split into this many contiguous ranges (1: one)
+    num_cache_slots: int  # KV slots in all (whole blocks per attention instance)
+    cache: Any  # the KV cache (device arrays); a failed step may delete it: ``reset_cache``
+
+    def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
+        """One step: logits [B, V] at ``logits_index`` (or [B, T, V] when None); writes the KV of the
+        batch's slots. ``between_layers(n)``: run layer by layer and call it after each of the first
+        L - 1 layers (QLLM layer-level preemption; it may run another batch meanwhile)."""
+        ...
+
+    def reset_cache(self) -> None:
+        """A fresh KV cache (after a failed step deleted the donated one)."""
+        ...
+
+    def expert_activation_counts(self) -> list[list[int]] | None:
+        """Per MoE layer, tokens routed to each expert so far (None: this executor does not count)."""
+        ...
+
+    @property
+    def params(self) -> dict:
+        """The parameters as a per-layer tree."""
+        ...
