@@ -203,7 +203,8 @@ class OpenAIServer:
                 self.metrics.reject({400: "invalid", 429: "overloaded"}.get(e.status, "unavailable"))
             return error_response(e)
         rid = streams[0].request_id
-        fmts = [(_ChatFormat if chat else _CompletionFormat)(self, rid, i) for i in range(len(streams))]
+        fmts = [_ChatFormat(self, rid, i) if chat else _CompletionFormat(self, rid, i, echo=req.echo)
+                for i in range(len(streams))]
         finished = False
         try:
             if req.stream:
@@ -318,10 +319,11 @@ async def _sse(resp: web.StreamResponse, obj) -> None:
 class _CompletionFormat:
     """``text_completion`` objects of one choice."""
 
-    def __init__(self, server: OpenAIServer, rid: str, index: int = 0):
+    def __init__(self, server: OpenAIServer, rid: str, index: int = 0, echo: bool = False):
         self.server, self.rid, self.index, self.created = server, rid, index, int(time.time())
         self.tok = server.tokenizer
         self.offset = 0
+        self.echo = echo
 
     def _base(self, choices, usage=None):
         obj = {"id": self.rid, "object": "text_completion", "created": self.created,
@@ -354,7 +356,27 @@ class _CompletionFormat:
         return self._base([], usage)
 
     def final(self, out: RequestOutput):
-        return self._base([{"index": self.index, "text": out.text, "logprobs": self._logprobs(out, False),
+        if not self.echo:
+            return self._base([{"index": self.index, "text": out.text, "logprobs": self._logprobs(out, False),
+                                "finish_reason": out.finish_reason}], out.usage)
+        prompt = out.prompt_token_ids
+        text = self.tok.decode(prompt) + out.text
+        logprobs = None
+        if out.logprobs is not None or out.prompt_logprobs is not None:
+            logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            scored = out.prompt_logprobs or [None] * len(prompt)
+            for token, lp in zip(prompt, scored):  # the prompt first: its first token has no logprob
+                piece = self.tok.decode([token])
+                logprobs["tokens"].append(piece)
+                logprobs["token_logprobs"].append(None if lp is None else lp.logprob)
+                logprobs["top_logprobs"].append(None if lp is None else {self.tok.decode([t]): v for t, v in lp.top})
+                logprobs["text_offset"].append(self.offset)
+                self.offset += len(piece)
+            generated = self._logprobs(out, False)
+            if generated:
+                for k in logprobs:
+                    logprobs[k] += generated[k]
+        return self._base([{"index": self.index, "text": text, "logprobs": logprobs,
                             "finish_reason": out.finish_reason}], out.usage)
 
 

@@ -84,10 +84,12 @@ class _Common(BaseModel):
             raise ValueError("logit_bias: not supported")
         return self
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+                 ) -> SamplingParams:
         """The shared validator (``SamplingParams``) with the OpenAI API's defaults."""
         stop = self.stop if self.stop is not None else ()
         return SamplingParams(
+            prompt_logprobs=prompt_logprobs,
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -115,8 +117,10 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _completion_unsupported(self):
-        if self.echo:
-            raise ValueError("echo: not supported yet (prompt logprobs are not computed)")
+        if self.echo and self.stream:
+            raise ValueError("echo: not supported with stream (send the request without streaming)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 needs echo (prompt scoring); otherwise at least 1")
         if self.best_of not in (None, 1):
             raise ValueError("best_of: only 1 is supported")
         if self.suffix:
@@ -131,7 +135,12 @@ class CompletionRequest(_Common):
         return list(p)
 
     def to_sampling(self) -> SamplingParams:
-        return self.sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        """With ``echo`` and ``logprobs`` the prompt tokens are scored too (their logprobs come first)."""
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        prompt_logprobs = None
+        if self.echo and (self.logprobs is not None or max_tokens == 0):
+            prompt_logprobs = self.logprobs or 0
+        return self.sampling(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(BaseModel):

@@ -46,8 +46,10 @@ def server(llm):
 @pytest.fixture(scope="module")
 def background(server, llm):
     """Good greedy requests streaming (HTTP and gRPC alternately) for as long as the module runs."""
-    want = {p: o.token_ids for p, o in zip(GOOD_PROMPTS, llm.generate(
-        GOOD_PROMPTS, SamplingParams(max_tokens=GOOD_TOKENS, ignore_eos=True)))}
+    want = {}
+    for p in GOOD_PROMPTS:  # alone, through the running engine (its loop thread owns it)
+        *_, last = list(server.async_engine.add(p, SamplingParams(max_tokens=GOOD_TOKENS, ignore_eos=True)))
+        want[p] = last.token_ids
     stop, results, errors = threading.Event(), [], []
 
     def http_one(prompt):

@@ -121,6 +121,7 @@ BAD = [
     ({"prompt": "x" * 300}, "context"),
     ({"prompt": "hi", "priority": "urgent"}, "unknown priority"),
     ({"prompt": "hi", "n": 2}, "n=1"),
+    ({"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ({"prompt": ["a", 5]}, "prompt"),
     # each of these once passed validation and broke the step of every co-batched request
     ({"prompt": "hi", "seed": "1"}, "seed"),
@@ -221,6 +222,15 @@ def test_metrics(server, oai):
         assert needle in text, needle
 
 
+def _alone(server, prompts, sampling):
+    """Each prompt's final output through the running engine (the engine belongs to the loop thread)."""
+    outs = []
+    for p in prompts:
+        *_, last = list(server.async_engine.add(p, sampling))
+        outs.append(last)
+    return outs
+
+
 def test_errors_name_the_field(server):
     cases = [
         ("/v1/completions", {"prompt": "hi", "seed": "1"}, "seed"),
@@ -262,11 +272,11 @@ def test_unknown_model_is_404(server, oai):
 
 def test_openai_compatibility(server, oai, llm):
     greedy = dict(max_tokens=5, temperature=0)
-    want = [o.text for o in llm.generate(["one", "two"], SamplingParams(max_tokens=5))]
+    alone = _alone(server, ["one", "two"], SamplingParams(max_tokens=5))
+    want = [o.text for o in alone]
     r = oai.completions.create(model="demo-moe", prompt=["one", "two"], **greedy)
     assert [c.index for c in r.choices] == [0, 1] and [c.text for c in r.choices] == want
-    assert r.usage.completion_tokens == sum(len(o.token_ids) for o in llm.generate(["one", "two"],
-                                                                                    SamplingParams(max_tokens=5)))
+    assert r.usage.completion_tokens == sum(len(o.token_ids) for o in alone)
     plain = oai.chat.completions.create(model="demo-moe", messages=MESSAGES, **greedy)
     parts = oai.chat.completions.create(
         model="demo-moe", messages=[{"role": "user", "content": [{"type": "text", "text": "Hel"},
@@ -295,7 +305,7 @@ def test_a_failing_request_fails_alone(server, llm):
         return real_run(rows, between_layers)
 
     prompts = ["good one", "another good", "third"]
-    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+    want = [o.token_ids for o in _alone(server, prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
     ae.call(lambda e: setattr(runner, "run", run))
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -339,6 +349,26 @@ def test_request_deadline(server):
         ae.request_timeout_s = old
     assert status == 504 and err["error"]["code"] == "timeout" and "deadline" in err["error"]["message"]
     assert wait_until(lambda: ae.snapshot()["in_flight"] == 0, timeout=10) and engine_idle_and_free(ae)
+
+
+def test_echo_with_prompt_logprobs_as_lm_eval_sends_it(server, llm):
+    """lm-evaluation-harness `local-completions` loglikelihood: echo + logprobs, max_tokens 0 or 1;
+    the prompt's token logprobs equal the engine's prompt logprobs."""
+    ctx, cont = [5, 17, 33, 2, 9], [40, 41, 7]
+    want = _alone(server, [ctx + cont], SamplingParams(max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs
+    for max_tokens in (0, 1):
+        status, r = _post(server, "/v1/completions", {"model": "demo-moe", "prompt": [ctx + cont], "echo": True,
+                                                      "max_tokens": max_tokens, "logprobs": 1, "temperature": 0})
+        assert status == 200, r
+        lp = r["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == 8 + max_tokens and lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:8] == pytest.approx([w.logprob for w in want[1:]], abs=1e-5)
+        assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+        assert r["usage"]["completion_tokens"] == max_tokens
+    status, r = _post(server, "/v1/completions", {"prompt": "Hello", "echo": True, "max_tokens": 2, "temperature": 0})
+    assert status == 200 and r["choices"][0]["text"].startswith("Hello")
+    status, err = _post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 0})
+    assert status == 400 and err["error"]["param"] == "max_tokens"
 
 
 def test_every_block_free_at_the_end(server):

@@ -453,10 +453,10 @@ class AsyncEngine:
             snap["brownout"] = self.brownout.state()
         now = time.monotonic()
         if now - self._counts_time >= self._counts_every_s:
-            self._counts_time = now
             try:
                 counts = e.runner.executor.expert_activation_counts()
-                if counts is not None:
+                if counts is not None:  # (a read is a collective across processes: at most every interval)
+                    self._counts_time = now
                     rows = [[int(c) for c in layer] for layer in counts]
                     moe = [i for i, is_moe in enumerate(e.cfg.moe_layers) if is_moe]
                     layers = moe if len(moe) == len(rows) else list(range(len(rows)))

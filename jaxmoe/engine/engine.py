@@ -61,6 +61,7 @@ class RequestOutput:
     ttft: float | None = None
     tpot: float | None = None
     error: str | None = None  # set (with finish_reason "error") when this request failed in the engine
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -76,6 +77,7 @@ class _RequestState:
     text: str = ""
     sent_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +146,9 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_ids, sampling, Priority.parse(priority))
         self.scheduler.add(seq)
         seed = sampling.seed32 if sampling.seed is not None else self._seeds.getrandbits(32)
-        self._requests[request_id] = _RequestState(seq, sampling, seed,
-                                                   logprobs=[] if sampling.logprobs is not None else None)
+        self._requests[request_id] = _RequestState(
+            seq, sampling, seed, logprobs=[] if sampling.logprobs is not None else None,
+            prompt_logprobs=[None] if sampling.prompt_logprobs is not None else None)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -188,11 +191,15 @@ class LLMEngine:
             self._paused = frozenset()
             self.step_request_ids = [seq.request_id for seq in seqs]
 
+        self._score_prompts(batch, rows, errors)
         new_tokens, finished = {}, {}
         for seq, s in zip(seqs, sampled):
             if s is None or seq.request_id in errors:
                 continue
             state = self._requests[seq.request_id]
+            if state.sampling.max_tokens == 0:  # prompt scoring only: the sampled token is not kept
+                finished[seq.request_id] = "length"
+                continue
             try:
                 reason = self._stop_reason(state, s.token_id)
             except Exception as e:  # this request's own settings broke its post-processing
@@ -214,6 +221,23 @@ class LLMEngine:
             except Exception as e:  # e.g. detokenizing this request's tokens
                 failed.append(self._failed(seq, f"{type(e).__name__}: {e}"))
         return outputs + failed
+
+    def _score_prompts(self, batch, rows: list[Row], errors: dict[str, str]) -> None:
+        """Prompt logprobs of the prefill chunks whose requests ask for them (scoring, e.g.
+        lm-evaluation-harness loglikelihood): the logprob of each prompt token given the ones before."""
+        for (seq, start, end), row in zip(batch.prefills, rows):
+            state = self._requests.get(seq.request_id)
+            if state is None or state.prompt_logprobs is None or seq.request_id in errors:
+                continue
+            targets = seq.prompt_ids[start + 1:min(end + 1, len(seq.prompt_ids))]
+            if not targets:
+                continue
+            try:
+                scored = self.runner.score(row, targets, state.sampling.prompt_logprobs)
+            except Exception as e:
+                errors[seq.request_id] = f"scoring the prompt failed: {type(e).__name__}: {e}"
+                continue
+            state.prompt_logprobs += [TokenLogprob(t, lp, top) for t, (lp, top) in zip(targets, scored)]
 
     def _between_layers(self, layer: int) -> None:
         """QLLM layer-level preemption: between two layers of a best-effort step, admit what arrived
@@ -310,6 +334,8 @@ class LLMEngine:
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
             finished=seq.is_finished, finish_reason=seq.finish_reason, priority=seq.priority.value,
             ttft=seq.ttft, tpot=seq.tpot,
+            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None and seq.is_finished
+            else None,
         )
 
     # -- convenience -------------------------------------------------------------------------

@@ -17,8 +17,10 @@ Results come back in the callers' row order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
@@ -105,6 +107,15 @@ class ModelRunner:
         self._execute(*args, _sampling_arrays(B), want_logprobs=False,
                       between_layers=(lambda layer: None) if layer_by_layer else None)
 
+    def score(self, row: Row, targets: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Logprob of each of ``targets`` (the tokens after each of the row's positions) and the top
+        alternatives, from the logits at every position of the row (another forward over the same
+        chunk: it writes the same KV again)."""
+        logits = self.forward([row], all_logits=True)[0, : len(targets)]
+        lp, ids, tops = _score(logits, jnp.asarray(targets, jnp.int32), top)
+        lp, ids, tops = jax.device_get((lp, ids, tops))
+        return [(float(lp[i]), [(int(t), float(v)) for t, v in zip(ids[i], tops[i])]) for i in range(len(targets))]
+
     def forward(self, rows: list[Row], all_logits: bool = False):
         """Logits of the rows, in their order: [len(rows), V] at each row's last token, or
         [len(rows), T, V] with ``all_logits``."""
@@ -163,6 +174,14 @@ class ModelRunner:
                   else self.executor.forward(tokens, batch, last, between_layers=between_layers))
         result = sample(logits, *sampling, np.bool_(want_logprobs))
         return jax.device_get(result)  # one host transfer for all four
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _score(logits, targets, top: int):
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+    tops, ids = jax.lax.top_k(lp, top) if top else (lp[:, :0], jnp.zeros((lp.shape[0], 0), jnp.int32))
+    return chosen, ids, tops
 
 
 def _sampling_arrays(B: int, rows: list[Row] = (), where=()) -> tuple[np.ndarray, ...]:

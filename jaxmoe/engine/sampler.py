@@ -47,6 +47,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token's + top-n alternatives
+    prompt_logprobs: int | None = None  # None: none; n >= 0: each prompt token's logprob + top-n (scoring)
 
     def __post_init__(self):
         stop = self.stop
@@ -65,7 +66,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``SamplingParamsError`` naming the first field of a wrong type or out of range."""
-        _int_in("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        if self.prompt_logprobs is not None:
+            _int_in("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        # 0 new tokens only makes sense when scoring the prompt (lm-evaluation-harness loglikelihood)
+        _int_in("max_tokens", self.max_tokens, 0 if self.prompt_logprobs is not None else 1, MAX_TOKENS_LIMIT)
         _real_in("temperature", self.temperature, 0.0, math.inf)
         _real_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _int_in("top_k", self.top_k, 0, TOP_K_LIMIT)

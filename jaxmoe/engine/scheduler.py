@@ -258,7 +258,7 @@ class Scheduler:
                     seq.first_token_time = now
                 seq.last_token_time = now
             reason = finished.get(rid)
-            if reason is None and seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
+            if reason is None and samples and seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
                 reason = "length"
             if reason is None and seq.num_tokens > self.bm.max_seq_tokens:
                 reason = "length"  # the next decode could never get its KV block
