@@ -20,8 +20,11 @@ def cmd_generate(args) -> int:
     from jaxmoe import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, mesh=args.mesh)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))
+    chosen = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p))
+              if v is not None}
+    # the checkpoint's generation_config.json fills what the command line leaves unset (else greedy)
+    sampling = {**llm.generation_config, **chosen} if not chosen else chosen
+    params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop or ()), **sampling)
     prompts = args.prompt or ["Hello"]
     for prompt, out in zip(prompts, llm.generate(prompts, params, priority=args.priority)):
         print(f"--- prompt: {prompt!r}")
@@ -45,9 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="0 = greedy (default: the model's generation_config.json, else greedy)")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--priority", default="be", choices=["ls", "be"])

@@ -5,6 +5,7 @@ or a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.js
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -70,6 +71,7 @@ class LLM:
         experts (``jaxmoe unite``); ``llm.executor.brownout_threshold`` may change between steps.
         Compiled programs go to the persistent compilation cache (``jaxmoe.compilation``)."""
         enable_persistent_cache()
+        self.model = model
         self.cfg, params, self.tokenizer = load_model(model, dtype)
         if brownout is not None:
             from jaxmoe.brownout.united import attach
@@ -83,6 +85,19 @@ class LLM:
             from jaxmoe.runtime.controller import PlacementController
 
             self.controller = PlacementController.attach(self.engine, rebalance_every)
+
+    @property
+    def generation_config(self) -> dict:
+        """The checkpoint's suggested sampling (``generation_config.json``: temperature, top_p, top_k
+        when ``do_sample``), as ``SamplingParams`` keyword arguments; {} when it has none."""
+        path = DEMO_DIR if str(self.model) == "demo" else Path(self.model)
+        try:
+            conf = json.loads((path / "generation_config.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        if not conf.get("do_sample"):
+            return {}
+        return {k: conf[k] for k in ("temperature", "top_p", "top_k") if isinstance(conf.get(k), (int, float))}
 
     @property
     def params(self) -> dict:

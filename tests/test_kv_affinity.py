@@ -84,7 +84,7 @@ def test_local_attention_program_has_no_collectives(llms):
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)  # noqa: E731
     x = spec((B, T, ex.cfg.hidden_size), np.float32)
     batch = AttentionBatch(spec((B, T), np.int32), spec((B, T), np.int32), spec((B, NB), np.int32))
-    layer = attention_side_params(ex.params["layers"][0], not ex.shared_on_experts)
+    layer = attention_side_params(ex.params["layers"][0])
 
     def collectives(local):
         return COLLECTIVE.findall(ex.attention.layer.lower(layer, x, x, batch, ex.cache[0], local).compile().as_text())
