@@ -135,7 +135,8 @@ def train(tc: TrainConfig, out_dir: str | Path, *, progress: bool = True, log=pr
             log(f"resumed from step {start}")
         step_fn = make_train_step(cfg, tc, optimizer)
         tokens_per_step = tc.batch_size * tc.seq_len
-        t0, first_timed, loss = time.perf_counter(), None, float("nan")
+        t0, first_timed = time.perf_counter(), None
+        loss = _read_progress(out_dir).get("loss", float("nan"))  # a resumed run that has no step left
         end = tc.steps if stop_after is None else min(tc.steps, start + stop_after)
         with tqdm(total=tc.steps, initial=start, desc="training", disable=not progress, unit="step") as bar:
             for step in range(start, end):
