@@ -236,3 +236,38 @@ def test_salc_moves_the_threshold_of_a_serving_engine(united_dir):
     assert ctl.state()["threshold"] == 1.0  # far under the SLO: back to zero brownout
     with pytest.raises(BrownoutError, match="needs an SLO"):
         SALCConfig()
+
+
+@pytest.mark.parametrize("seed,ways", [(0, 2), (1, 2), (2, 4)])
+def test_coactivation_grouping_recovers_planted_groups(seed, ways):
+    from jaxmoe.brownout.united import group_by_coactivation
+
+    rng = np.random.default_rng(seed)
+    E = 8
+    planted = rng.permutation(E).reshape(E // ways, ways)  # hidden groups the router favours
+    rows = []
+    for _ in range(400):
+        if rng.random() < 0.8:  # two distinct experts of one planted group
+            rows.append(rng.choice(planted[rng.integers(len(planted))], 2, replace=False))
+        else:  # noise: any two distinct experts
+            rows.append(rng.choice(E, 2, replace=False))
+    groups = group_by_coactivation(np.asarray(rows), E, ways)
+    got = sorted(sorted(np.flatnonzero(groups == g).tolist()) for g in range(E // ways))
+    assert got == sorted(sorted(g.tolist()) for g in planted)
+
+
+def test_distil_with_coactivation_grouping(checkpoint_dir):
+    from jaxmoe.brownout.united import distill_layer, group_by_coactivation
+    from jaxmoe.llm import load_model
+    from jaxmoe.models.router import route
+
+    cfg, params, _ = load_model(checkpoint_dir("mixtral"), "float32")
+    moe = params["layers"][0]["moe"]
+    xs = np.random.default_rng(0).standard_normal((64, cfg.hidden_size)).astype(np.float32)
+    united, groups, losses = distill_layer(moe, cfg, xs, 2, "coactivation", steps=3, lr=1e-3, seed=0)
+    ids, _ = route({k: v for k, v in moe.items() if k not in ("w_gate", "w_up", "w_down")}, cfg.moe, jnp.asarray(xs))
+    np.testing.assert_array_equal(groups, group_by_coactivation(np.asarray(ids), 8, 2))
+    assert sorted(np.bincount(groups).tolist()) == [2, 2, 2, 2]
+    assert united["w_gate"].shape[0] == 4 and len(losses) == 4 and all(np.isfinite(losses))
+    with pytest.raises(BrownoutError, match="grouping must be one of"):
+        distill_layer(moe, cfg, xs, 2, "bogus", steps=1, lr=1e-3, seed=0)

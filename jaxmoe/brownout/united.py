@@ -4,7 +4,8 @@ distilled to reproduce the group's outputs, saved beside a checkpoint, and attac
 ``unite(model_dir, ways, out_dir)``: for every MoE layer, the layer's inputs (post-attention-norm
 hidden states) are collected from real forward passes over text; experts are grouped (``index``:
 experts k*j .. k*j + k - 1, as the paper; ``similarity``: greedily by the distance between the
-experts' outputs on those tokens, our extension); each united expert starts as the mean of its
+experts' outputs on those tokens; ``coactivation``: greedily by how often the router picks two
+experts for the same token; both our extensions); each united expert starts as the mean of its
 group's weights and is trained with optax (Adam) to minimise eq. 4, the mean over the group's
 experts of the MSE between its output and theirs, on the tokens routed to the group. Each finished
 layer is saved at once (``out_dir/.unite/``): a stopped run resumes at the next layer.
@@ -33,7 +34,7 @@ from jaxmoe.models.router import route
 
 UNITED_FILE = "united_experts.safetensors"
 META_FILE = "brownout.json"
-GROUPINGS = ("index", "similarity")
+GROUPINGS = ("index", "similarity", "coactivation")
 NAMES = ("w_gate", "w_up", "w_down")
 
 
@@ -62,6 +63,21 @@ def group_by_similarity(outputs: np.ndarray, ways: int) -> np.ndarray:
     return groups
 
 
+def group_by_coactivation(ids: np.ndarray, num_experts: int, ways: int) -> np.ndarray:
+    """Greedy: the lowest free expert and the ways - 1 free experts the router most often picks
+    together with it (ties: lower index) form a group. ``ids`` [N, top_k] routed expert ids."""
+    picked = np.zeros((len(ids), num_experts))
+    np.put_along_axis(picked, np.asarray(ids), 1.0, axis=1)
+    together = picked.T @ picked  # [E, E] tokens routed to both
+    groups = np.full(num_experts, -1)
+    for g in range(num_experts // ways):
+        free = np.flatnonzero(groups < 0)
+        seed, others = free[0], free[1:]
+        near = others[np.argsort(-together[seed, others], kind="stable")][: ways - 1]
+        groups[[seed, *near]] = g
+    return groups
+
+
 def _expert(w: dict, e: int) -> dict:
     return {k: w[k][e] for k in NAMES}
 
@@ -77,6 +93,8 @@ def distill_layer(moe: dict, cfg, xs: np.ndarray, ways: int, grouping: str, step
         groups = group_by_index(E, ways)
     elif grouping == "similarity":
         groups = group_by_similarity(np.asarray(outs), ways)
+    elif grouping == "coactivation":
+        groups = group_by_coactivation(np.asarray(ids), E, ways)
     else:
         raise BrownoutError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
     opt = optax.adam(lr)

@@ -40,7 +40,7 @@ def register(sub, add_model_args) -> None:
     un = sub.add_parser("unite", help="distil united experts (BrownoutServe) for a checkpoint")
     add_model_args(un)
     un.add_argument("--ways", type=int, required=True, help="experts per united expert (k)")
-    un.add_argument("--grouping", default="index", choices=["index", "similarity"])
+    un.add_argument("--grouping", default="index", choices=["index", "similarity", "coactivation"])
     un.add_argument("--tokens", type=int, default=8192, help="tokens of text whose hidden states train them")
     un.add_argument("--steps", type=int, default=300, help="Adam steps per united expert")
     un.add_argument("--out", required=True, help="new directory: the checkpoint plus its united experts")
