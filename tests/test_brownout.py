@@ -271,3 +271,26 @@ def test_distil_with_coactivation_grouping(checkpoint_dir):
     assert united["w_gate"].shape[0] == 4 and len(losses) == 4 and all(np.isfinite(losses))
     with pytest.raises(BrownoutError, match="grouping must be one of"):
         distill_layer(moe, cfg, xs, 2, "bogus", steps=1, lr=1e-3, seed=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_activated_experts_counts_the_weights_a_step_reads(seed):
+    from jaxmoe.brownout.routing import activated_experts
+
+    rng = np.random.default_rng(seed)
+    E, ways, T = 8, 2, 24
+    groups = np.arange(E) // ways
+    ids = np.stack([rng.choice(E, 2, replace=False) for _ in range(T)])
+    valid = rng.random(T) < 0.8
+    count = jax.jit(activated_experts, static_argnums=(3, 4))
+    for threshold, full in ((1.0, False), (0.5, False), (0.0, False), (0.3, True)):
+        orig, united = split_reference(ids, valid, groups, threshold, full)
+        got = count(jnp.asarray(orig), jnp.asarray(united), jnp.asarray(valid), E, E // ways)
+        want = (len({e for t in np.flatnonzero(valid) for e in orig[t] if e >= 0}),
+                len({u for t in np.flatnonzero(valid) for u in united[t] if u >= 0}))
+        assert tuple(int(v) for v in got) == want
+        if threshold == 1.0:
+            assert want == (len(set(ids[valid].ravel())), 0)
+    every = np.array([[2 * i, 2 * i + 1] for i in range(E // 2)] * 2)  # all 8 experts used
+    orig, united = split_reference(every, np.ones(len(every), bool), groups, 0.0, False)
+    assert tuple(int(v) for v in activated_experts(orig, united, np.ones(len(every), bool), E, 4)) == (0, 4)

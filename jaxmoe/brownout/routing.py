@@ -12,7 +12,8 @@ Fig. 4b / 5a shows, as "the sum so far is below T": 20 assignments over counts 2
 3 and threshold 0.6 give S1 = {E3, E1, E7}; ``tests/test_brownout.py`` checks that example.)
 
 ``split`` works inside jit with ``threshold`` a traced scalar; ``split_reference`` is the direct
-numpy reading the tests compare it with.
+numpy reading the tests compare it with. ``activated_experts`` counts the weight sets a step reads
+after the split (what brownout saves).
 """
 
 from __future__ import annotations
@@ -39,6 +40,18 @@ def split(ids, valid, groups, threshold, full: bool):
     original = in_s1 | special
     to_united = in_s2 & ~special & (not full)
     return jnp.where(original[ids], ids, -1), jnp.where(to_united[ids], groups[ids], -1)
+
+
+def activated_experts(original, united, valid, num_experts: int, num_united: int):
+    """Distinct original experts and distinct united experts the real tokens of a step use after
+    ``split`` (jit-able; ``original``/``united`` [T, K] with -1 for "not there", ``valid`` [T])."""
+    keep = valid[:, None]
+
+    def distinct(ids, n):
+        used = jnp.zeros((n,), bool).at[jnp.where(keep & (ids >= 0), ids, n)].set(True, mode="drop")
+        return used.sum()
+
+    return distinct(original, num_experts), distinct(united, num_united)
 
 
 def split_reference(ids: np.ndarray, valid: np.ndarray, groups: np.ndarray, threshold: float, full: bool):
