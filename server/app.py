@@ -39,6 +39,7 @@ class ServeOptions:
     security: SecurityOptions = SecurityOptions()  # API key, allowed hosts and origins
     request_timeout_s: float | None = 600.0  # a request still running after this long is ended (None: never)
     max_body_bytes: int = 4 << 20  # HTTP request bodies larger than this are refused (413)
+    body_read_timeout_s: float = 30.0  # an HTTP body not fully received in this time is refused (408)
 
 
 def load_engine(model: str, engine_config: EngineConfig, mesh: str | None = None, dtype=None,
@@ -102,7 +103,7 @@ class JaxmoeServer:
             self.async_engine, info, o.host, o.grpc_port, self.metrics, o.security)
         await set_serving(self._health, False)
         http = OpenAIServer(self.async_engine, o.model_name, self.metrics, ready=lambda: self.ready,
-                            max_body_bytes=o.max_body_bytes)
+                            max_body_bytes=o.max_body_bytes, body_read_timeout_s=o.body_read_timeout_s)
         guard = http_middleware(o.security, o.host, lambda: self.http_port)
         self._runner = web.AppRunner(http.app(guard), handler_cancellation=True, shutdown_timeout=5.0,
                                      access_log=None)

@@ -45,6 +45,8 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--request-timeout", type=float, default=600.0,
                        help="seconds a request may run before the server ends it (0: no deadline)")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest HTTP request body (413 above)")
+    serve.add_argument("--body-read-timeout", type=float, default=30.0,
+                       help="seconds an HTTP request body may take to arrive (408 after; slow clients)")
     serve.add_argument("--brownout-threshold", type=float, default=None,
                        help="BrownoutServe: start threshold in [0, 1] (the model needs united experts: jaxmoe unite)")
     serve.add_argument("--full-brownout", action="store_true", help="drop browned-out assignments (else united experts)")
@@ -117,7 +119,8 @@ def cmd_serve(args) -> int:
     opts = ServeOptions(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                         model_name=args.served_model_name or str(args.model), mesh_description=mesh_description,
                         warmup=not args.no_warmup, request_timeout_s=args.request_timeout or None,
-                        max_body_bytes=args.max_body_bytes, security=SecurityOptions(
+                        max_body_bytes=args.max_body_bytes,
+                        body_read_timeout_s=args.body_read_timeout, security=SecurityOptions(
                             api_key=args.api_key or None, protect_health=args.protect_health,
                             allowed_origins=_names(args.allowed_origins),
                             allowed_hosts=None if args.allowed_hosts is None else _names(args.allowed_hosts)))

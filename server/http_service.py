@@ -81,8 +81,12 @@ async def _read_json(request: web.Request):
     if encoding not in ("identity", "gzip", "deflate", "br", ""):
         raise ApiError(415, f"Content-Encoding {encoding!r} is not supported", "invalid_request_error",
                        "unsupported_media_type", "Content-Encoding")
+    timeout = request.app["body_read_timeout_s"]
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:  # a slow client must not hold the connection and its handler forever
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
+                       "request_timeout") from None
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"request body larger than {request.app['max_body_bytes']} bytes",
                        "invalid_request_error", "request_too_large") from None
@@ -98,18 +102,20 @@ async def _read_json(request: web.Request):
 
 class OpenAIServer:
     def __init__(self, async_engine, model_name: str, metrics=None, ready=lambda: True,
-                 max_body_bytes: int = 4 << 20):
+                 max_body_bytes: int = 4 << 20, body_read_timeout_s: float = 30.0):
         self.engine = async_engine
         self.model_name = model_name
         self.metrics = metrics
         self.ready = ready  # False until warmed up and while shutting down
         self.tokenizer = async_engine.engine.tokenizer
         self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
 
     def app(self, *guards) -> web.Application:
         """The aiohttp app; ``guards`` are middlewares run before everything (``server.security``)."""
         app = web.Application(middlewares=[*guards, json_errors], client_max_size=self.max_body_bytes)
         app["max_body_bytes"] = self.max_body_bytes
+        app["body_read_timeout_s"] = self.body_read_timeout_s
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

@@ -81,3 +81,32 @@ def test_api_key_on_grpc(server):
         assert anonymous.health() == "SERVING"  # health stays open
         chunks = list(client.generate("hi", max_tokens=2, temperature=0, timeout=30))
         assert chunks[-1].finish_reason and client.model_info().model == "m"
+
+
+def test_slow_body_is_refused_with_408():
+    """A client that sends headers and then trickles (or never sends) its body gets 408 and frees the
+    connection, instead of holding a handler forever."""
+    import socket
+
+    llm = shared_demo_llm()
+    st = ServerThread(llm.engine, ServeOptions(model_name="m", body_read_timeout_s=0.5, **WARMUP))
+    server = st.start()
+    admitted = server.async_engine.call(lambda e: e.scheduler.stats()["admitted"])
+    try:
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # 89 bytes never come
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert server.async_engine.call(lambda e: e.scheduler.stats()["admitted"]) == admitted  # nothing ran
+        status, out, _ = _request(server, "POST", "/v1/completions", BODY)  # a normal request still works
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+    finally:
+        st.stop(abort_inflight=True)
