@@ -146,10 +146,13 @@ def unite(model_dir, ways: int, out_dir, *, grouping: str = "index", tokens: int
     from jaxmoe.train import data
     from jaxmoe.train.corpus import documents
 
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    from jaxmoe.demo import DEMO_DIR
+
+    name = str(model_dir)
+    model_dir, out_dir = (DEMO_DIR if name == "demo" else Path(model_dir)), Path(out_dir)
     if grouping not in GROUPINGS:
         raise BrownoutError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
-    cfg, params, tokenizer = load_model(model_dir, "float32")
+    cfg, params, tokenizer = load_model(name if name == "demo" else model_dir, "float32")
     check_ways(cfg.moe.num_experts, ways)
     if out_dir.resolve() == model_dir.resolve():
         raise BrownoutError("--out must be a new directory, not the model's")
