@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxmoe.compilation import compile_events
 from jaxmoe.engine.engine import RequestOutput
+from jaxmoe.engine.scheduler import PREEMPTION_LEVELS
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -91,7 +92,7 @@ class _EngineCollector:
                                   labels=["kind", "level", "priority"])
         for kind, per in snap["preemptions"].items():
             for prio, n in per.items():
-                pre.add_metric(["pause" if kind == "layer" else kind, "layer" if kind == "layer" else "step", prio], n)
+                pre.add_metric([kind, PREEMPTION_LEVELS[kind], prio], n)
         yield pre
         yield CounterMetricFamily("jaxmoe_engine_steps", "Engine steps", value=snap["steps"])
         yield CounterMetricFamily("jaxmoe_engine_step_errors", "Engine steps that raised",

@@ -182,11 +182,15 @@ def bad_grpc(draw):
 GRPC_SEEN: list[str] = []
 
 
+@pytest.fixture(scope="module")
+def channel(server):
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        yield ch
+
+
 @settings(FUZZ, max_examples=450)
 @given(data=bad_grpc())
-def test_fuzz_grpc(server, background, data):
-    channel = getattr(test_fuzz_grpc, "_channel", None) or grpc.insecure_channel(server.grpc_target)
-    test_fuzz_grpc._channel = channel
+def test_fuzz_grpc(server, background, channel, data):
     call = channel.unary_stream("/jaxmoe.v1.Jaxmoe/Generate", request_serializer=None, response_deserializer=None)
     try:
         for _ in call(data, timeout=60):

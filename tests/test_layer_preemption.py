@@ -59,7 +59,7 @@ def test_layer_preemption_keeps_every_token(mesh):
         step["n"] += 1
     assert not pending, pending  # every scripted arrival happened inside a paused BE step
     assert engine.layer_pauses - pauses >= len(ARRIVALS)  # LS decodes may run between later layers too
-    assert engine.scheduler.preemptions["layer"]["be"] >= len(ARRIVALS)
+    assert engine.scheduler.preemptions["pause"]["be"] >= len(ARRIVALS)
     for p, rid in {**be_ids, **ls_ids}.items():
         assert finished[rid] == alone[p], p
     assert engine.block_manager.num_free == engine.block_manager.num_blocks

@@ -253,7 +253,7 @@ class LLMEngine:
         for rid in paused:
             seq = self.scheduler.get(rid)
             if seq is not None:
-                self.scheduler.preemptions["layer"][seq.priority.value] += 1
+                self.scheduler.preemptions["pause"][seq.priority.value] += 1
         self._paused = frozenset()
         try:
             self._inner_outputs += self._run_batch(inner)

@@ -37,6 +37,9 @@ class OverloadedError(RuntimeError):
     """The waiting queue is full; the request was not accepted (retry later)."""
 
 
+PREEMPTION_LEVELS = {"keep_kv": "step", "recompute": "step", "pause": "layer"}  # kind -> where it happens
+
+
 @dataclass
 class ScheduledBatch:
     """One step. Prefill chunk ``(seq, start, end)`` computes KV of positions
@@ -83,9 +86,9 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self.num_steps = 0
         self.num_admitted = self.num_rejected = self.num_aborted = self.num_finished = 0
-        # preemptions[kind][priority value]: "keep_kv" / "recompute" at step boundaries, "layer" (paused
-        # between layers for latency-sensitive work, counted by LLMEngine)
-        self.preemptions = {k: {"ls": 0, "be": 0} for k in ("keep_kv", "recompute", "layer")}
+        # preemptions[kind][priority value]: "keep_kv" / "recompute" at step boundaries, "pause" (a
+        # request paused between layers for latency-sensitive work, counted by LLMEngine)
+        self.preemptions = {k: {"ls": 0, "be": 0} for k in PREEMPTION_LEVELS}
 
     # -- admission ---------------------------------------------------------
     def add(self, seq: Sequence) -> None:

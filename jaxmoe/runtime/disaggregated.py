@@ -127,7 +127,6 @@ class DisaggregatedExecutor:
         self._shared_layers = {} if self.shared_on_experts else {
             i: jax.device_put(layer["shared"], rep) for i, layer in enumerate(params["layers"]) if "shared" in layer}
         self.pipeline = Pipeline.parse(pipeline)
-        self._plans: dict[int, object] = {}
         # Expert side: router + slot arrays (+ shared experts) per MoE layer, on the expert mesh.
         self.layouts = self._layouts(placement)
         self._expert_layers = {i: place_layer(params["layers"][i], self.layouts[i], self.sub, self.shared_on_experts)
@@ -176,22 +175,20 @@ class DisaggregatedExecutor:
         xs, ys = map(list, zip(*(run("embed", None, self.attention.embed, self._embed, mb.tokens) for mb in mbs)))
         zeros = ys[0]  # no routed output to add before the first layer (nor after a dense layer)
         for i, layer in enumerate(self._attn_layers):
-            xns = [None] * r1
+            xns, plans = [None] * r1, [None] * r1
             for k, mb in enumerate(mbs):
                 xs[k], xns[k], self.cache[i] = run("attention", i, self.attention.layer, layer, xs[k], ys[k],
                                                    mb.batch, self.cache[i], local)
                 if self.pipeline.order == "ASAS":
-                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, zeros)
+                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, plans, zeros)
             if self.pipeline.order == "AASS":
                 for k, mb in enumerate(mbs):
-                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, zeros)
+                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, plans, zeros)
             if i in self._expert_layers:  # E2A last: the attention mesh had other work meanwhile
                 for k in range(r1):
-                    ys[k] = run("e2a", i, self.transfer.e2a, ys[k], self._plans[k], self.sub)
+                    ys[k] = run("e2a", i, self.transfer.e2a, ys[k], plans[k], self.sub)
             if between_layers is not None and i + 1 < len(self._attn_layers):
-                plans = dict(self._plans)
                 between_layers(i + 1)
-                self._plans = plans
         logits = [self.transfer.to_local(run("head", None, self.attention.head, self._head, xs[k], ys[k], mb.index))
                   for k, mb in enumerate(mbs)]
         if self.timing:
@@ -199,15 +196,15 @@ class DisaggregatedExecutor:
         out = logits[0] if r1 == 1 else jnp.concatenate(logits)[where]
         return out if B == out.shape[0] else out[:B]
 
-    def _expert_side(self, run, i: int, k: int, h, xn, mb: _MicroBatch, step, ys: list, zeros):
+    def _expert_side(self, run, i: int, k: int, h, xn, mb: _MicroBatch, step, ys: list, plans: list, zeros):
         """Dispatch micro-batch k's A2E and expert program (async, on the expert mesh), then its
-        shared experts (attention mesh: they overlap). The expert partials go to ``ys[k]`` for
-        E2A; returns h (+ the shared experts' output)."""
+        shared experts (attention mesh: they overlap). The expert partials go to ``ys[k]`` and the
+        transfer plan to ``plans[k]`` for E2A; returns h (+ the shared experts' output)."""
         if i not in self._expert_layers:
             ys[k] = zeros
             return h
         plan = plan_transfers(self.sub.spec, xn.nbytes // self.num_attention)
-        self._plans[k] = plan
+        plans[k] = plan
         xe = run("a2e", i, self.transfer.a2e, xn, plan, self.sub)
         ys[k], self._coact[i], self._activated[i] = run(
             "expert", i, self.experts.run, self._expert_layers[i], self._tables[i], xe, mb.valid, step,
