@@ -30,7 +30,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.aebs import schedule
+from jaxmoe.pallas_kernels.aebs import schedule
 
 E, K, TOTAL_SLOTS = 160, 8, 192
 BATCHES = (16, 32, 64, 128, 256, 512)

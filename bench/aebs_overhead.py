@@ -34,7 +34,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from aebs_imbalance import BATCHES, placement, popularity, tokens  # noqa: E402
 
-from pallas_kernels.aebs import schedule  # noqa: E402
+from jaxmoe.pallas_kernels.aebs import schedule  # noqa: E402
 
 
 def time_call(f, args, reps):

@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels.grouped_matmul import dispatch, grouped_swiglu  # noqa: E402
+from jaxmoe.pallas_kernels.grouped_matmul import dispatch, grouped_swiglu  # noqa: E402
 
 MODELS = {  # name: (experts G, hidden D, intermediate F, top_k)
     "deepseek-v2-lite": (64, 2048, 1408, 6),

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxmoe.runtime.placement import coactivation, coactivation_load, plan_placement
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
-from pallas_kernels.aebs import schedule
+from jaxmoe.pallas_kernels.aebs import schedule
 
 E, K, N, C, GROUP = 160, 8, 8, 24, 8
 

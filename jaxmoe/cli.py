@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxmoe.planning.commands import register as register_planning_commands  # profile, plan
     from jaxmoe.scaling.commands import register as register_scaling_commands  # simulate
     from jaxmoe.train.commands import register as register_train_commands  # train, eval
-    from server.cli import register as register_server_commands  # serve, client
+    from jaxmoe.server.cli import register as register_server_commands  # serve, client
 
     register_train_commands(sub, _add_model_args)
     register_planning_commands(sub, _add_model_args)

@@ -18,11 +18,11 @@ from aiohttp import web
 from jaxmoe.brownout.controller import BrownoutController
 from jaxmoe.engine.async_engine import AsyncEngine
 from jaxmoe.engine.engine import EngineConfig, LLMEngine
-from server.grpc_service import build_grpc_server, set_serving
-from server.http_service import OpenAIServer
-from server.metrics import ServerMetrics
-from server.proto import jaxmoe_pb2 as pb
-from server.security import SecurityOptions, http_middleware
+from jaxmoe.server.grpc_service import build_grpc_server, set_serving
+from jaxmoe.server.http_service import OpenAIServer
+from jaxmoe.server.metrics import ServerMetrics
+from jaxmoe.server.proto import jaxmoe_pb2 as pb
+from jaxmoe.server.security import SecurityOptions, http_middleware
 
 
 

@@ -91,8 +91,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 def cmd_serve(args) -> int:
     from jaxmoe.engine.engine import EngineConfig
-    from server.app import ServeOptions, load_engine
-    from server.security import SecurityOptions
+    from jaxmoe.server.app import ServeOptions, load_engine
+    from jaxmoe.server.security import SecurityOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
@@ -132,7 +132,7 @@ def cmd_serve(args) -> int:
 
 async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:
     from jaxmoe.engine.async_engine import WarmupCancelled
-    from server.app import JaxmoeServer
+    from jaxmoe.server.app import JaxmoeServer
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -166,7 +166,7 @@ async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:
 def cmd_client(args) -> int:
     import grpc
 
-    from server.client import JaxmoeClient
+    from jaxmoe.server.client import JaxmoeClient
 
     with JaxmoeClient(args.target) as client:
         try:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.proto import jaxmoe_pb2 as pb
-from server.proto import jaxmoe_pb2_grpc as pb_grpc
+from jaxmoe.server.proto import jaxmoe_pb2 as pb
+from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
 
 
 def make_request(prompt: str | list[int], *, max_tokens: int | None = None, temperature: float | None = None,

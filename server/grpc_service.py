@@ -23,9 +23,9 @@ from jaxmoe.engine.engine import RequestOutput
 from jaxmoe.engine.sampler import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
-from server.proto import jaxmoe_pb2 as pb
-from server.proto import jaxmoe_pb2_grpc as pb_grpc
-from server.security import ApiKeyInterceptor, SecurityOptions
+from jaxmoe.server.proto import jaxmoe_pb2 as pb
+from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
+from jaxmoe.server.security import ApiKeyInterceptor, SecurityOptions
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxmoe"].full_name  # "jaxmoe.v1.Jaxmoe"
 

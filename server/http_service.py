@@ -4,7 +4,7 @@ Endpoints: ``POST /v1/completions`` (one prompt or a list of them, one choice ea
 ``POST /v1/chat/completions`` (both with ``"stream": true`` as server-sent events ending in
 ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` and the Prometheus
 ``GET /metrics``. Request bodies are validated by strict pydantic models
-(``server.openai_protocol``). Extension: ``"priority": "ls" | "be"`` in the body, or an
+(``jaxmoe.server.openai_protocol``). Extension: ``"priority": "ls" | "be"`` in the body, or an
 ``X-Priority`` header (the body wins); ``top_k``, ``stop_token_ids`` and ``ignore_eos`` as in vLLM.
 
 Every error is OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
@@ -29,7 +29,7 @@ from jaxmoe.engine.engine import RequestOutput
 from jaxmoe.engine.sampler import SamplingParamsError
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
-from server import openai_protocol as protocol
+from jaxmoe.server import openai_protocol as protocol
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class OpenAIServer:
         self.body_read_timeout_s = body_read_timeout_s
 
     def app(self, *guards) -> web.Application:
-        """The aiohttp app; ``guards`` are middlewares run before everything (``server.security``)."""
+        """The aiohttp app; ``guards`` are middlewares run before everything (``jaxmoe.server.security``)."""
         app = web.Application(middlewares=[*guards, json_errors], client_max_size=self.max_body_bytes)
         app["max_body_bytes"] = self.max_body_bytes
         app["body_read_timeout_s"] = self.body_read_timeout_s

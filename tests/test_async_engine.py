@@ -10,7 +10,7 @@ from jaxmoe.engine.async_engine import AsyncEngine, EngineClosedError, EngineSte
 from jaxmoe.engine.engine import StepFailedError
 from jaxmoe.engine.sampler import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
-from server.testing import engine_idle_and_free, crashing_run, failing_steps, shared_demo_llm, wait_until
+from jaxmoe.server.testing import engine_idle_and_free, crashing_run, failing_steps, shared_demo_llm, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

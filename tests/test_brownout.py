@@ -213,7 +213,7 @@ def test_salc_moves_the_threshold_of_a_serving_engine(united_dir):
     import http.client
 
     from jaxmoe.brownout.controller import BrownoutController, SALCConfig
-    from server.app import ServeOptions, ServerThread
+    from jaxmoe.server.app import ServeOptions, ServerThread
 
     out, _ = united_dir
     llm = LLM(out, dtype="float32", brownout=BrownoutConfig(threshold=1.0))

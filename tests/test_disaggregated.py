@@ -319,7 +319,7 @@ def test_failed_step_that_deletes_the_cache_is_recovered(llms):
     from jax import tree
 
     from jaxmoe.engine.engine import StepFailedError
-    from server.testing import crashing_run
+    from jaxmoe.server.testing import crashing_run
 
     dis = llms("mixtral", "meshes/cpu-8.yaml")
     layout = [(a.shape, a.sharding) for a in tree.leaves(dis.executor.cache)]

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxmoe.engine.sampler import SamplingParams
-from server.app import ServeOptions, ServerThread
-from server.client import JaxmoeClient
-from server.proto import jaxmoe_pb2 as pb
-from server.testing import WARMUP, engine_idle_and_free, shared_demo_llm, wait_until
+from jaxmoe.server.app import ServeOptions, ServerThread
+from jaxmoe.server.client import JaxmoeClient
+from jaxmoe.server.proto import jaxmoe_pb2 as pb
+from jaxmoe.server.testing import WARMUP, engine_idle_and_free, shared_demo_llm, wait_until
 
 pytestmark = pytest.mark.timeout(400)
 

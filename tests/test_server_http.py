@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from jaxmoe.engine.sampler import SamplingParams
-from server.app import ServeOptions, ServerThread
-from server.testing import WARMUP, burst_into_full_queue, engine_idle_and_free, failing_steps, shared_demo_llm, wait_until
+from jaxmoe.server.app import ServeOptions, ServerThread
+from jaxmoe.server.testing import WARMUP, burst_into_full_queue, engine_idle_and_free, failing_steps, shared_demo_llm, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

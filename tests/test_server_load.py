@@ -12,10 +12,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.app import ServeOptions, ServerThread
-from server.client import make_request
-from server.proto import jaxmoe_pb2_grpc as pb_grpc
-from server.testing import WARMUP, engine_idle_and_free, shared_demo_llm, wait_until
+from jaxmoe.server.app import ServeOptions, ServerThread
+from jaxmoe.server.client import make_request
+from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
+from jaxmoe.server.testing import WARMUP, engine_idle_and_free, shared_demo_llm, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 STREAMS = 500

@@ -9,10 +9,10 @@ import json
 import grpc
 import pytest
 
-from server.app import ServeOptions, ServerThread
-from server.client import JaxmoeClient
-from server.security import SecurityOptions
-from server.testing import WARMUP, shared_demo_llm
+from jaxmoe.server.app import ServeOptions, ServerThread
+from jaxmoe.server.client import JaxmoeClient
+from jaxmoe.server.security import SecurityOptions
+from jaxmoe.server.testing import WARMUP, shared_demo_llm
 
 pytestmark = pytest.mark.timeout(180)
 KEY = "s3cret-key"

@@ -25,7 +25,7 @@ decode; prefill), ``"grouped"`` otherwise (decode batches).  All forms compute t
 
 The loop bodies / switch branches are compiled once per layer, so compile time stays close to the
 dense form's.  The disaggregated runtime uses grouped matmuls over physical replicas instead
-(``pallas_kernels.grouped_matmul``).
+(``jaxmoe.pallas_kernels.grouped_matmul``).
 """
 from __future__ import annotations
 

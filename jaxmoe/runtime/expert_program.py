@@ -6,10 +6,10 @@ metadata) and runs
 
   1. gate       ``route``: router scores, top-k logical ids [B*T, k] and combine weights
                 (padding tokens, valid == False, get id -1: they activate no expert);
-  2. AEBS       ``pallas_kernels.aebs.api.schedule``: logical id -> physical replica slot.
+  2. AEBS       ``jaxmoe.pallas_kernels.aebs.api.schedule``: logical id -> physical replica slot.
                 Inputs are identical on every instance and the policy is deterministic, so
                 every instance computes the same assignment with no synchronisation;
-  3. experts    ``pallas_kernels.grouped_matmul.expert_ffn`` over the C slots it hosts
+  3. experts    ``jaxmoe.pallas_kernels.grouped_matmul.expert_ffn`` over the C slots it hosts
                 (slot ids outside j*C .. j*C+C-1 masked to -1: "not mine");
   4. shared     (only when the mesh file says ``shared_experts: experts``) the shared experts
                 split over instances along their hidden width, each adding its slice;
@@ -40,8 +40,8 @@ from jaxmoe.mesh import EXPERT_AXES, SubMeshes
 from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.router import route
 from jaxmoe.runtime.replicas import ReplicaLayout
-from pallas_kernels.aebs.api import schedule
-from pallas_kernels.grouped_matmul import expert_ffn
+from jaxmoe.pallas_kernels.aebs.api import schedule
+from jaxmoe.pallas_kernels.grouped_matmul import expert_ffn
 
 EXP = EXPERT_AXES[0]
 _SLOT_SPEC = P(EXP)

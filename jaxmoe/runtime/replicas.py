@@ -6,7 +6,7 @@ contiguous slots j*C .. j*C+C-1). A placement is a list ``slot_to_expert`` [S] o
 ids, -1 for an unused slot (its weights are zeros and AEBS never selects it). Every logical expert
 needs at least one slot; the spare slots hold redundant replicas of (hot) experts.
 
-From a placement come the two tables AEBS reads (``pallas_kernels.aebs.api.schedule``):
+From a placement come the two tables AEBS reads (``jaxmoe.pallas_kernels.aebs.api.schedule``):
   replica_table    [E, R_max] int32: row e = the slots hosting expert e, ascending, -1 padded.
                    R_max = S - E + 1 (the most replicas any valid placement can give one
                    expert), fixed per layout so a new placement never changes a shape.

@@ -1,6 +1,6 @@
 """AEBS Pallas kernel: janus Algorithm 1 ("aebs") and the improved "aebs_plus".
 
-One kernel body, three ways to run it (chosen by ``pallas_kernels.aebs.api``):
+One kernel body, three ways to run it (chosen by ``jaxmoe.pallas_kernels.aebs.api``):
 
 * CPU / anywhere: ``pl.pallas_call(..., interpret=True)`` -- verified by tests.
 * NVIDIA GPU: ``plgpu.kernel`` (Mosaic GPU, one warpgroup; inputs/outputs in

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from server.proto import jaxmoe_pb2 as server_dot_proto_dot_jaxmoe__pb2
+from jaxmoe.server.proto import jaxmoe_pb2 as jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in server/proto/jaxmoe_pb2_grpc.py depends on'
+        + ' but the generated code in jaxmoe/server/proto/jaxmoe_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class JaxmoeStub:
         """
         self.Generate = channel.unary_stream(
                 '/jaxmoe.v1.Jaxmoe/Generate',
-                request_serializer=server_dot_proto_dot_jaxmoe__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=server_dot_proto_dot_jaxmoe__pb2.GenerateResponse.FromString,
+                request_serializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ModelInfo = channel.unary_unary(
                 '/jaxmoe.v1.Jaxmoe/ModelInfo',
-                request_serializer=server_dot_proto_dot_jaxmoe__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=server_dot_proto_dot_jaxmoe__pb2.ModelInfoResponse.FromString,
+                request_serializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -68,13 +68,13 @@ def add_JaxmoeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=server_dot_proto_dot_jaxmoe__pb2.GenerateRequest.FromString,
-                    response_serializer=server_dot_proto_dot_jaxmoe__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.GenerateRequest.FromString,
+                    response_serializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.GenerateResponse.SerializeToString,
             ),
             'ModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfo,
-                    request_deserializer=server_dot_proto_dot_jaxmoe__pb2.ModelInfoRequest.FromString,
-                    response_serializer=server_dot_proto_dot_jaxmoe__pb2.ModelInfoResponse.SerializeToString,
+                    request_deserializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoRequest.FromString,
+                    response_serializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -102,8 +102,8 @@ class Jaxmoe:
             request,
             target,
             '/jaxmoe.v1.Jaxmoe/Generate',
-            server_dot_proto_dot_jaxmoe__pb2.GenerateRequest.SerializeToString,
-            server_dot_proto_dot_jaxmoe__pb2.GenerateResponse.FromString,
+            jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.GenerateRequest.SerializeToString,
+            jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -129,8 +129,8 @@ class Jaxmoe:
             request,
             target,
             '/jaxmoe.v1.Jaxmoe/ModelInfo',
-            server_dot_proto_dot_jaxmoe__pb2.ModelInfoRequest.SerializeToString,
-            server_dot_proto_dot_jaxmoe__pb2.ModelInfoResponse.FromString,
+            jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoRequest.SerializeToString,
+            jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

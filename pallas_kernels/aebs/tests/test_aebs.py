@@ -10,9 +10,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.aebs import (aebs_jnp, aebs_numpy, aebs_plus_numpy, random_jnp,
+from jaxmoe.pallas_kernels.aebs import (aebs_jnp, aebs_numpy, aebs_plus_numpy, random_jnp,
                                  schedule)
-from pallas_kernels.aebs import api, kernel
+from jaxmoe.pallas_kernels.aebs import api, kernel
 
 REFS = {"aebs": aebs_numpy, "aebs_plus": aebs_plus_numpy}
 

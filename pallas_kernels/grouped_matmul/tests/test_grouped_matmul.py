@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_matmul import (api, dispatch, combine, expert_ffn,
+from jaxmoe.pallas_kernels.grouped_matmul import (api, dispatch, combine, expert_ffn,
                                            grouped_swiglu, kernel,
                                            make_group_metadata)
-from pallas_kernels.grouped_matmul import kernel_gpu
+from jaxmoe.pallas_kernels.grouped_matmul import kernel_gpu
 
 TILING = {"tiling_gate_up": (16, 32, 32), "tiling_down": (16, 32, 32)}
 
