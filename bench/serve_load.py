@@ -39,7 +39,7 @@ from jaxmoe.engine.async_engine import AsyncEngine
 from jaxmoe.engine.engine import EngineConfig, LLMEngine
 from jaxmoe.engine.buckets import bucket as _bucket
 from jaxmoe.engine.model_runner import Row
-from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.llm import build_executor, load_model
 

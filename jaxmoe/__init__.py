@@ -10,7 +10,7 @@ from jaxmoe.brownout import BrownoutConfig, BrownoutError
 from jaxmoe.checkpoint import CheckpointError, load_params, restore_converted, save_converted
 from jaxmoe.config import ModelConfig, UnsupportedModelError, from_hf_config, load_config
 from jaxmoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
 from jaxmoe.llm import LLM, load_model

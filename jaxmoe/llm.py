@@ -16,7 +16,7 @@ from jaxmoe.compilation import enable_persistent_cache
 from jaxmoe.config import ModelConfig, load_config
 from jaxmoe.demo import DEMO_DIR, TINY_RANDOM, demo_config, demo_params
 from jaxmoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.sampling import SamplingParams
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 from jaxmoe.tokenizer import ByteTokenizer, load_tokenizer
 

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxmoe.engine.async_engine import EngineClosedError, EngineStepError, RequestTimeoutError
 from jaxmoe.engine.engine import RequestOutput
-from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
 from jaxmoe.server.proto import jaxmoe_pb2 as pb

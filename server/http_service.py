@@ -26,7 +26,7 @@ from jinja2 import TemplateError
 
 from jaxmoe.engine.async_engine import EngineClosedError, EngineStepError, RequestTimeoutError
 from jaxmoe.engine.engine import RequestOutput
-from jaxmoe.engine.sampler import SamplingParamsError
+from jaxmoe.sampling import SamplingParamsError
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
 from jaxmoe.server import openai_protocol as protocol

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from jaxmoe.engine.sampler import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from jaxmoe.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_MESSAGES = 1024

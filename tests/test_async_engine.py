@@ -8,7 +8,7 @@ import pytest
 
 from jaxmoe.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
 from jaxmoe.engine.engine import StepFailedError
-from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.server.testing import engine_idle_and_free, crashing_run, failing_steps, shared_demo_llm, wait_until
 

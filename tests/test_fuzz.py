@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.sampling import SamplingParams
 from jaxmoe.server.app import ServeOptions, ServerThread
 from jaxmoe.server.client import JaxmoeClient
 from jaxmoe.server.proto import jaxmoe_pb2 as pb

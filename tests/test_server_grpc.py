@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.sampling import SamplingParams
 from jaxmoe.server.app import ServeOptions, ServerThread
 from jaxmoe.server.client import JaxmoeClient, make_request
 from jaxmoe.server.testing import WARMUP, burst_into_full_queue, engine_idle_and_free, failing_steps, shared_demo_llm, wait_until

@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 
-from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.sampling import SamplingParams
 from jaxmoe.server.app import ServeOptions, ServerThread
 from jaxmoe.server.testing import WARMUP, burst_into_full_queue, engine_idle_and_free, failing_steps, shared_demo_llm, wait_until
 

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from jaxmoe.compilation import compile_events
 from jaxmoe.engine.engine import LLMEngine, RequestOutput, StepFailedError
-from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

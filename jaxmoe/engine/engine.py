@@ -23,7 +23,7 @@ from jaxmoe.engine.block_manager import BlockManager
 from jaxmoe.engine.buckets import ShapePlan
 from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.engine.policies import make_policy
-from jaxmoe.engine.sampler import SamplingParams
+from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
 

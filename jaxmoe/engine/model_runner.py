@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
-from jaxmoe.engine.sampler import SamplingParams, sample
+from jaxmoe.sampling import SamplingParams, sample
 from jaxmoe.models.attention import AttentionBatch
 
 
