@@ -171,14 +171,14 @@ def cpu_mode(args):
                   "experts": {"instances": 1, "slots_per_instance": cfg.moe.num_experts}}
     for layout in ["1 device"] + CPU_LAYOUTS:
         mesh = one_device if layout == "1 device" else str(ROOT / "meshes" / layout)
-        ex = DisaggregatedExecutor(cfg, params, num_blocks * bs, bs, mesh, kernel_impl=args.kernel_impl)
+        ex = DisaggregatedExecutor(cfg, params, num_blocks * bs, bs, mesh, expert_impl=args.expert_impl)
         rec, asy, tim, before = run_decode(ex, rows_for(ex.num_attention), bs, args.steps)
         results.append(summarize(layout, ex, rec, asy, tim, before))
         print(f"done {layout}", file=sys.stderr)
         del ex
     print(f"demo model: {cfg.num_layers} layers, D={cfg.hidden_size}, {cfg.moe.num_experts} experts top-"
           f"{cfg.moe.top_k}, F={cfg.moe.intermediate_size}; batch {args.batch} decode, prompt {args.prompt_len}, "
-          f"fp32, kernel_impl={args.kernel_impl}; {jax.device_count()} {jax.default_backend()} devices")
+          f"fp32, expert_impl={args.expert_impl}; {jax.device_count()} {jax.default_backend()} devices")
     print(table(results))
 
 
@@ -236,10 +236,10 @@ def gpu_mode(args):
         rec, asy, tim, before = run_decode(mono, rows, bs, args.steps)
         results.append(summarize(f"B={batch} monolithic executor", mono, rec, asy, tim, before))
         del mono
-        for kernel_impl, aebs_impl in (("ragged_dot", "reference"), ("pallas", "kernel"), ("pallas", "reference")):
-            name = f"B={batch} disaggregated, gmm={kernel_impl}, aebs={aebs_impl}"
+        for expert_impl, aebs_impl in (("ragged_dot", "reference"), ("pallas", "kernel"), ("pallas", "reference")):
+            name = f"B={batch} disaggregated, gmm={expert_impl}, aebs={aebs_impl}"
             try:
-                ex = DisaggregatedExecutor(cfg, params, num_blocks * bs, bs, mesh, kernel_impl=kernel_impl,
+                ex = DisaggregatedExecutor(cfg, params, num_blocks * bs, bs, mesh, expert_impl=expert_impl,
                                            aebs_impl=aebs_impl)
                 rec, asy, tim, before = run_decode(ex, rows, bs, args.steps)
                 results.append(summarize(name, ex, rec, asy, tim, before))
@@ -266,7 +266,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--kernel-impl", default="reference")
+    ap.add_argument("--expert-impl", default="auto")
     ap.add_argument("--dtype", default="bfloat16", help="--gpu only")
     ap.add_argument("--redundant", type=int, default=16, help="--gpu: redundant expert slots")
     args = ap.parse_args()

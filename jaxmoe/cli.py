@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo",
@@ -19,7 +21,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     from jaxmoe import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, mesh=args.mesh)
+    llm = LLM(args.model, dtype=args.dtype, mesh=args.mesh, expert_impl=args.expert_impl)
     chosen = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p))
               if v is not None}
     # the checkpoint's generation_config.json fills what the command line leaves unset (else greedy)
@@ -55,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--priority", default="be", choices=["ls", "be"])
+    gen.add_argument("--expert-impl", default="auto", choices=["auto", *EXPERT_IMPLS],
+                     help="expert-FFN implementation (auto: the fastest on this backend)")
     gen.set_defaults(func=cmd_generate)
 
     mesh = sub.add_parser("mesh", help="mesh files")

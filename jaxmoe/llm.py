@@ -45,19 +45,21 @@ def build_executor(cfg: ModelConfig, params: dict, engine_config: EngineConfig, 
                    executor_kwargs: dict | None = None, brownout=None):
     """Monolithic executor by default; with a mesh file, the disaggregated one.
 
-    ``executor_kwargs`` go to ``DisaggregatedExecutor`` (replica_policy, kernel_impl, placement,
+    ``executor_kwargs`` go to ``DisaggregatedExecutor`` (replica_policy, expert_impl, placement,
     pipeline, ...). ``brownout``: a ``BrownoutConfig`` (monolithic executor only, so far).
     """
     num_slots = engine_config.num_blocks * engine_config.block_size
     if mesh is None:
-        return MonolithicExecutor(cfg, params, num_slots, engine_config.block_size, brownout=brownout)
+        return MonolithicExecutor(cfg, params, num_slots, engine_config.block_size, brownout=brownout,
+                                  expert_impl=engine_config.expert_impl)
     if brownout is not None:
         from jaxmoe.brownout import BrownoutError
 
         raise BrownoutError("brownout runs on the monolithic executor only (not built for a mesh yet)")
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
-    return DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **(executor_kwargs or {}))
+    kwargs = {"expert_impl": engine_config.expert_impl, **(executor_kwargs or {})}
+    return DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **kwargs)
 
 
 class LLM:

@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 
+from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
+
 
 def register(sub, add_model_args) -> None:
     serve = sub.add_parser("serve", help="serve a model over gRPC and OpenAI-compatible HTTP")
@@ -30,6 +32,8 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--max-batch-tokens", type=int, default=2048)
     serve.add_argument("--layer-preemption", action="store_true",
                        help="QLLM: latency-sensitive requests run between the layers of a best-effort step")
+    serve.add_argument("--expert-impl", default="auto", choices=["auto", *EXPERT_IMPLS],
+                       help="expert-FFN implementation (auto: the fastest on this backend)")
     serve.add_argument("--max-waiting", type=int, default=1024, help="waiting queue size (then 429)")
     serve.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
     serve.add_argument("--block-size", type=int, default=16)
@@ -98,7 +102,8 @@ def cmd_serve(args) -> int:
     config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                           max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting,
                           max_model_len=args.max_model_len, max_prefill_chunk=args.max_prefill_chunk,
-                          policy=args.policy, layer_preemption=args.layer_preemption)
+                          policy=args.policy, layer_preemption=args.layer_preemption,
+                          expert_impl=args.expert_impl)
     mesh_description = "monolithic: one device (no mesh file)"
     if args.mesh:
         from jaxmoe.mesh import load_mesh

@@ -280,7 +280,7 @@ def test_pallas_kernels_match_reference(checkpoint_dir):
     cfg, params, _ = load_model(checkpoint_dir("mixtral"), dtype="float32")
     spec = "meshes/cpu-8-4a4e.yaml"
     ref = DisaggregatedExecutor(cfg, params, 64 * 8, 8, spec)
-    pal = DisaggregatedExecutor(cfg, params, 64 * 8, 8, spec, kernel_impl="pallas", aebs_impl="kernel",
+    pal = DisaggregatedExecutor(cfg, params, 64 * 8, 8, spec, expert_impl="pallas", aebs_impl="kernel",
                                 interpret=True)
     rows = [Row(PROMPTS[1], 0, TABLES[0])]
     a = np.asarray(ModelRunner(ref, 8, 8).forward(rows, all_logits=True))[0, :5]

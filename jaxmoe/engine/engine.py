@@ -91,6 +91,7 @@ class EngineConfig:
     max_prefill_chunk: int = 512  # tokens of one prefill chunk (longer prompts are chunked)
     policy: str = "qllm"
     layer_preemption: bool = False  # QLLM: latency-sensitive work may run between the layers of a BE step
+    expert_impl: str = "auto"  # the expert-FFN implementation (jaxmoe.pallas_kernels.expert_ffn.IMPLS)
 
 
 class LLMEngine:

@@ -94,19 +94,20 @@ def layer_view(group: dict, index, dtype) -> dict:
 
 
 def layer_step(layer: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int,
-               index=None, brownout: Brownout | None = None):
+               index=None, brownout: Brownout | None = None, expert_impl: str = "auto"):
     """One whole layer (attention side, then the routed experts); ``index`` as ``attention_layer``'s
-    (and, for the routed expert weights of a ``layer_view``, ``moe_layer``'s)."""
+    (and, for the routed expert weights of a ``layer_view``, ``moe_layer``'s); ``expert_impl``: the
+    expert-FFN implementation (``moe_layer``)."""
     h, xn, cache = attention_layer(layer["attn"], cfg, x, batch, cache, block_size, index)
     out = attention_side_ffn(layer, xn)
     x = h if out is None else h + out
     if "moe" in layer:
-        x = x + moe_layer(layer["moe"], cfg, xn, index, brownout)
+        x = x + moe_layer(layer["moe"], cfg, xn, index, brownout, expert_impl)
     return x, cache
 
 
 def forward(params: dict, cfg: ModelConfig, tokens, batch: AttentionBatch, cache: list, block_size: int,
-            logits_index=None, brownout_threshold=None, full_brownout: bool = False):
+            logits_index=None, brownout_threshold=None, full_brownout: bool = False, expert_impl: str = "auto"):
     """Monolithic forward over tokens [B, T] with stacked parameters and caches (``stack_layers``,
     ``init_stacked_cache``): one ``lax.scan`` per layer group.
 
@@ -121,7 +122,7 @@ def forward(params: dict, cfg: ModelConfig, tokens, batch: AttentionBatch, cache
         def body(carry, index, group=group):
             x, group_cache = carry
             layer = layer_view(group, index, params["embed"].dtype)
-            return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout), None
+            return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout, expert_impl), None
 
         n = jax.tree.leaves(group)[0].shape[0]
         (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), jnp.arange(n))

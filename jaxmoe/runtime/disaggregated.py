@@ -83,8 +83,8 @@ class DisaggregatedExecutor:
         expert weights [E, ...]; they are re-laid out into slots and not kept).
       mesh: a mesh file path, a parsed dict, a ``ClusterSpec`` or ``SubMeshes``.
       replica_policy: AEBS policy, "aebs" | "aebs_plus" | "random".
-      kernel_impl: grouped matmul, "reference" (fast plain XLA: padded einsum on CPU, ragged_dot
-        elsewhere) | "pallas" | "ragged_dot" | "einsum" | "loop".
+      expert_impl: the expert-FFN op's implementation (``jaxmoe.pallas_kernels.expert_ffn``:
+        "auto" = padded_einsum on CPU, ragged_dot elsewhere; or "pallas", "ragged_dot", ...).
       aebs_impl: "reference" (jnp Algorithm 1) | "kernel" (Pallas).
       interpret: Pallas interpret mode for both kernels (None: on CPU only).
       placement: slot -> logical expert list [S] (-1 = unused), the same for every MoE layer,
@@ -96,7 +96,7 @@ class DisaggregatedExecutor:
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, num_slots: int, block_size: int, mesh, *,
-                 replica_policy: str = "aebs", kernel_impl: str = "reference", aebs_impl: str = "reference",
+                 replica_policy: str = "aebs", expert_impl: str = "auto", aebs_impl: str = "reference",
                  interpret: bool | None = None, placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  transfer=None, cache_dtype=None, pipeline: Pipeline | dict | None = None):
         self.cfg, self.block_size = cfg, block_size
@@ -117,7 +117,7 @@ class DisaggregatedExecutor:
 
         self.attention = make_attention_programs(cfg, block_size, self.sub)
         self.experts = make_expert_program(cfg, self.sub, self.slots_per_instance, policy=replica_policy,
-                                           aebs_impl=aebs_impl, kernel_impl=kernel_impl, interpret=interpret)
+                                           aebs_impl=aebs_impl, expert_impl=expert_impl, interpret=interpret)
 
         # Attention side: everything but the routed experts, replicated on the attention mesh.
         rep = self.attention.replicated

@@ -9,7 +9,7 @@ metadata) and runs
   2. AEBS       ``jaxmoe.pallas_kernels.aebs.api.schedule``: logical id -> physical replica slot.
                 Inputs are identical on every instance and the policy is deterministic, so
                 every instance computes the same assignment with no synchronisation;
-  3. experts    ``jaxmoe.pallas_kernels.grouped_matmul.expert_ffn`` over the C slots it hosts
+  3. experts    ``jaxmoe.pallas_kernels.expert_ffn`` over the C slots it hosts
                 (slot ids outside j*C .. j*C+C-1 masked to -1: "not mine");
   4. shared     (only when the mesh file says ``shared_experts: experts``) the shared experts
                 split over instances along their hidden width, each adding its slice;
@@ -41,25 +41,15 @@ from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.router import route
 from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import schedule
-from jaxmoe.pallas_kernels.grouped_matmul import expert_ffn
+from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
 
 EXP = EXPERT_AXES[0]
 _SLOT_SPEC = P(EXP)
 _SHARED_SPECS = {"w_gate": P(None, EXP), "w_up": P(None, EXP), "w_down": P(EXP, None)}
-GROUPED_IMPLS = ("reference", "pallas", "ragged_dot", "einsum", "loop")
-
-
-def resolve_ffn_impl(kernel_impl: str) -> str:
-    """``reference`` = the fastest plain-XLA grouped matmul on this backend (padded einsum on
-    CPU, ``ragged_dot`` elsewhere); the others go to ``expert_ffn`` as they are.
-
-    The einsum runs with capacity B*T rows per slot, which is exact: a token selects an expert at
-    most once and AEBS sends all of an expert's tokens to one replica, so no slot gets more."""
-    if kernel_impl not in GROUPED_IMPLS:
-        raise ValueError(f"kernel_impl must be one of {GROUPED_IMPLS}, got {kernel_impl!r}")
-    if kernel_impl == "reference":
-        return "einsum" if jax.default_backend() == "cpu" else "ragged_dot"
-    return kernel_impl
+# "auto": the fastest expert-FFN form over replica slots on this backend. The padded einsum runs with
+# capacity B*T rows per slot, which is exact: a token selects an expert at most once and AEBS sends
+# all of an expert's tokens to one replica, so no slot gets more.
+AUTO_EXPERT_IMPL = {"cpu": "padded_einsum", "other": "ragged_dot"}
 
 
 def param_specs(moe: dict) -> dict:
@@ -82,11 +72,11 @@ class ExpertProgram:
 
 @functools.lru_cache(maxsize=32)
 def make_expert_program(cfg: ModelConfig, sub: SubMeshes, slots_per_instance: int, *,
-                        policy: str = "aebs", aebs_impl: str = "reference", kernel_impl: str = "reference",
+                        policy: str = "aebs", aebs_impl: str = "reference", expert_impl: str = "auto",
                         interpret: bool | None = None) -> ExpertProgram:
     """The jitted expert program (cached like ``make_attention_programs``)."""
     N, C, E = sub.spec.experts.count, slots_per_instance, cfg.moe.num_experts
-    ffn_impl = resolve_ffn_impl(kernel_impl)
+    ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
 
     def per_instance(p, tables, x, valid, step):
         B, T, D = x.shape
@@ -100,8 +90,8 @@ def make_expert_program(cfg: ModelConfig, sub: SubMeshes, slots_per_instance: in
         # 3. grouped matmul over the replicas this instance hosts
         first = jax.lax.axis_index(EXP) * C
         local = jnp.where((phys >= first) & (phys < first + C), phys - first, -1)
-        y = expert_ffn(x2, local, weights, p["w_gate"], p["w_up"], p["w_down"], impl=ffn_impl, interpret=interpret,
-                       kernel_options={"capacity": B * T} if ffn_impl == "einsum" else None)
+        y = expert_ffn(x2, local, weights, Stacked(p["w_gate"], p["w_up"], p["w_down"]), impl=ffn_impl,
+                       interpret=interpret)
         # 4. this instance's slice of the shared experts (shared_experts: experts)
         if "shared" in p:
             y = y + shared_experts(p["shared"], x2).astype(y.dtype)

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.models.attention import AttentionBatch
-from jaxmoe.models.experts import Brownout
+from jaxmoe.models.experts import AUTO_EXPERT_IMPL, Brownout
 from jaxmoe.models.transformer import (
     embed,
     forward,
@@ -24,6 +24,7 @@ from jaxmoe.models.transformer import (
     stack_layers,
     unstack_layers,
 )
+from jaxmoe.pallas_kernels.expert_ffn import resolve
 
 
 def _int32(a):
@@ -41,8 +42,9 @@ class MonolithicExecutor:
     jitted step scans over layers."""
 
     def __init__(self, cfg: ModelConfig, params: dict, num_slots: int, block_size: int, cache_dtype=None,
-                 brownout=None):
-        """``brownout``: a ``BrownoutConfig`` (the params must hold united experts,
+                 brownout=None, expert_impl: str = "auto"):
+        """``expert_impl``: the expert-FFN implementation (``jaxmoe.pallas_kernels.expert_ffn``; "auto":
+        ``models.experts.AUTO_EXPERT_IMPL``). ``brownout``: a ``BrownoutConfig`` (the params must hold united experts,
         ``jaxmoe.brownout.united.attach``); its threshold is ``brownout_threshold``, which may
         change between steps (SALC) without recompiling."""
         self.cfg, self.block_size = cfg, block_size
@@ -54,14 +56,15 @@ class MonolithicExecutor:
         self.brownout = brownout
         self.brownout_threshold = None if brownout is None else brownout.threshold
         full = brownout is not None and brownout.use_full_brownout
+        self.expert_impl = impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
 
         def step(params, tokens, batch, cache, logits_index, threshold):
-            return forward(params, cfg, tokens, batch, cache, block_size, logits_index, threshold, full)
+            return forward(params, cfg, tokens, batch, cache, block_size, logits_index, threshold, full, impl)
 
         def one_layer(group, x, batch, group_cache, index, threshold):  # the layer-by-layer mode
             brownout = None if threshold is None else Brownout(threshold, (batch.slots >= 0).reshape(-1), full)
             layer = layer_view(group, index, self.stacked["embed"].dtype)
-            return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout)
+            return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout, impl)
 
         def head(params, x, logits_index):
             if logits_index is not None:

@@ -1,4 +1,5 @@
-"""Public API: routed-expert SwiGLU FFN (dispatch -> grouped SwiGLU -> combine).
+"""Public API: the grouped SwiGLU (rows sorted by group) that the expert-FFN op
+(``jaxmoe.pallas_kernels.expert_ffn``) runs between ``dispatch`` and ``combine``.
 
 ``impl`` picks the grouped computation:
 
@@ -21,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from . import kernel, reference
-from .dispatch import combine, dispatch
 
 IMPLS = ("pallas", "ragged_dot", "loop", "einsum")
 
@@ -80,15 +80,3 @@ def grouped_swiglu(x_sorted, group_sizes, w_gate, w_up, w_down, *,
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   rows = jnp.arange(x_sorted.shape[0], dtype=jnp.int32)[:, None]
   return jnp.where(rows < jnp.sum(group_sizes.astype(jnp.int32)), y, 0)
-
-
-def expert_ffn(x, physical_ids, weights, w_gate, w_up, w_down, *,
-               impl: str = "pallas", interpret: bool | None = None,
-               kernel_options: dict | None = None):
-  """Routed-expert FFN: ``x [T, D]``, ``physical_ids/weights [T, k]`` ->
-  ``[T, D]`` in ``x.dtype``.  Slots with id -1 contribute nothing."""
-  x_sorted, group_sizes, info = dispatch(x, physical_ids, w_gate.shape[0])
-  y_sorted = grouped_swiglu(x_sorted, group_sizes, w_gate, w_up, w_down,
-                            impl=impl, interpret=interpret,
-                            kernel_options=kernel_options)
-  return combine(y_sorted, weights, info)

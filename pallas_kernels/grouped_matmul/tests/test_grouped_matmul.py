@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.pallas_kernels.grouped_matmul import (api, dispatch, combine, expert_ffn,
+from jaxmoe.pallas_kernels.grouped_matmul import (dispatch, combine,
                                            grouped_swiglu, kernel,
                                            make_group_metadata)
 from jaxmoe.pallas_kernels.grouped_matmul import kernel_gpu
@@ -116,37 +116,6 @@ def test_dispatch_combine_round_trip():
                    np.asarray(x)[:, None, :].repeat(k, 1))
   np.testing.assert_allclose(np.asarray(y), want, rtol=1e-6, atol=1e-6)
   assert np.all(np.asarray(y[0]) == 0)
-
-
-def _ffn_numpy(x, ids, w, wg, wu, wd):
-  x, w, wg, wu, wd = (np.asarray(jnp.asarray(a, jnp.float32)) for a in (x, w, wg, wu, wd))
-  out = np.zeros_like(x)
-  for ti in range(x.shape[0]):
-    for j, e in enumerate(np.asarray(ids)[ti]):
-      if e >= 0:
-        a, b = x[ti] @ wg[e], x[ti] @ wu[e]
-        out[ti] += w[ti, j] * ((a / (1 + np.exp(-a)) * b) @ wd[e])
-  return out
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_expert_ffn_end_to_end(dtype):
-  t, k, g, d, f = 13, 3, 5, 32, 64
-  kx, ki, kw, kp = jax.random.split(jax.random.PRNGKey(2), 4)
-  x = jax.random.normal(kx, (t, d)).astype(dtype)
-  ids = jax.random.randint(ki, (t, k), -1, g).at[3, 1].set(-1)
-  w = jax.nn.softmax(jax.random.normal(kw, (t, k)), -1).astype(dtype)
-  ws = _weights(kp, g, d, f, dtype)
-  want = _ffn_numpy(x, ids, w, *ws)
-  opts = {"tiling_gate_up": (8, 16, 32), "tiling_down": (8, 32, 16)}
-  for impl in api.IMPLS:
-    fn = jax.jit(functools.partial(
-        expert_ffn, impl=impl,
-        kernel_options=opts if impl == "pallas" else None))
-    y = fn(x, ids, w, *ws)
-    assert y.dtype == dtype and y.shape == (t, d)
-    np.testing.assert_allclose(_f32(y), want, err_msg=impl,
-                               **_tol(dtype, jnp.asarray(want)))
 
 
 def test_tpu_kernel_under_tpu_interpreter():
