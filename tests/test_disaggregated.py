@@ -142,7 +142,7 @@ def test_shared_experts_on_expert_side(llms):
     dis = llms("qwen2_moe", load_mesh(spec))
     assert dis.executor.moe_layers == [1, 2]  # layer 0 is dense (mlp_only_layers)
     assert "shared" not in dis.executor._attn_layers[1]
-    assert "shared" in dis.executor._expert_layers[1]
+    assert "shared" in dis.executor.expert_side.layers[1]
     assert_equivalent(llms("qwen2_moe"), dis)
 
 

@@ -7,6 +7,7 @@ import inspect
 import pytest
 
 from jaxmoe import LLM
+from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 from jaxmoe.runtime.executor import Executor
 from jaxmoe.runtime.monolithic import MonolithicExecutor
@@ -20,6 +21,10 @@ def test_executors_implement_the_protocol(mesh):
     assert isinstance(ex, DisaggregatedExecutor if mesh else MonolithicExecutor)
     assert ex.num_attention == (2 if mesh else 1) and ex.num_cache_slots >= 32 * 8
     assert ex.num_cache_slots % (ex.num_attention * ex.block_size) == 0
+    kv = ex.kv_layout  # the one statement of where KV lives
+    assert (kv.num_instances, kv.block_size, kv.num_slots) == (ex.num_attention, 8, ex.num_cache_slots)
+    assert llm.engine.block_manager.layout == kv and llm.engine.runner.kv == kv
+    assert ex.expert_impl in EXPERT_IMPLS
     params = inspect.signature(ex.forward).parameters
     assert list(params)[:3] == ["tokens", "batch", "logits_index"] and "between_layers" in params
     counts = ex.expert_activation_counts()

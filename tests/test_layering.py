@@ -18,7 +18,7 @@ PACKAGES = [("jaxmoe.pallas_kernels", ROOT / "pallas_kernels"), ("jaxmoe.server"
 LAYERS = {
     "jaxmoe.pallas_kernels": 0,
     "jaxmoe.config": 1, "jaxmoe.mesh": 1, "jaxmoe.compilation": 1, "jaxmoe.tokenizer": 1,
-    "jaxmoe.checkpoint": 1, "jaxmoe.brownout.config": 1, "jaxmoe.brownout.routing": 1,
+    "jaxmoe.checkpoint": 1, "jaxmoe.brownout.config": 1, "jaxmoe.brownout.routing": 1, "jaxmoe.kv_layout": 1,
     "jaxmoe.models": 2, "jaxmoe.sampling": 2, "jaxmoe.demo": 2,
     "jaxmoe.runtime": 3,
     "jaxmoe.engine": 4, "jaxmoe.brownout.salc": 4, "jaxmoe.brownout.controller": 4,

@@ -31,7 +31,8 @@ import pytest
 
 from jaxmoe.mesh import build_meshes, load_mesh
 from jaxmoe.runtime import transfer as T
-from jaxmoe.runtime.cross_process import CrossProcessTransfer, schedule_rounds, spans_processes
+from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
+from jaxmoe.runtime.transfer_rounds import schedule_rounds
 from test_transfer import LAYOUTS, _inputs
 
 ROOT = Path(__file__).resolve().parent.parent

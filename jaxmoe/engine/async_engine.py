@@ -34,87 +34,17 @@ from tqdm import tqdm
 
 from jaxmoe.compilation import compile_events
 from jaxmoe.engine.engine import LLMEngine, RequestOutput, StepFailedError
+from jaxmoe.engine.request_stream import (  # noqa: F401  (re-exported: the errors are part of this API)
+    END,
+    EngineClosedError,
+    EngineStepError,
+    RequestStream,
+    RequestTimeoutError,
+    WarmupCancelled,
+)
 from jaxmoe.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-_END = object()
-
-
-class EngineClosedError(RuntimeError):
-    """The engine is shutting down and accepts no new requests."""
-
-
-class WarmupCancelled(RuntimeError):
-    """``warmup`` stopped early because its ``cancel`` event was set."""
-
-
-class EngineStepError(RuntimeError):
-    """A step failed while this request was in it; the request was ended."""
-
-
-class RequestTimeoutError(EngineStepError):
-    """The request was still running when the server's request deadline passed; it was ended."""
-
-
-class RequestStream:
-    """The outputs of one request. Iterate it synchronously (``for out in stream``) or, when made by
-    ``add_async``, asynchronously (``async for out in stream``). Raises ``EngineStepError`` if the
-    request failed inside the engine."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None):
-        self.request_id = request_id
-        self._loop = loop
-        self._queue: Any = asyncio.Queue() if loop is not None else queue.Queue()
-        self.finished = False
-
-    def _put(self, item) -> None:  # called by the loop thread
-        if self._loop is None:
-            self._queue.put(item)
-        else:
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
-                pass
-
-    def _unwrap(self, item):
-        if item is _END:
-            self.finished = True
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        return item
-
-    def get(self, timeout: float | None = None) -> RequestOutput | None:
-        """Next output (blocking); None on timeout; StopIteration after the last one."""
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        return self._unwrap(item)
-
-    def __iter__(self):
-        if self._loop is not None:
-            raise TypeError("a stream made by add_async is iterated with `async for`")
-        while True:
-            try:
-                yield self.get()
-            except StopIteration:
-                return
-
-    def __aiter__(self):
-        if self._loop is None:
-            raise TypeError("a stream made by add() is iterated with `for`")
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        item = await self._queue.get()
-        try:
-            return self._unwrap(item)
-        except StopIteration:
-            raise StopAsyncIteration from None
-
 
 @dataclasses.dataclass
 class _Add:
@@ -401,7 +331,7 @@ class AsyncEngine:
             self._last.pop(rid, None)
             self._admitted.pop(rid, None)
             if stream is not None:
-                stream._put(error(message))
+                stream.put(error(message))
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -410,7 +340,7 @@ class AsyncEngine:
         if out.error is not None:
             self._fail([out.request_id], out.error)
             return
-        stream._put(out)
+        stream.put(out)
         if out.finished:
             self._close(out.request_id)
             if self.on_finish is not None:
@@ -426,7 +356,7 @@ class AsyncEngine:
         self._last.pop(rid, None)
         self._admitted.pop(rid, None)
         if stream is not None:
-            stream._put(_END)
+            stream.put(END)
 
     def _reject_pending(self) -> None:
         while True:

@@ -1,42 +1,40 @@
-"""Paged KV-cache block allocator (pure Python, no JAX).
+"""Paged KV-cache block allocator (pure Python, no JAX), by a ``KVLayout``.
 
-The KV cache is ``num_blocks`` blocks of ``block_size`` token slots. A
-sequence owns the blocks listed in ``seq.block_table``; token position ``p``
-of the sequence lives in slot::
+A sequence owns the blocks listed in ``seq.block_table`` (``jaxmoe.kv_layout`` says which slot a
+position is in and which attention instance a block is on). Blocks are handed out from FIFO free
+lists and returned on ``free``. No prefix sharing (each block has exactly one owner).
 
-    block_table[p // block_size] * block_size + p % block_size
-
-Blocks are handed out from FIFO free lists and returned on ``free``. No
-prefix sharing (each block has exactly one owner).
-
-Partitions (block-to-instance affinity): with ``num_partitions = m`` the
-block ids are split into m contiguous equal ranges, one free list each. A
-sequence gets its partition with its first block (the partition with the
-most free blocks, ties: the lowest id) and all its blocks come from it until
-it is freed. The engine makes partition j the slot range of attention
-instance j, so a sequence's KV lives on one instance (see ``ModelRunner``).
+Partitions (block-to-instance affinity): one free list per attention instance of the layout
+(``num_partitions``). A sequence gets its partition with its first block (the partition with the
+most free blocks, ties: the lowest id) and all its blocks come from it until it is freed, so its
+KV lives on one instance.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from jaxmoe.engine.sequence import Sequence
+from jaxmoe.kv_layout import KVLayout
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_partitions: int = 1):
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
-        if num_partitions <= 0 or num_blocks % num_partitions:
-            raise ValueError(f"num_partitions must be > 0 and divide num_blocks={num_blocks}, "
-                             f"got {num_partitions}")
+        """Allocates the blocks of ``KVLayout(num_blocks, block_size, num_partitions)``
+        (``for_layout``: of a given layout)."""
+        self.layout = layout = KVLayout(num_blocks, block_size, num_partitions)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_partitions = num_partitions
-        self.blocks_per_partition = n = num_blocks // num_partitions
+        self.blocks_per_partition = n = layout.blocks_per_instance
         self._free: list[deque[int]] = [deque(range(p * n, (p + 1) * n)) for p in range(num_partitions)]
         self._owner: dict[int, str] = {}  # block id -> request_id
+
+    @classmethod
+    def for_layout(cls, layout: KVLayout) -> "BlockManager":
+        return cls(layout.num_blocks, layout.block_size, layout.num_instances)
 
     # -- accounting --------------------------------------------------------
     @property
@@ -49,12 +47,12 @@ class BlockManager:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.layout.num_slots
 
     @property
     def max_seq_tokens(self) -> int:
         """The most tokens one sequence can hold (all its blocks are in one partition)."""
-        return self.blocks_per_partition * self.block_size
+        return self.layout.slots_per_instance
 
     def utilization(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
@@ -62,7 +60,7 @@ class BlockManager:
 
     def blocks_for(self, n_tokens: int) -> int:
         """Blocks needed to hold ``n_tokens`` tokens."""
-        return -(-n_tokens // self.block_size)
+        return self.layout.blocks_for(n_tokens)
 
     def num_blocks_needed(self, seq: Sequence, n_tokens: int) -> int:
         """Extra blocks ``seq`` needs so its table covers ``n_tokens`` tokens."""
@@ -70,7 +68,7 @@ class BlockManager:
 
     def partition_of(self, seq: Sequence) -> int | None:
         """The partition of ``seq``'s blocks; None while it holds none."""
-        return seq.block_table[0] // self.blocks_per_partition if seq.block_table else None
+        return self.layout.instance_of_block(seq.block_table[0]) if seq.block_table else None
 
     def _partition_for(self, seq: Sequence | None) -> int:
         """``seq``'s partition, or for a sequence without blocks the one with the most free blocks."""
@@ -116,7 +114,7 @@ class BlockManager:
                 raise RuntimeError(f"block {b} is not owned by {seq.request_id} (double free?)")
         for b in seq.block_table:
             del self._owner[b]
-            self._free[b // self.blocks_per_partition].append(b)
+            self._free[self.layout.instance_of_block(b)].append(b)
         seq.block_table = []
         return n
 
@@ -128,4 +126,4 @@ class BlockManager:
             raise IndexError(
                 f"positions [{start}, {end}) outside the {len(table)} blocks of {seq.request_id}"
             )
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+        return [int(s) for s in self.layout.slots(table, np.arange(start, end))]

@@ -353,15 +353,13 @@ class LLMEngine:
 
 
 def _block_manager(executor, config: EngineConfig) -> BlockManager:
-    """One block partition per attention instance of the executor (``num_attention``, 1 if none).
-
-    With m > 1 the blocks are exactly the executor's KV cache (``num_cache_slots``, whole blocks per
-    instance), so partition j is instance j's slot range: its sequences' KV never leaves it.
-    """
-    m = executor.num_attention
-    if m == 1:
-        return BlockManager(config.num_blocks, config.block_size)
-    return BlockManager(executor.num_cache_slots // config.block_size, config.block_size, m)
+    """Blocks of the executor's KV layout (``executor.kv_layout``: whole blocks per attention instance,
+    one partition per instance, so a sequence's KV never leaves its instance)."""
+    layout = executor.kv_layout
+    if layout.block_size != config.block_size:
+        raise ValueError(f"block_size: the engine's is {config.block_size}, the executor's KV cache "
+                         f"uses {layout.block_size}")
+    return BlockManager.for_layout(layout)
 
 
 def _cut_at_stop(text: str, stops) -> str:

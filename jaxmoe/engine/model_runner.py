@@ -53,12 +53,11 @@ class ModelRunner:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.plan = plan or ShapePlan(max_num_seqs=64, max_prefill_chunk=512)
-        self.num_instances = m = executor.num_attention
-        # blocks in each attention instance's KV slot range (instance j: blocks j*n .. (j+1)*n)
-        self.blocks_per_instance = executor.num_cache_slots // (m * block_size) if m > 1 else 0
+        self.kv = executor.kv_layout  # slots, and which attention instance holds a block
+        self.num_instances = self.kv.num_instances
 
     def instance_of(self, row: Row) -> int:
-        return row.block_table[0] // self.blocks_per_instance if self.num_instances > 1 else 0
+        return int(self.kv.instance_of_block(row.block_table[0]))
 
     def placement(self, rows: list[Row]) -> tuple[np.ndarray, int]:
         """(padded row of each row [len(rows)], padded rows B): rows of instance j at j*R.., B = m*R."""
@@ -74,7 +73,7 @@ class ModelRunner:
     def _empty(self, B: int, T: int):
         """Padding-only arrays for B rows of T tokens: slot -1 (no KV write), tables of the instance's
         first block."""
-        first = np.arange(B, dtype=np.int32) // (B // self.num_instances) * self.blocks_per_instance
+        first = self.kv.first_block(np.arange(B, dtype=np.int32) // (B // self.num_instances))
         tables = np.repeat(first[:, None], self.max_blocks_per_seq, axis=1)
         zeros = np.zeros((B, T), np.int32)
         return zeros, AttentionBatch(zeros.copy(), np.full((B, T), -1, np.int32), tables), np.zeros((B,), np.int32)
@@ -93,7 +92,7 @@ class ModelRunner:
             table = np.asarray(r.block_table, np.int32)
             tokens[i, :n] = r.token_ids
             positions[i, :n] = pos
-            slots[i, :n] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            slots[i, :n] = self.kv.slots(table, pos)
             tables[i, : len(table)] = table
             last[i] = n - 1
         return tokens, batch, last, where

@@ -139,10 +139,6 @@ class Sequence:
         start = self.num_computed
         return self.all_ids[start:start + self.num_scheduled]
 
-    @property
-    def step_positions(self) -> list[int]:
-        return list(range(self.num_computed, self.num_computed + self.num_scheduled))
-
     # -- metrics -----------------------------------------------------------
     @property
     def ttft(self) -> float | None:

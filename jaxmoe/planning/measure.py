@@ -67,18 +67,18 @@ def synthetic_batch(executor, rows: int, context: int, tokens: int = 1):
     """(tokens [B, T], AttentionBatch, logits_index [B]) for ``rows`` sequences per attention
     instance, each writing ``tokens`` new tokens at the end of ``context`` attended positions in
     blocks of the instance that owns the row."""
-    ag, bs = executor.num_attention, executor.block_size
-    blocks_per_instance = executor.num_cache_slots // (ag * bs)
-    blocks = -(-context // bs)
+    kv = executor.kv_layout
+    ag, blocks_per_instance = kv.num_instances, kv.blocks_per_instance
+    blocks = kv.blocks_for(context)
     if blocks > blocks_per_instance:
         raise ProfileError(
             f"context {context} needs {blocks} KV blocks per sequence, an instance holds {blocks_per_instance}"
         )
     B = ag * rows
-    first = (np.arange(B) // rows) * blocks_per_instance  # first block of each row's instance
+    first = kv.first_block(np.arange(B) // rows)  # first block of each row's instance
     tables = (first[:, None] + np.arange(blocks)[None, :]).astype(np.int32)
     positions = np.broadcast_to(np.arange(context - tokens, context, dtype=np.int32), (B, tokens)).copy()
-    slots = (np.take_along_axis(tables, positions // bs, axis=1) * bs + positions % bs).astype(np.int32)
+    slots = np.stack([kv.slots(t, p) for t, p in zip(tables, positions)]).astype(np.int32)
     ids = np.ones((B, tokens), np.int32)
     return ids, AttentionBatch(positions, slots, tables), np.full((B,), tokens - 1, np.int32)
 

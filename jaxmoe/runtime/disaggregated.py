@@ -26,7 +26,8 @@ code and gets the logits, docs/multi_host.md).
 The batch is padded to a multiple of the attention instances; padding tokens (slot -1) activate
 no expert. The KV cache is sharded over attention instances on the slot axis (see
 ``attention_program``). Routed experts live in S = N x C physical slots with a logical->physical
-replica table (``replicas``); ``set_placement`` moves replicas between steps.
+replica table (``replicas``), kept with the device counters by ``expert_side.ExpertSide``;
+``set_placement`` moves replicas between steps. Transfer counts and phase timings: ``step_stats``.
 
 With ``pipeline=Pipeline(r1, order)`` the rows run as r1 micro-batches interleaved per layer
 (``runtime.pipeline``, FinDEP's ASAS / AASS orders).
@@ -36,9 +37,7 @@ Same interface as ``MonolithicExecutor``: ``.params``, ``.cache``, ``forward``.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -48,14 +47,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config import ModelConfig
+from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import ClusterSpec, SubMeshes, build_meshes, load_mesh
 from jaxmoe.models.attention import AttentionBatch, init_layer_cache
 from jaxmoe.runtime.attention_program import attention_side_params, head_params, make_attention_programs
 from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
-from jaxmoe.runtime.expert_program import make_expert_program, place_layer, place_tables, relayout_layer
+from jaxmoe.pallas_kernels.expert_ffn import resolve
+from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
+from jaxmoe.runtime.expert_side import ExpertSide
 from jaxmoe.runtime.pipeline import Pipeline, split_rows
-from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
-from jaxmoe.runtime.transfer import LocalTransfer, TransferCounts, plan_transfers
+from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
+from jaxmoe.runtime.transfer import LocalTransfer, plan_transfers
 
 
 class _MicroBatch(NamedTuple):
@@ -63,16 +65,6 @@ class _MicroBatch(NamedTuple):
     batch: AttentionBatch
     index: jax.Array | None
     valid: jax.Array  # [B, T] real tokens, on the expert mesh
-
-
-@dataclasses.dataclass
-class LayerTransferStats:
-    """Cumulative hops and bytes of one MoE layer's A2E and E2A (and how many steps ran)."""
-
-    steps: int = 0
-    a2e: TransferCounts = TransferCounts()
-    e2a: TransferCounts = TransferCounts()
-    strategy: str = ""  # of the last step
 
 
 class DisaggregatedExecutor:
@@ -107,7 +99,6 @@ class DisaggregatedExecutor:
         self.num_expert_instances = spec.experts.count
         self.slots_per_instance = spec.experts.slots_per_instance
         self.shared_on_experts = spec.shared_experts == "experts"
-        self.moe_layers = [i for i, layer in enumerate(params["layers"]) if "moe" in layer]
 
         if transfer is None:
             transfer = CrossProcessTransfer(self.sub) if spans_processes(self.sub) else LocalTransfer()
@@ -116,8 +107,9 @@ class DisaggregatedExecutor:
         self.transfer = transfer
 
         self.attention = make_attention_programs(cfg, block_size, self.sub)
+        self.expert_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
         self.experts = make_expert_program(cfg, self.sub, self.slots_per_instance, policy=replica_policy,
-                                           aebs_impl=aebs_impl, expert_impl=expert_impl, interpret=interpret)
+                                           aebs_impl=aebs_impl, expert_impl=self.expert_impl, interpret=interpret)
 
         # Attention side: everything but the routed experts, replicated on the attention mesh.
         rep = self.attention.replicated
@@ -128,23 +120,17 @@ class DisaggregatedExecutor:
             i: jax.device_put(layer["shared"], rep) for i, layer in enumerate(params["layers"]) if "shared" in layer}
         self.pipeline = Pipeline.parse(pipeline)
         # Expert side: router + slot arrays (+ shared experts) per MoE layer, on the expert mesh.
-        self.layouts = self._layouts(placement)
-        self._expert_layers = {i: place_layer(params["layers"][i], self.layouts[i], self.sub, self.shared_on_experts)
-                               for i in self.moe_layers}
-        self._tables = {i: place_tables(self.layouts[i], self.sub) for i in self.moe_layers}
+        self.expert_side = ExpertSide(cfg, params, self.sub, self.experts, self.transfer, placement)
+        self.moe_layers = self.expert_side.moe_layers
 
         # KV cache: slots padded to whole blocks per attention instance, sharded P("attn").
-        per = self.num_attention * block_size
-        self.num_cache_slots = -(-num_slots // per) * per
+        self.kv_layout = KVLayout.for_slots(num_slots, block_size, self.num_attention)
+        self.num_cache_slots = self.kv_layout.num_slots
         dtype = cache_dtype or params["embed"].dtype
         self._new_layer_cache = jax.jit(lambda: init_layer_cache(cfg, self.num_cache_slots, dtype),
                                         out_shardings=self.attention.cache)  # each instance: only its slots
         self.reset_cache()
 
-        E = cfg.moe.num_experts
-        self._coact = {i: jax.device_put(np.zeros((E, E), np.int32), self.experts.replicated) for i in self.moe_layers}
-        self._coact_host = {i: np.zeros((E, E), np.int64) for i in self.moe_layers}
-        self._activated = {}
         self._transfers = {i: LayerTransferStats() for i in self.moe_layers}
         self._step = 0
         self.timing = False  # True: block after every phase and record per-layer times in .timings
@@ -170,7 +156,7 @@ class DisaggregatedExecutor:
         mbs = [self._upload(*part) for part in parts]
         step = jax.device_put(np.int32(self._step), self.experts.replicated)
         self._step += 1
-        run = _Phases(self.timing, self.observer)
+        run = Phases(self.timing, self.observer)
 
         xs, ys = map(list, zip(*(run("embed", None, self.attention.embed, self._embed, mb.tokens) for mb in mbs)))
         zeros = ys[0]  # no routed output to add before the first layer (nor after a dense layer)
@@ -184,7 +170,7 @@ class DisaggregatedExecutor:
             if self.pipeline.order == "AASS":
                 for k, mb in enumerate(mbs):
                     xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, plans, zeros)
-            if i in self._expert_layers:  # E2A last: the attention mesh had other work meanwhile
+            if i in self.expert_side.layers:  # E2A last: the attention mesh had other work meanwhile
                 for k in range(r1):
                     ys[k] = run("e2a", i, self.transfer.e2a, ys[k], plans[k], self.sub)
             if between_layers is not None and i + 1 < len(self._attn_layers):
@@ -200,16 +186,14 @@ class DisaggregatedExecutor:
         """Dispatch micro-batch k's A2E and expert program (async, on the expert mesh), then its
         shared experts (attention mesh: they overlap). The expert partials go to ``ys[k]`` and the
         transfer plan to ``plans[k]`` for E2A; returns h (+ the shared experts' output)."""
-        if i not in self._expert_layers:
+        if i not in self.expert_side.layers:
             ys[k] = zeros
             return h
         plan = plan_transfers(self.sub.spec, xn.nbytes // self.num_attention)
         plans[k] = plan
         xe = run("a2e", i, self.transfer.a2e, xn, plan, self.sub)
-        ys[k], self._coact[i], self._activated[i] = run(
-            "expert", i, self.experts.run, self._expert_layers[i], self._tables[i], xe, mb.valid, step,
-            self._coact[i])
-        self._count_transfers(i, plan)
+        ys[k] = run("expert", i, self.expert_side.run, i, xe, mb.valid, step)[0]
+        self._transfers[i].count(plan)
         if i in self._shared_layers:
             h = run("shared", i, self.attention.shared, self._shared_layers[i], h, xn)
         return h
@@ -239,17 +223,10 @@ class DisaggregatedExecutor:
     def is_local(self, batch: AttentionBatch) -> bool:
         """Whether every row's slots and block table entries (host arrays, rows padded to a multiple
         of the attention instances) lie in the KV slot range of the instance that gets the row."""
-        B, per = batch.slots.shape[0], self.num_cache_slots // self.num_attention
+        kv, B = self.kv_layout, batch.slots.shape[0]
         inst = (np.arange(B) * self.num_attention // B)[:, None]
-        slots_ok = (batch.slots < 0) | (batch.slots // per == inst)
-        return bool(slots_ok.all() and (batch.block_tables * self.block_size // per == inst).all())
-
-    def _count_transfers(self, layer: int, plan) -> None:
-        s = self._transfers[layer]
-        s.steps += 1
-        s.a2e = s.a2e + plan.counts("a2e")
-        s.e2a = s.e2a + plan.counts("e2a")
-        s.strategy = plan.strategy
+        slots_ok = (batch.slots < 0) | (kv.instance_of_slot(batch.slots) == inst)
+        return bool(slots_ok.all() and (kv.instance_of_block(batch.block_tables) == inst).all())
 
     # ------------------------------------------------------------------ observability
 
@@ -261,16 +238,7 @@ class DisaggregatedExecutor:
     def transfer_stats(self) -> dict[int, dict]:
         """Per MoE layer (by layer index): steps run, A2E/E2A hops and bytes so far (cumulative,
         split intra/cross-node), hops per step, and the strategy of the last step."""
-        out = {}
-        for i, s in self._transfers.items():
-            out[i] = {
-                "steps": s.steps, "strategy": s.strategy,
-                "a2e": dataclasses.asdict(s.a2e), "e2a": dataclasses.asdict(s.e2a),
-                "a2e_transfers": s.a2e.transfers, "e2a_transfers": s.e2a.transfers,
-                "a2e_bytes": s.a2e.nbytes, "e2a_bytes": s.e2a.nbytes,
-                "transfers_per_step": (s.a2e.transfers + s.e2a.transfers) / s.steps if s.steps else 0.0,
-            }
-        return out
+        return {i: stats.summary() for i, stats in self._transfers.items()}
 
     def expert_activation_counts(self) -> list[list[int]]:
         """Per MoE layer: cumulative tokens routed to each logical expert (padding excluded): the
@@ -278,22 +246,13 @@ class DisaggregatedExecutor:
         return [[int(c) for c in np.diagonal(a)] for a in self.expert_coactivation()]
 
     def expert_coactivation(self) -> list[np.ndarray]:
-        """Per MoE layer: cumulative co-activation counts [E, E] int64 (tokens that chose both e
-        and f; the diagonal: tokens that chose e), the placement controller's statistics.
-
-        Counted on device (int32, per step inside the expert program); a read folds the device
-        counters into host int64 totals and resets them, so they never overflow. Across
-        processes it is a collective (``transfer.fetch``): every process must call it.
-        """
-        for i in self.moe_layers:
-            self._coact_host[i] += self.transfer.fetch(self._coact[i]).astype(np.int64)
-            self._coact[i] = jax.device_put(np.zeros_like(self._coact_host[i], np.int32), self.experts.replicated)
-        return [self._coact_host[i].copy() for i in self.moe_layers]
+        """Per MoE layer: cumulative co-activation counts [E, E] (``ExpertSide.coactivation``)."""
+        return self.expert_side.coactivation()
 
     def activated_per_instance(self) -> dict[int, list[int]]:
         """Per MoE layer: distinct replicas each expert instance ran in the last step (AEBS's load).
         A collective across processes, like ``expert_activation_counts``."""
-        return {i: [int(v) for v in self.transfer.fetch(a)] for i, a in self._activated.items()}
+        return self.expert_side.activated_per_instance()
 
     @property
     def params(self) -> dict:
@@ -304,50 +263,29 @@ class DisaggregatedExecutor:
             layer = dict(layer)
             if i in self._shared_layers:
                 layer["shared"] = self._shared_layers[i]
-            if i in self._expert_layers:
-                moe = dict(self._expert_layers[i])
+            if i in self.expert_side.layers:
+                moe = dict(self.expert_side.layers[i])
                 if "shared" in moe:
                     layer["shared"] = moe.pop("shared")
                 layer["moe"] = moe
             layers.append(layer)
         return {"embed": self._embed, **self._head, "layers": layers}
 
-    # ------------------------------------------------------------------ replicas
+    # ------------------------------------------------------------------ replicas (``ExpertSide``)
+
+    @property
+    def layouts(self) -> dict:
+        """Per MoE layer: its ``ReplicaLayout``."""
+        return self.expert_side.layouts
 
     def placement(self, layer: int | None = None) -> list[int]:
         """slot -> logical expert of a MoE layer (default: the first one)."""
-        return list(self.layouts[self.moe_layers[0] if layer is None else layer].slot_to_expert)
+        return self.expert_side.placement(layer)
 
     def set_placement(self, slot_to_expert: Sequence[int] | Sequence[Sequence[int]]) -> int:
-        """Re-lay out the expert replicas between steps (the host-side controller's hook).
-
-        ``slot_to_expert``: one list [S] for every MoE layer, or one per MoE layer. Moves weights
-        with ``jax.device_put`` (``expert_program.relayout_layer``) and installs the new replica
-        tables; AEBS uses them from the next step. Returns the slots copied across instances.
-        Under ``jax.distributed``: every process calls it; NotImplementedError when the expert
-        sub-mesh spans processes.
-        """
-        new = self._layouts(slot_to_expert)
-        moved = 0
-        for i in self.moe_layers:
-            if new[i].slot_to_expert == self.layouts[i].slot_to_expert:
-                continue
-            self._expert_layers[i], n = relayout_layer(self._expert_layers[i], self.layouts[i], new[i], self.sub)
-            self._tables[i] = place_tables(new[i], self.sub)
-            moved += n
-        self.layouts = new
-        return moved
-
-    def _layouts(self, placement) -> dict[int, ReplicaLayout]:
-        E, N, C = self.cfg.moe.num_experts, self.num_expert_instances, self.slots_per_instance
-        if placement is None:
-            placement = default_placement(E, N, C)
-        placement = list(placement)
-        nested = bool(placement) and isinstance(placement[0], Sequence)
-        per_layer = placement if nested else [placement] * len(self.moe_layers)
-        if len(per_layer) != len(self.moe_layers):
-            raise ValueError(f"{len(per_layer)} placements for {len(self.moe_layers)} MoE layers")
-        return {i: ReplicaLayout(tuple(int(e) for e in p), E, N, C) for i, p in zip(self.moe_layers, per_layer)}
+        """Re-lay out the expert replicas between steps (``ExpertSide.set_placement``); returns the
+        slots copied across instances."""
+        return self.expert_side.set_placement(slot_to_expert)
 
 
 @functools.lru_cache(maxsize=16)
@@ -362,27 +300,3 @@ def _spec(mesh) -> ClusterSpec:
     if isinstance(mesh, (str, Path, Mapping)):
         return load_mesh(mesh)
     raise TypeError(f"mesh: expected a mesh file path, a dict, a ClusterSpec or SubMeshes, got {type(mesh).__name__}")
-
-
-class _Phases:
-    """Runs one phase of a step. In timing mode it blocks on the phase's outputs and records the
-    wall time (per layer); an observer sees every phase's outputs."""
-
-    def __init__(self, timing: bool, observer):
-        self.timing, self.observer = timing, observer
-        self.record: dict = {"embed": 0.0, "attention": {}, "a2e": {}, "expert": {}, "shared": {}, "e2a": {},
-                             "head": 0.0}
-
-    def __call__(self, phase: str, layer, fn, *args):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        if self.timing:
-            out = jax.block_until_ready(out)
-            dt = time.perf_counter() - t0
-            if layer is None:  # times of every micro-batch add up
-                self.record[phase] += dt
-            else:
-                self.record[phase][layer] = self.record[phase].get(layer, 0.0) + dt
-        if self.observer is not None:
-            self.observer(phase, layer, out)
-        return out

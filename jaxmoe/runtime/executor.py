@@ -11,16 +11,16 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 from jaxmoe.config import ModelConfig
+from jaxmoe.kv_layout import KVLayout
 from jaxmoe.models.attention import AttentionBatch
 
 
 @runtime_checkable
 class Executor(Protocol):
     cfg: ModelConfig
-    block_size: int
-    num_attention: int  # attention instances: KV slots are split into this many contiguous ranges (1: one)
-    num_cache_slots: int  # KV slots in all (whole blocks per attention instance)
-    cache: Any  # the KV cache (device arrays); a failed step may delete it: ``reset_cache``
+    kv_layout: KVLayout  # blocks, block size, and the attention instance that holds each block
+    cache: Any  # the KV cache (device arrays) of ``kv_layout.num_slots`` slots; a failed step may delete it
+    expert_impl: str  # the expert-FFN implementation its programs run (``jaxmoe.pallas_kernels.expert_ffn``)
 
     def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
         """One step: logits [B, V] at ``logits_index`` (or [B, T, V] when None); writes the KV of the

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config import ModelConfig
+from jaxmoe.kv_layout import KVLayout
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.models.experts import AUTO_EXPERT_IMPL, Brownout
 from jaxmoe.models.transformer import (
@@ -48,10 +49,11 @@ class MonolithicExecutor:
         ``jaxmoe.brownout.united.attach``); its threshold is ``brownout_threshold``, which may
         change between steps (SALC) without recompiling."""
         self.cfg, self.block_size = cfg, block_size
-        self.num_attention, self.num_cache_slots = 1, num_slots
+        self.kv_layout = KVLayout.for_slots(num_slots, block_size)
+        self.num_attention, self.num_cache_slots = 1, self.kv_layout.num_slots
         self.stacked = stack_layers(params)
         dtype = cache_dtype or params["embed"].dtype
-        self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, num_slots, dtype)
+        self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, self.num_cache_slots, dtype)
         self.cache = self._new_cache()
         self.brownout = brownout
         self.brownout_threshold = None if brownout is None else brownout.threshold

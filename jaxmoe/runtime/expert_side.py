@@ -1,0 +1,101 @@
+"""The expert sub-mesh's state in the disaggregated executor: per MoE layer the placed parameters
+(router + routed-expert replica slots [S, ...], + shared experts when they live there), the replica
+layout and the AEBS tables, and the device-side counters the placement controller reads
+(co-activations, activated replicas per instance). ``set_placement`` re-lays the replicas out
+between steps (JANUS 3.4)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxmoe.config import ModelConfig
+from jaxmoe.mesh import SubMeshes
+from jaxmoe.runtime.expert_program import ExpertProgram, place_layer, place_tables, relayout_layer
+from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
+
+
+class ExpertSide:
+    def __init__(self, cfg: ModelConfig, params: dict, sub: SubMeshes, program: ExpertProgram, transfer,
+                 placement: Sequence[int] | Sequence[Sequence[int]] | None = None):
+        """``params``: the logical model parameters (expert weights [E, ...]); ``placement``: see
+        ``set_placement`` (default ``replicas.default_placement``); ``transfer.fetch`` reads the
+        device counters (a collective across processes)."""
+        self.cfg, self.sub, self.program, self.transfer = cfg, sub, program, transfer
+        spec = sub.spec
+        self.num_instances, self.slots_per_instance = spec.experts.count, spec.experts.slots_per_instance
+        self.shared_here = spec.shared_experts == "experts"
+        self.moe_layers = [i for i, layer in enumerate(params["layers"]) if "moe" in layer]
+        self.layouts = self._layouts(placement)
+        self.layers = {i: place_layer(params["layers"][i], self.layouts[i], sub, self.shared_here)
+                       for i in self.moe_layers}
+        self._tables = {i: place_tables(self.layouts[i], sub) for i in self.moe_layers}
+        E = cfg.moe.num_experts
+        self._coact = {i: jax.device_put(np.zeros((E, E), np.int32), program.replicated) for i in self.moe_layers}
+        self._coact_host = {i: np.zeros((E, E), np.int64) for i in self.moe_layers}
+        self._activated = {}
+
+    def run(self, i: int, xe, valid, step):
+        """Layer i's expert program on the A2E'd activations (async; gate, AEBS and grouped matmul
+        all run on the expert mesh): (per-instance partial outputs, co-activation counters,
+        activated replicas per instance); the counters are kept here."""
+        out = self.program.run(self.layers[i], self._tables[i], xe, valid, step, self._coact[i])
+        _, self._coact[i], self._activated[i] = out
+        return out
+
+    # ------------------------------------------------------------------ statistics
+
+    def coactivation(self) -> list[np.ndarray]:
+        """Per MoE layer: cumulative co-activation counts [E, E] int64 (tokens that chose both e
+        and f; the diagonal: tokens that chose e), the placement controller's statistics.
+
+        Counted on device (int32, per step inside the expert program); a read folds the device
+        counters into host int64 totals and resets them, so they never overflow. Across
+        processes it is a collective (``transfer.fetch``): every process must call it.
+        """
+        for i in self.moe_layers:
+            self._coact_host[i] += self.transfer.fetch(self._coact[i]).astype(np.int64)
+            self._coact[i] = jax.device_put(np.zeros_like(self._coact_host[i], np.int32), self.program.replicated)
+        return [self._coact_host[i].copy() for i in self.moe_layers]
+
+    def activated_per_instance(self) -> dict[int, list[int]]:
+        """Per MoE layer: distinct replicas each expert instance ran in the last step (AEBS's load)."""
+        return {i: [int(v) for v in self.transfer.fetch(a)] for i, a in self._activated.items()}
+
+    # ------------------------------------------------------------------ replicas
+
+    def placement(self, layer: int | None = None) -> list[int]:
+        """slot -> logical expert of a MoE layer (default: the first one)."""
+        return list(self.layouts[self.moe_layers[0] if layer is None else layer].slot_to_expert)
+
+    def set_placement(self, slot_to_expert: Sequence[int] | Sequence[Sequence[int]]) -> int:
+        """Re-lay out the expert replicas between steps (the host-side controller's hook).
+
+        ``slot_to_expert``: one list [S] for every MoE layer, or one per MoE layer. Moves weights
+        with ``jax.device_put`` (``expert_program.relayout_layer``) and installs the new replica
+        tables; AEBS uses them from the next step. Returns the slots copied across instances.
+        Under ``jax.distributed``: every process calls it; NotImplementedError when the expert
+        sub-mesh spans processes.
+        """
+        new = self._layouts(slot_to_expert)
+        moved = 0
+        for i in self.moe_layers:
+            if new[i].slot_to_expert == self.layouts[i].slot_to_expert:
+                continue
+            self.layers[i], n = relayout_layer(self.layers[i], self.layouts[i], new[i], self.sub)
+            self._tables[i] = place_tables(new[i], self.sub)
+            moved += n
+        self.layouts = new
+        return moved
+
+    def _layouts(self, placement) -> dict[int, ReplicaLayout]:
+        E, N, C = self.cfg.moe.num_experts, self.num_instances, self.slots_per_instance
+        if placement is None:
+            placement = default_placement(E, N, C)
+        placement = list(placement)
+        nested = bool(placement) and isinstance(placement[0], Sequence)
+        per_layer = placement if nested else [placement] * len(self.moe_layers)
+        if len(per_layer) != len(self.moe_layers):
+            raise ValueError(f"{len(per_layer)} placements for {len(self.moe_layers)} MoE layers")
+        return {i: ReplicaLayout(tuple(int(e) for e in p), E, N, C) for i, p in zip(self.moe_layers, per_layer)}

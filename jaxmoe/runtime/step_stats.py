@@ -1,0 +1,63 @@
+"""What the disaggregated executor records about its steps: per-MoE-layer transfer counts
+(``TransferStats``) and, in timing mode, per-phase wall times (``Phases``, which also feeds an
+observer every phase's outputs)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+
+from jaxmoe.runtime.transfer import TransferCounts
+
+
+@dataclasses.dataclass
+class LayerTransferStats:
+    """Cumulative hops and bytes of one MoE layer's A2E and E2A (and how many steps ran)."""
+
+    steps: int = 0
+    a2e: TransferCounts = TransferCounts()
+    e2a: TransferCounts = TransferCounts()
+    strategy: str = ""  # of the last step
+
+    def count(self, plan) -> None:
+        """One step's transfers under ``plan`` (``transfer.plan_transfers``)."""
+        self.steps += 1
+        self.a2e = self.a2e + plan.counts("a2e")
+        self.e2a = self.e2a + plan.counts("e2a")
+        self.strategy = plan.strategy
+
+    def summary(self) -> dict:
+        """Steps run, A2E/E2A hops and bytes so far (cumulative, split intra/cross-node), hops per
+        step, and the strategy of the last step."""
+        return {
+            "steps": self.steps, "strategy": self.strategy,
+            "a2e": dataclasses.asdict(self.a2e), "e2a": dataclasses.asdict(self.e2a),
+            "a2e_transfers": self.a2e.transfers, "e2a_transfers": self.e2a.transfers,
+            "a2e_bytes": self.a2e.nbytes, "e2a_bytes": self.e2a.nbytes,
+            "transfers_per_step": (self.a2e.transfers + self.e2a.transfers) / self.steps if self.steps else 0.0,
+        }
+
+
+class Phases:
+    """Runs one phase of a step. In timing mode it blocks on the phase's outputs and records the
+    wall time (per layer); an observer sees every phase's outputs."""
+
+    def __init__(self, timing: bool, observer):
+        self.timing, self.observer = timing, observer
+        self.record: dict = {"embed": 0.0, "attention": {}, "a2e": {}, "expert": {}, "shared": {}, "e2a": {},
+                             "head": 0.0}
+
+    def __call__(self, phase: str, layer, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        if self.timing:
+            out = jax.block_until_ready(out)
+            dt = time.perf_counter() - t0
+            if layer is None:  # times of every micro-batch add up
+                self.record[phase] += dt
+            else:
+                self.record[phase][layer] = self.record[phase].get(layer, 0.0) + dt
+        if self.observer is not None:
+            self.observer(phase, layer, out)
+        return out
