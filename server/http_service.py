@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 
 from aiohttp import web
@@ -30,6 +29,7 @@ from jaxmoe.sampling import SamplingParamsError
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
 from jaxmoe.server import openai_protocol as protocol
+from jaxmoe.server.openai_format import ChatFormat, CompletionFormat, merge_final, total_usage
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class OpenAIServer:
                 self.metrics.reject({400: "invalid", 429: "overloaded"}.get(e.status, "unavailable"))
             return error_response(e)
         rid = streams[0].request_id
-        fmts = [_ChatFormat(self, rid, i) if chat else _CompletionFormat(self, rid, i, echo=req.echo)
+        fmts = [ChatFormat(self, rid, i) if chat else CompletionFormat(self, rid, i, echo=req.echo)
                 for i in range(len(streams))]
         finished = False
         try:
@@ -218,7 +218,7 @@ class OpenAIServer:
                 resp = await self._stream(request, streams, fmts, include_usage)
             else:
                 finals = await asyncio.gather(*(_last(st) for st in streams))
-                resp = web.json_response(_merge_final(fmts, finals))
+                resp = web.json_response(merge_final(fmts, finals))
             finished = True
             return resp
         except EngineStepError as e:
@@ -256,7 +256,7 @@ class OpenAIServer:
             await _sse(resp, {"error": {"message": str(e), "type": "server_error", "param": None, "code": code}})
         else:
             if include_usage and last:
-                await _sse(resp, fmts[0].usage_chunk(_usage(last.values())))
+                await _sse(resp, fmts[0].usage_chunk(total_usage(last.values())))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
 
@@ -302,130 +302,5 @@ async def _merged(streams):
             t.cancel()
 
 
-def _usage(outs) -> dict[str, int]:
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    for out in outs:
-        for k, v in out.usage.items():
-            usage[k] += v
-    return usage
-
-
-def _merge_final(fmts, finals) -> dict:
-    obj = fmts[0].final(finals[0])
-    for fmt, out in zip(fmts[1:], finals[1:]):
-        obj["choices"] += fmt.final(out)["choices"]
-    obj["usage"] = _usage(finals)
-    return obj
-
-
 async def _sse(resp: web.StreamResponse, obj) -> None:
     await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
-
-class _CompletionFormat:
-    """``text_completion`` objects of one choice."""
-
-    def __init__(self, server: OpenAIServer, rid: str, index: int = 0, echo: bool = False):
-        self.server, self.rid, self.index, self.created = server, rid, index, int(time.time())
-        self.tok = server.tokenizer
-        self.offset = 0
-        self.echo = echo
-
-    def _base(self, choices, usage=None):
-        obj = {"id": self.rid, "object": "text_completion", "created": self.created,
-               "model": self.server.model_name, "choices": choices}
-        if usage is not None:
-            obj["usage"] = usage
-        return obj
-
-    def _logprobs(self, out: RequestOutput, new: bool):
-        if out.logprobs is None:
-            return None
-        items = out.logprobs[len(out.token_ids) - len(out.delta_token_ids):] if new else out.logprobs
-        d = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp in items:
-            d["tokens"].append(self.tok.decode([lp.token_id]))
-            d["token_logprobs"].append(lp.logprob)
-            d["top_logprobs"].append({self.tok.decode([t]): v for t, v in lp.top})
-            d["text_offset"].append(self.offset)
-            self.offset += len(d["tokens"][-1])
-        return d
-
-    def first_chunks(self):
-        return []
-
-    def chunk(self, out: RequestOutput):
-        return self._base([{"index": self.index, "text": out.delta_text, "logprobs": self._logprobs(out, True),
-                            "finish_reason": out.finish_reason if out.finished else None}])
-
-    def usage_chunk(self, usage: dict):
-        return self._base([], usage)
-
-    def final(self, out: RequestOutput):
-        if not self.echo:
-            return self._base([{"index": self.index, "text": out.text, "logprobs": self._logprobs(out, False),
-                                "finish_reason": out.finish_reason}], out.usage)
-        prompt = out.prompt_token_ids
-        text = self.tok.decode(prompt) + out.text
-        logprobs = None
-        if out.logprobs is not None or out.prompt_logprobs is not None:
-            logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            scored = out.prompt_logprobs or [None] * len(prompt)
-            for token, lp in zip(prompt, scored):  # the prompt first: its first token has no logprob
-                piece = self.tok.decode([token])
-                logprobs["tokens"].append(piece)
-                logprobs["token_logprobs"].append(None if lp is None else lp.logprob)
-                logprobs["top_logprobs"].append(None if lp is None else {self.tok.decode([t]): v for t, v in lp.top})
-                logprobs["text_offset"].append(self.offset)
-                self.offset += len(piece)
-            generated = self._logprobs(out, False)
-            if generated:
-                for k in logprobs:
-                    logprobs[k] += generated[k]
-        return self._base([{"index": self.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": out.finish_reason}], out.usage)
-
-
-class _ChatFormat:
-    """``chat.completion`` / ``chat.completion.chunk`` objects."""
-
-    def __init__(self, server: OpenAIServer, rid: str, index: int = 0):
-        self.server, self.rid, self.index, self.created = server, rid, index, int(time.time())
-        self.tok = server.tokenizer
-
-    def _base(self, obj_type, choices, usage=None):
-        obj = {"id": self.rid, "object": obj_type, "created": self.created,
-               "model": self.server.model_name, "choices": choices}
-        if usage is not None:
-            obj["usage"] = usage
-        return obj
-
-    def _entry(self, token_id: int, logprob: float):
-        text = self.tok.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    def _logprobs(self, out: RequestOutput, new: bool):
-        if out.logprobs is None:
-            return None
-        items = out.logprobs[len(out.token_ids) - len(out.delta_token_ids):] if new else out.logprobs
-        return {"content": [dict(self._entry(lp.token_id, lp.logprob),
-                                 top_logprobs=[self._entry(t, v) for t, v in lp.top]) for lp in items]}
-
-    def first_chunks(self):
-        return [self._base("chat.completion.chunk", [
-            {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None}])]
-
-    def chunk(self, out: RequestOutput):
-        delta = {"content": out.delta_text} if out.delta_text else {}
-        return self._base("chat.completion.chunk", [
-            {"index": self.index, "delta": delta, "logprobs": self._logprobs(out, True),
-             "finish_reason": out.finish_reason if out.finished else None}])
-
-    def usage_chunk(self, usage: dict):
-        return self._base("chat.completion.chunk", [], usage)
-
-    def final(self, out: RequestOutput):
-        return self._base("chat.completion", [
-            {"index": self.index, "message": {"role": "assistant", "content": out.text},
-             "logprobs": self._logprobs(out, False), "finish_reason": out.finish_reason}], out.usage)
