@@ -1,4 +1,5 @@
 """Test-wide set-up: 8 host CPU devices for multi-device meshes; GPU tests skipped without a GPU."""
+
 import os
 import tempfile
 

@@ -4,6 +4,7 @@ The top-level folders ``server/`` and ``pallas_kernels/`` (the design card's lay
 ``jaxmoe`` namespace as ``jaxmoe.server`` and ``jaxmoe.pallas_kernels``, so no generic top-level name
 (``server``) lands in site-packages.
 """
+
 from setuptools import find_packages, setup
 
 NESTED = {"jaxmoe.server": "server", "jaxmoe.pallas_kernels": "pallas_kernels"}

@@ -38,58 +38,55 @@ from jaxmoe.pallas_kernels.aebs import schedule  # noqa: E402
 
 
 def time_call(f, args, reps):
-  jax.block_until_ready(f(*args))           # compile
-  jax.block_until_ready(f(*args))           # warm
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t)
-  return np.percentile(np.asarray(ts) * 1e6, [50, 10, 90])
+    jax.block_until_ready(f(*args))  # compile
+    jax.block_until_ready(f(*args))  # warm
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    return np.percentile(np.asarray(ts) * 1e6, [50, 10, 90])
 
 
 def configs():
-  out = [("reference (jnp)", "aebs", "reference", None),
-         ("reference (numpy callback)", "aebs_plus", "reference", None)]
-  if jax.default_backend() == "gpu":
-    out += [("kernel (Mosaic GPU)", "aebs", "kernel", False),
-            ("kernel (Mosaic GPU)", "aebs_plus", "kernel", False)]
-  out += [("kernel (interpret)", "aebs", "kernel", True),
-          ("kernel (interpret)", "aebs_plus", "kernel", True)]
-  return out
+    out = [
+        ("reference (jnp)", "aebs", "reference", None),
+        ("reference (numpy callback)", "aebs_plus", "reference", None),
+    ]
+    if jax.default_backend() == "gpu":
+        out += [("kernel (Mosaic GPU)", "aebs", "kernel", False), ("kernel (Mosaic GPU)", "aebs_plus", "kernel", False)]
+    out += [("kernel (interpret)", "aebs", "kernel", True), ("kernel (interpret)", "aebs_plus", "kernel", True)]
+    return out
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--reps", type=int, default=30)
-  ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-  ap.add_argument("--seed", type=int, default=0)
-  args = ap.parse_args()
-  batches = [int(b) for b in args.batches.split(",")]
-  dev = jax.devices()[0]
-  print(f"# jax {jax.__version__}, device {dev.platform}:{dev.device_kind}, reps={args.reps}")
-  print("| impl | policy | N | batch | median us | p10 us | p90 us |")
-  print("|---|---|---|---|---|---|---|")
-  for N in (8, 16):
-    rng = np.random.default_rng(args.seed + N)
-    pop = popularity(rng)
-    rt, ri = placement(rng, N, pop)
-    rt, ri = jnp.asarray(rt, jnp.int32), jnp.asarray(ri, jnp.int32)
-    for name, policy, impl, interpret in configs():
-      f = jax.jit(functools.partial(schedule, num_instances=N, policy=policy, impl=impl,
-                                    interpret=interpret))
-      for T in batches:
-        ids = jnp.asarray(tokens(rng, T, pop), jnp.int32)
-        try:
-          med, p10, p90 = time_call(f, (ids, rt, ri), args.reps)
-          print(f"| {name} | {policy} | {N} | {T} | {med:.0f} | {p10:.0f} | {p90:.0f} |",
-                flush=True)
-        except Exception as e:  # report, do not hide (e.g. an unverified lowering)
-          msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-          print(f"| {name} | {policy} | {N} | {T} | FAILED: {type(e).__name__}: {msg} | | |",
-                flush=True)
-          break
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    dev = jax.devices()[0]
+    print(f"# jax {jax.__version__}, device {dev.platform}:{dev.device_kind}, reps={args.reps}")
+    print("| impl | policy | N | batch | median us | p10 us | p90 us |")
+    print("|---|---|---|---|---|---|---|")
+    for N in (8, 16):
+        rng = np.random.default_rng(args.seed + N)
+        pop = popularity(rng)
+        rt, ri = placement(rng, N, pop)
+        rt, ri = jnp.asarray(rt, jnp.int32), jnp.asarray(ri, jnp.int32)
+        for name, policy, impl, interpret in configs():
+            f = jax.jit(functools.partial(schedule, num_instances=N, policy=policy, impl=impl, interpret=interpret))
+            for T in batches:
+                ids = jnp.asarray(tokens(rng, T, pop), jnp.int32)
+                try:
+                    med, p10, p90 = time_call(f, (ids, rt, ri), args.reps)
+                    print(f"| {name} | {policy} | {N} | {T} | {med:.0f} | {p10:.0f} | {p90:.0f} |", flush=True)
+                except Exception as e:  # report, do not hide (e.g. an unverified lowering)
+                    msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+                    print(f"| {name} | {policy} | {N} | {T} | FAILED: {type(e).__name__}: {msg} | | |", flush=True)
+                    break
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -38,6 +38,7 @@ Run (from the repository root):
   .venv/bin/python bench/decode_throughput.py --batches 16 --repeats 1 --new-tokens 32  # quick look
   .venv/bin/python bench/decode_throughput.py --out /tmp/decode.md     # also write the markdown table
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,10 +55,23 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CONFIG = dict(
-    vocab_size=32000, hidden_size=512, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
-    num_key_value_heads=2, head_dim=64, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
-    rms_norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=1e6), tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0, router_jitter_noise=0.0,
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=768,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_parameters=dict(rope_type="default", rope_theta=1e6),
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    router_jitter_noise=0.0,
 )
 HF_ATTN = ("eager", "sdpa")
 HF_EXPERTS = ("eager", "batched_mm", "grouped_mm")
@@ -103,8 +117,9 @@ def load_hf(path, attn: str, experts: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn,
-                                                 experts_implementation=experts)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn, experts_implementation=experts
+    )
     model.generation_config.eos_token_id = None  # never stop early: exactly new_tokens tokens
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -117,10 +132,16 @@ def hf_generate(model, prompts, new_tokens: int):
     ids = torch.tensor(prompts, dtype=torch.long)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, use_cache=True)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            use_cache=True,
+        )
         dt = time.perf_counter() - t0
-    return dt, out[:, prompts.shape[1]:].numpy()
+    return dt, out[:, prompts.shape[1] :].numpy()
 
 
 def jax_generate(llm, prompts, new_tokens: int):
@@ -180,10 +201,17 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side and batch (median)")
     p.add_argument("--threads", type=int, default=None, help="cores for both sides (default: all)")
     p.add_argument("--hf-attn", default="eager", choices=HF_ATTN, help="transformers attn_implementation")
-    p.add_argument("--hf-experts", default="eager", choices=HF_EXPERTS,
-                   help="transformers experts_implementation (its own default is grouped_mm)")
-    p.add_argument("--hf-sweep", action="store_true",
-                   help="first time every attn x experts combination (batch max, 16 tokens), use the fastest")
+    p.add_argument(
+        "--hf-experts",
+        default="eager",
+        choices=HF_EXPERTS,
+        help="transformers experts_implementation (its own default is grouped_mm)",
+    )
+    p.add_argument(
+        "--hf-sweep",
+        action="store_true",
+        help="first time every attn x experts combination (batch max, 16 tokens), use the fastest",
+    )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", default=None, help="also write the markdown table here")
     a = p.parse_args(argv)
@@ -225,23 +253,31 @@ def main(argv=None):
                 hf_generate(m, all_prompts[:sweep_b], 2)
                 dt = hf_generate(m, all_prompts[:sweep_b], sweep_tokens)[0]
                 sweep.append((sweep_b * sweep_tokens / dt, at, ex))
-                print(f"  transformers attn={at:5s} experts={ex:10s} batch {sweep_b}, {sweep_tokens} tokens: "
-                      f"{sweep[-1][0]:7.1f} tok/s", flush=True)
+                print(
+                    f"  transformers attn={at:5s} experts={ex:10s} batch {sweep_b}, {sweep_tokens} tokens: "
+                    f"{sweep[-1][0]:7.1f} tok/s",
+                    flush=True,
+                )
                 del m
         _, attn, experts = max(sweep)
     if not a.skip_hf:
         hf = load_hf(ckpt, attn, experts)
-        print(f"transformers {__import__('transformers').__version__}: attn_implementation={attn} "
-              f"experts_implementation={experts}, torch {torch.__version__}, {torch.get_num_threads()} threads",
-              flush=True)
+        print(
+            f"transformers {__import__('transformers').__version__}: attn_implementation={attn} "
+            f"experts_implementation={experts}, torch {torch.__version__}, {torch.get_num_threads()} threads",
+            flush=True,
+        )
 
     # -- jaxmoe ----------------------------------------------------------------------------------
     max_b = max(batches)
     blocks_per_seq = -(-(a.prompt_len + a.new_tokens) // 16)
     t0 = time.perf_counter()
     llm = LLM(ckpt, dtype="float32", num_blocks=max_b * blocks_per_seq + 16, block_size=16, max_num_seqs=max_b)
-    print(f"jaxmoe: jax {jax.__version__} ({jax.default_backend()}, {jax.device_count()} device), "
-          f"load {time.perf_counter() - t0:.1f}s", flush=True)
+    print(
+        f"jaxmoe: jax {jax.__version__} ({jax.default_backend()}, {jax.device_count()} device), "
+        f"load {time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
     compile_log = CompileLog()
 
     rows = []
@@ -260,14 +296,22 @@ def main(argv=None):
             if hf is not None:
                 ht.append(hf_generate(hf, prompts, a.new_tokens)[0])
         row.update(jax_tps=b * a.new_tokens / statistics.median(jt), jax_times=jt)
-        msg = (f"batch {b:3d}: jaxmoe {row['jax_tps']:7.1f} tok/s (runs {', '.join(f'{t:.2f}' for t in jt)} s; "
-               f"warm-up run {warm_jax:.1f}s, {row['compiles']} XLA compiles {row['compile_s']:.1f}s)")
+        msg = (
+            f"batch {b:3d}: jaxmoe {row['jax_tps']:7.1f} tok/s (runs {', '.join(f'{t:.2f}' for t in jt)} s; "
+            f"warm-up run {warm_jax:.1f}s, {row['compiles']} XLA compiles {row['compile_s']:.1f}s)"
+        )
         if hf is not None:
             same = [bool(np.array_equal(x, y)) for x, y in zip(jax_tokens, hf_tokens)]
-            row.update(hf_tps=b * a.new_tokens / statistics.median(ht), hf_times=ht, match=sum(same),
-                       first_diff=[int(np.argmax(x != y)) for x, y, s in zip(jax_tokens, hf_tokens, same) if not s])
-            msg += (f" | transformers {row['hf_tps']:7.1f} tok/s (runs {', '.join(f'{t:.2f}' for t in ht)} s)"
-                    f" | ratio {row['jax_tps'] / row['hf_tps']:.2f}x | greedy tokens equal for {row['match']}/{b} prompts")
+            row.update(
+                hf_tps=b * a.new_tokens / statistics.median(ht),
+                hf_times=ht,
+                match=sum(same),
+                first_diff=[int(np.argmax(x != y)) for x, y, s in zip(jax_tokens, hf_tokens, same) if not s],
+            )
+            msg += (
+                f" | transformers {row['hf_tps']:7.1f} tok/s (runs {', '.join(f'{t:.2f}' for t in ht)} s)"
+                f" | ratio {row['jax_tps'] / row['hf_tps']:.2f}x | greedy tokens equal for {row['match']}/{b} prompts"
+            )
             if row["first_diff"]:
                 msg += f" (first differing position of the others: {row['first_diff']})"
         rows.append(row)
@@ -283,8 +327,10 @@ def main(argv=None):
         f"(prefill included), median of {a.repeats} alternating runs",
     ]
     if sweep:
-        lines.append("- transformers sweep (batch %d, 16 tokens, tok/s): " % max(batches)
-                     + ", ".join(f"{at}/{ex} {tps:.1f}" for tps, at, ex in sweep))
+        lines.append(
+            "- transformers sweep (batch %d, 16 tokens, tok/s): " % max(batches)
+            + ", ".join(f"{at}/{ex} {tps:.1f}" for tps, at, ex in sweep)
+        )
     lines += [
         "",
         "| batch | jaxmoe tok/s | transformers tok/s | jaxmoe / transformers | greedy tokens equal "
@@ -292,10 +338,15 @@ def main(argv=None):
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        hf_cols = (f"{r['hf_tps']:.1f} | {r['jax_tps'] / r['hf_tps']:.2f}x | {r['match']}/{r['batch']}"
-                   if "hf_tps" in r else "- | - | -")
-        lines.append(f"| {r['batch']} | {r['jax_tps']:.1f} | {hf_cols} | {r['jax_warm']:.1f} "
-                     f"| {r['compiles']} ({r['compile_s']:.1f}) |")
+        hf_cols = (
+            f"{r['hf_tps']:.1f} | {r['jax_tps'] / r['hf_tps']:.2f}x | {r['match']}/{r['batch']}"
+            if "hf_tps" in r
+            else "- | - | -"
+        )
+        lines.append(
+            f"| {r['batch']} | {r['jax_tps']:.1f} | {hf_cols} | {r['jax_warm']:.1f} "
+            f"| {r['compiles']} ({r['compile_s']:.1f}) |"
+        )
     table = "\n".join(lines)
     print("\n" + table)
     if a.out:

@@ -22,6 +22,7 @@ their row (block-to-instance affinity).
 decode step monolithic vs disaggregated with both sub-meshes on the single device, grouped matmul
 ``ragged_dot`` and Pallas (Mosaic GPU), AEBS reference and kernel.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,12 +52,14 @@ WARMUP = 3
 
 # --------------------------------------------------------------------------- workload
 
+
 def blocks_per_seq(prompt_len: int, block_size: int, steps: int, warmup: int = WARMUP) -> int:
     return -(-(prompt_len + warmup + 2 * steps + 1) // block_size)
 
 
-def make_rows(batch: int, prompt_len: int, block_size: int, num_blocks: int, attention_instances: int,
-              steps: int, seed=0):
+def make_rows(
+    batch: int, prompt_len: int, block_size: int, num_blocks: int, attention_instances: int, steps: int, seed=0
+):
     """Prompts and block tables; row r's blocks come from its attention instance's slot range."""
     rng = np.random.default_rng(seed)
     per_seq = blocks_per_seq(prompt_len, block_size, steps)
@@ -137,24 +140,30 @@ def _get(d, key):
 
 
 def table(rows) -> str:
-    head = ("| layout | attention ms/layer | a2e ms/layer | expert ms/layer | e2a ms/layer | transfers/layer "
-            "(a2e+e2a, cross-node) | KiB/layer | strategy | embed+head ms | step ms (timed) | step ms (async) |")
+    head = (
+        "| layout | attention ms/layer | a2e ms/layer | expert ms/layer | e2a ms/layer | transfers/layer "
+        "(a2e+e2a, cross-node) | KiB/layer | strategy | embed+head ms | step ms (timed) | step ms (async) |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         if "attention_ms" not in r:
-            lines.append(f"| {r['layout']} | - | - | - | - | 0 | 0 | - | - | {r['step_timed_ms']:.2f} "
-                         f"| {r['step_async_ms']:.2f} |")
+            lines.append(
+                f"| {r['layout']} | - | - | - | - | 0 | 0 | - | - | {r['step_timed_ms']:.2f} "
+                f"| {r['step_async_ms']:.2f} |"
+            )
             continue
         hops = r["a2e_hops"] + r["e2a_hops"]
         lines.append(
             f"| {r['layout']} | {r['attention_ms']:.2f} | {r['a2e_ms']:.2f} | {r['expert_ms']:.2f} | {r['e2a_ms']:.2f} "
             f"| {hops:.0f} ({r['a2e_hops']:.0f}+{r['e2a_hops']:.0f}, {r['cross_hops']:.0f}) | {r['kib']:.0f} "
             f"| {r['strategy'] if hops else '- (same device)'} | {r['head_ms']:.2f} | {r['step_timed_ms']:.2f} "
-            f"| {r['step_async_ms']:.2f} |")
+            f"| {r['step_async_ms']:.2f} |"
+        )
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- modes
+
 
 def cpu_mode(args):
     from jaxmoe.llm import load_model
@@ -167,8 +176,13 @@ def cpu_mode(args):
     rec, asy, tim, before = run_decode(mono, rows_for(1), bs, args.steps)
     results.append(summarize("monolithic executor (1 device, one jit)", mono, rec, asy, tim, before))
     del mono
-    one_device = {"platform": "cpu", "nodes": 1, "devices_per_node": 1, "monolithic": True,
-                  "experts": {"instances": 1, "slots_per_instance": cfg.moe.num_experts}}
+    one_device = {
+        "platform": "cpu",
+        "nodes": 1,
+        "devices_per_node": 1,
+        "monolithic": True,
+        "experts": {"instances": 1, "slots_per_instance": cfg.moe.num_experts},
+    }
     for layout in ["1 device"] + CPU_LAYOUTS:
         mesh = one_device if layout == "1 device" else str(ROOT / "meshes" / layout)
         ex = DisaggregatedExecutor(cfg, params, num_blocks * bs, bs, mesh, expert_impl=args.expert_impl)
@@ -176,20 +190,45 @@ def cpu_mode(args):
         results.append(summarize(layout, ex, rec, asy, tim, before))
         print(f"done {layout}", file=sys.stderr)
         del ex
-    print(f"demo model: {cfg.num_layers} layers, D={cfg.hidden_size}, {cfg.moe.num_experts} experts top-"
-          f"{cfg.moe.top_k}, F={cfg.moe.intermediate_size}; batch {args.batch} decode, prompt {args.prompt_len}, "
-          f"fp32, expert_impl={args.expert_impl}; {jax.device_count()} {jax.default_backend()} devices")
+    print(
+        f"demo model: {cfg.num_layers} layers, D={cfg.hidden_size}, {cfg.moe.num_experts} experts top-"
+        f"{cfg.moe.top_k}, F={cfg.moe.intermediate_size}; batch {args.batch} decode, prompt {args.prompt_len}, "
+        f"fp32, expert_impl={args.expert_impl}; {jax.device_count()} {jax.default_backend()} devices"
+    )
     print(table(results))
 
 
 DSV2_LITE = {
-    "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
-    "moe_intermediate_size": 1408, "num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 16,
-    "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6, "routed_scaling_factor": 1.0,
-    "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
-    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "scoring_func": "softmax",
-    "first_k_dense_replace": 0, "moe_layer_freq": 1, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_shared_experts": 2,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "routed_scaling_factor": 1.0,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "first_k_dense_replace": 0,
+    "moe_layer_freq": 1,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
 }
 
 
@@ -217,17 +256,28 @@ def gpu_mode(args):
 
     hf = dict(DSV2_LITE)
     if args.scale > 1:  # dry run: shrink every width
-        for k in ("hidden_size", "moe_intermediate_size", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim",
-                  "qk_nope_head_dim"):
+        for k in (
+            "hidden_size",
+            "moe_intermediate_size",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "qk_nope_head_dim",
+        ):
             hf[k] //= args.scale
         hf["vocab_size"] //= args.scale * 4
     cfg = from_hf_config(hf)
     dtype = jnp.dtype(args.dtype)
     params = random_params(cfg, dtype)
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
-    mesh = {"platform": platform, "nodes": 1, "devices_per_node": 1, "monolithic": True,
-            "experts": {"instances": 1, "slots_per_instance": cfg.moe.num_experts + args.redundant},
-            "shared_experts": "attention"}
+    mesh = {
+        "platform": platform,
+        "nodes": 1,
+        "devices_per_node": 1,
+        "monolithic": True,
+        "experts": {"instances": 1, "slots_per_instance": cfg.moe.num_experts + args.redundant},
+        "shared_experts": "attention",
+    }
     num_blocks, bs = args.num_blocks, args.block_size
     results = []
     for batch in args.batches:
@@ -239,20 +289,24 @@ def gpu_mode(args):
         for expert_impl, aebs_impl in (("ragged_dot", "reference"), ("pallas", "kernel"), ("pallas", "reference")):
             name = f"B={batch} disaggregated, gmm={expert_impl}, aebs={aebs_impl}"
             try:
-                ex = DisaggregatedExecutor(cfg, params, num_blocks * bs, bs, mesh, expert_impl=expert_impl,
-                                           aebs_impl=aebs_impl)
+                ex = DisaggregatedExecutor(
+                    cfg, params, num_blocks * bs, bs, mesh, expert_impl=expert_impl, aebs_impl=aebs_impl
+                )
                 rec, asy, tim, before = run_decode(ex, rows, bs, args.steps)
                 results.append(summarize(name, ex, rec, asy, tim, before))
                 del ex
             except Exception as exc:  # a kernel that does not lower here: report, go on
                 print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
-                results.append({"layout": name + " (failed)", "step_async_ms": float("nan"),
-                                "step_timed_ms": float("nan")})
+                results.append(
+                    {"layout": name + " (failed)", "step_async_ms": float("nan"), "step_timed_ms": float("nan")}
+                )
     dev = jax.devices()[0]
-    print(f"DeepSeek-V2-Lite-sized layer{' / ' + str(args.scale) if args.scale > 1 else ''}: D={cfg.hidden_size}, "
-          f"MLA kv_lora {cfg.attn.kv_lora_rank}, {cfg.moe.num_experts} experts top-{cfg.moe.top_k} F="
-          f"{cfg.moe.intermediate_size}, 2 shared, vocab {cfg.vocab_size}; {args.dtype}; prompt {args.prompt_len}; "
-          f"{cfg.moe.num_experts + args.redundant} expert slots; device {dev.device_kind}")
+    print(
+        f"DeepSeek-V2-Lite-sized layer{' / ' + str(args.scale) if args.scale > 1 else ''}: D={cfg.hidden_size}, "
+        f"MLA kv_lora {cfg.attn.kv_lora_rank}, {cfg.moe.num_experts} experts top-{cfg.moe.top_k} F="
+        f"{cfg.moe.intermediate_size}, 2 shared, vocab {cfg.vocab_size}; {args.dtype}; prompt {args.prompt_len}; "
+        f"{cfg.moe.num_experts + args.redundant} expert slots; device {dev.device_kind}"
+    )
     print(table(results))
 
 

@@ -28,12 +28,28 @@ def write_checkpoint(path: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: F401
 
-    cfg = DeepseekV2Config(vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=512,
-                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-                           n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=2, first_k_dense_replace=0,
-                           kv_lora_rank=128, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=64,
-                           v_head_dim=64, max_position_embeddings=2048, topk_method="greedy", n_group=1,
-                           topk_group=1)
+    cfg = DeepseekV2Config(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_shared_experts=2,
+        first_k_dense_replace=0,
+        kv_lora_rank=128,
+        q_lora_rank=None,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        max_position_embeddings=2048,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+    )
     torch.manual_seed(0)
     DeepseekV2ForCausalLM(cfg).save_pretrained(path)
     return path
@@ -62,8 +78,7 @@ def main(argv=None) -> int:
     probe = DisaggregatedExecutor(cfg, params, 1, block, args.mesh)
     ag = probe.num_attention
     slots = ag * -(-args.context // block) * block
-    configs = [Pipeline(1, "ASAS"), Pipeline(2, "ASAS"), Pipeline(2, "AASS"), Pipeline(4, "ASAS"),
-               Pipeline(4, "AASS")]
+    configs = [Pipeline(1, "ASAS"), Pipeline(2, "ASAS"), Pipeline(2, "AASS"), Pipeline(4, "ASAS"), Pipeline(4, "AASS")]
     executors = {p: DisaggregatedExecutor(cfg, params, slots, block, probe.sub, pipeline=p) for p in configs}
     batch = synthetic_batch(executors[configs[0]], args.rows, args.context)
     times: dict = {p: [] for p in configs}
@@ -76,9 +91,11 @@ def main(argv=None) -> int:
             times[p].append(time.perf_counter() - t0)
     profile = profile_executor(executors[configs[0]], Sweep(rows=(1, 2, 4, 8), contexts=(args.context,), repeats=3))
     shape = BatchShape(batch=args.rows, tokens=1, context=args.context)
-    print(f"# {cfg.family} L{cfg.num_layers} D{cfg.hidden_size} E{cfg.moe.num_experts} k{cfg.moe.top_k}, "
-          f"mesh {args.mesh} ({ag} attention instances), {args.rows} rows/instance, context {args.context}, "
-          f"{args.steps} steps, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}")
+    print(
+        f"# {cfg.family} L{cfg.num_layers} D{cfg.hidden_size} E{cfg.moe.num_experts} k{cfg.moe.top_k}, "
+        f"mesh {args.mesh} ({ag} attention instances), {args.rows} rows/instance, context {args.context}, "
+        f"{args.steps} steps, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}"
+    )
     print("| pipeline | measured step (ms, median) | vs r1=1 | predicted by the solver's model (ms) |")
     print("|---|---|---|---|")
     base = statistics.median(times[configs[0]])
@@ -91,8 +108,10 @@ def main(argv=None) -> int:
             pred_s = f"- ({e})"
         print(f"| r1={p.r1} {p.order} | {med * 1e3:.2f} | {base / med:.2f}x | {pred_s} |")
     best = solve(profile, shape)
-    print(f"\nsolver's choice for this profile: {best.order} r1={best.r1} r2={best.r2}, "
-          f"predicted {best.time_s * 1e3:.2f} ms")
+    print(
+        f"\nsolver's choice for this profile: {best.order} r1={best.r1} r2={best.r2}, "
+        f"predicted {best.time_s * 1e3:.2f} ms"
+    )
     return 0
 
 

@@ -23,6 +23,7 @@ Run (from the repository root):
   .venv/bin/python bench/load_speed.py --ckpt-dir /tmp/moe100m     # reuse decode_throughput's checkpoint
   .venv/bin/python bench/load_speed.py --repeats 5 --out /tmp/load.md
 """
+
 from __future__ import annotations
 
 import os
@@ -80,8 +81,11 @@ def main(argv=None):
     p.add_argument("--work-dir", default=None, help="where the Orbax checkpoint is written (default: temp dir)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--no-zstd", action="store_true",
-                   help="skip the extra restore of a zstd-compressed save (Orbax's default codec)")
+    p.add_argument(
+        "--no-zstd",
+        action="store_true",
+        help="skip the extra restore of a zstd-compressed save (Orbax's default codec)",
+    )
     p.add_argument("--out", default=None, help="also write the markdown table here")
     a = p.parse_args(argv)
 
@@ -105,13 +109,21 @@ def main(argv=None):
     work = pathlib.Path(a.work_dir) if a.work_dir else tmpdir("jaxmoe-load-orbax-")
     converted = work / "converted"
     shutil.rmtree(converted, ignore_errors=True)
-    print(f"checkpoint {ckpt}: {n_params:,} parameters, {_dir_bytes(ckpt) / 1e6:.0f} MB safetensors; "
-          f"jax {jax.__version__}, {jax.device_count()} devices", flush=True)
+    print(
+        f"checkpoint {ckpt}: {n_params:,} parameters, {_dir_bytes(ckpt) / 1e6:.0f} MB safetensors; "
+        f"jax {jax.__version__}, {jax.device_count()} devices",
+        flush=True,
+    )
 
     def convert(sharding_for):
         t0 = time.perf_counter()
-        params = load_params(ckpt, cfg, dtype="float32", progress=False,
-                             place=lambda path, host: jax.device_put(host, sharding_for(path, host.ndim)))
+        params = load_params(
+            ckpt,
+            cfg,
+            dtype="float32",
+            progress=False,
+            place=lambda path, host: jax.device_put(host, sharding_for(path, host.ndim)),
+        )
         jax.block_until_ready(params)
         return time.perf_counter() - t0, params
 
@@ -148,8 +160,9 @@ def main(argv=None):
             ckptr.wait_until_finished()
             zstd_save_s = time.perf_counter() - t0
         shutil.copy(converted / orbax_io.CONFIG_FILE, zstd / orbax_io.CONFIG_FILE)
-        print(f"zstd save (StandardCheckpointer): {zstd_save_s:.2f}s, {_dir_bytes(zstd) / 1e6:.0f} MB on disk",
-              flush=True)
+        print(
+            f"zstd save (StandardCheckpointer): {zstd_save_s:.2f}s, {_dir_bytes(zstd) / 1e6:.0f} MB on disk", flush=True
+        )
     del params
 
     rows = []
@@ -176,15 +189,27 @@ def main(argv=None):
                 if dt_z is not None:
                     zt.append(dt_z)
             del conv
-            print(f"  {name}: run {i}{' (warm-up)' if i == 0 else ''}: convert {dt_c:.2f}s, restore {dt_r:.2f}s"
-                  + (f", restore of the zstd save {dt_z:.2f}s" if dt_z is not None else ""), flush=True)
-        row = dict(layout=name, convert=statistics.median(ct), restore=statistics.median(rt), ct=ct, rt=rt,
-                   zstd=statistics.median(zt) if zt else None, zt=zt)
+            print(
+                f"  {name}: run {i}{' (warm-up)' if i == 0 else ''}: convert {dt_c:.2f}s, restore {dt_r:.2f}s"
+                + (f", restore of the zstd save {dt_z:.2f}s" if dt_z is not None else ""),
+                flush=True,
+            )
+        row = dict(
+            layout=name,
+            convert=statistics.median(ct),
+            restore=statistics.median(rt),
+            ct=ct,
+            rt=rt,
+            zstd=statistics.median(zt) if zt else None,
+            zt=zt,
+        )
         rows.append(row)
-        print(f"{name}: convert median {row['convert']:.2f}s, restore median {row['restore']:.2f}s, "
-              f"convert / restore {row['convert'] / row['restore']:.2f}x"
-              + (f"; zstd restore median {row['zstd']:.2f}s ({row['convert'] / row['zstd']:.2f}x)" if zt else ""),
-              flush=True)
+        print(
+            f"{name}: convert median {row['convert']:.2f}s, restore median {row['restore']:.2f}s, "
+            f"convert / restore {row['convert'] / row['restore']:.2f}x"
+            + (f"; zstd restore median {row['zstd']:.2f}s ({row['convert'] / row['zstd']:.2f}x)" if zt else ""),
+            flush=True,
+        )
 
     gb = _dir_bytes(ckpt) / 1e9
     lines = [
@@ -205,8 +230,10 @@ def main(argv=None):
 
     for r in rows:
         z = f"{r['zstd']:.2f} | {r['convert'] / r['zstd']:.2f}x" if r["zstd"] else "- | -"
-        lines.append(f"| {r['layout']} | {r['convert']:.2f} | {r['restore']:.2f} | {r['convert'] / r['restore']:.2f}x "
-                     f"| {z} | {runs(r['ct'])} | {runs(r['rt'])} | {runs(r['zt'])} |")
+        lines.append(
+            f"| {r['layout']} | {r['convert']:.2f} | {r['restore']:.2f} | {r['convert'] / r['restore']:.2f}x "
+            f"| {z} | {runs(r['ct'])} | {runs(r['rt'])} | {runs(r['zt'])} |"
+        )
     table = "\n".join(lines)
     print("\n" + table)
     if a.out:

@@ -16,6 +16,7 @@ balances, the MoE-layer latency proxy of janus) and of the max co-activation loa
 
 Run:  python bench/placement.py [--trials 20] [--window 4096]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,13 @@ def draw(rng, router, tokens: int, in_group: int) -> np.ndarray:
         inside = g[np.argsort(-(np.log(pop[g]) + gumbel(GROUP)))[:in_group]]
         score = np.log(pop) + gumbel(E)
         score[inside] = -np.inf
-        out[t] = np.concatenate([inside, np.argsort(-score)[:K - in_group]])
+        out[t] = np.concatenate([inside, np.argsort(-score)[: K - in_group]])
     return out
 
 
 def evaluate(layout: ReplicaLayout, ids_batches, a_test) -> tuple[float, float]:
     table, inst = layout.replica_table(), layout.replica_instance()
-    peaks = [int(np.max(schedule(ids, table, inst, N, policy="aebs", impl="reference")[1]))
-             for ids in ids_batches]
+    peaks = [int(np.max(schedule(ids, table, inst, N, policy="aebs", impl="reference")[1])) for ids in ids_batches]
     return float(np.mean(peaks)), max(coactivation_load(layout.slot_to_expert, a_test, C))
 
 
@@ -82,8 +82,10 @@ def main(argv=None) -> None:
     }
     plan_s = time.perf_counter() - t0
     layouts = {k: ReplicaLayout(tuple(v), E, N, C) for k, v in layouts.items()}
-    print(f"# {platform.node()} {time.strftime('%Y-%m-%d')}  E={E} top-{K} N={N} C={C} zipf={args.zipf} "
-          f"in_group={args.in_group} window={args.window} trials={args.trials}; planning took {plan_s:.2f} s")
+    print(
+        f"# {platform.node()} {time.strftime('%Y-%m-%d')}  E={E} top-{K} N={N} C={C} zipf={args.zipf} "
+        f"in_group={args.in_group} window={args.window} trials={args.trials}; planning took {plan_s:.2f} s"
+    )
     print("| batch | placement | max activated / instance | max I(g) (test tokens) |")
     print("|---|---|---|---|")
     for B in (int(b) for b in args.batches.split(",")):

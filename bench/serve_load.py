@@ -26,6 +26,7 @@ Run (CPU, demo model, ~4 minutes on 2 cores):
   python bench/serve_load.py                             # rates 1.5,3,6 req/s, 48 requests each
   python bench/serve_load.py --out /tmp/serving.md      # also write the markdown table
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,16 +70,19 @@ def make_workload(args, rate: float) -> list[Req]:
     plen = np.clip(rng.lognormal(np.log(args.prompt_median), args.prompt_sigma, n), 8, args.prompt_max).astype(int)
     olen = np.clip(rng.lognormal(np.log(args.output_median), args.output_sigma, n), 4, args.output_max).astype(int)
     ls = rng.random(n) < args.ls_fraction
-    return [Req(float(a), [256] + rng.integers(32, 127, p - 1).tolist(), int(o), "ls" if l else "be")
-            for a, p, o, l in zip(arrivals, plen, olen, ls)]
+    return [
+        Req(float(a), [256] + rng.integers(32, 127, p - 1).tolist(), int(o), "ls" if l else "be")
+        for a, p, o, l in zip(arrivals, plen, olen, ls)
+    ]
 
 
 async def _one(ae: AsyncEngine, req: Req, t0: float) -> Result:
     await asyncio.sleep(max(0.0, t0 + req.arrival - time.monotonic()))
     submit = time.monotonic()
     try:
-        stream = await ae.add_async(req.prompt, SamplingParams(max_tokens=req.max_tokens, ignore_eos=True),
-                                    req.priority)
+        stream = await ae.add_async(
+            req.prompt, SamplingParams(max_tokens=req.max_tokens, ignore_eos=True), req.priority
+        )
     except OverloadedError:
         return Result(req.priority, None, None, 0, time.monotonic(), rejected=True)
     first = last = None
@@ -107,13 +111,20 @@ def run(cfg, executor, tokenizer, econf: EngineConfig, workload: list[Req]) -> d
     finally:
         ae.shutdown(abort_inflight=True)
     done = [r for r in results if not r.rejected]
-    row = {"makespan": makespan, "tok_s": sum(r.tokens for r in done) / makespan,
-           "req_s": len(done) / makespan, "rejected": len(results) - len(done), "preempt": preempt}
+    row = {
+        "makespan": makespan,
+        "tok_s": sum(r.tokens for r in done) / makespan,
+        "req_s": len(done) / makespan,
+        "rejected": len(results) - len(done),
+        "preempt": preempt,
+    }
     for cls in ("ls", "be"):
         mine = [r for r in done if r.priority == cls]
-        row[cls] = {"n": len(mine),
-                    "ttft": _pcts([r.ttft for r in mine if r.ttft is not None]),
-                    "tpot": _pcts([r.tpot for r in mine if r.tpot is not None])}
+        row[cls] = {
+            "n": len(mine),
+            "ttft": _pcts([r.ttft for r in mine if r.ttft is not None]),
+            "tpot": _pcts([r.tpot for r in mine if r.tpot is not None]),
+        }
     return row
 
 
@@ -183,9 +194,14 @@ def main(argv=None) -> None:
 
     t_start = time.monotonic()
     cfg, params, tokenizer = load_model(args.model)
-    base = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                        max_batch_tokens=args.max_batch_tokens, max_waiting=100_000,
-                        max_model_len=args.max_model_len)
+    base = EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_batch_tokens=args.max_batch_tokens,
+        max_waiting=100_000,
+        max_model_len=args.max_model_len,
+    )
     executor = build_executor(cfg, params, base)
     shapes = track_shapes(executor)
     n = precompile(LLMEngine(cfg, executor, tokenizer, base))
@@ -199,8 +215,11 @@ def main(argv=None) -> None:
             row = run(cfg, executor, tokenizer, dataclasses.replace(base, policy=policy), workload)
             row.update(rate=rate, policy=policy, new_shapes=len(shapes) - before)
             rows.append(row)
-            print(f"rate {rate:g} {policy}: {row['tok_s']:.0f} tok/s, LS TTFT p50/p90/p99 {_ms(row['ls']['ttft'])} ms, "
-                  f"BE TTFT {_ms(row['be']['ttft'])} ms ({row['makespan']:.1f}s)", flush=True)
+            print(
+                f"rate {rate:g} {policy}: {row['tok_s']:.0f} tok/s, LS TTFT p50/p90/p99 {_ms(row['ls']['ttft'])} ms, "
+                f"BE TTFT {_ms(row['be']['ttft'])} ms ({row['makespan']:.1f}s)",
+                flush=True,
+            )
 
     table = render(rows, args, time.monotonic() - t_start)
     print(table)
@@ -223,7 +242,8 @@ def render(rows, args, total_s: float) -> str:
         lines.append(
             f"| {r['rate']:g} | {r['policy']} | {r['tok_s']:.0f} | {r['req_s']:.2f} | {r['ls']['n']} "
             f"| {_ms(r['ls']['ttft'])} | {_ms(r['ls']['tpot'])} | {r['be']['n']} | {_ms(r['be']['ttft'])} "
-            f"| {_ms(r['be']['tpot'])} | {pk['ls']}/{pk['be']} | {pr['ls']}/{pr['be']} | {r['new_shapes']} |")
+            f"| {_ms(r['be']['tpot'])} | {pk['ls']}/{pk['be']} | {pr['ls']}/{pr['be']} | {r['new_shapes']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

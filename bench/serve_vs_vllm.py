@@ -66,6 +66,7 @@ Run (from the repository root; ~15 minutes on 2 busy cores):
   .venv/bin/python bench/serve_vs_vllm.py --ckpt-dir /tmp/moe-serve-ckpt --servers jaxmoe   # jaxmoe only
   ... --num-requests 48 --rate 1 --max-num-seqs 16 --out /tmp/serve_vs_vllm.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,12 +118,17 @@ def make_tokenizer(vocab_size: int, corpus_mb: float):
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_next")
     tok.decoder = decoders.Fuse()
     alphabet = [chr(i) for i in range(32, 127)] + ["\n"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=alphabet,
-                                  limit_alphabet=len(alphabet), min_frequency=2, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+        min_frequency=2,
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(corpus_mb), trainer)
     if tok.get_vocab_size() != vocab_size:
-        raise SystemExit(f"tokenizer has {tok.get_vocab_size()} entries, not {vocab_size}: "
-                         "raise --tokenizer-corpus-mb")
+        raise SystemExit(f"tokenizer has {tok.get_vocab_size()} entries, not {vocab_size}: raise --tokenizer-corpus-mb")
     return tok
 
 
@@ -137,9 +143,14 @@ def make_checkpoint(path: pathlib.Path, corpus_mb: float, seed: int = 0) -> int:
     if not (marker.exists() and json.loads(marker.read_text()) == want and (path / "tokenizer.json").exists()):
         t0 = time.monotonic()
         tok = make_tokenizer(dt.CONFIG["vocab_size"], corpus_mb)
-        PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                unk_token="<unk>", model_max_length=dt.CONFIG["max_position_embeddings"]
-                                ).save_pretrained(path)
+        PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            pad_token="<pad>",
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            model_max_length=dt.CONFIG["max_position_embeddings"],
+        ).save_pretrained(path)
         marker.write_text(json.dumps(want))
         print(f"tokenizer trained in {time.monotonic() - t0:.1f}s", flush=True)
     return n
@@ -174,14 +185,22 @@ def make_workload(a, seed: int, rate: float | None, vocab: int) -> list[Req]:
     arrivals = np.cumsum(gaps) - (gaps[0] if rate else 0.0)  # first request at t=0
     plen = np.clip(rng.lognormal(np.log(a.prompt_median), 0.8, n), 8, a.prompt_max).astype(int)
     olen = np.clip(rng.lognormal(np.log(a.output_median), 0.7, n), 8, a.output_max).astype(int)
-    return [Req(float(t), rng.integers(len(SPECIALS), vocab, p).tolist(), int(o))
-            for t, p, o in zip(arrivals, plen, olen)]
+    return [
+        Req(float(t), rng.integers(len(SPECIALS), vocab, p).tolist(), int(o)) for t, p, o in zip(arrivals, plen, olen)
+    ]
 
 
 async def _one(session, url: str, model: str, req: Req, t0: float, vllm: bool) -> Result:
     await asyncio.sleep(max(0.0, t0 + req.arrival - time.monotonic()))
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if vllm:
         body["min_tokens"] = req.max_tokens
     r = Result(send=time.monotonic())
@@ -231,12 +250,19 @@ def summarize(results: list[Result], workload: list[Req], makespan: float) -> di
     ok = [r for r in results if r.error is None]
     ttft = [r.first - r.send for r in ok if r.first is not None]
     tpot = [(r.last - r.first) / (r.tokens - 1) for r in ok if r.first is not None and r.tokens > 1]
-    return {"n": len(results), "errors": len(results) - len(ok), "makespan": makespan,
-            "tokens": sum(r.tokens for r in ok), "expected_tokens": sum(q.max_tokens for q in workload),
-            "short": sum(1 for r, q in zip(results, workload) if r.error is None and r.tokens != q.max_tokens),
-            "tok_s": sum(r.tokens for r in ok) / makespan, "req_s": len(ok) / makespan,
-            "ttft": (_pct(ttft, 50), _pct(ttft, 90)), "tpot": (_pct(tpot, 50), _pct(tpot, 90)),
-            "first_error": next((r.error for r in results if r.error), None)}
+    return {
+        "n": len(results),
+        "errors": len(results) - len(ok),
+        "makespan": makespan,
+        "tokens": sum(r.tokens for r in ok),
+        "expected_tokens": sum(q.max_tokens for q in workload),
+        "short": sum(1 for r, q in zip(results, workload) if r.error is None and r.tokens != q.max_tokens),
+        "tok_s": sum(r.tokens for r in ok) / makespan,
+        "req_s": len(ok) / makespan,
+        "ttft": (_pct(ttft, 50), _pct(ttft, 90)),
+        "tpot": (_pct(tpot, 50), _pct(tpot, 90)),
+        "first_error": next((r.error for r in results if r.error), None),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -257,8 +283,9 @@ class Server:
         self.log = open(log_path, "wb")
         shown = " ".join(f"{k}={env[k]}" for k in sorted(env) if k.startswith(("VLLM_", "JAX_")) or k == "LD_PRELOAD")
         print(f"[{name}] $ {shown} {' '.join(cmd)}", flush=True)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         self.t_start = time.monotonic()
 
     def tail(self, n: int = 30) -> str:
@@ -272,8 +299,9 @@ class Server:
         deadline = self.t_start + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was ready:\n"
-                                   f"{self.tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} before it was ready:\n{self.tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -312,11 +340,30 @@ def start_jaxmoe(a, ckpt: pathlib.Path, log_dir: pathlib.Path) -> Server:
     port = free_port()
     exe = pathlib.Path(sys.executable).with_name("jaxmoe")
     base = [str(exe)] if exe.exists() else [sys.executable, "-m", "jaxmoe.cli"]
-    cmd = base + ["serve", "--model", str(ckpt), "--dtype", a.dtype, "--host", "127.0.0.1", "--http-port",
-                  str(port), "--grpc-port", "0", "--served-model-name", "bench", "--max-num-seqs",
-                  str(a.max_num_seqs), "--max-model-len", str(a.max_model_len),
-                  "--max-batch-tokens", str(a.max_batch_tokens),  # default warm-up grid from these
-                  "--shutdown-grace", "0", *a.jaxmoe_arg]
+    cmd = base + [
+        "serve",
+        "--model",
+        str(ckpt),
+        "--dtype",
+        a.dtype,
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--grpc-port",
+        "0",
+        "--served-model-name",
+        "bench",
+        "--max-num-seqs",
+        str(a.max_num_seqs),
+        "--max-model-len",
+        str(a.max_model_len),
+        "--max-batch-tokens",
+        str(a.max_batch_tokens),  # default warm-up grid from these
+        "--shutdown-grace",
+        "0",
+        *a.jaxmoe_arg,
+    ]
     env = dict(os.environ, JAX_LOG_COMPILES="1", PYTHONUNBUFFERED="1")
     env.setdefault("JAX_PLATFORMS", "cpu")
     return Server("jaxmoe", cmd, env, port, log_dir / "jaxmoe.log")
@@ -324,13 +371,39 @@ def start_jaxmoe(a, ckpt: pathlib.Path, log_dir: pathlib.Path) -> Server:
 
 def start_vllm(a, ckpt: pathlib.Path, log_dir: pathlib.Path) -> Server:
     port = free_port()
-    cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", a.dtype,
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench", "--max-num-seqs",
-           str(a.max_num_seqs), "--max-model-len", str(a.max_model_len), "--max-num-batched-tokens",
-           str(a.max_batch_tokens), "--no-enable-prefix-caching", "--seed", "0", "--generation-config", "vllm",
-           *a.vllm_arg]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(a.vllm_kvcache_gib), PYTHONUNBUFFERED="1",
-               VLLM_CPU_OMP_THREADS_BIND=a.vllm_threads_bind or cpu_list())
+    cmd = [
+        a.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(ckpt),
+        "--dtype",
+        a.dtype,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--max-num-seqs",
+        str(a.max_num_seqs),
+        "--max-model-len",
+        str(a.max_model_len),
+        "--max-num-batched-tokens",
+        str(a.max_batch_tokens),
+        "--no-enable-prefix-caching",
+        "--seed",
+        "0",
+        "--generation-config",
+        "vllm",
+        *a.vllm_arg,
+    ]
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=str(a.vllm_kvcache_gib),
+        PYTHONUNBUFFERED="1",
+        VLLM_CPU_OMP_THREADS_BIND=a.vllm_threads_bind or cpu_list(),
+    )
     for k in ("VIRTUAL_ENV", "PYTHONPATH", "JAX_PLATFORMS"):
         env.pop(k, None)
     preload = vllm_ld_preload(a)
@@ -360,8 +433,12 @@ def versions(a) -> dict:
 
     v = {"jax": jax.__version__}
     if "vllm" in a.servers.split(","):
-        out = subprocess.run([a.vllm_python, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [a.vllm_python, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         parts = out.stdout.split()
         v.update(vllm=parts[0] if parts else "?", torch=parts[1] if len(parts) > 1 else "?")
     return v
@@ -378,24 +455,29 @@ def bench_server(a, name: str, ckpt: pathlib.Path, log_dir: pathlib.Path, runs: 
             warm = make_workload(a, a.warmup_seed, a.rate if mode == "poisson" else None, vocab)
             res, span = asyncio.run(drive(server.url, "bench", warm, name == "vllm", a.request_timeout))
             s = summarize(res, warm, span)
-            print(f"[{name}] warm-up load ({mode}): {s['tok_s']:.0f} tok/s in {span:.0f}s, errors {s['errors']}"
-                  + (f" ({s['first_error']})" if s["first_error"] else ""), flush=True)
+            print(
+                f"[{name}] warm-up load ({mode}): {s['tok_s']:.0f} tok/s in {span:.0f}s, errors {s['errors']}"
+                + (f" ({s['first_error']})" if s["first_error"] else ""),
+                flush=True,
+            )
         info["warmup_s"] = time.monotonic() - t0
         for mode, workload in runs.items():
             c0 = server.compiles()
             load0 = os.getloadavg()[0]
             res, span = asyncio.run(drive(server.url, "bench", workload, name == "vllm", a.request_timeout))
             s = summarize(res, workload, span)
-            s.update(compiles=server.compiles() - c0 if name == "jaxmoe" else None,
-                     load=(load0, os.getloadavg()[0]))
+            s.update(compiles=server.compiles() - c0 if name == "jaxmoe" else None, load=(load0, os.getloadavg()[0]))
             info["runs"][mode] = s
             info["texts"][mode] = [r.text for r in res]
-            print(f"[{name}] {mode}: {s['tok_s']:.1f} tok/s ({s['tokens']}/{s['expected_tokens']} tokens, "
-                  f"{span:.1f}s), TTFT p50/p90 {s['ttft'][0] * 1e3:.0f}/{s['ttft'][1] * 1e3:.0f} ms, "
-                  f"TPOT p50/p90 {s['tpot'][0] * 1e3:.0f}/{s['tpot'][1] * 1e3:.0f} ms, errors {s['errors']}"
-                  + (f" ({s['first_error']})" if s["first_error"] else "")
-                  + (f", compiles {s['compiles']}" if name == "jaxmoe" else "")
-                  + f", load {s['load'][0]:.1f}->{s['load'][1]:.1f}", flush=True)
+            print(
+                f"[{name}] {mode}: {s['tok_s']:.1f} tok/s ({s['tokens']}/{s['expected_tokens']} tokens, "
+                f"{span:.1f}s), TTFT p50/p90 {s['ttft'][0] * 1e3:.0f}/{s['ttft'][1] * 1e3:.0f} ms, "
+                f"TPOT p50/p90 {s['tpot'][0] * 1e3:.0f}/{s['tpot'][1] * 1e3:.0f} ms, errors {s['errors']}"
+                + (f" ({s['first_error']})" if s["first_error"] else "")
+                + (f", compiles {s['compiles']}" if name == "jaxmoe" else "")
+                + f", load {s['load'][0]:.1f}->{s['load'][1]:.1f}",
+                flush=True,
+            )
     except Exception as e:  # noqa: BLE001 - report and go on with the other server
         info["error"] = str(e)
         print(f"[{name}] FAILED: {e}", flush=True)
@@ -438,9 +520,11 @@ def render(a, out: dict, vers: dict, nparams: int, total_s: float) -> str:
                 lines.append(f"| {label} | {name} | failed | | | | | | | |")
                 continue
             comp = "-" if r["compiles"] is None else str(r["compiles"])
-            lines.append(f"| {label} | {name} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {ms(r['ttft'])} "
-                         f"| {ms(r['tpot'])} | {r['tokens']}/{r['expected_tokens']} | {r['errors']} | {comp} "
-                         f"| {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
+            lines.append(
+                f"| {label} | {name} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {ms(r['ttft'])} "
+                f"| {ms(r['tpot'])} | {r['tokens']}/{r['expected_tokens']} | {r['errors']} | {comp} "
+                f"| {r['load'][0]:.1f} / {r['load'][1]:.1f} |"
+            )
     lines.append("")
     if all(n in out and out[n].get("runs") for n in ("jaxmoe", "vllm")):
         for mode, label in modes.items():
@@ -449,10 +533,12 @@ def render(a, out: dict, vers: dict, nparams: int, total_s: float) -> str:
                 tj, tv = out["jaxmoe"]["texts"][mode], out["vllm"]["texts"][mode]
                 same = sum(x == y for x, y in zip(tj, tv))
                 pre = np.mean([_common_prefix(x, y) / max(1, max(len(x), len(y))) for x, y in zip(tj, tv)])
-                lines.append(f"- {label}: jaxmoe / vLLM output tokens/s = **{j['tok_s'] / v['tok_s']:.2f}x**; "
-                             f"TTFT P50 ratio {j['ttft'][0] / v['ttft'][0]:.2f}x, TPOT P50 ratio "
-                             f"{j['tpot'][0] / v['tpot'][0]:.2f}x; identical greedy texts {same}/{len(tj)} "
-                             f"(mean common prefix {pre:.0%} of the text).")
+                lines.append(
+                    f"- {label}: jaxmoe / vLLM output tokens/s = **{j['tok_s'] / v['tok_s']:.2f}x**; "
+                    f"TTFT P50 ratio {j['ttft'][0] / v['ttft'][0]:.2f}x, TPOT P50 ratio "
+                    f"{j['tpot'][0] / v['tpot'][0]:.2f}x; identical greedy texts {same}/{len(tj)} "
+                    f"(mean common prefix {pre:.0%} of the text)."
+                )
     for name, info in out.items():
         extra = f"ready after {info['ready_s']:.0f}s" if "ready_s" in info else "never ready"
         if "warmup_s" in info:
@@ -478,21 +564,38 @@ def main(argv=None) -> None:
     p.add_argument("--output-median", type=float, default=48)
     p.add_argument("--output-max", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=16, help="both servers' batch limit")
-    p.add_argument("--max-batch-tokens", type=int, default=2048,
-                   help="both servers' token budget per step (jaxmoe --max-batch-tokens, vLLM "
-                        "--max-num-batched-tokens; 2048 is both defaults on CPU)")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=2048,
+        help="both servers' token budget per step (jaxmoe --max-batch-tokens, vLLM "
+        "--max-num-batched-tokens; 2048 is both defaults on CPU)",
+    )
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup-modes", default="burst,poisson",
-                   help="unmeasured warm-up loads before measuring (same shapes, --warmup-seed); '' = none")
-    p.add_argument("--warmup-seed", type=int, default=None,
-                   help="seed of the warm-up loads (default --seed + 1; = --seed replays the measured requests)")
+    p.add_argument(
+        "--warmup-modes",
+        default="burst,poisson",
+        help="unmeasured warm-up loads before measuring (same shapes, --warmup-seed); '' = none",
+    )
+    p.add_argument(
+        "--warmup-seed",
+        type=int,
+        default=None,
+        help="seed of the warm-up loads (default --seed + 1; = --seed replays the measured requests)",
+    )
     p.add_argument("--vllm-kvcache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--vllm-threads-bind", default=None,
-                   help="VLLM_CPU_OMP_THREADS_BIND (default: every core this process may use; 'auto' = vLLM's "
-                        "own choice, which reserves one core for its scheduler process)")
-    p.add_argument("--vllm-ld-preload", default="auto",
-                   help="LD_PRELOAD for vLLM ('auto': tcmalloc + the venv's libiomp5 when present; '' = none)")
+    p.add_argument(
+        "--vllm-threads-bind",
+        default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND (default: every core this process may use; 'auto' = vLLM's "
+        "own choice, which reserves one core for its scheduler process)",
+    )
+    p.add_argument(
+        "--vllm-ld-preload",
+        default="auto",
+        help="LD_PRELOAD for vLLM ('auto': tcmalloc + the venv's libiomp5 when present; '' = none)",
+    )
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
     p.add_argument("--jaxmoe-arg", action="append", default=[], help="extra jaxmoe serve argument (repeatable)")
     p.add_argument("--ready-timeout", type=float, default=900)
@@ -515,8 +618,11 @@ def main(argv=None) -> None:
     log_dir = pathlib.Path(a.log_dir or tempfile.mkdtemp(prefix="serve_vs_vllm_logs_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     vers = versions(a)
-    print(f"checkpoint {ckpt} ({nparams:,} params); versions {vers}; logs in {log_dir}; "
-          f"nproc {os.cpu_count()}, load {os.getloadavg()}", flush=True)
+    print(
+        f"checkpoint {ckpt} ({nparams:,} params); versions {vers}; logs in {log_dir}; "
+        f"nproc {os.cpu_count()}, load {os.getloadavg()}",
+        flush=True,
+    )
 
     modes = a.modes.split(",")
     runs = {m: make_workload(a, a.seed, a.rate if m == "poisson" else None, vocab) for m in modes}

@@ -28,9 +28,18 @@ import tempfile
 import time
 import urllib.request
 
-MIXTRAL = dict(num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-               max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-               bos_token_id=1, eos_token_id=2)
+MIXTRAL = dict(
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 SHAPES = {
     "depth": dict(hidden_size=256, intermediate_size=512, vocab_size=384),
     "bench-107m": dict(hidden_size=512, intermediate_size=1024, vocab_size=1024, num_hidden_layers=8),
@@ -66,8 +75,20 @@ def _metric(text: str, name: str) -> float | None:
 
 def serve_once(model: pathlib.Path, cache: pathlib.Path, port: int, timeout: float = 900.0) -> dict:
     env = dict(os.environ, JAXMOE_COMPILATION_CACHE=str(cache), JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "jaxmoe.cli", "serve", "--model", str(model), "--http-port", str(port),
-           "--grpc-port", "0", "--max-model-len", "1024"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxmoe.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--http-port",
+        str(port),
+        "--grpc-port",
+        "0",
+        "--max-model-len",
+        "1024",
+    ]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -79,8 +100,9 @@ def serve_once(model: pathlib.Path, cache: pathlib.Path, port: int, timeout: flo
         time.sleep(0.25)
     out = {"ready_s": ready, "exit_before_ready": proc.poll()}
     if ready is not None:
-        body = json.dumps({"model": str(model), "prompt": [1, 5, 9, 13] * 8, "max_tokens": 16,
-                           "temperature": 0}).encode()
+        body = json.dumps(
+            {"model": str(model), "prompt": [1, 5, 9, 13] * 8, "max_tokens": 16, "temperature": 0}
+        ).encode()
         for _ in range(3):
             req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
             urllib.request.urlopen(req, timeout=120).read()
@@ -113,9 +135,11 @@ def main(argv=None) -> int:
         models.append(("bench-107m", SHAPES["bench-107m"]))
     import jax
 
-    print(f"# {platform.node()} {os.cpu_count()} cores, jax {jax.__version__}, "
-          f"vm.max_map_count {pathlib.Path('/proc/sys/vm/max_map_count').read_text().strip()}, "
-          f"{time.strftime('%Y-%m-%d')}")
+    print(
+        f"# {platform.node()} {os.cpu_count()} cores, jax {jax.__version__}, "
+        f"vm.max_map_count {pathlib.Path('/proc/sys/vm/max_map_count').read_text().strip()}, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
     print("| model | cache | ready (s) | programs compiled | compile s | mappings | compiles after ready | stop (s) |")
     print("|---|---|---|---|---|---|---|---|")
     for name, shape in models:
@@ -126,8 +150,11 @@ def main(argv=None) -> int:
             if r["ready_s"] is None:
                 print(f"| {name} | {label} | FAILED (exit {r['exit_before_ready']}): {r['log_tail']!r} |")
                 continue
-            print(f"| {name} | {label} | {r['ready_s']:.1f} | {r['compiles']:.0f} | {r['compile_s']:.1f} | "
-                  f"{r['maps']} | {r['compiles_after_ready']:.0f} | {r['stop_s']:.1f} |", flush=True)
+            print(
+                f"| {name} | {label} | {r['ready_s']:.1f} | {r['compiles']:.0f} | {r['compile_s']:.1f} | "
+                f"{r['maps']} | {r['compiles_after_ready']:.0f} | {r['stop_s']:.1f} |",
+                flush=True,
+            )
     return 0
 
 

@@ -16,8 +16,7 @@ class ShortestPromptFirst(Policy):
 
     def order(self, queues: Queues, budget: Budget) -> list[Sequence]:
         decodes = sorted(queues.ls_decode + queues.be_decode, key=arrival_key)
-        prefills = sorted(queues.ls_prefill + queues.be_prefill,
-                          key=lambda s: (s.num_uncomputed, arrival_key(s)))
+        prefills = sorted(queues.ls_prefill + queues.be_prefill, key=lambda s: (s.num_uncomputed, arrival_key(s)))
         return decodes + prefills
 
     def victim(self, candidates: list[Sequence]) -> Sequence:

@@ -6,6 +6,7 @@ Public API::
     llm = LLM("demo")                      # or a Hugging Face checkpoint directory
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
 """
+
 from jaxmoe.brownout import BrownoutConfig, BrownoutError
 from jaxmoe.checkpoint import CheckpointError, load_params, restore_converted, save_converted
 from jaxmoe.config import ModelConfig, UnsupportedModelError, from_hf_config, load_config
@@ -16,7 +17,22 @@ from jaxmoe.engine.sequence import Priority
 from jaxmoe.llm import LLM, load_model
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "LLMEngine", "EngineConfig", "Priority", "OverloadedError",
-    "ModelConfig", "load_config", "from_hf_config", "load_model", "load_params", "save_converted",
-    "restore_converted", "CheckpointError", "UnsupportedModelError", "BrownoutConfig", "BrownoutError",
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "LLMEngine",
+    "EngineConfig",
+    "Priority",
+    "OverloadedError",
+    "ModelConfig",
+    "load_config",
+    "from_hf_config",
+    "load_model",
+    "load_params",
+    "save_converted",
+    "restore_converted",
+    "CheckpointError",
+    "UnsupportedModelError",
+    "BrownoutConfig",
+    "BrownoutError",
 ]

@@ -3,6 +3,7 @@
 
 Each subcommand is a small function taking the parsed arguments; ``main`` only dispatches.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,11 @@ from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo",
-                   help="checkpoint directory, 'demo' (the built-in trained model) or 'tiny-random' (a test fixture)")
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="checkpoint directory, 'demo' (the built-in trained model) or 'tiny-random' (a test fixture)",
+    )
     p.add_argument("--mesh", default=None, help="mesh file (meshes/*.yaml); default: monolithic on one device")
     p.add_argument("--dtype", default=None, help="parameter dtype (float32, bfloat16); default: checkpoint's")
 
@@ -22,8 +26,11 @@ def cmd_generate(args) -> int:
     from jaxmoe import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, mesh=args.mesh, expert_impl=args.expert_impl)
-    chosen = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p))
-              if v is not None}
+    chosen = {
+        k: v
+        for k, v in (("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p))
+        if v is not None
+    }
     # the checkpoint's generation_config.json fills what the command line leaves unset (else greedy)
     sampling = {**llm.generation_config, **chosen} if not chosen else chosen
     params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop or ()), **sampling)
@@ -50,15 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=None,
-                     help="0 = greedy (default: the model's generation_config.json, else greedy)")
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the model's generation_config.json, else greedy)",
+    )
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--priority", default="be", choices=["ls", "be"])
-    gen.add_argument("--expert-impl", default="auto", choices=["auto", *EXPERT_IMPLS],
-                     help="expert-FFN implementation (auto: the fastest on this backend)")
+    gen.add_argument(
+        "--expert-impl",
+        default="auto",
+        choices=["auto", *EXPERT_IMPLS],
+        help="expert-FFN implementation (auto: the fastest on this backend)",
+    )
     gen.set_defaults(func=cmd_generate)
 
     mesh = sub.add_parser("mesh", help="mesh files")

@@ -4,6 +4,7 @@ Owns :class:`ModelConfig` (and its three small parts: attention, rope, MoE) and 
 translation from each supported family's config keys.  Supported families: Mixtral,
 Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and DeepSeek-V3.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -254,8 +255,11 @@ def _qwen_num_experts(hf: dict[str, Any]) -> int:
 def _qwen_moe(hf: dict[str, Any], family: str) -> ModelConfig:
     """Qwen2-MoE (q/k/v bias, sigmoid-gated shared expert) and Qwen3-MoE (q/k RMSNorm, no shared)."""
     qwen2 = family == "qwen2_moe"
-    attn = _gqa(hf, qkv_bias=bool(hf.get("qkv_bias", True)) if qwen2 else bool(hf.get("attention_bias", False)),
-                qk_norm=not qwen2)
+    attn = _gqa(
+        hf,
+        qkv_bias=bool(hf.get("qkv_bias", True)) if qwen2 else bool(hf.get("attention_bias", False)),
+        qk_norm=not qwen2,
+    )
     num_experts = _qwen_num_experts(hf)
     shared = int(hf.get("shared_expert_intermediate_size", 0) or 0) if qwen2 else 0
     return ModelConfig(

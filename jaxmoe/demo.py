@@ -5,6 +5,7 @@ made: docs/demo_model.md), shipped as a Hugging Face checkpoint in ``jaxmoe/asse
 ``tiny-random`` is a tiny Mixtral-style MoE with random weights from a fixed seed and the byte-level
 tokenizer: a test fixture (fast to compile), its text is noise.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -11,6 +11,7 @@ KV slot range), and every block of a sequence comes from one instance (instance 
 attention never reads another instance's cache. An executor states its layout (``Executor.kv_layout``);
 the engine's ``BlockManager`` allocates by it and the ``ModelRunner`` addresses slots by it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,9 @@ class KVLayout:
         if self.num_blocks <= 0 or self.block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {self.num_blocks}, {self.block_size}")
         if self.num_instances <= 0 or self.num_blocks % self.num_instances:
-            raise ValueError(f"num_partitions must be > 0 and divide num_blocks={self.num_blocks}, "
-                             f"got {self.num_instances}")
+            raise ValueError(
+                f"num_partitions must be > 0 and divide num_blocks={self.num_blocks}, got {self.num_instances}"
+            )
 
     @classmethod
     def for_slots(cls, num_slots: int, block_size: int, num_instances: int = 1) -> "KVLayout":

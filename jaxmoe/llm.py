@@ -3,6 +3,7 @@
 ``load_model`` resolves a model name: ``demo`` / ``tiny-random`` (built in), a directory converted by jaxmoe (Orbax),
 or a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,9 @@ def load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object
         return cfg, demo_params(cfg, dtype=jnp.dtype(dtype or jnp.float32)), ByteTokenizer()
     path = DEMO_DIR if str(model) == "demo" else Path(model)
     if not path.is_dir():
-        raise FileNotFoundError(f"model {str(model)!r} is neither a built-in name ('demo', "
-                                f"'{TINY_RANDOM}') nor a checkpoint directory")
+        raise FileNotFoundError(
+            f"model {str(model)!r} is neither a built-in name ('demo', '{TINY_RANDOM}') nor a checkpoint directory"
+        )
     if is_converted(path):
         params, cfg = restore_converted(path)
     else:
@@ -41,8 +43,14 @@ def load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object
     return cfg, params, tokenizer
 
 
-def build_executor(cfg: ModelConfig, params: dict, engine_config: EngineConfig, mesh=None,
-                   executor_kwargs: dict | None = None, brownout=None):
+def build_executor(
+    cfg: ModelConfig,
+    params: dict,
+    engine_config: EngineConfig,
+    mesh=None,
+    executor_kwargs: dict | None = None,
+    brownout=None,
+):
     """Monolithic executor by default; with a mesh file, the disaggregated one.
 
     ``executor_kwargs`` go to ``DisaggregatedExecutor`` (replica_policy, expert_impl, placement,
@@ -50,8 +58,9 @@ def build_executor(cfg: ModelConfig, params: dict, engine_config: EngineConfig, 
     """
     num_slots = engine_config.num_blocks * engine_config.block_size
     if mesh is None:
-        return MonolithicExecutor(cfg, params, num_slots, engine_config.block_size, brownout=brownout,
-                                  expert_impl=engine_config.expert_impl)
+        return MonolithicExecutor(
+            cfg, params, num_slots, engine_config.block_size, brownout=brownout, expert_impl=engine_config.expert_impl
+        )
     if brownout is not None:
         from jaxmoe.brownout import BrownoutError
 
@@ -65,8 +74,17 @@ def build_executor(cfg: ModelConfig, params: dict, engine_config: EngineConfig, 
 class LLM:
     """Offline generation over a batch of prompts, with continuous batching underneath."""
 
-    def __init__(self, model: str | Path = "demo", *, dtype=None, mesh=None, executor_kwargs: dict | None = None,
-                 rebalance_every: int = 0, brownout=None, **engine_kwargs):
+    def __init__(
+        self,
+        model: str | Path = "demo",
+        *,
+        dtype=None,
+        mesh=None,
+        executor_kwargs: dict | None = None,
+        rebalance_every: int = 0,
+        brownout=None,
+        **engine_kwargs,
+    ):
         """``rebalance_every``: with a mesh, re-place the expert replicas from recent activations
         every that many steps (``runtime.controller.PlacementController``, JANUS Algorithm 2).
         ``brownout``: a ``BrownoutConfig`` (BrownoutServe); the model directory must hold united
@@ -105,9 +123,12 @@ class LLM:
     def params(self) -> dict:
         return self.executor.params
 
-    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 priority: str = "be") -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        priority: str = "be",
+    ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

@@ -11,10 +11,10 @@ run over 0 .. nodes*devices_per_node-1 and device index d lives on node
 d // devices_per_node; `build_meshes` pairs index d with the d-th jax device (sorted
 by process, then id) and, on multi-process runs, checks that node == process_index.
 """
+
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -112,18 +112,25 @@ class ClusterSpec:
             ai = [i for i, inst in enumerate(a.devices) if self.node_of(inst[0]) == node]
             ei = [i for i, inst in enumerate(e.devices) if self.node_of(inst[0]) == node]
             idle = [d for d in devs if d not in used]
-            parts = [f"attention {_ranges(ai)}" if ai else "", f"experts {_ranges(ei)}" if ei else "",
-                     f"idle devices {_ranges(idle)}" if idle else ""]
+            parts = [
+                f"attention {_ranges(ai)}" if ai else "",
+                f"experts {_ranges(ei)}" if ei else "",
+                f"idle devices {_ranges(idle)}" if idle else "",
+            ]
             lines.append(f"  node {node} ({_devs(devs)}): " + "; ".join(p for p in parts if p))
         for title, side, axes, extra in (
             ("attention", a, ATTN_AXES, ""),
             ("experts", e, EXPERT_AXES, f", {e.slots_per_instance} slots each = {e.total_slots} slots"),
         ):
             shared = "; shared experts run here" if self.shared_experts == title else ""
-            lines.append(f"  {title}: {_plural(side.count, 'instance')} x {_plural(side.devices_per_instance, 'device')}"
-                         f" (mesh axes {axes[0]!r} x {axes[1]!r}){extra}{shared}")
+            lines.append(
+                f"  {title}: {_plural(side.count, 'instance')} x {_plural(side.devices_per_instance, 'device')}"
+                f" (mesh axes {axes[0]!r} x {axes[1]!r}){extra}{shared}"
+            )
             name = "attn" if title == "attention" else "expert"
-            lines += [f"    {name}[{i}]: {_devs(inst)} (node {self.node_of(inst[0])})" for i, inst in enumerate(side.devices)]
+            lines += [
+                f"    {name}[{i}]: {_devs(inst)} (node {self.node_of(inst[0])})" for i, inst in enumerate(side.devices)
+            ]
         lines.append(f"  transfer: {t.mode}")
         if t.mode == "direct":
             lines.append("    always direct m-to-n (every attention instance to every expert device)")
@@ -131,7 +138,8 @@ class ClusterSpec:
             lines += [
                 f"    few destinations: <= {t.direct_max_destinations} expert devices (this layout has {len(e.flat)})",
                 f"    direct m-to-n: if few destinations and >= {_fmt_bytes(t.direct_min_bytes)} per attention instance"
-                if t.mode == "adaptive" else "    direct m-to-n: never (mode two_phase)",
+                if t.mode == "adaptive"
+                else "    direct m-to-n: never (mode two_phase)",
                 f"    two-phase: phase 2 unicast if few destinations and < {_fmt_bytes(t.multicast_min_bytes)}"
                 " per attention node, else multicast inside each expert node",
             ]
@@ -170,8 +178,10 @@ class SubMeshes:
 
 def load_mesh(path_or_dict: str | Path | Mapping[str, Any]) -> ClusterSpec:
     """Read and validate a mesh file (a path) or an already-parsed mapping."""
+    from jaxmoe.mesh_file import parse  # the field-by-field validation (imports this module's types)
+
     if isinstance(path_or_dict, Mapping):
-        return _parse(path_or_dict, "<dict>")
+        return parse(path_or_dict, "<dict>")
     source = str(path_or_dict)
     try:
         raw = yaml.safe_load(Path(path_or_dict).read_text())
@@ -179,7 +189,7 @@ def load_mesh(path_or_dict: str | Path | Mapping[str, Any]) -> ClusterSpec:
         raise MeshConfigError(f"{source}: cannot read: {exc.strerror or exc}") from exc
     except yaml.YAMLError as exc:
         raise MeshConfigError(f"{source}: not valid YAML: {exc}") from exc
-    return _parse(raw, source)
+    return parse(raw, source)
 
 
 def build_meshes(spec: ClusterSpec, devices: Sequence | None = None) -> SubMeshes:
@@ -216,148 +226,13 @@ def build_meshes(spec: ClusterSpec, devices: Sequence | None = None) -> SubMeshe
     return SubMeshes(spec, mesh(spec.attention, ATTN_AXES), mesh(spec.experts, EXPERT_AXES), devices, node_ids)
 
 
-# --------------------------------------------------------------------------- parsing
-
-_TOP = ("platform", "nodes", "devices_per_node", "monolithic", "attention", "experts", "shared_experts", "transfer")
-_SIDE = ("instances", "devices_per_instance", "devices")
-_TRANSFER = tuple(f.name for f in dataclasses.fields(TransferPolicy))
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-
-
-def _parse(raw: Any, src: str) -> ClusterSpec:
-    def err(field: str, msg: str) -> MeshConfigError:
-        return MeshConfigError(f"{src}: {field}: {msg}")
-
-    def mapping(value, field, allowed, required=()):
-        if not isinstance(value, Mapping):
-            raise err(field or "(top level)", f"expected a mapping, got {type(value).__name__}")
-        for key in value:
-            if key not in allowed:
-                raise err(_join(field, key), f"unknown key (expected one of: {', '.join(allowed)})")
-        for key in required:
-            if key not in value:
-                raise err(_join(field, key), "missing")
-        return value
-
-    def integer(value, field, minimum=1):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise err(field, f"expected an integer, got {type(value).__name__} {value!r}")
-        if value < minimum:
-            raise err(field, f"must be >= {minimum}, got {value}")
-        return value
-
-    def choice(value, field, options):
-        if value not in options:
-            raise err(field, f"expected one of {', '.join(options)}, got {value!r}")
-        return value
-
-    def nbytes(value, field):
-        if isinstance(value, str):
-            m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
-            if not m or m.group(2).lower() not in _UNITS:
-                raise err(field, f"expected bytes (an integer or e.g. '64KiB', '4MiB'), got {value!r}")
-            return int(m.group(1)) * _UNITS[m.group(2).lower()]
-        return integer(value, field, minimum=0)
-
-    top = mapping(raw, "", _TOP, ("platform", "nodes", "devices_per_node", "experts"))
-    platform = choice(top["platform"], "platform", PLATFORMS)
-    nodes = integer(top["nodes"], "nodes")
-    per_node = integer(top["devices_per_node"], "devices_per_node")
-    monolithic = top.get("monolithic", False)
-    if not isinstance(monolithic, bool):
-        raise err("monolithic", f"expected true or false, got {monolithic!r}")
-    total = nodes * per_node
-    if monolithic and "attention" in top:
-        raise err("attention", "not allowed with monolithic: true (both sides use the experts' devices)")
-    if not monolithic and "attention" not in top:
-        raise err("attention", "missing")
-
-    sides = {"experts": top["experts"]} if monolithic else {"attention": top["attention"], "experts": top["experts"]}
-    for name, value in sides.items():
-        allowed = _SIDE + (("slots_per_instance",) if name == "experts" else ())
-        mapping(value, name, allowed, ("slots_per_instance",) if name == "experts" else ())
-
-    owner: dict[int, str] = {}  # device index -> "attention instance 0"
-    layout: dict[str, list[tuple[int, ...]]] = {}
-
-    def check_shape(name, insts):
-        sizes = sorted({len(inst) for inst in insts})
-        if len(sizes) > 1:
-            raise err(f"{name}.devices", f"every instance needs the same number of devices, got {sizes}")
-        for i, inst in enumerate(insts):
-            if len({d // per_node for d in inst}) > 1:
-                raise err(f"{name}.devices[{i}]", f"instance spans nodes {sorted({d // per_node for d in inst})}")
-
-    # Explicit device lists first, then count-based sides from the lowest free devices.
-    for name, value in sides.items():
-        if "devices" not in value:
-            continue
-        lists = value["devices"]
-        if not isinstance(lists, list) or not lists:
-            raise err(f"{name}.devices", "expected a non-empty list (one entry per instance)")
-        insts = []
-        for i, entry in enumerate(lists):
-            field = f"{name}.devices[{i}]"
-            ids = [entry] if isinstance(entry, int) and not isinstance(entry, bool) else entry
-            if not isinstance(ids, list) or not ids:
-                raise err(field, f"expected a device index or a non-empty list of them, got {entry!r}")
-            for d in ids:
-                integer(d, field, minimum=0)
-                if d >= total:
-                    raise err(field, f"device {d} does not exist: nodes {nodes} x devices_per_node {per_node} "
-                                     f"= {total} devices (0..{total - 1})")
-                if d in owner:
-                    raise err(field, f"device {d} is already used by {owner[d]}")
-                owner[d] = f"{name} instance {i}"
-            insts.append(tuple(ids))
-        check_shape(name, insts)
-        for key, want in (("instances", len(insts)), ("devices_per_instance", len(insts[0]))):
-            if key in value and integer(value[key], f"{name}.{key}") != want:
-                raise err(f"{name}.{key}", f"{value[key]} does not match devices (which gives {want})")
-        layout[name] = insts
-
-    for name, value in sides.items():
-        if name in layout:
-            continue
-        if "instances" not in value:
-            raise err(f"{name}.instances", "missing (give instances or devices)")
-        n = integer(value["instances"], f"{name}.instances")
-        k = integer(value.get("devices_per_instance", 1), f"{name}.devices_per_instance")
-        free = [d for d in range(total) if d not in owner]
-        if n * k > len(free):
-            raise err(f"{name}.instances", f"{n} instances x {k} devices = {n * k} devices but only {len(free)} "
-                                           f"of the {total} devices (nodes {nodes} x devices_per_node {per_node}) are free")
-        layout[name] = [tuple(free[i * k:(i + 1) * k]) for i in range(n)]
-        check_shape(name, layout[name])
-        for i, inst in enumerate(layout[name]):
-            owner.update({d: f"{name} instance {i}" for d in inst})
-
-    experts = Instances(tuple(layout["experts"]), integer(top["experts"]["slots_per_instance"], "experts.slots_per_instance"))
-    attention = Instances(experts.devices) if monolithic else Instances(tuple(layout["attention"]))
-
-    shared = choice(top.get("shared_experts", "attention"), "shared_experts", SHARED_EXPERTS)
-    t = mapping(top.get("transfer", {}), "transfer", _TRANSFER)
-    default = TransferPolicy()
-    policy = TransferPolicy(
-        mode=choice(t.get("mode", default.mode), "transfer.mode", TRANSFER_MODES),
-        direct_max_destinations=integer(t.get("direct_max_destinations", default.direct_max_destinations),
-                                        "transfer.direct_max_destinations", minimum=0),
-        direct_min_bytes=nbytes(t.get("direct_min_bytes", default.direct_min_bytes), "transfer.direct_min_bytes"),
-        multicast_min_bytes=nbytes(t.get("multicast_min_bytes", default.multicast_min_bytes), "transfer.multicast_min_bytes"),
-    )
-    return ClusterSpec(platform, nodes, per_node, attention, experts, shared, policy, monolithic, src)
-
-
 # --------------------------------------------------------------------------- helpers
+
 
 def _named(mesh, *spec):
     from jax.sharding import NamedSharding, PartitionSpec
 
     return NamedSharding(mesh, PartitionSpec(*spec))
-
-
-def _join(field: str, key: Any) -> str:
-    return f"{field}.{key}" if field else str(key)
 
 
 def _plural(n: int, word: str) -> str:

@@ -4,6 +4,7 @@ Everything is per row, so one jitted call serves a batch mixing greedy and sampl
 The random key of a row is derived from (seed, number of tokens generated so far): the same seed
 gives the same tokens whatever else is in the batch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -155,8 +156,9 @@ def sample(logits, temperature, top_k, top_p, seeds, steps, want_logprobs=False)
     def random_tokens(logits):
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
         # The top-k / top-p filter sorts the vocabulary of every row (slow on CPU): only when asked.
-        scaled = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), lambda l: _filter(l, top_k, top_p),
-                              lambda l: l, scaled)
+        scaled = jax.lax.cond(
+            jnp.any((top_k > 0) | (top_p < 1)), lambda l: _filter(l, top_k, top_p), lambda l: l, scaled
+        )
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(seeds, steps)
         sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         return jnp.where(temperature > 0, sampled, greedy)
@@ -168,6 +170,8 @@ def sample(logits, temperature, top_k, top_p, seeds, steps, want_logprobs=False)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z
     n = min(MAX_LOGPROBS, logits.shape[-1])
     top_lp, top_ids = jax.lax.cond(
-        want_logprobs, lambda: tuple(jax.lax.top_k(logits - log_z[:, None], n)),
-        lambda: (jnp.zeros((logits.shape[0], n), logits.dtype), jnp.zeros((logits.shape[0], n), jnp.int32)))
+        want_logprobs,
+        lambda: tuple(jax.lax.top_k(logits - log_z[:, None], n)),
+        lambda: (jnp.zeros((logits.shape[0], n), logits.dtype), jnp.zeros((logits.shape[0], n), jnp.int32)),
+    )
     return tokens, chosen, top_ids, top_lp

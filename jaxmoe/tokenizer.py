@@ -1,5 +1,6 @@
 """Tokenizers: a checkpoint's ``tokenizer.json`` (via ``tokenizers``) with its chat template, and
 the byte-level tokenizer of the built-in demo model."""
+
 from __future__ import annotations
 
 import json

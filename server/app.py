@@ -7,6 +7,7 @@ taking new RPCs, lets in-flight requests finish for ``grace`` seconds (or aborts
 
 ``ServerThread`` runs a server on its own event loop in a background thread (tests, benchmarks).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,6 @@ from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.security import SecurityOptions, http_middleware
 
 
-
 @dataclasses.dataclass
 class ServeOptions:
     host: str = "127.0.0.1"
@@ -42,8 +42,15 @@ class ServeOptions:
     body_read_timeout_s: float = 30.0  # an HTTP body not fully received in this time is refused (408)
 
 
-def load_engine(model: str, engine_config: EngineConfig, mesh: str | None = None, dtype=None,
-                rebalance_every: int = 0, brownout=None, salc=None) -> LLMEngine:
+def load_engine(
+    model: str,
+    engine_config: EngineConfig,
+    mesh: str | None = None,
+    dtype=None,
+    rebalance_every: int = 0,
+    brownout=None,
+    salc=None,
+) -> LLMEngine:
     """The engine ``jaxmoe serve`` runs; ``rebalance_every`` > 0 attaches the expert placement
     controller (a mesh file is needed); ``brownout`` (a ``BrownoutConfig``, the model directory
     holding united experts) and ``salc`` (a ``SALCConfig``: SLO-aware control of its threshold)."""
@@ -57,8 +64,9 @@ def load_engine(model: str, engine_config: EngineConfig, mesh: str | None = None
         from jaxmoe.demo import DEMO_DIR
 
         params = attach(params, cfg, DEMO_DIR if str(model) == "demo" else model)
-    engine = LLMEngine(cfg, build_executor(cfg, params, engine_config, mesh, brownout=brownout), tokenizer,
-                       engine_config)
+    engine = LLMEngine(
+        cfg, build_executor(cfg, params, engine_config, mesh, brownout=brownout), tokenizer, engine_config
+    )
     if salc is not None:
         BrownoutController.attach(engine, salc)
     if rebalance_every:
@@ -71,18 +79,29 @@ def load_engine(model: str, engine_config: EngineConfig, mesh: str | None = None
 def model_info(engine: LLMEngine, opts: ServeOptions) -> pb.ModelInfoResponse:
     cfg, ec = engine.cfg, engine.config
     return pb.ModelInfoResponse(
-        model=opts.model_name, family=cfg.family, vocab_size=cfg.vocab_size, max_context=engine.max_model_len,
-        num_layers=cfg.num_layers, num_moe_layers=cfg.num_moe_layers, num_experts=cfg.moe.num_experts,
-        experts_per_token=cfg.moe.top_k, mesh=opts.mesh_description, policy=engine.scheduler.policy.name,
-        max_num_seqs=ec.max_num_seqs, num_kv_blocks=ec.num_blocks, kv_block_size=ec.block_size)
+        model=opts.model_name,
+        family=cfg.family,
+        vocab_size=cfg.vocab_size,
+        max_context=engine.max_model_len,
+        num_layers=cfg.num_layers,
+        num_moe_layers=cfg.num_moe_layers,
+        num_experts=cfg.moe.num_experts,
+        experts_per_token=cfg.moe.top_k,
+        mesh=opts.mesh_description,
+        policy=engine.scheduler.policy.name,
+        max_num_seqs=ec.max_num_seqs,
+        num_kv_blocks=ec.num_blocks,
+        kv_block_size=ec.block_size,
+    )
 
 
 class JaxmoeServer:
     def __init__(self, engine: LLMEngine, opts: ServeOptions = ServeOptions()):
         self.opts = opts
         self.metrics = ServerMetrics()
-        self.async_engine = AsyncEngine(engine, on_finish=self.metrics.observe_finished,
-                                        request_timeout_s=opts.request_timeout_s)
+        self.async_engine = AsyncEngine(
+            engine, on_finish=self.metrics.observe_finished, request_timeout_s=opts.request_timeout_s
+        )
         self.metrics.watch(self.async_engine)
         self.async_engine.brownout = next((h for h in engine.step_hooks if isinstance(h, BrownoutController)), None)
         self.ready = False
@@ -97,16 +116,23 @@ class JaxmoeServer:
         o = self.opts
         if o.warmup:
             self.warmup_seconds = await loop.run_in_executor(
-                None, lambda: self.async_engine.warmup(o.warmup_shapes, o.warmup_progress, self.cancel_warmup))
+                None, lambda: self.async_engine.warmup(o.warmup_shapes, o.warmup_progress, self.cancel_warmup)
+            )
         info = model_info(self.async_engine.engine, o)
         self._grpc, self.grpc_port, self._health = build_grpc_server(
-            self.async_engine, info, o.host, o.grpc_port, self.metrics, o.security)
+            self.async_engine, info, o.host, o.grpc_port, self.metrics, o.security
+        )
         await set_serving(self._health, False)
-        http = OpenAIServer(self.async_engine, o.model_name, self.metrics, ready=lambda: self.ready,
-                            max_body_bytes=o.max_body_bytes, body_read_timeout_s=o.body_read_timeout_s)
+        http = OpenAIServer(
+            self.async_engine,
+            o.model_name,
+            self.metrics,
+            ready=lambda: self.ready,
+            max_body_bytes=o.max_body_bytes,
+            body_read_timeout_s=o.body_read_timeout_s,
+        )
         guard = http_middleware(o.security, o.host, lambda: self.http_port)
-        self._runner = web.AppRunner(http.app(guard), handler_cancellation=True, shutdown_timeout=5.0,
-                                     access_log=None)
+        self._runner = web.AppRunner(http.app(guard), handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, o.host, o.http_port)
         await site.start()

@@ -8,6 +8,7 @@
 and serves until SIGTERM / SIGINT: it then stops taking requests, lets in-flight streams finish
 for ``--shutdown-grace`` seconds (aborting what is left, ``finish_reason="abort"``) and exits 0.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,38 +23,69 @@ from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
 def register(sub, add_model_args) -> None:
     serve = sub.add_parser("serve", help="serve a model over gRPC and OpenAI-compatible HTTP")
     add_model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default loopback only; 0.0.0.0 exposes the server)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 exposes the server)"
+    )
     serve.add_argument("--grpc-port", type=int, default=50051, help="0 = pick a free port")
     serve.add_argument("--http-port", type=int, default=8000, help="0 = pick a free port")
     serve.add_argument("--served-model-name", default=None, help="name in /v1/models (default: --model)")
     serve.add_argument("--policy", default="qllm", choices=["qllm", "fcfs"])
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-batch-tokens", type=int, default=2048)
-    serve.add_argument("--layer-preemption", action="store_true",
-                       help="QLLM: latency-sensitive requests run between the layers of a best-effort step")
-    serve.add_argument("--expert-impl", default="auto", choices=["auto", *EXPERT_IMPLS],
-                       help="expert-FFN implementation (auto: the fastest on this backend)")
+    serve.add_argument(
+        "--layer-preemption",
+        action="store_true",
+        help="QLLM: latency-sensitive requests run between the layers of a best-effort step",
+    )
+    serve.add_argument(
+        "--expert-impl",
+        default="auto",
+        choices=["auto", *EXPERT_IMPLS],
+        help="expert-FFN implementation (auto: the fastest on this backend)",
+    )
     serve.add_argument("--max-waiting", type=int, default=1024, help="waiting queue size (then 429)")
     serve.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks")
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--rebalance-every", type=int, default=0,
-                       help="with --mesh: re-place expert replicas from recent activations every N steps")
-    serve.add_argument("--max-prefill-chunk", type=int, default=512,
-                       help="tokens of one prefill chunk (longer prompts are chunked)")
-    serve.add_argument("--no-warmup", action="store_true",
-                       help="skip compiling before serving (the first requests of each shape then compile)")
-    serve.add_argument("--shutdown-grace", type=float, default=10.0,
-                       help="seconds in-flight requests may take to finish on SIGTERM")
-    serve.add_argument("--request-timeout", type=float, default=600.0,
-                       help="seconds a request may run before the server ends it (0: no deadline)")
+    serve.add_argument(
+        "--rebalance-every",
+        type=int,
+        default=0,
+        help="with --mesh: re-place expert replicas from recent activations every N steps",
+    )
+    serve.add_argument(
+        "--max-prefill-chunk", type=int, default=512, help="tokens of one prefill chunk (longer prompts are chunked)"
+    )
+    serve.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip compiling before serving (the first requests of each shape then compile)",
+    )
+    serve.add_argument(
+        "--shutdown-grace", type=float, default=10.0, help="seconds in-flight requests may take to finish on SIGTERM"
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may run before the server ends it (0: no deadline)",
+    )
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest HTTP request body (413 above)")
-    serve.add_argument("--body-read-timeout", type=float, default=30.0,
-                       help="seconds an HTTP request body may take to arrive (408 after; slow clients)")
-    serve.add_argument("--brownout-threshold", type=float, default=None,
-                       help="BrownoutServe: start threshold in [0, 1] (the model needs united experts: jaxmoe unite)")
-    serve.add_argument("--full-brownout", action="store_true", help="drop browned-out assignments (else united experts)")
+    serve.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an HTTP request body may take to arrive (408 after; slow clients)",
+    )
+    serve.add_argument(
+        "--brownout-threshold",
+        type=float,
+        default=None,
+        help="BrownoutServe: start threshold in [0, 1] (the model needs united experts: jaxmoe unite)",
+    )
+    serve.add_argument(
+        "--full-brownout", action="store_true", help="drop browned-out assignments (else united experts)"
+    )
     serve.add_argument("--salc", action="store_true", help="SLO-aware latency control of the brownout threshold")
     serve.add_argument("--slo-ttft-ms", type=float, default=None, help="SALC: TTFT SLO (P90)")
     serve.add_argument("--slo-tpot-ms", type=float, default=None, help="SALC: TPOT SLO (P90)")
@@ -61,15 +93,27 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--salc-warning-factor", type=float, default=0.8)
     serve.add_argument("--salc-increment", type=float, default=0.1)
     serve.add_argument("--salc-shrink-ratio", type=float, default=0.8)
-    serve.add_argument("--api-key", default=os.environ.get("JAXMOE_API_KEY"),
-                       help="require this key (HTTP Authorization: Bearer KEY, gRPC metadata authorization) "
-                            "(default: $JAXMOE_API_KEY; none)")
-    serve.add_argument("--protect-health", action="store_true",
-                       help="with --api-key: /health, /metrics and gRPC health need the key too")
-    serve.add_argument("--allowed-origins", default="",
-                       help="comma-separated browser origins allowed to call the API ('*': any; default none)")
-    serve.add_argument("--allowed-hosts", default=None,
-                       help="comma-separated Host header values accepted ('*': any; default: the bound address)")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXMOE_API_KEY"),
+        help="require this key (HTTP Authorization: Bearer KEY, gRPC metadata authorization) "
+        "(default: $JAXMOE_API_KEY; none)",
+    )
+    serve.add_argument(
+        "--protect-health",
+        action="store_true",
+        help="with --api-key: /health, /metrics and gRPC health need the key too",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        default="",
+        help="comma-separated browser origins allowed to call the API ('*': any; default none)",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host header values accepted ('*': any; default: the bound address)",
+    )
     serve.add_argument("--abort-on-shutdown", action="store_true", help="abort in-flight requests at once")
     serve.set_defaults(func=cmd_serve)
 
@@ -99,11 +143,18 @@ def cmd_serve(args) -> int:
     from jaxmoe.server.security import SecurityOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                          max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting,
-                          max_model_len=args.max_model_len, max_prefill_chunk=args.max_prefill_chunk,
-                          policy=args.policy, layer_preemption=args.layer_preemption,
-                          expert_impl=args.expert_impl)
+    config = EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_batch_tokens=args.max_batch_tokens,
+        max_waiting=args.max_waiting,
+        max_model_len=args.max_model_len,
+        max_prefill_chunk=args.max_prefill_chunk,
+        policy=args.policy,
+        layer_preemption=args.layer_preemption,
+        expert_impl=args.expert_impl,
+    )
     mesh_description = "monolithic: one device (no mesh file)"
     if args.mesh:
         from jaxmoe.mesh import load_mesh
@@ -114,24 +165,41 @@ def cmd_serve(args) -> int:
         from jaxmoe.brownout import BrownoutConfig
         from jaxmoe.brownout.controller import SALCConfig
 
-        brownout = BrownoutConfig(1.0 if args.brownout_threshold is None else args.brownout_threshold,
-                                  args.full_brownout)
+        brownout = BrownoutConfig(
+            1.0 if args.brownout_threshold is None else args.brownout_threshold, args.full_brownout
+        )
         if args.salc:
             ms = lambda v: None if v is None else v / 1e3  # noqa: E731
-            salc = SALCConfig(ms(args.slo_ttft_ms), ms(args.slo_tpot_ms), args.salc_window,
-                              args.salc_warning_factor, args.salc_increment, args.salc_shrink_ratio)
+            salc = SALCConfig(
+                ms(args.slo_ttft_ms),
+                ms(args.slo_tpot_ms),
+                args.salc_window,
+                args.salc_warning_factor,
+                args.salc_increment,
+                args.salc_shrink_ratio,
+            )
     engine = load_engine(args.model, config, args.mesh, args.dtype, args.rebalance_every, brownout, salc)
-    opts = ServeOptions(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                        model_name=args.served_model_name or str(args.model), mesh_description=mesh_description,
-                        warmup=not args.no_warmup, request_timeout_s=args.request_timeout or None,
-                        max_body_bytes=args.max_body_bytes,
-                        body_read_timeout_s=args.body_read_timeout, security=SecurityOptions(
-                            api_key=args.api_key or None, protect_health=args.protect_health,
-                            allowed_origins=_names(args.allowed_origins),
-                            allowed_hosts=None if args.allowed_hosts is None else _names(args.allowed_hosts)))
+    opts = ServeOptions(
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        model_name=args.served_model_name or str(args.model),
+        mesh_description=mesh_description,
+        warmup=not args.no_warmup,
+        request_timeout_s=args.request_timeout or None,
+        max_body_bytes=args.max_body_bytes,
+        body_read_timeout_s=args.body_read_timeout,
+        security=SecurityOptions(
+            api_key=args.api_key or None,
+            protect_health=args.protect_health,
+            allowed_origins=_names(args.allowed_origins),
+            allowed_hosts=None if args.allowed_hosts is None else _names(args.allowed_hosts),
+        ),
+    )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        print(f"jaxmoe: warning: binding {args.host} without --api-key: anyone who reaches it can use it",
-              file=sys.stderr)
+        print(
+            f"jaxmoe: warning: binding {args.host} without --api-key: anyone who reaches it can use it", file=sys.stderr
+        )
     return asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace))
 
 
@@ -180,10 +248,18 @@ def cmd_client(args) -> int:
                 print(f"health: {client.health(timeout=args.timeout)}")
                 return 0
             last = None
-            for chunk in client.generate(args.prompt, timeout=args.timeout, max_tokens=args.max_tokens,
-                                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                         seed=args.seed, stop=args.stop, logprobs=args.logprobs,
-                                         priority=args.priority):
+            for chunk in client.generate(
+                args.prompt,
+                timeout=args.timeout,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+                stop=args.stop,
+                logprobs=args.logprobs,
+                priority=args.priority,
+            ):
                 if args.logprobs is None:
                     print(chunk.delta_text, end="", flush=True)
                 for lp in chunk.logprobs:  # one line per token when logprobs are asked
@@ -193,10 +269,12 @@ def cmd_client(args) -> int:
             print()
             if last is not None:
                 u = last.usage
-                print(f"--- finish_reason={last.finish_reason} prompt_tokens={u.prompt_tokens} "
-                      f"completion_tokens={u.completion_tokens}", file=sys.stderr)
+                print(
+                    f"--- finish_reason={last.finish_reason} prompt_tokens={u.prompt_tokens} "
+                    f"completion_tokens={u.completion_tokens}",
+                    file=sys.stderr,
+                )
         except grpc.RpcError as e:
             print(f"jaxmoe: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     return 0
-

@@ -9,6 +9,7 @@
 ``logprobs``, ``finish_reason`` and ``usage`` on the last one); errors are ``grpc.RpcError`` with
 the server's status code. ``cancel()`` on the returned stream (or dropping it) cancels the request.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -18,14 +19,31 @@ from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
 
 
-def make_request(prompt: str | list[int], *, max_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int = 0, top_p: float | None = None, seed: int | None = None, stop=(),
-                 stop_token_ids=(), ignore_eos: bool = False, logprobs: int | None = None,
-                 priority: str = "be", request_id: str = "") -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                 ignore_eos=ignore_eos)
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("seed", seed), ("logprobs", logprobs)):
+def make_request(
+    prompt: str | list[int],
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int = 0,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop=(),
+    stop_token_ids=(),
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
+    priority: str = "be",
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(
+        top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
+    )
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("seed", seed),
+        ("logprobs", logprobs),
+    ):
         if value is not None:
             setattr(sampling, name, value)
     req = pb.GenerateRequest(request_id=request_id, sampling=sampling, priority=priority)
@@ -55,17 +73,21 @@ class JaxmoeClient:
             text.append(chunk.delta_text)
             ids.extend(chunk.delta_token_ids)
             last = chunk
-        usage = {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": last.usage.completion_tokens,
-                 "total_tokens": last.usage.total_tokens}
+        usage = {
+            "prompt_tokens": last.usage.prompt_tokens,
+            "completion_tokens": last.usage.completion_tokens,
+            "total_tokens": last.usage.total_tokens,
+        }
         return {"text": "".join(text), "token_ids": ids, "finish_reason": last.finish_reason, "usage": usage}
 
     def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfoResponse:
         return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     def health(self, service: str = "", timeout: float | None = 10.0) -> str:
-        """"SERVING" / "NOT_SERVING" (standard grpc.health.v1)."""
+        """ "SERVING" / "NOT_SERVING" (standard grpc.health.v1)."""
         resp = health_pb2_grpc.HealthStub(self.channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def close(self) -> None:

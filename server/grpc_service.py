@@ -10,6 +10,7 @@ shutting down, DEADLINE_EXCEEDED when the server's request deadline passed, INTE
 engine failed the request. An unset temperature is 1.0 (the OpenAI API's default, as over HTTP). A client cancel (or deadline) aborts
 the request in the engine, which frees its KV blocks.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -19,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxmoe.engine.async_engine import EngineClosedError, EngineStepError, RequestTimeoutError
-from jaxmoe.engine.engine import RequestOutput
+from jaxmoe.engine.outputs import RequestOutput
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
@@ -33,8 +34,13 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxmoe"].full_name  # "jaxmoe.v1.
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     """The shared validator (``SamplingParams``: raises ``SamplingParamsError`` naming the field) with
     the defaults of the HTTP API: an unset temperature is 1.0, as in the OpenAI API."""
-    kw = dict(top_k=s.top_k, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-              ignore_eos=s.ignore_eos, temperature=1.0)
+    kw = dict(
+        top_k=s.top_k,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        temperature=1.0,
+    )
     for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
         if s.HasField(name):
             kw[name] = getattr(s, name)
@@ -53,14 +59,22 @@ def request_from_proto(req: pb.GenerateRequest):
 
 
 def output_to_proto(out: RequestOutput, tokenizer) -> pb.GenerateResponse:
-    resp = pb.GenerateResponse(request_id=out.request_id, delta_text=out.delta_text,
-                               delta_token_ids=out.delta_token_ids, finish_reason=out.finish_reason or "",
-                               priority=out.priority, usage=pb.Usage(**out.usage))
+    resp = pb.GenerateResponse(
+        request_id=out.request_id,
+        delta_text=out.delta_text,
+        delta_token_ids=out.delta_token_ids,
+        finish_reason=out.finish_reason or "",
+        priority=out.priority,
+        usage=pb.Usage(**out.usage),
+    )
     if out.logprobs is not None and out.delta_token_ids:
-        for lp in out.logprobs[len(out.token_ids) - len(out.delta_token_ids):len(out.token_ids)]:
+        for lp in out.logprobs[len(out.token_ids) - len(out.delta_token_ids) : len(out.token_ids)]:
             top = [pb.TopLogprob(token_id=t, token=tokenizer.decode([t]), logprob=v) for t, v in lp.top]
-            resp.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, token=tokenizer.decode([lp.token_id]),
-                                                 logprob=lp.logprob, top=top))
+            resp.logprobs.append(
+                pb.TokenLogprob(
+                    token_id=lp.token_id, token=tokenizer.decode([lp.token_id]), logprob=lp.logprob, top=top
+                )
+            )
     if out.finished:
         if out.ttft is not None:
             resp.ttft_s = out.ttft
@@ -91,11 +105,15 @@ def add_servicer(servicer: "JaxmoeServicer", server) -> None:
     """``pb_grpc.add_JaxmoeServicer_to_server`` with deserializers that never raise."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest.FromString),
-            response_serializer=pb.GenerateResponse.SerializeToString),
+            servicer.Generate,
+            request_deserializer=_lenient(pb.GenerateRequest.FromString),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
         "ModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.ModelInfo, request_deserializer=_lenient(pb.ModelInfoRequest.FromString),
-            response_serializer=pb.ModelInfoResponse.SerializeToString),
+            servicer.ModelInfo,
+            request_deserializer=_lenient(pb.ModelInfoRequest.FromString),
+            response_serializer=pb.ModelInfoResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
@@ -120,8 +138,12 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
 
     async def Generate(self, request, context):
         if isinstance(request, Undecodable):
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
-                               f"the request is not a GenerateRequest ({request.error})")
+            await self._reject(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "invalid",
+                f"the request is not a GenerateRequest ({request.error})",
+            )
         try:
             prompt, sampling, priority = request_from_proto(request)
         except ValueError as e:
@@ -132,8 +154,13 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
         except OverloadedError as e:
-            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded",
-                               f"server overloaded: {e}; retry later", retry_after_s=1.0)
+            await self._reject(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "overloaded",
+                f"server overloaded: {e}; retry later",
+                retry_after_s=1.0,
+            )
         except EngineClosedError as e:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "unavailable", str(e))
         finished = False
@@ -153,13 +180,23 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
 
     async def ModelInfo(self, request, context):
         if isinstance(request, Undecodable):
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
-                               f"the request is not a ModelInfoRequest ({request.error})")
+            await self._reject(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "invalid",
+                f"the request is not a ModelInfoRequest ({request.error})",
+            )
         return self.info
 
 
-def build_grpc_server(async_engine, model_info: pb.ModelInfoResponse, host: str, port: int,
-                      metrics=None, security: SecurityOptions | None = None):
+def build_grpc_server(
+    async_engine,
+    model_info: pb.ModelInfoResponse,
+    host: str,
+    port: int,
+    metrics=None,
+    security: SecurityOptions | None = None,
+):
     """A ``grpc.aio.Server`` bound to host:port (0 = pick), not started (``await server.start()``
     on the serving event loop). Returns (server, port, health). With an API key in ``security``,
     RPCs need ``authorization: Bearer <key>`` metadata."""
@@ -169,8 +206,8 @@ def build_grpc_server(async_engine, model_info: pb.ModelInfoResponse, host: str,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server)
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
     bound = server.add_insecure_port(f"{_host(host)}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")

@@ -13,6 +13,7 @@ Every error is OpenAI-style JSON ``{"error": {"message", "type", "param", "code"
 deadline passed, 500 engine failure. A client that disconnects mid-request has its request
 aborted in the engine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,7 @@ from aiohttp import web
 from jinja2 import TemplateError
 
 from jaxmoe.engine.async_engine import EngineClosedError, EngineStepError, RequestTimeoutError
-from jaxmoe.engine.engine import RequestOutput
+from jaxmoe.engine.outputs import RequestOutput
 from jaxmoe.sampling import SamplingParamsError
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
@@ -46,7 +47,8 @@ def _bad(message: str, param: str | None = None) -> ApiError:
 
 def error_response(e: ApiError) -> web.Response:
     return web.json_response(
-        {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}, status=e.status)
+        {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}, status=e.status
+    )
 
 
 _HTTP_ERRORS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type"}
@@ -63,8 +65,14 @@ async def json_errors(request: web.Request, handler):
         if e.status < 400:
             raise
         kind = "invalid_request_error" if e.status < 500 else "server_error"
-        return error_response(ApiError(e.status, e.reason if not e.text or e.text.startswith(str(e.status))
-                                       else e.text, kind, _HTTP_ERRORS.get(e.status, "http_error")))
+        return error_response(
+            ApiError(
+                e.status,
+                e.reason if not e.text or e.text.startswith(str(e.status)) else e.text,
+                kind,
+                _HTTP_ERRORS.get(e.status, "http_error"),
+            )
+        )
 
 
 def _priority(request: web.Request, body_priority: str | None) -> Priority:
@@ -79,17 +87,27 @@ async def _read_json(request: web.Request):
     """The body as JSON, or a 4xx ApiError: bad encoding, bad compression, not JSON, too deep."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("identity", "gzip", "deflate", "br", ""):
-        raise ApiError(415, f"Content-Encoding {encoding!r} is not supported", "invalid_request_error",
-                       "unsupported_media_type", "Content-Encoding")
+        raise ApiError(
+            415,
+            f"Content-Encoding {encoding!r} is not supported",
+            "invalid_request_error",
+            "unsupported_media_type",
+            "Content-Encoding",
+        )
     timeout = request.app["body_read_timeout_s"]
     try:
         raw = await asyncio.wait_for(request.read(), timeout)
     except TimeoutError:  # a slow client must not hold the connection and its handler forever
-        raise ApiError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
-                       "request_timeout") from None
+        raise ApiError(
+            408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error", "request_timeout"
+        ) from None
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"request body larger than {request.app['max_body_bytes']} bytes",
-                       "invalid_request_error", "request_too_large") from None
+        raise ApiError(
+            413,
+            f"request body larger than {request.app['max_body_bytes']} bytes",
+            "invalid_request_error",
+            "request_too_large",
+        ) from None
     except Exception as e:  # undecodable compressed body (zlib / brotli errors)
         raise _bad(f"the body could not be decoded ({encoding}): {type(e).__name__}") from None
     try:
@@ -101,8 +119,15 @@ async def _read_json(request: web.Request):
 
 
 class OpenAIServer:
-    def __init__(self, async_engine, model_name: str, metrics=None, ready=lambda: True,
-                 max_body_bytes: int = 4 << 20, body_read_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        async_engine,
+        model_name: str,
+        metrics=None,
+        ready=lambda: True,
+        max_body_bytes: int = 4 << 20,
+        body_read_timeout_s: float = 30.0,
+    ):
         self.engine = async_engine
         self.model_name = model_name
         self.metrics = metrics
@@ -126,8 +151,13 @@ class OpenAIServer:
 
     # -- simple endpoints ------------------------------------------------------------------------
     def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jaxmoe",
-                "max_model_len": self.engine.engine.max_model_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "jaxmoe",
+            "max_model_len": self.engine.engine.max_model_len,
+        }
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [self._model_card()]})
@@ -138,8 +168,13 @@ class OpenAIServer:
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise ApiError(404, f"The model {name!r} does not exist (this server serves {self.model_name!r})",
-                           "invalid_request_error", "model_not_found", "model")
+            raise ApiError(
+                404,
+                f"The model {name!r} does not exist (this server serves {self.model_name!r})",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            )
 
     async def health(self, request):
         ok = self.ready() and self.engine.running
@@ -209,8 +244,10 @@ class OpenAIServer:
                 self.metrics.reject({400: "invalid", 429: "overloaded"}.get(e.status, "unavailable"))
             return error_response(e)
         rid = streams[0].request_id
-        fmts = [ChatFormat(self, rid, i) if chat else CompletionFormat(self, rid, i, echo=req.echo)
-                for i in range(len(streams))]
+        fmts = [
+            ChatFormat(self, rid, i) if chat else CompletionFormat(self, rid, i, echo=req.echo)
+            for i in range(len(streams))
+        ]
         finished = False
         try:
             if req.stream:
@@ -224,8 +261,9 @@ class OpenAIServer:
         except EngineStepError as e:
             finished = True
             timeout = isinstance(e, RequestTimeoutError)
-            return error_response(ApiError(504 if timeout else 500, str(e), "server_error",
-                                           "timeout" if timeout else "internal_error"))
+            return error_response(
+                ApiError(504 if timeout else 500, str(e), "server_error", "timeout" if timeout else "internal_error")
+            )
         finally:
             if not finished:  # client went away (handler cancelled, write failed): free the slots
                 for st in streams:

@@ -7,13 +7,14 @@ from ``AsyncEngine.snapshot()`` (published by the engine thread after every step
 
 Names (all prefixed ``jaxmoe_``) are listed in docs/serving.md.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxmoe.compilation import compile_events
-from jaxmoe.engine.engine import RequestOutput
+from jaxmoe.engine.outputs import RequestOutput
 from jaxmoe.engine.scheduler import PREEMPTION_LEVELS
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -24,19 +25,29 @@ class ServerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("jaxmoe_time_to_first_token_seconds", "Time to first token",
-                              ["priority"], buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("jaxmoe_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request",
-                              ["priority"], buckets=_TPOT_BUCKETS, registry=r)
-        self.requests = Counter("jaxmoe_requests_finished", "Requests that ended, by finish reason",
-                                ["priority", "finish_reason"], registry=r)
-        self.rejected = Counter("jaxmoe_requests_rejected", "Requests refused at admission",
-                                ["reason"], registry=r)  # invalid | overloaded | unavailable
-        self.prompt_tokens = Counter("jaxmoe_prompt_tokens", "Prompt tokens of finished requests",
-                                     ["priority"], registry=r)
-        self.generation_tokens = Counter("jaxmoe_generation_tokens", "Generated tokens",
-                                         ["priority"], registry=r)
+        self.ttft = Histogram(
+            "jaxmoe_time_to_first_token_seconds", "Time to first token", ["priority"], buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "jaxmoe_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+            ["priority"],
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "jaxmoe_requests_finished",
+            "Requests that ended, by finish reason",
+            ["priority", "finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "jaxmoe_requests_rejected", "Requests refused at admission", ["reason"], registry=r
+        )  # invalid | overloaded | unavailable
+        self.prompt_tokens = Counter(
+            "jaxmoe_prompt_tokens", "Prompt tokens of finished requests", ["priority"], registry=r
+        )
+        self.generation_tokens = Counter("jaxmoe_generation_tokens", "Generated tokens", ["priority"], registry=r)
 
     def watch(self, async_engine) -> None:
         """Export the engine gauges (queues, batch, KV, preemptions, expert activations)."""
@@ -76,55 +87,60 @@ class _EngineCollector:
         for name, n in snap["queues"].items():
             q.add_metric([name], n)
         yield q
-        yield GaugeMetricFamily("jaxmoe_running_batch_size", "Sequences in the latest step",
-                                value=snap["num_running"])
-        yield GaugeMetricFamily("jaxmoe_waiting_requests", "Accepted, never scheduled",
-                                value=snap["num_waiting"])
-        yield GaugeMetricFamily("jaxmoe_inflight_requests", "Accepted, not finished",
-                                value=snap["in_flight"])
-        yield GaugeMetricFamily("jaxmoe_kv_block_utilization", "Fraction of KV blocks in use",
-                                value=snap["kv_utilization"])
+        yield GaugeMetricFamily("jaxmoe_running_batch_size", "Sequences in the latest step", value=snap["num_running"])
+        yield GaugeMetricFamily("jaxmoe_waiting_requests", "Accepted, never scheduled", value=snap["num_waiting"])
+        yield GaugeMetricFamily("jaxmoe_inflight_requests", "Accepted, not finished", value=snap["in_flight"])
+        yield GaugeMetricFamily(
+            "jaxmoe_kv_block_utilization", "Fraction of KV blocks in use", value=snap["kv_utilization"]
+        )
         yield GaugeMetricFamily("jaxmoe_kv_free_blocks", "Free KV blocks", value=snap["kv_free_blocks"])
         yield GaugeMetricFamily("jaxmoe_kv_blocks", "KV blocks in all", value=snap["num_blocks"])
-        pre = CounterMetricFamily("jaxmoe_preemptions",
-                                  "Preemptions: at step boundaries (kind keep_kv, recompute) and between layers "
-                                  "(kind pause: a paused request, QLLM layer-level)",
-                                  labels=["kind", "level", "priority"])
+        pre = CounterMetricFamily(
+            "jaxmoe_preemptions",
+            "Preemptions: at step boundaries (kind keep_kv, recompute) and between layers "
+            "(kind pause: a paused request, QLLM layer-level)",
+            labels=["kind", "level", "priority"],
+        )
         for kind, per in snap["preemptions"].items():
             for prio, n in per.items():
                 pre.add_metric([kind, PREEMPTION_LEVELS[kind], prio], n)
         yield pre
         yield CounterMetricFamily("jaxmoe_engine_steps", "Engine steps", value=snap["steps"])
-        yield CounterMetricFamily("jaxmoe_engine_step_errors", "Engine steps that raised",
-                                  value=snap["step_errors"])
+        yield CounterMetricFamily("jaxmoe_engine_step_errors", "Engine steps that raised", value=snap["step_errors"])
         xla = compile_events()
-        yield CounterMetricFamily("jaxmoe_xla_compiles", "XLA programs compiled by this process",
-                                  value=xla["compiles"])
-        yield CounterMetricFamily("jaxmoe_xla_cache_loads", "XLA programs loaded from the persistent cache",
-                                  value=xla["cache_hits"])
-        yield CounterMetricFamily("jaxmoe_xla_compile_seconds", "Seconds spent compiling XLA programs",
-                                  value=xla["compile_seconds"])
+        yield CounterMetricFamily("jaxmoe_xla_compiles", "XLA programs compiled by this process", value=xla["compiles"])
+        yield CounterMetricFamily(
+            "jaxmoe_xla_cache_loads", "XLA programs loaded from the persistent cache", value=xla["cache_hits"]
+        )
+        yield CounterMetricFamily(
+            "jaxmoe_xla_compile_seconds", "Seconds spent compiling XLA programs", value=xla["compile_seconds"]
+        )
         late = self.async_engine.compiles_after_warmup
         if late is not None:
-            yield GaugeMetricFamily("jaxmoe_compiles_after_warmup",
-                                    "XLA programs compiled or loaded since warm-up ended (0: none while serving)",
-                                    value=late)
+            yield GaugeMetricFamily(
+                "jaxmoe_compiles_after_warmup",
+                "XLA programs compiled or loaded since warm-up ended (0: none while serving)",
+                value=late,
+            )
         brownout = snap.get("brownout")
         if brownout is not None:
-            yield GaugeMetricFamily("jaxmoe_brownout_threshold",
-                                    "BrownoutServe threshold: share of expert assignments kept by original experts",
-                                    value=brownout["threshold"])
-            p90 = GaugeMetricFamily("jaxmoe_slo_p90_seconds", "P90 latency over the SLO analyzer's window",
-                                    labels=["phase"])
+            yield GaugeMetricFamily(
+                "jaxmoe_brownout_threshold",
+                "BrownoutServe threshold: share of expert assignments kept by original experts",
+                value=brownout["threshold"],
+            )
+            p90 = GaugeMetricFamily(
+                "jaxmoe_slo_p90_seconds", "P90 latency over the SLO analyzer's window", labels=["phase"]
+            )
             for phase, value in brownout["p90"].items():
                 if value is not None:
                     p90.add_metric([phase], value)
             yield p90
         counts = snap.get("expert_counts")
         if counts:
-            act = CounterMetricFamily("jaxmoe_expert_activations",
-                                      "Tokens routed to each expert, per MoE layer",
-                                      labels=["layer", "expert"])
+            act = CounterMetricFamily(
+                "jaxmoe_expert_activations", "Tokens routed to each expert, per MoE layer", labels=["layer", "expert"]
+            )
             for layer, row in counts:
                 for expert, n in enumerate(row):
                     act.add_metric([str(layer), str(expert)], n)

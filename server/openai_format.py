@@ -1,11 +1,12 @@
 """OpenAI response objects for one request's choices: ``text_completion`` / ``chat.completion``
 (and their streamed chunks) from the engine's ``RequestOutput`` s, with logprobs and usage."""
+
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
 
-from jaxmoe.engine.engine import RequestOutput
+from jaxmoe.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:  # the formats read its tokenizer and model name
     from jaxmoe.server.http_service import OpenAIServer
@@ -27,7 +28,6 @@ def merge_final(fmts, finals) -> dict:
     return obj
 
 
-
 class CompletionFormat:
     """``text_completion`` objects of one choice."""
 
@@ -38,8 +38,13 @@ class CompletionFormat:
         self.echo = echo
 
     def _base(self, choices, usage=None):
-        obj = {"id": self.rid, "object": "text_completion", "created": self.created,
-               "model": self.server.model_name, "choices": choices}
+        obj = {
+            "id": self.rid,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.server.model_name,
+            "choices": choices,
+        }
         if usage is not None:
             obj["usage"] = usage
         return obj
@@ -47,7 +52,7 @@ class CompletionFormat:
     def _logprobs(self, out: RequestOutput, new: bool):
         if out.logprobs is None:
             return None
-        items = out.logprobs[len(out.token_ids) - len(out.delta_token_ids):] if new else out.logprobs
+        items = out.logprobs[len(out.token_ids) - len(out.delta_token_ids) :] if new else out.logprobs
         d = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in items:
             d["tokens"].append(self.tok.decode([lp.token_id]))
@@ -61,16 +66,33 @@ class CompletionFormat:
         return []
 
     def chunk(self, out: RequestOutput):
-        return self._base([{"index": self.index, "text": out.delta_text, "logprobs": self._logprobs(out, True),
-                            "finish_reason": out.finish_reason if out.finished else None}])
+        return self._base(
+            [
+                {
+                    "index": self.index,
+                    "text": out.delta_text,
+                    "logprobs": self._logprobs(out, True),
+                    "finish_reason": out.finish_reason if out.finished else None,
+                }
+            ]
+        )
 
     def usage_chunk(self, usage: dict):
         return self._base([], usage)
 
     def final(self, out: RequestOutput):
         if not self.echo:
-            return self._base([{"index": self.index, "text": out.text, "logprobs": self._logprobs(out, False),
-                                "finish_reason": out.finish_reason}], out.usage)
+            return self._base(
+                [
+                    {
+                        "index": self.index,
+                        "text": out.text,
+                        "logprobs": self._logprobs(out, False),
+                        "finish_reason": out.finish_reason,
+                    }
+                ],
+                out.usage,
+            )
         prompt = out.prompt_token_ids
         text = self.tok.decode(prompt) + out.text
         logprobs = None
@@ -88,8 +110,9 @@ class CompletionFormat:
             if generated:
                 for k in logprobs:
                     logprobs[k] += generated[k]
-        return self._base([{"index": self.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": out.finish_reason}], out.usage)
+        return self._base(
+            [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}], out.usage
+        )
 
 
 class ChatFormat:
@@ -100,8 +123,13 @@ class ChatFormat:
         self.tok = server.tokenizer
 
     def _base(self, obj_type, choices, usage=None):
-        obj = {"id": self.rid, "object": obj_type, "created": self.created,
-               "model": self.server.model_name, "choices": choices}
+        obj = {
+            "id": self.rid,
+            "object": obj_type,
+            "created": self.created,
+            "model": self.server.model_name,
+            "choices": choices,
+        }
         if usage is not None:
             obj["usage"] = usage
         return obj
@@ -113,25 +141,56 @@ class ChatFormat:
     def _logprobs(self, out: RequestOutput, new: bool):
         if out.logprobs is None:
             return None
-        items = out.logprobs[len(out.token_ids) - len(out.delta_token_ids):] if new else out.logprobs
-        return {"content": [dict(self._entry(lp.token_id, lp.logprob),
-                                 top_logprobs=[self._entry(t, v) for t, v in lp.top]) for lp in items]}
+        items = out.logprobs[len(out.token_ids) - len(out.delta_token_ids) :] if new else out.logprobs
+        return {
+            "content": [
+                dict(self._entry(lp.token_id, lp.logprob), top_logprobs=[self._entry(t, v) for t, v in lp.top])
+                for lp in items
+            ]
+        }
 
     def first_chunks(self):
-        return [self._base("chat.completion.chunk", [
-            {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None}])]
+        return [
+            self._base(
+                "chat.completion.chunk",
+                [
+                    {
+                        "index": self.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+        ]
 
     def chunk(self, out: RequestOutput):
         delta = {"content": out.delta_text} if out.delta_text else {}
-        return self._base("chat.completion.chunk", [
-            {"index": self.index, "delta": delta, "logprobs": self._logprobs(out, True),
-             "finish_reason": out.finish_reason if out.finished else None}])
+        return self._base(
+            "chat.completion.chunk",
+            [
+                {
+                    "index": self.index,
+                    "delta": delta,
+                    "logprobs": self._logprobs(out, True),
+                    "finish_reason": out.finish_reason if out.finished else None,
+                }
+            ],
+        )
 
     def usage_chunk(self, usage: dict):
         return self._base("chat.completion.chunk", [], usage)
 
     def final(self, out: RequestOutput):
-        return self._base("chat.completion", [
-            {"index": self.index, "message": {"role": "assistant", "content": out.text},
-             "logprobs": self._logprobs(out, False), "finish_reason": out.finish_reason}], out.usage)
+        return self._base(
+            "chat.completion",
+            [
+                {
+                    "index": self.index,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": self._logprobs(out, False),
+                    "finish_reason": out.finish_reason,
+                }
+            ],
+            out.usage,
+        )

@@ -84,8 +84,9 @@ class _Common(BaseModel):
             raise ValueError("logit_bias: not supported")
         return self
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
-                 ) -> SamplingParams:
+    def sampling(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The shared validator (``SamplingParams``) with the OpenAI API's defaults."""
         stop = self.stop if self.stop is not None else ()
         return SamplingParams(
@@ -106,8 +107,11 @@ PromptText = Annotated[Text, Field(min_length=1)]
 
 
 class CompletionRequest(_Common):
-    prompt: PromptText | TokenIds | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)] | (
-        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    prompt: (
+        PromptText
+        | TokenIds
+        | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | (Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
     )
     max_tokens: StrictInt | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -174,8 +178,9 @@ class ChatCompletionRequest(_Common):
 
     def to_sampling(self, default_max_tokens: int) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling(default_max_tokens if limit is None else limit,
-                             (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling(
+            default_max_tokens if limit is None else limit, (self.top_logprobs or 0) if self.logprobs else None
+        )
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]

@@ -32,7 +32,7 @@ class SecurityOptions:
             return True
         if not presented or not presented.startswith("Bearer "):
             return False
-        return hmac.compare_digest(presented[len("Bearer "):].encode(), self.api_key.encode())
+        return hmac.compare_digest(presented[len("Bearer ") :].encode(), self.api_key.encode())
 
     def hosts_for(self, bind_host: str, port: int) -> set[str] | None:
         """Host header values accepted for a server bound to bind_host:port (None: any)."""
@@ -48,8 +48,8 @@ class SecurityOptions:
 
 def _error(status: int, message: str, code: str) -> web.Response:
     return web.json_response(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
-        status=status)
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}, status=status
+    )
 
 
 def http_middleware(opts: SecurityOptions, bind_host: str, port_of):
@@ -63,10 +63,14 @@ def http_middleware(opts: SecurityOptions, bind_host: str, port_of):
             return _error(421, f"Host {host!r} is not served here", "misdirected_request")
         origin = request.headers.get("Origin")
         if origin is not None and "*" not in opts.allowed_origins and origin not in opts.allowed_origins:
-            return _error(403, f"cross-origin requests from {origin!r} are not allowed (see --allowed-origins)",
-                          "origin_not_allowed")
+            return _error(
+                403,
+                f"cross-origin requests from {origin!r} are not allowed (see --allowed-origins)",
+                "origin_not_allowed",
+            )
         if (opts.protect_health or request.path not in OPEN_PATHS) and not opts.key_ok(
-                request.headers.get("Authorization")):
+            request.headers.get("Authorization")
+        ):
             return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
         response = await handler(request)
         if origin is not None:  # allowed: tell the browser
@@ -98,8 +102,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         method = details.method
-        open_ = not self.opts.protect_health and (method.startswith(OPEN_GRPC_PREFIX)
-                                                  or method.startswith(REFLECTION_PREFIX))
+        open_ = not self.opts.protect_health and (
+            method.startswith(OPEN_GRPC_PREFIX) or method.startswith(REFLECTION_PREFIX)
+        )
         if open_ or self.opts.key_ok(dict(details.invocation_metadata or ()).get("authorization")):
             return await continuation(details)
         handler = await continuation(details)

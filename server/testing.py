@@ -6,6 +6,7 @@ the standalone references are computed with ``llm.generate`` while no server wra
 then a server / ``AsyncEngine`` wraps that same engine. The small KV geometry (64-token blocks,
 256-token context) keeps every test sequence in one block, so few bucket shapes get compiled.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -38,6 +39,7 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool
 
 def engine_idle_and_free(async_engine) -> bool:
     """No request left in the engine and every KV block free (read on the engine thread)."""
+
     def check(engine):
         bm = engine.block_manager
         return not engine.has_work() and bm.num_free == bm.num_blocks
@@ -71,6 +73,7 @@ def crashing_run(runner, message: str = "injected device failure"):
     """A stand-in for ``runner.run`` that fails like a crashed device program which had the KV
     cache donated to it: it deletes the cache arrays, then raises RuntimeError(message).
     ``.calls`` counts its calls."""
+
     def run(rows, between_layers=None):
         run.calls += 1
         for leaf in jax.tree.leaves(runner.executor.cache):

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny Hugging Face checkpoints (built once per session) and their reference models."""
+
 from __future__ import annotations
 
 import pathlib

@@ -12,6 +12,7 @@ writes the tokens, expert activation counts and transfer counters as JSON.
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
       python tests/multiprocess_worker.py --process-id 1 --num-processes 2 --port 23456 --out out1.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,12 +38,19 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--prompts", default=json.dumps(PROMPTS), help="JSON list of prompts")
     ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--probe", action="store_true",
-                    help="no model: record what jax.device_put across processes does, and check the "
-                         "collective a2e / e2a on random data")
-    ap.add_argument("--dcn-port", type=int, default=0,
-                    help="with --probe: enable jax's experimental DCN cross-host device_put, this "
-                         "process listening on 127.0.0.1:DCN_PORT")
+    ap.add_argument(
+        "--probe",
+        action="store_true",
+        help="no model: record what jax.device_put across processes does, and check the "
+        "collective a2e / e2a on random data",
+    )
+    ap.add_argument(
+        "--dcn-port",
+        type=int,
+        default=0,
+        help="with --probe: enable jax's experimental DCN cross-host device_put, this "
+        "process listening on 127.0.0.1:DCN_PORT",
+    )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -54,8 +62,12 @@ def main(argv=None) -> int:
     if args.dcn_port:  # must be set before the backend starts; port 0 (any port) hangs the receiver
         jax.config.update("jax_cross_host_transfer_socket_address", f"127.0.0.1:{args.dcn_port}")
         jax.config.update("jax_cross_host_transport_addresses", "127.0.0.1:0")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-                               process_id=args.process_id, initialization_timeout=120)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{args.port}",
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        initialization_timeout=120,
+    )
 
     from jaxmoe import LLM, SamplingParams
 
@@ -72,9 +84,15 @@ def main(argv=None) -> int:
     counts = ex.expert_activation_counts()  # collectives: every process reads them
     activated = ex.activated_per_instance()
     # temperature > 0: the first request seeded, the others not (the engine draws their seeds)
-    sampled = llm.generate(prompts, [SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True,
-                                                    seed=SAMPLE_SEED if i == 0 else None)
-                                     for i in range(len(prompts))])
+    sampled = llm.generate(
+        prompts,
+        [
+            SamplingParams(
+                max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True, seed=SAMPLE_SEED if i == 0 else None
+            )
+            for i in range(len(prompts))
+        ],
+    )
     # move replicas (expert side inside process 1), then greedy again
     S, C = len(ex.placement()), ex.slots_per_instance
     moved = ex.set_placement([ex.placement()[(s + C) % S] for s in range(S)])
@@ -126,8 +144,7 @@ def probe(jax, mesh_file: str) -> dict:
         try:
             got = jax.block_until_ready(fn())
             shards = [np.asarray(s.data) for s in got.addressable_shards]
-            out[name] = {"ok": True, "local_shards": len(shards),
-                         "shards": [s.tolist() for s in shards]}
+            out[name] = {"ok": True, "local_shards": len(shards), "shards": [s.tolist() for s in shards]}
         except Exception as exc:  # noqa: BLE001 - recording what jax raises is the point
             out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
 

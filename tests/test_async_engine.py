@@ -1,4 +1,5 @@
 """AsyncEngine: streaming from threads and asyncio, admission errors, abort, step failures, shutdown."""
+
 from __future__ import annotations
 
 import asyncio
@@ -76,12 +77,15 @@ def test_asyncio_stream(aengine, reference):
         assert "".join(o.delta_text for o in outs) == outs[-1].text
 
 
-@pytest.mark.parametrize("prompt, sampling, match", [
-    ([], GREEDY, "empty prompt"),
-    ([1, 2, 99999], GREEDY, "outside the vocabulary"),
-    ("x" * 300, GREEDY, "does not fit the context"),
-    ("hi", None, None),  # valid, for contrast
-])
+@pytest.mark.parametrize(
+    "prompt, sampling, match",
+    [
+        ([], GREEDY, "empty prompt"),
+        ([1, 2, 99999], GREEDY, "outside the vocabulary"),
+        ("x" * 300, GREEDY, "does not fit the context"),
+        ("hi", None, None),  # valid, for contrast
+    ],
+)
 def test_admission_errors_are_raised_to_the_caller(aengine, prompt, sampling, match):
     if match is None:
         assert _drain(aengine.add(prompt, sampling))[-1].finish_reason in ("length", "stop")
@@ -130,6 +134,7 @@ def test_step_exception_fails_the_request_not_the_loop(aengine, reference):
 def test_lost_cache_is_recomputed_for_requests_outside_the_failed_step(aengine, reference):
     """A BE request with KV, preempted (keep-KV) by an LS request whose step fails and deletes
     the cache, recomputes its KV and still produces the standalone tokens."""
+
     def scenario(engine):
         be = engine.add_request(PROMPTS[1], GREEDY, "be")
         engine.step(), engine.step()  # prefill + one decode: be holds KV

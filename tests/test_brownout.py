@@ -66,9 +66,14 @@ def test_split_equals_the_direct_reading(seed):
 
 def _layer(rng, E=8, D=16, F=24, U=4):
     w = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)  # noqa: E731
-    return {"router": w(D, E), "w_gate": w(E, D, F), "w_up": w(E, D, F), "w_down": w(E, F, D),
-            "united": {"w_gate": w(U, D, F), "w_up": w(U, D, F), "w_down": w(U, F, D)},
-            "united_groups": jnp.asarray(np.arange(E) // (E // U), jnp.int32)}
+    return {
+        "router": w(D, E),
+        "w_gate": w(E, D, F),
+        "w_up": w(E, D, F),
+        "w_down": w(E, F, D),
+        "united": {"w_gate": w(U, D, F), "w_up": w(U, D, F), "w_down": w(U, F, D)},
+        "united_groups": jnp.asarray(np.arange(E) // (E // U), jnp.int32),
+    }
 
 
 def test_moe_layer_with_brownout_equals_a_plain_reference(checkpoint_dir):
@@ -85,15 +90,17 @@ def test_moe_layer_with_brownout_equals_a_plain_reference(checkpoint_dir):
     for threshold, full in ((1.0, False), (0.55, False), (0.0, False), (0.4, True)):
         got = moe_layer(p, cfg, x, None, Brownout(jnp.float32(threshold), valid, full))
         ids, weights = route(p, cfg.moe, x)
-        orig, united = split_reference(np.asarray(ids), np.asarray(valid), np.asarray(p["united_groups"]), threshold,
-                                       full)
+        orig, united = split_reference(
+            np.asarray(ids), np.asarray(valid), np.asarray(p["united_groups"]), threshold, full
+        )
         want = np.zeros(x.shape, np.float32)
         for t in range(x.shape[0]):
             for j in range(ids.shape[1]):
                 g = float(weights[t, j])
                 if orig[t, j] >= 0:
-                    want[t] += g * np.asarray(swiglu_mlp({k: p[k][orig[t, j]] for k in ("w_gate", "w_up", "w_down")},
-                                                         x[t]))
+                    want[t] += g * np.asarray(
+                        swiglu_mlp({k: p[k][orig[t, j]] for k in ("w_gate", "w_up", "w_down")}, x[t])
+                    )
                 if united[t, j] >= 0:
                     want[t] += g * np.asarray(swiglu_mlp({k: v[united[t, j]] for k, v in p["united"].items()}, x[t]))
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
@@ -146,8 +153,20 @@ def test_eval_with_brownout(united_dir, capsys, tmp_path):
     corpus.mkdir()
     (corpus / "a.txt").write_text("alpha beta gamma delta\n" * 200)
     (corpus / "b.txt").write_text("one two three four five\n" * 200)
-    args = ["eval", "--model", str(out), "--corpus", str(corpus), "--heldout-fraction", "0.5", "--seq-len", "32",
-            "--max-tokens", "256", "--json"]
+    args = [
+        "eval",
+        "--model",
+        str(out),
+        "--corpus",
+        str(corpus),
+        "--heldout-fraction",
+        "0.5",
+        "--seq-len",
+        "32",
+        "--max-tokens",
+        "256",
+        "--json",
+    ]
     results = []
     for extra in ([], ["--brownout-threshold", "1.0"], ["--brownout-threshold", "0.0"]):
         assert main(args + extra) == 0
@@ -286,8 +305,10 @@ def test_activated_experts_counts_the_weights_a_step_reads(seed):
     for threshold, full in ((1.0, False), (0.5, False), (0.0, False), (0.3, True)):
         orig, united = split_reference(ids, valid, groups, threshold, full)
         got = count(jnp.asarray(orig), jnp.asarray(united), jnp.asarray(valid), E, E // ways)
-        want = (len({e for t in np.flatnonzero(valid) for e in orig[t] if e >= 0}),
-                len({u for t in np.flatnonzero(valid) for u in united[t] if u >= 0}))
+        want = (
+            len({e for t in np.flatnonzero(valid) for e in orig[t] if e >= 0}),
+            len({u for t in np.flatnonzero(valid) for u in united[t] if u >= 0}),
+        )
         assert tuple(int(v) for v in got) == want
         if threshold == 1.0:
             assert want == (len(set(ids[valid].ravel())), 0)

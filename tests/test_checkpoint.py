@@ -1,5 +1,6 @@
 """Checkpoint loading: sharded and bf16 safetensors, every error case naming its tensor, Orbax round trip,
 unsupported architectures, and the tokenizer against transformers'."""
+
 from __future__ import annotations
 
 import json
@@ -160,7 +161,8 @@ def test_tokenizer_matches_transformers(checkpoint_dir):
         assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text), skip_special_tokens=True)
     messages = [{"role": "user", "content": "hi there"}]
     assert ours.apply_chat_template(messages) == theirs.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
+        messages, tokenize=False, add_generation_prompt=True
+    )
     mixtral = checkpoint_dir("mixtral")
     ours, theirs = load_tokenizer(mixtral), AutoTokenizer.from_pretrained(mixtral)
     assert ours.encode("hello world") == theirs.encode("hello world")

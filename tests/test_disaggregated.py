@@ -5,6 +5,7 @@ Equivalence is checked through the public API: ``LLM(path, mesh=...)`` vs ``LLM(
 prefill + teacher-forced decode logits (``runner.forward(rows, all_logits=True)``, real positions
 only, relative error < 1e-5) and on greedy generation of 16 tokens.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,13 +28,7 @@ TABLES = [[40, 5], [9, 50]]  # non-contiguous; every row has blocks in both atte
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 # 1 attention + 7 expert instances x 4 slots; 8 experts with 2-3 replicas on different instances,
 # 4 slots unused (zeros): instance 6 hosts replicas only.
-FORCED_1A7E = [0, 1, 2, -1,
-               3, 4, 5, 6,
-               7, 0, 1, -1,
-               2, 3, 4, 5,
-               6, 7, 0, -1,
-               1, 2, 3, -1,
-               4, 5, 6, 7]
+FORCED_1A7E = [0, 1, 2, -1, 3, 4, 5, 6, 7, 0, 1, -1, 2, 3, 4, 5, 6, 7, 0, -1, 1, 2, 3, -1, 4, 5, 6, 7]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +72,7 @@ def assert_equivalent(mono, dis):
 
 
 # --------------------------------------------------------------------------- equivalence
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_cpu8(llms, family):
@@ -137,8 +133,14 @@ def test_set_placement_between_generates(llms, checkpoint_dir):
 
 def test_shared_experts_on_expert_side(llms):
     """shared_experts: experts — the shared FFN (with Qwen2's sigmoid gate) split over expert instances."""
-    spec = dict(platform="cpu", nodes=2, devices_per_node=4, attention={"instances": 2},
-                experts={"instances": 6, "slots_per_instance": 2}, shared_experts="experts")
+    spec = dict(
+        platform="cpu",
+        nodes=2,
+        devices_per_node=4,
+        attention={"instances": 2},
+        experts={"instances": 6, "slots_per_instance": 2},
+        shared_experts="experts",
+    )
     dis = llms("qwen2_moe", load_mesh(spec))
     assert dis.executor.moe_layers == [1, 2]  # layer 0 is dense (mlp_only_layers)
     assert "shared" not in dis.executor._attn_layers[1]
@@ -148,13 +150,19 @@ def test_shared_experts_on_expert_side(llms):
 
 # --------------------------------------------------------------------------- placement on devices
 
+
 @pytest.mark.parametrize("order", ["ASAS", "AASS"])
 def test_fine_grained_pipeline_equals_monolithic(llms, checkpoint_dir, order):
     """FinDEP: rows in r1 = 2 micro-batches per step, shared experts as their own program dispatched
     after the experts; the same logits and greedy tokens as the monolithic runtime."""
     mono = llms("deepseek_v2")
-    dis = LLM(checkpoint_dir("deepseek_v2"), dtype="float32", mesh="meshes/cpu-8.yaml",
-              executor_kwargs={"pipeline": {"r1": 2, "order": order}}, **ENGINE)
+    dis = LLM(
+        checkpoint_dir("deepseek_v2"),
+        dtype="float32",
+        mesh="meshes/cpu-8.yaml",
+        executor_kwargs={"pipeline": {"r1": 2, "order": order}},
+        **ENGINE,
+    )
     executor = dis.engine.runner.executor
     seen = []
     executor.observer = lambda phase, layer, out: seen.append((phase, layer))
@@ -167,7 +175,9 @@ def test_fine_grained_pipeline_equals_monolithic(llms, checkpoint_dir, order):
     heads = [p for p in seen if p[0] == "head"]
     assert len(attention) == len(heads) and len(heads) > 2 * 14  # two micro-batches in (most) steps
     order_seen = [p for p, layer in seen if layer == last and p in ("attention", "shared")][:4]
-    assert order_seen == (["attention", "shared"] * 2 if order == "ASAS" else ["attention", "attention", "shared", "shared"])
+    assert order_seen == (
+        ["attention", "shared"] * 2 if order == "ASAS" else ["attention", "attention", "shared", "shared"]
+    )
     for got, ref in zip(_logits(dis), _logits(mono)):
         assert _rel_err(got, ref) < 1e-5
 
@@ -255,7 +265,7 @@ def test_expert_activation_counts_and_coactivation(llms):
         xe = sent[i]  # [B, T, D]: rows padded to a multiple of the attention instances
         ids = np.asarray(route(ex.params["layers"][i]["moe"], ex.cfg.moe, xe.reshape(-1, xe.shape[-1]))[0])
         valid = np.zeros(xe.shape[:2], bool)  # rows beyond the batch: padding added by the executor
-        valid[:batch.slots.shape[0]] = batch.slots >= 0
+        valid[: batch.slots.shape[0]] = batch.slots >= 0
         real = ids[valid.reshape(-1)]
         np.testing.assert_array_equal(coact_after[n] - coact_before[n], coactivation(real, ex.cfg.moe.num_experts))
         assert list(np.diagonal(coact_after[n])) == after[n]
@@ -266,8 +276,9 @@ def test_expert_activation_counts_and_coactivation(llms):
 def test_replica_policies(llms, checkpoint_dir, policy):
     """Other replica selection policies pick other replicas, never other results (one prefill)."""
     cfg, params, _ = load_model(checkpoint_dir("mixtral"), dtype="float32")
-    ex = DisaggregatedExecutor(cfg, params, 64 * 8, 8, "meshes/cpu-8-1a7e.yaml", replica_policy=policy,
-                               placement=FORCED_1A7E)
+    ex = DisaggregatedExecutor(
+        cfg, params, 64 * 8, 8, "meshes/cpu-8-1a7e.yaml", replica_policy=policy, placement=FORCED_1A7E
+    )
     rows = [Row(p, 0, t) for p, t in zip(PROMPTS, TABLES)]
     want = np.asarray(llms("mixtral").engine.runner.forward(rows))
     assert _rel_err(ModelRunner(ex, 8, 8).forward(rows), want) < 1e-5
@@ -275,13 +286,13 @@ def test_replica_policies(llms, checkpoint_dir, policy):
 
 # --------------------------------------------------------------------------- kernels
 
+
 def test_pallas_kernels_match_reference(checkpoint_dir):
     """Pallas grouped matmul + Pallas AEBS (interpret mode) == plain-XLA reference impls."""
     cfg, params, _ = load_model(checkpoint_dir("mixtral"), dtype="float32")
     spec = "meshes/cpu-8-4a4e.yaml"
     ref = DisaggregatedExecutor(cfg, params, 64 * 8, 8, spec)
-    pal = DisaggregatedExecutor(cfg, params, 64 * 8, 8, spec, expert_impl="pallas", aebs_impl="kernel",
-                                interpret=True)
+    pal = DisaggregatedExecutor(cfg, params, 64 * 8, 8, spec, expert_impl="pallas", aebs_impl="kernel", interpret=True)
     rows = [Row(PROMPTS[1], 0, TABLES[0])]
     a = np.asarray(ModelRunner(ref, 8, 8).forward(rows, all_logits=True))[0, :5]
     b = np.asarray(ModelRunner(pal, 8, 8).forward(rows, all_logits=True))[0, :5]
@@ -289,6 +300,7 @@ def test_pallas_kernels_match_reference(checkpoint_dir):
 
 
 # --------------------------------------------------------------------------- replicas
+
 
 def test_default_placement_round_robin_and_redundant():
     p = default_placement(8, 4, 4)  # 16 slots: every expert twice, on two different instances

@@ -27,8 +27,12 @@ pytestmark = pytest.mark.timeout(400)
 
 GOOD_PROMPTS = ["The quick brown fox", "Mixture of experts", "def f(x):", "Hello"]
 GOOD_TOKENS = 8
-FUZZ = settings(max_examples=600, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=600,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +58,14 @@ def background(server, llm):
 
     def http_one(prompt):
         conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
-        body = {"prompt": prompt, "max_tokens": GOOD_TOKENS, "ignore_eos": True, "temperature": 0,
-                "logprobs": 0, "stream": True}
+        body = {
+            "prompt": prompt,
+            "max_tokens": GOOD_TOKENS,
+            "ignore_eos": True,
+            "temperature": 0,
+            "logprobs": 0,
+            "stream": True,
+        }
         conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         raw = resp.read().decode()
@@ -71,8 +81,9 @@ def background(server, llm):
             prompt = GOOD_PROMPTS[(i + n) % len(GOOD_PROMPTS)]
             try:
                 if n % 2:
-                    chunks = list(client.generate(prompt, max_tokens=GOOD_TOKENS, ignore_eos=True, temperature=0,
-                                                  timeout=120))
+                    chunks = list(
+                        client.generate(prompt, max_tokens=GOOD_TOKENS, ignore_eos=True, temperature=0, timeout=120)
+                    )
                     ids = [t for c in chunks for t in c.delta_token_ids]
                     results.append((prompt, ids == want[prompt], "grpc"))
                 else:
@@ -100,15 +111,38 @@ def background(server, llm):
 # -- bad values ------------------------------------------------------------------------------------
 
 BAD_SCALARS = st.one_of(
-    st.text(max_size=8), st.booleans(), st.none(), st.floats(allow_nan=True, allow_infinity=True),
-    st.integers(min_value=-(2**80), max_value=2**80), st.lists(st.integers(), max_size=3),
+    st.text(max_size=8),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.lists(st.integers(), max_size=3),
     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
 )
-FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "ignore_eos",
-          "stream", "n", "stop_token_ids", "priority", "model", "stream_options", "echo", "messages"]
-JSON = st.recursive(st.none() | st.booleans() | st.floats(allow_nan=False) | st.integers() | st.text(max_size=5),
-                    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children,
-                                                                                      max_size=3), max_leaves=8)
+FIELDS = [
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "logprobs",
+    "ignore_eos",
+    "stream",
+    "n",
+    "stop_token_ids",
+    "priority",
+    "model",
+    "stream_options",
+    "echo",
+    "messages",
+]
+JSON = st.recursive(
+    st.none() | st.booleans() | st.floats(allow_nan=False) | st.integers() | st.text(max_size=5),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=8,
+)
 
 
 @st.composite
@@ -120,8 +154,9 @@ def bad_http(draw):
     if kind == "json":
         return draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"])), json.dumps(draw(JSON)).encode()
     if kind == "chat":
-        msgs = draw(st.lists(st.one_of(JSON, st.fixed_dictionaries({"role": BAD_SCALARS, "content": BAD_SCALARS})),
-                             max_size=3))
+        msgs = draw(
+            st.lists(st.one_of(JSON, st.fixed_dictionaries({"role": BAD_SCALARS, "content": BAD_SCALARS})), max_size=3)
+        )
         return "/v1/chat/completions", json.dumps({"messages": msgs, "max_tokens": 2}).encode()
     body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
     for field in draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=2, unique=True)):
@@ -164,11 +199,17 @@ def bad_grpc(draw):
     """Raw bytes on the wire: a GenerateRequest with out-of-range values, or undecodable junk."""
     if draw(st.integers(0, 4)) == 0:
         return draw(st.binary(max_size=48))
-    s = pb.SamplingParams(top_k=draw(st.integers(-(2**31), 2**31 - 1)),
-                          ignore_eos=draw(st.booleans()),
-                          stop=draw(st.lists(st.text(max_size=300), max_size=20)))
-    for name, strategy in (("max_tokens", st.integers(-(2**31), 2**31 - 1)), ("temperature", F32),
-                           ("top_p", F32), ("logprobs", st.integers(-(2**31), 2**31 - 1))):
+    s = pb.SamplingParams(
+        top_k=draw(st.integers(-(2**31), 2**31 - 1)),
+        ignore_eos=draw(st.booleans()),
+        stop=draw(st.lists(st.text(max_size=300), max_size=20)),
+    )
+    for name, strategy in (
+        ("max_tokens", st.integers(-(2**31), 2**31 - 1)),
+        ("temperature", F32),
+        ("top_p", F32),
+        ("logprobs", st.integers(-(2**31), 2**31 - 1)),
+    ):
         if draw(st.booleans()):
             setattr(s, name, draw(strategy))
     req = pb.GenerateRequest(sampling=s, priority=draw(st.sampled_from(["ls", "be", "", "urgent", "x" * 40])))
@@ -199,7 +240,10 @@ def test_fuzz_grpc(server, background, channel, data):
     except grpc.RpcError as e:
         GRPC_SEEN.append(e.code().name)
         assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), (
-            e.code(), e.details(), data[:100])
+            e.code(),
+            e.details(),
+            data[:100],
+        )
 
 
 def test_good_requests_were_untouched_and_everything_is_free(server, background):

@@ -1,5 +1,6 @@
 """Generation through the public API on the built-in demo model: sampling controls, seeds, stop
 conditions, logprobs, batching of prompts of different lengths, input validation, and the CLI."""
+
 from __future__ import annotations
 
 import subprocess
@@ -103,8 +104,10 @@ def test_stop_strings_stop_tokens_and_eos(llm):
         llm.engine.eos_ids.discard(stop_id)
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0),
-                                    dict(top_p=1.5), dict(top_k=-1), dict(logprobs=99)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(logprobs=99)],
+)
 def test_bad_sampling_params_raise(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
@@ -123,10 +126,29 @@ def test_bad_prompts_raise_and_lose_nothing(llm):
 
 
 def test_cli_generate_runs_the_demo():
-    out = subprocess.run([sys.executable, "-m", "jaxmoe.cli", "generate", "--model", "tiny-random", "--prompt", "hi",
-                          "--max-tokens", "5"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxmoe.cli",
+            "generate",
+            "--model",
+            "tiny-random",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "5 tokens, finish_reason=length" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "jaxmoe.cli", "generate", "--model", "/nonexistent"],
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "jaxmoe.cli", "generate", "--model", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "neither a built-in name" in bad.stderr

@@ -5,6 +5,7 @@ attention instance, each exactly that instance's slot range; the runner puts eve
 instance that holds its blocks, so the executor runs attention per instance (``is_local``) with no
 collectives; greedy tokens equal the monolithic executor's.
 """
+
 from __future__ import annotations
 
 import re
@@ -49,8 +50,13 @@ def _record_batches(runner):
     return seen
 
 
-@pytest.mark.parametrize("family, mesh", [("deepseek_v2", "meshes/cpu-8.yaml"),  # 2 instances, MLA
-                                          ("mixtral", "meshes/cpu-8-4a4e.yaml")])  # 4 instances, GQA
+@pytest.mark.parametrize(
+    "family, mesh",
+    [
+        ("deepseek_v2", "meshes/cpu-8.yaml"),  # 2 instances, MLA
+        ("mixtral", "meshes/cpu-8-4a4e.yaml"),
+    ],
+)  # 4 instances, GQA
 def test_rows_and_blocks_stay_on_their_instance(llms, family, mesh):
     dis = llms(family, mesh)
     ex, bm, runner = dis.executor, dis.engine.block_manager, dis.engine.runner

@@ -1,4 +1,5 @@
 """``KVLayout``: slots of positions, instance of a block / slot, rounding to whole blocks per instance."""
+
 import numpy as np
 import pytest
 

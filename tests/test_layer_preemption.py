@@ -20,8 +20,7 @@ ARRIVALS = [(0, 1), (7, 3), (11, 2)]
 
 def _llm(mesh):
     kw = dict(mesh=mesh) if mesh else {}
-    return LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8,
-               layer_preemption=True, **kw)
+    return LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8, layer_preemption=True, **kw)
 
 
 @pytest.mark.parametrize("mesh", [None, "meshes/cpu-8.yaml"], ids=["monolithic", "cpu8-disaggregated"])

@@ -1,9 +1,11 @@
-"""The import layering (docs/architecture.md): every import points down or sideways, never up.
+"""The import layering (docs/architecture.md): every import points down or sideways, never up; and no
+module over 400 lines.
 
 kernels <- foundation <- models <- runtime <- engine <- library API <- serving / cli, and the
 control plane (placement, controller, planning, scaling) is never imported by the per-step hot path.
 Read from the source with ``ast``: every import counts, also those inside functions.
 """
+
 from __future__ import annotations
 
 import ast
@@ -11,20 +13,39 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # (installed package name, folder): server/ and pallas_kernels/ install under jaxmoe (setup.py)
-PACKAGES = [("jaxmoe.pallas_kernels", ROOT / "pallas_kernels"), ("jaxmoe.server", ROOT / "server"),
-            ("jaxmoe", ROOT / "jaxmoe")]
+PACKAGES = [
+    ("jaxmoe.pallas_kernels", ROOT / "pallas_kernels"),
+    ("jaxmoe.server", ROOT / "server"),
+    ("jaxmoe", ROOT / "jaxmoe"),
+]
 
 # the most specific prefix wins
 LAYERS = {
     "jaxmoe.pallas_kernels": 0,
-    "jaxmoe.config": 1, "jaxmoe.mesh": 1, "jaxmoe.compilation": 1, "jaxmoe.tokenizer": 1,
-    "jaxmoe.checkpoint": 1, "jaxmoe.brownout.config": 1, "jaxmoe.brownout.routing": 1, "jaxmoe.kv_layout": 1,
-    "jaxmoe.models": 2, "jaxmoe.sampling": 2, "jaxmoe.demo": 2,
+    "jaxmoe.config": 1,
+    "jaxmoe.mesh": 1,
+    "jaxmoe.compilation": 1,
+    "jaxmoe.tokenizer": 1,
+    "jaxmoe.checkpoint": 1,
+    "jaxmoe.brownout.config": 1,
+    "jaxmoe.brownout.routing": 1,
+    "jaxmoe.kv_layout": 1,
+    "jaxmoe.mesh_file": 1,
+    "jaxmoe.models": 2,
+    "jaxmoe.sampling": 2,
+    "jaxmoe.demo": 2,
     "jaxmoe.runtime": 3,
-    "jaxmoe.engine": 4, "jaxmoe.brownout.salc": 4, "jaxmoe.brownout.controller": 4,
-    "jaxmoe": 5, "jaxmoe.llm": 5, "jaxmoe.brownout": 5, "jaxmoe.train": 5, "jaxmoe.planning": 5,
+    "jaxmoe.engine": 4,
+    "jaxmoe.brownout.salc": 4,
+    "jaxmoe.brownout.controller": 4,
+    "jaxmoe": 5,
+    "jaxmoe.llm": 5,
+    "jaxmoe.brownout": 5,
+    "jaxmoe.train": 5,
+    "jaxmoe.planning": 5,
     "jaxmoe.scaling": 5,
-    "jaxmoe.server": 6, "jaxmoe.cli": 6,
+    "jaxmoe.server": 6,
+    "jaxmoe.cli": 6,
 }
 CONTROL_PLANE = ("jaxmoe.runtime.placement", "jaxmoe.runtime.controller", "jaxmoe.planning", "jaxmoe.scaling")
 HOT_PATH = ("jaxmoe.pallas_kernels", "jaxmoe.models", "jaxmoe.sampling", "jaxmoe.runtime", "jaxmoe.engine")
@@ -77,23 +98,36 @@ def test_every_module_is_in_a_layer():
 
 def test_imports_point_down():
     known = modules()
-    upward = [f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
-              for m, path in known.items() for d in imports(m, path, known) if layer(d) > layer(m)]
+    upward = [
+        f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
+        for m, path in known.items()
+        for d in imports(m, path, known)
+        if layer(d) > layer(m)
+    ]
     assert not upward, "\n".join(upward)
 
 
 def test_hot_path_does_not_import_the_control_plane():
     known = modules()
     hot = [m for m in known if any(_within(m, p) for p in HOT_PATH) and not any(_within(m, c) for c in CONTROL_PLANE)]
-    bad = [f"{m} imports {d}" for m in hot for d in imports(m, known[m], known)
-           if any(_within(d, c) for c in CONTROL_PLANE)]
+    bad = [
+        f"{m} imports {d}"
+        for m in hot
+        for d in imports(m, known[m], known)
+        if any(_within(d, c) for c in CONTROL_PLANE)
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_the_library_never_imports_the_serving_package():
     known = modules()
-    bad = [m for m, path in known.items() if not _within(m, "jaxmoe.server") and m != "jaxmoe.cli"
-           and any(_within(d, "jaxmoe.server") for d in imports(m, path, known))]
+    bad = [
+        m
+        for m, path in known.items()
+        if not _within(m, "jaxmoe.server")
+        and m != "jaxmoe.cli"
+        and any(_within(d, "jaxmoe.server") for d in imports(m, path, known))
+    ]
     assert not bad, bad
 
 
@@ -103,3 +137,11 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     path.write_text("def f():\n    from jaxmoe.engine.engine import LLMEngine\n")
     found = imports("jaxmoe.runtime.bad", path, modules())
     assert "jaxmoe.engine.engine" in found and layer("jaxmoe.engine.engine") > layer("jaxmoe.runtime.bad")
+
+
+def test_no_module_over_400_lines():
+    """Small files with one job (the generated protobuf code aside)."""
+    long = {
+        m: n for m, path in modules().items() if "_pb2" not in m and (n := len(path.read_text().splitlines())) > 400
+    }
+    assert not long, long

@@ -1,4 +1,5 @@
 """Mesh files: every shipped file loads, describe() text, sub-meshes, and every bad-file error names its field."""
+
 import copy
 import dataclasses
 from pathlib import Path
@@ -20,8 +21,12 @@ BASE = {  # meshes/cpu-8.yaml as a dict; bad cases below mutate a copy
     "attention": {"instances": 2, "devices_per_instance": 1},
     "experts": {"instances": 6, "devices_per_instance": 1, "slots_per_instance": 4},
     "shared_experts": "attention",
-    "transfer": {"mode": "adaptive", "direct_max_destinations": 2, "direct_min_bytes": "4MiB",
-                 "multicast_min_bytes": "1MiB"},
+    "transfer": {
+        "mode": "adaptive",
+        "direct_max_destinations": 2,
+        "direct_min_bytes": "4MiB",
+        "multicast_min_bytes": "1MiB",
+    },
 }
 
 
@@ -75,8 +80,13 @@ def test_describe_contents():
 
 
 def test_explicit_devices_and_idle():
-    spec = load_mesh({**BASE, "attention": {"devices": [[4, 5], [0, 1]]},
-                      "experts": {"instances": 2, "devices_per_instance": 2, "slots_per_instance": 8}})
+    spec = load_mesh(
+        {
+            **BASE,
+            "attention": {"devices": [[4, 5], [0, 1]]},
+            "experts": {"instances": 2, "devices_per_instance": 2, "slots_per_instance": 8},
+        }
+    )
     assert spec.attention.devices == ((4, 5), (0, 1))
     assert spec.experts.devices == ((2, 3), (6, 7))  # count-based side fills the lowest free devices
     spec = load_mesh({**BASE, "experts": {"instances": 4, "slots_per_instance": 4}})
@@ -102,8 +112,15 @@ def test_build_meshes_cpu8():
 def test_build_meshes_monolithic_and_tp():
     sub = build_meshes(load_mesh(MESHES / "monolithic.yaml"))
     assert list(sub.attention.devices.flat) == list(sub.experts.devices.flat) == [jax.devices()[0]]
-    spec = load_mesh({"platform": "cpu", "nodes": 2, "devices_per_node": 4, "monolithic": True,
-                      "experts": {"instances": 4, "devices_per_instance": 2, "slots_per_instance": 2}})
+    spec = load_mesh(
+        {
+            "platform": "cpu",
+            "nodes": 2,
+            "devices_per_node": 4,
+            "monolithic": True,
+            "experts": {"instances": 4, "devices_per_instance": 2, "slots_per_instance": 2},
+        }
+    )
     sub = build_meshes(spec)
     assert sub.attention.devices.shape == sub.experts.devices.shape == (4, 2)
     assert (sub.attention.devices == sub.experts.devices).all()
@@ -172,12 +189,24 @@ BAD = [
     ("attention", {"devices": [[0], "x"]}, r"attention\.devices\[1\]: expected a device index"),
     # more devices than nodes x devices_per_node
     ("experts.instances", 7, r"experts\.instances: 7 instances x 1 devices = 7 devices but only 6 of the 8"),
-    ("attention", {"devices": [[0], [8]]}, r"attention\.devices\[1\]: device 8 does not exist: nodes 2 x devices_per_node 4"),
+    (
+        "attention",
+        {"devices": [[0], [8]]},
+        r"attention\.devices\[1\]: device 8 does not exist: nodes 2 x devices_per_node 4",
+    ),
     # overlapping instances
-    ("attention", {"devices": [[0], [0]]}, r"attention\.devices\[1\]: device 0 is already used by attention instance 0"),
+    (
+        "attention",
+        {"devices": [[0], [0]]},
+        r"attention\.devices\[1\]: device 0 is already used by attention instance 0",
+    ),
     # shapes
     ("attention", {"devices": [[0], [1, 2]]}, r"attention\.devices: every instance needs the same number of devices"),
-    ("experts", {"devices": [[3, 4]], "slots_per_instance": 4}, r"experts\.devices\[0\]: instance spans nodes \[0, 1\]"),
+    (
+        "experts",
+        {"devices": [[3, 4]], "slots_per_instance": 4},
+        r"experts\.devices\[0\]: instance spans nodes \[0, 1\]",
+    ),
     # missing fields
     ("nodes", DELETE, r"nodes: missing"),
     ("platform", DELETE, r"platform: missing"),
@@ -196,7 +225,9 @@ def test_bad_field_is_named(path, value, pattern):
 
 def test_overlap_between_sides_is_named():
     raw = {**BASE, "attention": {"devices": [0, 1]}, "experts": {"devices": [1, 2, 3], "slots_per_instance": 4}}
-    with pytest.raises(MeshConfigError, match=r"^<dict>: experts\.devices\[0\]: device 1 is already used by attention instance 1"):
+    with pytest.raises(
+        MeshConfigError, match=r"^<dict>: experts\.devices\[0\]: device 1 is already used by attention instance 1"
+    ):
         load_mesh(raw)
 
 

@@ -14,6 +14,7 @@
 Each subprocess pair runs under a deadline and is killed (SIGKILL: jax's preemption notifier
 catches SIGTERM) on timeout or as soon as one of them fails (the other would wait on it).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,6 +44,7 @@ MAX_TOKENS = 12
 
 
 # --------------------------------------------------------------------------- in one process
+
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout(request):
@@ -96,6 +98,7 @@ def test_rounds_are_permutations_in_plan_order():
 
 # --------------------------------------------------------------------------- two processes
 
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -111,18 +114,42 @@ def _tail(path: Path, lines: int = 25) -> str:
 def _run_workers(tmp_path: Path, *args: str, timeout: float = TIMEOUT_S) -> list[dict]:
     """Run the worker as processes 0 and 1; return their JSON outputs (fail with their logs)."""
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
     procs, logs, outs = [], [], []
     try:
         for i in range(2):
             logs.append(tmp_path / f"worker{i}.log")
             outs.append(tmp_path / f"worker{i}.json")
             with open(logs[i], "w") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes", "2",
-                     "--port", str(port), "--mesh", str(MESH), "--out", str(outs[i]), *args],
-                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            str(WORKER),
+                            "--process-id",
+                            str(i),
+                            "--num-processes",
+                            "2",
+                            "--port",
+                            str(port),
+                            "--mesh",
+                            str(MESH),
+                            "--out",
+                            str(outs[i]),
+                            *args,
+                        ],
+                        cwd=ROOT,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
         deadline = time.monotonic() + timeout
         failed_at = None
         while any(p.poll() is None for p in procs):
@@ -157,9 +184,11 @@ def test_device_put_cannot_cross_processes_collectives_can(tmp_path):
     if jax.__version__.startswith("0.10."):  # the errors quoted in docs/multi_host.md
         assert p0["device_put_replicated"]["error"].startswith(
             "ValueError: device_put's second argument must be a Device or a Sharding which represents "
-            "addressable devices")
+            "addressable devices"
+        )
         assert p1["device_put_replicated"]["error"] == (
-            "NotImplementedError: Cannot reshard an input that is not fully addressable")
+            "NotImplementedError: Cannot reshard an input that is not fully addressable"
+        )
         for r in results:
             assert "does not support cross-host device transfers" in r["device_put_same_layout"]["error"]
     # the collective transfer works: process 1 (experts) holds the activations, the sum comes back
@@ -176,8 +205,9 @@ def test_two_processes_generate_the_same_tokens_as_one(tmp_path):
     ref = LLM("tiny-random", dtype="float32", **ENGINE)
     greedy = ref.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     expected = [list(o.token_ids) for o in greedy]
-    (seeded,) = ref.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True,
-                                                          seed=SAMPLE_SEED))
+    (seeded,) = ref.generate(
+        PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True, seed=SAMPLE_SEED)
+    )
 
     p0, p1 = results
     assert p0["process_count"] == p1["process_count"] == 2

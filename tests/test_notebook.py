@@ -1,4 +1,5 @@
 """The example notebook runs top to bottom (nbclient)."""
+
 from __future__ import annotations
 
 import pathlib

@@ -4,6 +4,7 @@ For each (family, variant): prompt logits and >= 8 steps of incremental decode l
 transformers' forward within 1e-4 (relative to the largest logit), and greedy generation of 32
 tokens through the public ``LLM`` API equals transformers' greedy ``generate`` token for token.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -53,6 +54,7 @@ def test_logits_and_greedy_match_transformers(checkpoint_dir, family, variant):
     hf.generation_config.eos_token_id = None
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
-            expect = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                 min_new_tokens=32)[0, len(prompt):].tolist()
+            expect = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32)[
+                0, len(prompt) :
+            ].tolist()
         assert out.token_ids == expect

@@ -1,4 +1,5 @@
 """Activation-aware replication and placement (JANUS Algorithm 2): jaxmoe/runtime/placement.py."""
+
 from __future__ import annotations
 
 import itertools
@@ -6,8 +7,14 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxmoe.runtime.placement import (coactivation, coactivation_load, place_replicas, plan_placement,
-                                      replica_counts, to_slots)
+from jaxmoe.runtime.placement import (
+    coactivation,
+    coactivation_load,
+    place_replicas,
+    plan_placement,
+    replica_counts,
+    to_slots,
+)
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 
 
@@ -92,7 +99,7 @@ def test_random_plans_are_valid_layouts_and_keep_slots():
         placement = plan_placement(counts, a, N, C, previous=previous)
         ReplicaLayout(tuple(placement), E, N, C)  # validates: every expert has a slot
         for g in range(N):
-            mine = [e for e in placement[g * C:(g + 1) * C] if e >= 0]
+            mine = [e for e in placement[g * C : (g + 1) * C] if e >= 0]
             assert len(mine) == len(set(mine))
             # an expert the instance hosted before stays in its old slot
             for s in range(g * C, (g + 1) * C):
@@ -113,6 +120,7 @@ def test_bad_inputs():
 
 
 # --------------------------------------------------------------------------- the controller, end to end
+
 
 def test_controller_rebalances_between_steps_without_changing_tokens():
     """LLM(mesh=..., rebalance_every=k): the host controller re-places replicas from the window's

@@ -266,8 +266,25 @@ def test_profile_and_plan_cli(checkpoint_dir, tmp_path, capsys):
 
     ckpt = checkpoint_dir("mixtral")
     out, png = tmp_path / "p.json", tmp_path / "p.png"
-    rc = main(["profile", "--model", str(ckpt), "--mesh", str(MESHES / "cpu-8.yaml"), "--rows", "1,2,4",
-               "--contexts", "16,48", "--repeats", "2", "--out", str(out), "--plot", str(png)])
+    rc = main(
+        [
+            "profile",
+            "--model",
+            str(ckpt),
+            "--mesh",
+            str(MESHES / "cpu-8.yaml"),
+            "--rows",
+            "1,2,4",
+            "--contexts",
+            "16,48",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "R²" in text and "profile written" in text
@@ -280,7 +297,8 @@ def test_profile_and_plan_cli(checkpoint_dir, tmp_path, capsys):
         assert len(prof.samples[stage]) == 6 and all(p[-1] > 0 for p in prof.samples[stage])
     # attention work terms: tokens per instance and tokens x attended
     assert sorted({tuple(p[:2]) for p in prof.samples["attention"]}) == sorted(
-        (r, r * c) for r in (1, 2, 4) for c in (16, 48))
+        (r, r * c) for r in (1, 2, 4) for c in (16, 48)
+    )
     assert png.stat().st_size > 10_000
 
     assert main(["plan", "--profile", str(out), "--batch", "8", "--json"]) == 0
@@ -300,8 +318,22 @@ def test_profile_bad_input(checkpoint_dir, tmp_path, capsys):
     ckpt = checkpoint_dir("mixtral")
     assert main(["profile", "--model", str(ckpt), "--out", str(tmp_path / "p.json")]) == 2
     assert "--mesh" in capsys.readouterr().err
-    assert main(["profile", "--model", str(ckpt), "--mesh", str(MESHES / "cpu-8.yaml"), "--rows", "4",
-                 "--out", str(tmp_path / "p.json")]) == 2
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                str(ckpt),
+                "--mesh",
+                str(MESHES / "cpu-8.yaml"),
+                "--rows",
+                "4",
+                "--out",
+                str(tmp_path / "p.json"),
+            ]
+        )
+        == 2
+    )
     assert "rows" in capsys.readouterr().err
     assert main(["plan", "--profile", str(tmp_path / "missing.json"), "--batch", "4"]) == 2
     assert "no profile" in capsys.readouterr().err

@@ -40,8 +40,7 @@ def test_controller_picks_the_least_cost_layout_meeting_the_slo(rate):
     layouts = candidates(PM, "janus", max_gpus=48)
     ctl = ScalingController(PM, JANUS, layouts, slo_tpot=0.2, margin=0.85)
     load = Load(rate, **LOAD)
-    feasible = [lay for lay in layouts
-                if (s := steady_state(PM, JANUS, lay, load)) is not None and s[1] <= 0.85 * 0.2]
+    feasible = [lay for lay in layouts if (s := steady_state(PM, JANUS, lay, load)) is not None and s[1] <= 0.85 * 0.2]
     want = min(feasible, key=lambda lay: (lay.gpus, lay.attention)) if feasible else None
     got = ctl.best(load)
     assert want is not None and got.gpus == want.gpus
@@ -83,13 +82,15 @@ def test_simulate_cli_json(capsys, tmp_path):
     from jaxmoe.cli import main
 
     png = tmp_path / "sim.png"
-    assert main(["simulate", "--days", "0.25", "--mean-rate", "20", "--interval", "15", "--json",
-                 "--plot", str(png)]) == 0
+    assert (
+        main(["simulate", "--days", "0.25", "--mean-rate", "20", "--interval", "15", "--json", "--plot", str(png)]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     for key in ("janus", "monolithic_best", "disagg"):
         assert {"gpu_hours", "slo_attainment"} <= set(out[key])
     assert out["janus"]["slo_attainment"] >= 0.99 and png.stat().st_size > 10_000
     assert out["gpu_hours_saved_vs_monolithic"] == pytest.approx(
-        1 - out["janus"]["gpu_hours"] / out["monolithic_best"]["gpu_hours"], abs=1e-3)
+        1 - out["janus"]["gpu_hours"] / out["monolithic_best"]["gpu_hours"], abs=1e-3
+    )
     assert main(["simulate", "--target", "0"]) == 2
     assert "--target" in capsys.readouterr().err

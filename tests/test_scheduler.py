@@ -15,8 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxmoe.engine.block_manager import BlockManager
-from jaxmoe.engine.policies import (FCFSPolicy, Policy, Queues, QLLMPolicy,
-                                    SchedulingPolicy, make_policy)
+from jaxmoe.engine.policies import FCFSPolicy, Policy, Queues, QLLMPolicy, SchedulingPolicy, make_policy
 from jaxmoe.engine.scheduler import OverloadedError, ScheduledBatch, Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence, SequenceStatus
 
@@ -29,8 +28,13 @@ def tok(rid: str, n: int) -> int:
 
 
 def mk(rid, n_prompt, prio="be", t=0.0, max_tokens=4):
-    return Sequence(rid, [(i * 13 + len(rid)) % 97 for i in range(n_prompt)],
-                    SimpleNamespace(max_tokens=max_tokens), prio, arrival_time=t)
+    return Sequence(
+        rid,
+        [(i * 13 + len(rid)) % 97 for i in range(n_prompt)],
+        SimpleNamespace(max_tokens=max_tokens),
+        prio,
+        arrival_time=t,
+    )
 
 
 def expected_outputs(seq):
@@ -87,6 +91,7 @@ def ids(seqs):
 
 # -- Sequence / Priority ------------------------------------------------------
 
+
 def test_priority_parsing():
     assert Priority("LS") is Priority.LS and Priority.parse("Latency_Sensitive") is Priority.LS
     assert Priority.parse("be") is Priority.BE and Priority("BEST_EFFORT") is Priority.BE
@@ -96,16 +101,17 @@ def test_priority_parsing():
 
 def test_is_prefill_definition():
     s = mk("a", 1)
-    assert s.is_prefill                         # 1-token prompt: prefill of [0, 1)
+    assert s.is_prefill  # 1-token prompt: prefill of [0, 1)
     s.num_computed = 1
     s.output_ids.append(5)
-    assert not s.is_prefill and s.num_uncomputed == 1   # decode feeds token 5 at pos 1
+    assert not s.is_prefill and s.num_uncomputed == 1  # decode feeds token 5 at pos 1
     s.output_ids.append(6)
-    s.num_computed = 0                          # after a recompute preemption
-    assert s.is_prefill and s.num_uncomputed == 3       # re-prefill prompt + outputs
+    s.num_computed = 0  # after a recompute preemption
+    assert s.is_prefill and s.num_uncomputed == 3  # re-prefill prompt + outputs
 
 
 # -- lifecycle ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("policy", [QLLMPolicy(), FCFSPolicy()])
 def test_chunked_prefill_then_decode_to_completion(policy):
@@ -153,9 +159,9 @@ def test_recompute_reprefills_prompt_plus_generated():
     be = mk("be", 6, "be", t=0, max_tokens=8)
     sched.add(be)
     for _ in range(4):
-        step(sched, model)                      # prefill + 3 decodes: 9 computed, 3 blocks
+        step(sched, model)  # prefill + 3 decodes: 9 computed, 3 blocks
     assert be.output_ids == expected_outputs(be)[:4]
-    ls = mk("ls", 8, "ls", t=1, max_tokens=2)   # needs 2 blocks, 1 free -> evict BE
+    ls = mk("ls", 8, "ls", t=1, max_tokens=2)  # needs 2 blocks, 1 free -> evict BE
     sched.add(ls)
     batch, _ = step(sched, model)
     assert batch.preempted == [be] and not be.has_kv and be.num_computed == 0
@@ -168,10 +174,10 @@ def test_recompute_reprefills_prompt_plus_generated():
 
 def test_victim_is_never_more_urgent_than_requester():
     sched, model = make(num_blocks=4, block_size=4, policy=QLLMPolicy(be_prefill_with_ls_decode=True))
-    ls = mk("ls", 8, "ls", t=0, max_tokens=8)   # 2 blocks, its first decode takes a 3rd
+    ls = mk("ls", 8, "ls", t=0, max_tokens=8)  # 2 blocks, its first decode takes a 3rd
     sched.add(ls)
     step(sched, model)
-    be = mk("be", 8, "be", t=1)                 # needs 2 blocks, 1 left: must not evict LS
+    be = mk("be", 8, "be", t=1)  # needs 2 blocks, 1 left: must not evict LS
     sched.add(be)
     batch, _ = step(sched, model)
     assert ls.has_kv and batch.preempted == []
@@ -195,7 +201,7 @@ def test_partitions_evict_only_in_the_partition_that_needs_blocks():
     drain(sched, model)
     assert all(s.output_ids == expected_outputs(s) for s in (a, b, c, d))
     with pytest.raises(ValueError, match="capacity"):
-        sched.add(mk("e", 13))                  # more than one partition holds
+        sched.add(mk("e", 13))  # more than one partition holds
 
 
 def test_sequence_longer_than_cache_finishes_with_length():
@@ -213,12 +219,12 @@ def test_abort_frees_blocks_immediately():
     a, b = mk("a", 10), mk("b", 5)
     sched.add(a), sched.add(b)
     batch = sched.schedule()
-    out = model.run(batch)                      # "a" is aborted while the step runs
+    out = model.run(batch)  # "a" is aborted while the step runs
     used = sched.bm.num_used
     assert sched.abort("a") is True and a.status is SequenceStatus.FINISHED
     assert a.block_table == [] and sched.bm.num_used == used - 3 and a.finish_reason == "abort"
     assert sched.abort("a") is False and sched.abort("nope") is False
-    sched.postprocess(batch, out)               # in-flight result of "a" is ignored
+    sched.postprocess(batch, out)  # in-flight result of "a" is ignored
     assert a.output_ids == [] and sched.get("a") is None
     drain(sched, model)
     assert sched.bm.num_free == sched.bm.num_blocks and sched.num_aborted == 1
@@ -228,7 +234,7 @@ def test_finished_from_engine_and_validation():
     sched, model = make(max_batch_tokens=4)
     a, b = mk("a", 6, max_tokens=100), mk("b", 2, max_tokens=100)
     sched.add(a), sched.add(b)
-    batch = sched.schedule()                    # a: [0, 4) partial chunk
+    batch = sched.schedule()  # a: [0, 4) partial chunk
     with pytest.raises(ValueError, match="partial"):
         sched.postprocess(batch, {"a": 1})
     sched.postprocess(batch, model.run(batch))
@@ -246,7 +252,7 @@ def test_overload_raises_and_nothing_is_dropped():
     with pytest.raises(OverloadedError):
         sched.add(mk("c", 4))
     assert sched.num_rejected == 1 and sched.get("c") is None
-    step(sched, model)                          # a, b start: queue has room again
+    step(sched, model)  # a, b start: queue has room again
     c = mk("c", 4)
     sched.add(c)
     drain(sched, model)
@@ -259,10 +265,11 @@ def test_overload_raises_and_nothing_is_dropped():
 
 # -- QLLM Algorithm 1 (qllm.txt Sec. 3.2 "Batch selection logic") -------------
 
+
 def four_queues():
     ls_d = [mk("lsd0", 3, "ls", t=0), mk("lsd1", 3, "ls", t=3)]
     be_d = [mk("bed0", 3, "be", t=1), mk("bed1", 3, "be", t=4)]
-    for s in ls_d + be_d:                       # put them in the decode stage
+    for s in ls_d + be_d:  # put them in the decode stage
         s.output_ids, s.num_computed = [1], 3
     ls_p = [mk("lsp0", 5, "ls", t=2), mk("lsp1", 5, "ls", t=5)]
     be_p = [mk("bep0", 5, "be", t=0.5), mk("bep1", 5, "be", t=6)]
@@ -299,7 +306,7 @@ def test_qllm_batch_fill_respects_max_batch_size():
     sched, _ = make(max_num_seqs=3, max_batch_tokens=100)
     for s in ls_d + ls_p + be_d + be_p:
         sched.add(s)
-        if s.output_ids:                        # give decode-stage seqs their KV blocks
+        if s.output_ids:  # give decode-stage seqs their KV blocks
             sched.bm.allocate(s, s.num_tokens)
             s.status = SequenceStatus.RUNNING
     batch = sched.schedule()
@@ -315,7 +322,7 @@ def test_qllm_ls_arrival_preempts_be_and_be_resumes_intact():
     for s in bes:
         sched.add(s)
     step(sched, model)
-    step(sched, model)                          # all 3 BE decoding
+    step(sched, model)  # all 3 BE decoding
     snap = {s.request_id: (list(s.block_table), s.num_computed, list(s.output_ids)) for s in bes}
     ls = mk("ls", 12, "ls", t=10, max_tokens=3)
     sched.add(ls)
@@ -327,7 +334,7 @@ def test_qllm_ls_arrival_preempts_be_and_be_resumes_intact():
     be2 = bes[2]
     assert be2.status is SequenceStatus.PREEMPTED and be2.has_kv
     assert (be2.block_table, be2.num_computed, be2.output_ids) == snap["be2"]
-    batch, _ = step(sched, model)               # LS decode first (lines 2-3 / 10-14)
+    batch, _ = step(sched, model)  # LS decode first (lines 2-3 / 10-14)
     assert batch.decodes[0] is ls and be2 not in batch.decodes
     drain(sched, model)
     assert ls.first_token_time < be2.finish_time
@@ -355,6 +362,7 @@ def test_qllm_ls_needing_blocks_recompute_preempts_newest_be():
 
 
 # -- FCFS and custom policies -------------------------------------------------
+
 
 def test_fcfs_is_plain_arrival_order():
     sched, model = make(policy=FCFSPolicy(), max_num_seqs=2)
@@ -407,6 +415,7 @@ def test_custom_policy_example_plugs_in():
 
 # -- hooks and metrics --------------------------------------------------------
 
+
 def test_stats():
     sched, model = make()
     sched.add(mk("a", 4, "ls")), sched.add(mk("b", 4, "be"))
@@ -424,15 +433,21 @@ def test_stats():
 @pytest.mark.parametrize("parts", [1, 2])
 def test_random_soak_never_loses_tokens(policy, seed, parts):
     import random
+
     rng = random.Random(seed)
     pol = QLLMPolicy(True) if policy == "qllm_relaxed" else make_policy(policy)
-    sched, model = make(num_blocks=12 * parts, block_size=4, policy=pol, num_partitions=parts,
-                        max_batch_tokens=rng.choice([5, 8, 16]), max_num_seqs=rng.choice([2, 4, 8]))
+    sched, model = make(
+        num_blocks=12 * parts,
+        block_size=4,
+        policy=pol,
+        num_partitions=parts,
+        max_batch_tokens=rng.choice([5, 8, 16]),
+        max_num_seqs=rng.choice([2, 4, 8]),
+    )
     seqs, t = [], 0
     for _ in range(400):
         if len(seqs) < 30 and rng.random() < 0.3:
-            s = mk(f"q{len(seqs)}", rng.randint(1, 20), rng.choice(["ls", "be"]), t=t,
-                   max_tokens=rng.randint(1, 12))
+            s = mk(f"q{len(seqs)}", rng.randint(1, 20), rng.choice(["ls", "be"]), t=t, max_tokens=rng.randint(1, 12))
             sched.add(s)
             seqs.append(s)
         if rng.random() < 0.02 and sched.has_work():
@@ -445,6 +460,6 @@ def test_random_soak_never_loses_tokens(policy, seed, parts):
     assert sched.bm.num_free == sched.bm.num_blocks
     for s in seqs:
         if s.finish_reason == "abort":
-            assert s.output_ids == expected_outputs(s)[:len(s.output_ids)]
+            assert s.output_ids == expected_outputs(s)[: len(s.output_ids)]
         else:
             assert s.output_ids == expected_outputs(s), s

@@ -1,6 +1,7 @@
 """The gRPC server, live on ephemeral loopback ports: streaming vs the standalone LLM, mixed
 priorities, cancel, invalid arguments, overload, health/reflection; and one `jaxmoe serve`
 subprocess that must exit cleanly on SIGTERM."""
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,14 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.server.app import ServeOptions, ServerThread
 from jaxmoe.server.client import JaxmoeClient, make_request
-from jaxmoe.server.testing import WARMUP, burst_into_full_queue, engine_idle_and_free, failing_steps, shared_demo_llm, wait_until
+from jaxmoe.server.testing import (
+    WARMUP,
+    burst_into_full_queue,
+    engine_idle_and_free,
+    failing_steps,
+    shared_demo_llm,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -75,8 +83,11 @@ def test_model_info_health_and_reflection(server, client):
 def test_concurrent_mixed_priority_clients_match_standalone(client, reference):
     def one(i):
         prio = "ls" if i % 4 == 0 else "be"  # 2 of 8 latency-sensitive
-        chunks, ids, text = _collect(client.generate(PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0, priority=prio,
-                                                     request_id=f"mix-{i}", timeout=90))
+        chunks, ids, text = _collect(
+            client.generate(
+                PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0, priority=prio, request_id=f"mix-{i}", timeout=90
+            )
+        )
         last = chunks[-1]
         assert last.request_id == f"mix-{i}" and last.priority == prio
         assert last.usage.completion_tokens == len(ids) and last.HasField("ttft_s")
@@ -182,11 +193,28 @@ def _jaxmoe_command() -> list[str]:
 @pytest.mark.timeout(240)
 def test_jaxmoe_serve_subprocess_exits_cleanly_on_sigterm():
     cmd = _jaxmoe_command() + [
-        "serve", "--model", "tiny-random", "--grpc-port", "0", "--http-port", "0", "--block-size", "128",
-        "--num-blocks", "8", "--max-model-len", "256", "--max-num-seqs", "2", "--max-batch-tokens", "32"]
+        "serve",
+        "--model",
+        "tiny-random",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--block-size",
+        "128",
+        "--num-blocks",
+        "8",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "2",
+        "--max-batch-tokens",
+        "32",
+    ]
     # default warm-up grid: decodes of 1 and 2 rows, prefills of 16 and 32 tokens
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
     ports, lines = {}, []
     try:
         deadline = time.monotonic() + 180

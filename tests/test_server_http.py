@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server, live on an ephemeral loopback port: the official `openai`
 client (completions, chat, streaming) against the standalone LLM, OpenAI-style errors (400 / 429),
 priority extension, client disconnect, /v1/models, /health and the Prometheus /metrics."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -12,7 +13,14 @@ import pytest
 
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.server.app import ServeOptions, ServerThread
-from jaxmoe.server.testing import WARMUP, burst_into_full_queue, engine_idle_and_free, failing_steps, shared_demo_llm, wait_until
+from jaxmoe.server.testing import (
+    WARMUP,
+    burst_into_full_queue,
+    engine_idle_and_free,
+    failing_steps,
+    shared_demo_llm,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -77,8 +85,16 @@ def test_completion_from_token_ids(oai, reference):
 
 
 def test_completion_stream(oai, reference):
-    chunks = list(oai.completions.create(model="demo-moe", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                                         stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oai.completions.create(
+            model="demo-moe",
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == reference["completion"].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -92,9 +108,16 @@ def test_chat_matches_standalone(oai, reference):
 
 
 def test_chat_stream_with_priority_and_logprobs(oai, reference):
-    stream = oai.chat.completions.create(model="demo-moe", messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                         temperature=0, stream=True, logprobs=True, top_logprobs=2,
-                                         extra_body={"priority": "ls"})
+    stream = oai.chat.completions.create(
+        model="demo-moe",
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"priority": "ls"},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == reference["chat"].text
@@ -104,9 +127,10 @@ def test_chat_stream_with_priority_and_logprobs(oai, reference):
 
 
 def test_raw_sse_ends_with_done(server):
-    status, raw = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": True,
-                                                    "temperature": 0})
-    events = [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+    status, raw = _post(
+        server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": True, "temperature": 0}
+    )
+    events = [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
     assert status == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
 
@@ -161,7 +185,8 @@ def test_other_400s(server, oai):
 
 def test_overload_is_429(server):
     results = burst_into_full_queue(
-        server.async_engine, lambda i: _post(server, "/v1/completions", {"prompt": f"req {i}", "max_tokens": 8}))
+        server.async_engine, lambda i: _post(server, "/v1/completions", {"prompt": f"req {i}", "max_tokens": 8})
+    )
     statuses = [s for s, _ in results]
     assert statuses.count(429) == 10 and statuses.count(200) == 2, statuses
     err = next(body for s, body in results if s == 429)["error"]
@@ -210,8 +235,10 @@ def test_metrics(server, oai):
     for needle in [
         'jaxmoe_time_to_first_token_seconds_count{priority="ls"}',
         'jaxmoe_time_per_output_token_seconds_count{priority="ls"}',
-        'jaxmoe_queue_length{queue="ls_prefill"}', 'jaxmoe_queue_length{queue="be_decode"}',
-        "jaxmoe_running_batch_size", "jaxmoe_kv_block_utilization",
+        'jaxmoe_queue_length{queue="ls_prefill"}',
+        'jaxmoe_queue_length{queue="be_decode"}',
+        "jaxmoe_running_batch_size",
+        "jaxmoe_kv_block_utilization",
         'jaxmoe_preemptions_total{kind="keep_kv",level="step",priority="be"}',
         'jaxmoe_preemptions_total{kind="recompute",level="step",priority="ls"}',
         'jaxmoe_preemptions_total{kind="pause",level="layer",priority="be"}',
@@ -279,14 +306,18 @@ def test_openai_compatibility(server, oai, llm):
     assert r.usage.completion_tokens == sum(len(o.token_ids) for o in alone)
     plain = oai.chat.completions.create(model="demo-moe", messages=MESSAGES, **greedy)
     parts = oai.chat.completions.create(
-        model="demo-moe", messages=[{"role": "user", "content": [{"type": "text", "text": "Hel"},
-                                                                  {"type": "text", "text": "lo"}]}], **greedy)
+        model="demo-moe",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}],
+        **greedy,
+    )
     assert parts.choices[0].message.content == plain.choices[0].message.content and plain.usage.total_tokens
-    capped = oai.chat.completions.create(model="demo-moe", messages=MESSAGES, max_completion_tokens=2,
-                                         temperature=0)
+    capped = oai.chat.completions.create(model="demo-moe", messages=MESSAGES, max_completion_tokens=2, temperature=0)
     assert capped.usage.completion_tokens == 2
-    chunks = list(oai.completions.create(model="demo-moe", prompt=["one", "two"], stream=True,
-                                         stream_options={"include_usage": True}, **greedy))
+    chunks = list(
+        oai.completions.create(
+            model="demo-moe", prompt=["one", "two"], stream=True, stream_options={"include_usage": True}, **greedy
+        )
+    )
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens and not chunks[-1].choices
     texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
     assert texts == want
@@ -310,9 +341,15 @@ def test_a_failing_request_fails_alone(server, llm):
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             bad = pool.submit(_post, server, "/v1/completions", {"prompt": [5, 6, POISON], "max_tokens": 8})
-            good = [pool.submit(_post, server, "/v1/completions",
-                                {"prompt": p, "max_tokens": 8, "ignore_eos": True, "temperature": 0})
-                    for p in prompts]
+            good = [
+                pool.submit(
+                    _post,
+                    server,
+                    "/v1/completions",
+                    {"prompt": p, "max_tokens": 8, "ignore_eos": True, "temperature": 0},
+                )
+                for p in prompts
+            ]
             status, err = bad.result(60)
             results = [f.result(60) for f in good]
     finally:
@@ -357,8 +394,18 @@ def test_echo_with_prompt_logprobs_as_lm_eval_sends_it(server, llm):
     ctx, cont = [5, 17, 33, 2, 9], [40, 41, 7]
     want = _alone(server, [ctx + cont], SamplingParams(max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs
     for max_tokens in (0, 1):
-        status, r = _post(server, "/v1/completions", {"model": "demo-moe", "prompt": [ctx + cont], "echo": True,
-                                                      "max_tokens": max_tokens, "logprobs": 1, "temperature": 0})
+        status, r = _post(
+            server,
+            "/v1/completions",
+            {
+                "model": "demo-moe",
+                "prompt": [ctx + cont],
+                "echo": True,
+                "max_tokens": max_tokens,
+                "logprobs": 1,
+                "temperature": 0,
+            },
+        )
         assert status == 200, r
         lp = r["choices"][0]["logprobs"]
         assert len(lp["tokens"]) == 8 + max_tokens and lp["token_logprobs"][0] is None

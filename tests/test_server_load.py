@@ -61,8 +61,7 @@ async def _load(target: str):
             while not done.is_set():
                 t0 = time.monotonic()
                 resp = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
-                probes.append((health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status),
-                               time.monotonic() - t0))
+                probes.append((health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status), time.monotonic() - t0))
                 await asyncio.sleep(0.1)
 
         async def one(i):

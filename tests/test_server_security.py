@@ -56,14 +56,21 @@ def test_api_key_on_http(server):
 def test_host_header_must_name_the_server(server):
     status, err, _ = _request(server, "POST", "/v1/completions", BODY, {**AUTH, "Host": "evil.example"})
     assert status == 421 and err["error"]["code"] == "misdirected_request"
-    assert _request(server, "POST", "/v1/completions", BODY, {**AUTH, "Host": f"localhost:{server.http_port}"})[0] == 200
+    assert (
+        _request(server, "POST", "/v1/completions", BODY, {**AUTH, "Host": f"localhost:{server.http_port}"})[0] == 200
+    )
 
 
 def test_cross_origin_requests_refused_unless_allowed(server):
     admitted = server.async_engine.call(lambda e: e.scheduler.stats()["admitted"])
     # the simple request a web page can send without a preflight: text/plain, cross-origin
-    status, err, _ = _request(server, "POST", "/v1/completions", BODY,
-                              {**AUTH, "Origin": "https://evil.example", "Content-Type": "text/plain"})
+    status, err, _ = _request(
+        server,
+        "POST",
+        "/v1/completions",
+        BODY,
+        {**AUTH, "Origin": "https://evil.example", "Content-Type": "text/plain"},
+    )
     assert status == 403 and err["error"]["code"] == "origin_not_allowed"
     assert server.async_engine.call(lambda e: e.scheduler.stats()["admitted"]) == admitted
     status, _, headers = _request(server, "POST", "/v1/completions", BODY, {**AUTH, "Origin": ALLOWED})
@@ -94,8 +101,10 @@ def test_slow_body_is_refused_with_408():
     admitted = server.async_engine.call(lambda e: e.scheduler.stats()["admitted"])
     try:
         with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # 89 bytes never come
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt": '
+            )  # 89 bytes never come
             reply = b""
             while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
                 chunk = sock.recv(4096)

@@ -54,8 +54,19 @@ def _serve(*args, cache=None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if cache is not None:
         env["JAXMOE_COMPILATION_CACHE"] = str(cache)
-    cmd = [sys.executable, "-m", "jaxmoe.cli", "serve", "--model", "tiny-random", "--http-port", "0", "--grpc-port", "0",
-           *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxmoe.cli",
+        "serve",
+        "--model",
+        "tiny-random",
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        *args,
+    ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -17,9 +17,29 @@ from jaxmoe.train.corpus import CorpusError, load_corpus
 from jaxmoe.train.loop import train
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-MODULES = ["textwrap.py", "string.py", "bisect.py", "heapq.py", "shlex.py", "glob.py", "fnmatch.py",
-           "colorsys.py", "keyword.py", "reprlib.py", "numbers.py", "contextlib.py", "calendar.py", "queue.py",
-           "sched.py", "abc.py", "copy.py", "random.py", "pprint.py", "difflib.py", "statistics.py"]
+MODULES = [
+    "textwrap.py",
+    "string.py",
+    "bisect.py",
+    "heapq.py",
+    "shlex.py",
+    "glob.py",
+    "fnmatch.py",
+    "colorsys.py",
+    "keyword.py",
+    "reprlib.py",
+    "numbers.py",
+    "contextlib.py",
+    "calendar.py",
+    "queue.py",
+    "sched.py",
+    "abc.py",
+    "copy.py",
+    "random.py",
+    "pprint.py",
+    "difflib.py",
+    "statistics.py",
+]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +70,13 @@ def test_tiny_run_learns_and_reports(trained):
     assert report["heldout"]["loss"] < 5.2, report["heldout"]
     share = np.asarray(report["expert_share_heldout"])
     assert share.shape == (2, 8) and np.allclose(share.sum(axis=1), 1.0, atol=1e-3) and (share > 0).all()
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (out / "model" / name).exists(), name
 
 
@@ -83,15 +108,29 @@ def test_export_loads_in_transformers_with_the_same_greedy_tokens(trained):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     with torch.inference_mode():
         theirs = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
-    assert ours == theirs[0, len(ids):].tolist()
+    assert ours == theirs[0, len(ids) :].tolist()
 
 
 def test_eval_cli_prints_json(trained, corpus, capsys):
     from jaxmoe.cli import main
 
     model_dir = trained[0] / "model"
-    rc = main(["eval", "--model", str(model_dir), "--corpus", str(corpus), "--heldout-fraction", "0.2",
-               "--seq-len", "32", "--max-tokens", "2048", "--json"])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(model_dir),
+            "--corpus",
+            str(corpus),
+            "--heldout-fraction",
+            "0.2",
+            "--seq-len",
+            "32",
+            "--max-tokens",
+            "2048",
+            "--json",
+        ]
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["tokens"] == 2048 and 1 < result["perplexity"] < 320
@@ -123,7 +162,8 @@ def test_eval_cli_scores_a_text_file(trained, tmp_path, capsys):
 
     text = tmp_path / "t.txt"
     text.write_text("def add(a, b):\n    return a + b\n" * 40)
-    assert main(["eval", "--model", str(trained[0] / "model"), "--text-file", str(text), "--seq-len", "32",
-                 "--json"]) == 0
+    assert (
+        main(["eval", "--model", str(trained[0] / "model"), "--text-file", str(text), "--seq-len", "32", "--json"]) == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["tokens"] > 100 and result["perplexity"] > 1 and result["tokens_per_s"] > 0

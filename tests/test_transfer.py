@@ -1,4 +1,5 @@
 """A2E / E2A: the plan (hops, counters, adaptive choice) and its execution between sub-meshes on 8 CPU devices."""
+
 from pathlib import Path
 
 import jax
@@ -16,11 +17,17 @@ LAYOUTS = {
     "1a7e": MESHES / "cpu-8-1a7e.yaml",
     "monolithic-1": MESHES / "monolithic.yaml",
     # attention on both nodes, instance order not node order
-    "interleaved": {**CPU8, "attention": {"devices": [4, 0, 5, 1]},
-                    "experts": {"devices": [2, 3, 6, 7], "slots_per_instance": 4}},
+    "interleaved": {
+        **CPU8,
+        "attention": {"devices": [4, 0, 5, 1]},
+        "experts": {"devices": [2, 3, 6, 7], "slots_per_instance": 4},
+    },
     # 2-device (tensor-parallel) instances on both sides
-    "tp2": {**CPU8, "attention": {"devices": [[0, 1], [4, 5]]},
-            "experts": {"devices": [[2, 3], [6, 7]], "slots_per_instance": 4}},
+    "tp2": {
+        **CPU8,
+        "attention": {"devices": [[0, 1], [4, 5]]},
+        "experts": {"devices": [[2, 3], [6, 7]], "slots_per_instance": 4},
+    },
     "monolithic-8": {**CPU8, "monolithic": True, "experts": {"instances": 8, "slots_per_instance": 2}},
 }
 
@@ -71,8 +78,7 @@ def test_a2e_e2a_values_and_hops(layout, strategy, monkeypatch):
 
     # the plan's counters are exactly what ran
     for direction, ran in (("a2e", a2e_hops), ("e2a", e2a_hops)):
-        counted = T.TransferCounts.of(
-            T.Transfer(0, 0, (), nbytes, 1, "", src != dst) for src, dst, nbytes in ran)
+        counted = T.TransferCounts.of(T.Transfer(0, 0, (), nbytes, 1, "", src != dst) for src, dst, nbytes in ran)
         assert counted == plan.counts(direction), direction
 
 
@@ -84,18 +90,29 @@ def test_cpu8_two_phase_cuts_cross_node_transfers():
     assert direct.counts("a2e") == T.TransferCounts(intra=4, cross=8, intra_bytes=4 * b, cross_bytes=8 * b)
     assert direct.counts("e2a") == T.TransferCounts(intra=4, cross=8, intra_bytes=4 * b, cross_bytes=8 * b)
     # multicast: 1 gather + 1 send per expert node (one cross) + 1 + 3 multicasts
-    assert multicast.counts("a2e") == T.TransferCounts(intra=6, cross=1, intra_bytes=b + 2 * b + 4 * 2 * b,
-                                                       cross_bytes=2 * b)
-    assert [t.step for t in multicast.a2e] == ["gather", "send", "multicast", "send", "multicast", "multicast",
-                                                "multicast"]
+    assert multicast.counts("a2e") == T.TransferCounts(
+        intra=6, cross=1, intra_bytes=b + 2 * b + 4 * 2 * b, cross_bytes=2 * b
+    )
+    assert [t.step for t in multicast.a2e] == [
+        "gather",
+        "send",
+        "multicast",
+        "send",
+        "multicast",
+        "multicast",
+        "multicast",
+    ]
     assert multicast.counts("e2a").cross == 1
     for plan in (unicast, multicast):
         for direction in ("a2e", "e2a"):
             assert plan.counts(direction).cross < direct.counts(direction).cross
         assert plan.counts().cross_bytes < direct.counts().cross_bytes
     assert {t.phase for t in multicast.a2e if t.step == "gather"} == {1}
-    assert all(not t.cross_node for t in multicast.a2e + multicast.e2a if t.step in ("gather", "multicast", "reduce",
-                                                                                     "scatter"))
+    assert all(
+        not t.cross_node
+        for t in multicast.a2e + multicast.e2a
+        if t.step in ("gather", "multicast", "reduce", "scatter")
+    )
 
 
 def test_plan_is_cached_and_summarised():
@@ -106,10 +123,20 @@ def test_plan_is_cached_and_summarised():
 
 def _spec(mode="adaptive", dests=2, **thresholds):
     """4 attention instances on node 0, `dests` expert instances on node 1."""
-    return load_mesh({**CPU8, "attention": {"instances": 4},
-                      "experts": {"devices": list(range(4, 4 + dests)), "slots_per_instance": 8},
-                      "transfer": {"mode": mode, "direct_max_destinations": 2, "direct_min_bytes": "1MiB",
-                                   "multicast_min_bytes": "1MiB", **thresholds}})
+    return load_mesh(
+        {
+            **CPU8,
+            "attention": {"instances": 4},
+            "experts": {"devices": list(range(4, 4 + dests)), "slots_per_instance": 8},
+            "transfer": {
+                "mode": mode,
+                "direct_max_destinations": 2,
+                "direct_min_bytes": "1MiB",
+                "multicast_min_bytes": "1MiB",
+                **thresholds,
+            },
+        }
+    )
 
 
 def test_adaptive_choice_follows_thresholds():

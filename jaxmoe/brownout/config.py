@@ -26,6 +26,11 @@ class BrownoutConfig:
 
 
 def check_threshold(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= 1:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 <= value <= 1
+    ):
         raise BrownoutError(f"brownout threshold must be a number in [0, 1], got {value!r}")
     return float(value)

@@ -37,8 +37,11 @@ class BrownoutController:
         self.executor, self.config, self.clock = executor, config, clock
         self.analyzer = SLOAnalyzer(config.window_s, clock)
         start = executor.brownout_threshold
-        self.salc = {phase: SALC(slo, config.warning_factor, config.increment, config.shrink_ratio, start)
-                     for phase, slo in (("ttft", config.slo_ttft_s), ("tpot", config.slo_tpot_s)) if slo is not None}
+        self.salc = {
+            phase: SALC(slo, config.warning_factor, config.increment, config.shrink_ratio, start)
+            for phase, slo in (("ttft", config.slo_ttft_s), ("tpot", config.slo_tpot_s))
+            if slo is not None
+        }
         self._last = None
         self._seen_first: set[str] = set()
 
@@ -68,5 +71,7 @@ class BrownoutController:
         self.executor.brownout_threshold = min(thresholds)
 
     def state(self) -> dict:
-        return {"threshold": float(self.executor.brownout_threshold),
-                "p90": {phase: self.analyzer.p90(phase) for phase in ("ttft", "tpot")}}
+        return {
+            "threshold": float(self.executor.brownout_threshold),
+            "p90": {phase: self.analyzer.p90(phase) for phase in ("ttft", "tpot")},
+        }

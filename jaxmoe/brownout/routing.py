@@ -28,8 +28,11 @@ def split(ids, valid, groups, threshold, full: bool):
     ``valid`` [T]: real tokens (padding is not counted); ``groups`` [E]: united expert of each
     expert; ``full``: static. The two id arrays take the router's weights unchanged (eq. 5-6)."""
     E = groups.shape[0]
-    counts = jnp.zeros((E,), jnp.int32).at[ids.reshape(-1)].add(
-        jnp.repeat(valid.astype(jnp.int32), ids.shape[1]), mode="drop")
+    counts = (
+        jnp.zeros((E,), jnp.int32)
+        .at[ids.reshape(-1)]
+        .add(jnp.repeat(valid.astype(jnp.int32), ids.shape[1]), mode="drop")
+    )
     order = jnp.lexsort((jnp.arange(E), -counts))  # count descending, then id
     before = jnp.cumsum(counts[order]) - counts[order]
     in_s1_sorted = before < threshold * counts.sum()

@@ -51,10 +51,12 @@ class SALC:
     threshold: float = 1.0
 
     def __post_init__(self):
-        for name, value, ok in (("slo", self.slo, self.slo > 0), ("warning_factor", self.warning_factor,
-                                0 < self.warning_factor <= 1), ("increment", self.increment,
-                                0 < self.increment <= 1), ("shrink_ratio", self.shrink_ratio,
-                                0 < self.shrink_ratio < 1)):
+        for name, value, ok in (
+            ("slo", self.slo, self.slo > 0),
+            ("warning_factor", self.warning_factor, 0 < self.warning_factor <= 1),
+            ("increment", self.increment, 0 < self.increment <= 1),
+            ("shrink_ratio", self.shrink_ratio, 0 < self.shrink_ratio < 1),
+        ):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
                 raise BrownoutError(f"SALC {name} out of range: {value!r}")
         self.threshold = check_threshold(self.threshold)

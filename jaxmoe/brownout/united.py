@@ -139,8 +139,19 @@ def collect_moe_inputs(cfg, params: dict, windows: np.ndarray) -> dict[int, np.n
     return {layer: np.concatenate(v) for layer, v in got.items()}
 
 
-def unite(model_dir, ways: int, out_dir, *, grouping: str = "index", tokens: int = 8192, steps: int = 300,
-          lr: float = 3e-3, seed: int = 0, corpus: str = "stdlib", progress: bool = True) -> dict:
+def unite(
+    model_dir,
+    ways: int,
+    out_dir,
+    *,
+    grouping: str = "index",
+    tokens: int = 8192,
+    steps: int = 300,
+    lr: float = 3e-3,
+    seed: int = 0,
+    corpus: str = "stdlib",
+    progress: bool = True,
+) -> dict:
     """Build, distil and save united experts for every MoE layer of the checkpoint in ``model_dir``."""
     from jaxmoe.llm import load_model
     from jaxmoe.train import data
@@ -169,8 +180,9 @@ def unite(model_dir, ways: int, out_dir, *, grouping: str = "index", tokens: int
         if not done.exists():
             if inputs is None:
                 inputs = collect_moe_inputs(cfg, params, windows)
-            united, groups, losses = distill_layer(params["layers"][i]["moe"], cfg, inputs[i], ways, grouping,
-                                                   steps, lr, seed)
+            united, groups, losses = distill_layer(
+                params["layers"][i]["moe"], cfg, inputs[i], ways, grouping, steps, lr, seed
+            )
             np.savez(done, groups=groups, losses=np.asarray(losses), **united)
         saved = np.load(done)
         report[i] = {"groups": saved["groups"].tolist(), "losses": saved["losses"].tolist()}
@@ -192,8 +204,12 @@ def _write(model_dir: Path, out_dir: Path, work: Path, moe_layers, ways, groupin
             for j, w in enumerate(saved[k]):
                 tensors[f"model.layers.{i}.united_experts.{j}.{k}"] = np.ascontiguousarray(w.astype(np.float32))
     save_file(tensors, str(out_dir / UNITED_FILE))
-    meta = {"ways": ways, "grouping": grouping, "dtype_of_base": str(dtype),
-            "layers": {str(i): r for i, r in report.items()}}
+    meta = {
+        "ways": ways,
+        "grouping": grouping,
+        "dtype_of_base": str(dtype),
+        "layers": {str(i): r for i, r in report.items()},
+    }
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     shutil.rmtree(work)
 
@@ -205,8 +221,10 @@ def attach(params: dict, cfg, directory) -> dict:
 
     directory = Path(directory)
     if not (directory / UNITED_FILE).exists() or not (directory / META_FILE).exists():
-        raise BrownoutError(f"{directory} has no united experts ({UNITED_FILE}, {META_FILE}): "
-                            "create them with `jaxmoe unite --model DIR --ways K --out DIR2`")
+        raise BrownoutError(
+            f"{directory} has no united experts ({UNITED_FILE}, {META_FILE}): "
+            "create them with `jaxmoe unite --model DIR --ways K --out DIR2`"
+        )
     meta = json.loads((directory / META_FILE).read_text())
     tensors = load_file(str(directory / UNITED_FILE))
     layers = list(params["layers"])
@@ -218,8 +236,10 @@ def attach(params: dict, cfg, directory) -> dict:
             raise BrownoutError(f"{directory / META_FILE}: no united experts for MoE layer {i}")
         dtype = layers[i]["moe"]["w_gate"].dtype
         U = cfg.moe.num_experts // meta["ways"]
-        united = {k: jnp.asarray(np.stack([tensors[f"model.layers.{i}.united_experts.{j}.{k}"] for j in range(U)]),
-                                 dtype) for k in NAMES}
+        united = {
+            k: jnp.asarray(np.stack([tensors[f"model.layers.{i}.united_experts.{j}.{k}"] for j in range(U)]), dtype)
+            for k in NAMES
+        }
         moe = dict(layers[i]["moe"], united=united, united_groups=jnp.asarray(entry["groups"], jnp.int32))
         layers[i] = dict(layers[i], moe=moe)
     return dict(params, layers=layers)

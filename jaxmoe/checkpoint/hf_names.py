@@ -4,6 +4,7 @@
 checkpoint tensors it is built from (one, or one per expert to be stacked), their expected shapes,
 and whether they are transposed (HF Linear weights are [out, in]; jaxmoe multiplies x @ W [in, out]).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,9 +61,7 @@ def _attention(cfg: ModelConfig, i: int) -> Iterator[Leaf]:
         yield from _linear(path + ("q_b",), f"{s}.q_b_proj", q_dim, a.q_lora_rank)
     else:
         yield from _linear(path + ("q",), f"{s}.q_proj", q_dim, d)
-    yield from _linear(
-        path + ("kv_a",), f"{s}.kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_head_dim, d, a.qkv_bias
-    )
+    yield from _linear(path + ("kv_a",), f"{s}.kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_head_dim, d, a.qkv_bias)
     yield _norm(path + ("kv_a_norm",), f"{s}.kv_a_layernorm", a.kv_lora_rank)
     yield from _linear(
         path + ("kv_b",), f"{s}.kv_b_proj", a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank

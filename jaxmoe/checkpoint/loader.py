@@ -4,6 +4,7 @@ Every tensor is checked (present, expected shape, complete on disk) before any i
 checkpoint fails fast with a message naming the tensor.  Tensors are memory-mapped, converted and
 placed leaf by leaf: at most one leaf (one layer's stacked experts) is ever held on the host.
 """
+
 from __future__ import annotations
 
 import re
@@ -58,8 +59,9 @@ def empty_tree(cfg: ModelConfig) -> dict:
     return {"layers": [{"attn": {}} for _ in range(cfg.num_layers)]}
 
 
-def load_params(directory: str | Path, cfg: ModelConfig, *, dtype=None, place: Place | None = None,
-                progress: bool | None = None) -> dict:
+def load_params(
+    directory: str | Path, cfg: ModelConfig, *, dtype=None, place: Place | None = None, progress: bool | None = None
+) -> dict:
     """Load a checkpoint's parameters as a pytree of jax arrays.
 
     ``dtype`` converts every tensor (default: keep the checkpoint's dtype); ``place(path, array)``
@@ -76,8 +78,9 @@ def load_params(directory: str | Path, cfg: ModelConfig, *, dtype=None, place: P
         progress = total > _PROGRESS_BYTES
     place = place or (lambda path, x: jnp.asarray(x))
     params = empty_tree(cfg)
-    with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
-              disable=not progress) as bar:
+    with tqdm(
+        total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress
+    ) as bar:
         for leaf, size in zip(plan, sizes):
             arrays = [ckpt.read(s) for s in leaf.sources]
             host = np.stack(arrays) if leaf.stack else arrays[0]

@@ -8,6 +8,7 @@ space on (random fp32) weights but makes a restore ~2x slower on CPU -- slower t
 safetensors -- because decompression, not I/O, is the bottleneck (``bench/load_speed.py``,
 BENCHMARKS.md).  Restore reads either form (the codec is recorded per array).
 """
+
 from __future__ import annotations
 
 from pathlib import Path

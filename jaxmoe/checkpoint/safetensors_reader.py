@@ -4,6 +4,7 @@ The ``safetensors`` package's numpy backend cannot return bf16 tensors and repor
 file without naming the tensor, so this reader parses the (simple, documented) header itself and
 memory-maps the data: a tensor is read from disk only when asked for, and errors name it.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,18 @@ import ml_dtypes
 import numpy as np
 
 _DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 
 

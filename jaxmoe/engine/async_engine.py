@@ -18,6 +18,7 @@ command queue that the loop drains between steps:
 * ``snapshot()`` returns scheduler / KV statistics published by the loop after every step (for
   metrics; no engine access from other threads), ``call(fn)`` runs ``fn(engine)`` on the loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,26 +26,26 @@ import concurrent.futures
 import dataclasses
 import logging
 import queue
-import sys
 import threading
 import time
 from typing import Any, Callable
 
-from tqdm import tqdm
-
 from jaxmoe.compilation import compile_events
-from jaxmoe.engine.engine import LLMEngine, RequestOutput, StepFailedError
+from jaxmoe.engine.engine import LLMEngine
+from jaxmoe.engine.outputs import RequestOutput, StepFailedError
 from jaxmoe.engine.request_stream import (  # noqa: F401  (re-exported: the errors are part of this API)
     END,
     EngineClosedError,
     EngineStepError,
     RequestStream,
     RequestTimeoutError,
-    WarmupCancelled,
 )
+from jaxmoe.engine.stats import EngineStats
+from jaxmoe.engine.warmup import WarmupCancelled, warm_up  # noqa: F401  (WarmupCancelled: re-exported)
 from jaxmoe.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class _Add:
@@ -57,8 +58,14 @@ class _Add:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_finish: Callable[[RequestOutput], None] | None = None,
-                 idle_poll_s: float = 0.5, counts_every_s: float = 1.0, request_timeout_s: float | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_finish: Callable[[RequestOutput], None] | None = None,
+        idle_poll_s: float = 0.5,
+        counts_every_s: float = 1.0,
+        request_timeout_s: float | None = None,
+    ):
         """``request_timeout_s``: a request still running that long after admission is ended
         with ``RequestTimeoutError`` (None: no deadline)."""
         self.engine = engine
@@ -68,7 +75,8 @@ class AsyncEngine:
         engine.poll = self._admit_arrivals
         self._admitted: dict[str, float] = {}  # request id -> admission time (for the deadline)
         self.on_finish = on_finish  # called on the loop thread with each final output (metrics)
-        self._idle_poll_s, self._counts_every_s = idle_poll_s, counts_every_s
+        self._idle_poll_s = idle_poll_s
+        self._stats = EngineStats(counts_every_s)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._last: dict[str, RequestOutput] = {}
@@ -76,7 +84,6 @@ class AsyncEngine:
         self._stop: tuple[bool, float] | None = None  # (abort_inflight, deadline)
         self._thread: threading.Thread | None = None
         self._snapshot: dict[str, Any] = {}
-        self._counts_time = 0.0
         self.step_errors = 0
         self.num_steps = 0
         self._compiles_at_ready: int | None = None
@@ -104,14 +111,24 @@ class AsyncEngine:
         self._thread.join(timeout + 10)
 
     # -- submission (any thread) ----------------------------------------------------------------
-    def add(self, prompt: str | list[int], sampling: SamplingParams | None = None,
-            priority: Any = "be", request_id: str | None = None) -> RequestStream:
+    def add(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        priority: Any = "be",
+        request_id: str | None = None,
+    ) -> RequestStream:
         """Admit a request (blocks until the loop has taken it, at most one step). Raises ValueError,
         OverloadedError or EngineClosedError; returns a stream for ``for`` loops."""
         return self._submit(prompt, sampling, priority, request_id, None).result()
 
-    async def add_async(self, prompt: str | list[int], sampling: SamplingParams | None = None,
-                        priority: Any = "be", request_id: str | None = None) -> RequestStream:
+    async def add_async(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        priority: Any = "be",
+        request_id: str | None = None,
+    ) -> RequestStream:
         """Like ``add`` for asyncio code; the stream is iterated with ``async for``."""
         loop = asyncio.get_running_loop()
         return await asyncio.wrap_future(self._submit(prompt, sampling, priority, request_id, loop))
@@ -140,27 +157,22 @@ class AsyncEngine:
         """Latest statistics published by the loop (scheduler stats, KV blocks, expert counts)."""
         return self._snapshot
 
-    def warmup(self, shapes: list[tuple[int, int]] | None = None, progress: bool | None = None,
-               cancel: threading.Event | None = None) -> float:
+    def warmup(
+        self,
+        shapes: list[tuple[int, int]] | None = None,
+        progress: bool | None = None,
+        cancel: threading.Event | None = None,
+    ) -> float:
         """Compile the step program of every shape serving can meet (``runner.plan.shapes()``:
         (rows per attention instance, tokens per row)), by running each once on padding rows that
         write no KV. Returns the seconds spent. ``progress``: a tqdm bar on stderr (None: when
         stderr is a terminal). ``cancel``: set it to stop between two shapes (``WarmupCancelled``).
         Afterwards ``compiles_after_warmup`` counts programs compiled while serving."""
+
         def run(engine: LLMEngine) -> float:
-            t0 = time.monotonic()
-            todo = list(shapes if shapes is not None else engine.runner.plan.shapes())
-            bar = tqdm(todo, desc="jaxmoe warm-up", unit="program", file=sys.stderr,
-                       disable=not (sys.stderr.isatty() if progress is None else progress))
-            for rows, tokens in bar:
-                if cancel is not None and cancel.is_set():
-                    raise WarmupCancelled(f"warm-up cancelled after {time.monotonic() - t0:.1f}s")
-                bar.set_postfix_str(f"{rows}x{tokens}")
-                engine.runner.warm(rows, tokens)
-                if engine.config.layer_preemption:
-                    engine.runner.warm(rows, tokens, layer_by_layer=True)
+            seconds = warm_up(engine, shapes, progress, cancel)
             self._compiles_at_ready = compile_events()["programs"]
-            return time.monotonic() - t0
+            return seconds
 
         return self.call(run, timeout=None)
 
@@ -266,10 +278,19 @@ class AsyncEngine:
         last = self._last.get(rid)
         if seq is not None:
             out = RequestOutput(
-                request_id=rid, prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
-                text=last.text if last else "", delta_token_ids=[], delta_text="",
-                logprobs=last.logprobs if last else None, finished=True, finish_reason="abort",
-                priority=seq.priority.value, ttft=seq.ttft, tpot=seq.tpot)
+                request_id=rid,
+                prompt_token_ids=seq.prompt_ids,
+                token_ids=list(seq.output_ids),
+                text=last.text if last else "",
+                delta_token_ids=[],
+                delta_text="",
+                logprobs=last.logprobs if last else None,
+                finished=True,
+                finish_reason="abort",
+                priority=seq.priority.value,
+                ttft=seq.ttft,
+                tpot=seq.tpot,
+            )
             self._deliver(out)
         else:  # already finished and delivered
             self._close(rid)
@@ -315,10 +336,14 @@ class AsyncEngine:
         limit = time.monotonic() - self.request_timeout_s
         late = [rid for rid, t in self._admitted.items() if t < limit]
         if late:
-            log.warning("%d request(s) passed the %g s request deadline; ending them", len(late),
-                        self.request_timeout_s)
-            self._fail(late, f"the request did not finish within the server's deadline of "
-                             f"{self.request_timeout_s:g} s", RequestTimeoutError)
+            log.warning(
+                "%d request(s) passed the %g s request deadline; ending them", len(late), self.request_timeout_s
+            )
+            self._fail(
+                late,
+                f"the request did not finish within the server's deadline of {self.request_timeout_s:g} s",
+                RequestTimeoutError,
+            )
             self._publish()
 
     def _fail(self, rids: list[str], message: str, error: type[EngineStepError] = EngineStepError) -> None:
@@ -371,27 +396,4 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         """Publish statistics for other threads (a new dict each time: readers never see it change)."""
-        e = self.engine
-        snap: dict[str, Any] = dict(e.scheduler.stats())
-        snap["queues"] = e.scheduler.queue_lengths()
-        snap["preemptions"] = {k: dict(v) for k, v in e.scheduler.preemptions.items()}
-        snap["num_blocks"] = e.block_manager.num_blocks
-        snap["in_flight"] = len(self._streams)
-        snap["step_errors"] = self.step_errors
-        snap["expert_counts"] = self._snapshot.get("expert_counts")
-        if self.brownout is not None:
-            snap["brownout"] = self.brownout.state()
-        now = time.monotonic()
-        if now - self._counts_time >= self._counts_every_s:
-            try:
-                counts = e.runner.executor.expert_activation_counts()
-                if counts is not None:  # (a read is a collective across processes: at most every interval)
-                    self._counts_time = now
-                    rows = [[int(c) for c in layer] for layer in counts]
-                    moe = [i for i, is_moe in enumerate(e.cfg.moe_layers) if is_moe]
-                    layers = moe if len(moe) == len(rows) else list(range(len(rows)))
-                    snap["expert_counts"] = list(zip(layers, rows))  # (model layer index, counts)
-            except Exception:
-                log.exception("expert_activation_counts() failed")
-        self._snapshot = snap
-
+        self._snapshot = self._stats.snapshot(self.engine, len(self._streams), self.step_errors, self.brownout)

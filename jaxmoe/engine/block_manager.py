@@ -97,9 +97,7 @@ class BlockManager:
         need = self.num_blocks_needed(seq, n_tokens_needed)
         free = self._free[self._partition_for(seq)]
         if need > len(free):
-            raise MemoryError(
-                f"KV cache exhausted: {seq.request_id} needs {need} blocks, {len(free)} free"
-            )
+            raise MemoryError(f"KV cache exhausted: {seq.request_id} needs {need} blocks, {len(free)} free")
         new = [free.popleft() for _ in range(need)]
         for b in new:
             self._owner[b] = seq.request_id
@@ -123,7 +121,5 @@ class BlockManager:
         """Cache slots of token positions ``[start, end)`` of ``seq``."""
         bs, table = self.block_size, seq.block_table
         if start < 0 or end > len(table) * bs or start > end:
-            raise IndexError(
-                f"positions [{start}, {end}) outside the {len(table)} blocks of {seq.request_id}"
-            )
+            raise IndexError(f"positions [{start}, {end}) outside the {len(table)} blocks of {seq.request_id}")
         return [int(s) for s in self.layout.slots(table, np.arange(start, end))]

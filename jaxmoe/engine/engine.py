@@ -10,6 +10,7 @@
 4. One :class:`RequestOutput` per touched request is returned for streaming; ``step_hooks`` run
    (between steps: e.g. ``runtime.controller.PlacementController`` re-places expert replicas).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,51 +23,11 @@ import numpy as np
 from jaxmoe.engine.block_manager import BlockManager
 from jaxmoe.engine.buckets import ShapePlan
 from jaxmoe.engine.model_runner import ModelRunner, Row
+from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
 from jaxmoe.engine.policies import make_policy
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
-
-
-class StepFailedError(RuntimeError):
-    """A step's model run raised; ``request_ids`` were in that step (the caller decides their
-    fate: ``AsyncEngine`` fails them). The KV cache is valid again when this is raised."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException):
-        super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
-        self.request_ids = request_ids
-
-
-@dataclasses.dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """The state of one request after a step (``delta_*`` is what this step added)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    delta_token_ids: list[int]
-    delta_text: str
-    logprobs: list[TokenLogprob] | None
-    finished: bool
-    finish_reason: str | None
-    priority: str
-    ttft: float | None = None
-    tpot: float | None = None
-    error: str | None = None  # set (with finish_reason "error") when this request failed in the engine
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None)
-
-    @property
-    def usage(self) -> dict[str, int]:
-        p, c = len(self.prompt_token_ids), len(self.token_ids)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 @dataclasses.dataclass
@@ -108,8 +69,10 @@ class LLMEngine:
             max_waiting=config.max_waiting,
             max_prefill_chunk=config.max_prefill_chunk,
         )
-        plan = ShapePlan(max_num_seqs=config.max_num_seqs,
-                         max_prefill_chunk=min(config.max_prefill_chunk, config.max_batch_tokens, self.max_model_len))
+        plan = ShapePlan(
+            max_num_seqs=config.max_num_seqs,
+            max_prefill_chunk=min(config.max_prefill_chunk, config.max_batch_tokens, self.max_model_len),
+        )
         self.runner = ModelRunner(executor, config.block_size, max_blocks, plan)
         self.eos_ids = set(cfg.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -125,8 +88,13 @@ class LLMEngine:
         self.layer_pauses = 0  # times a step was paused between layers for latency-sensitive work
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
-                    priority: str | Priority = Priority.BE, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        priority: str | Priority = Priority.BE,
+        request_id: str | None = None,
+    ) -> str:
         """Validate and queue a request; raises ValueError on bad input, OverloadedError when full."""
         sampling = sampling or SamplingParams()
         sampling.validate()
@@ -137,8 +105,9 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
-                             f"{self.max_model_len} tokens")
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_model_len} tokens"
+            )
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
@@ -148,8 +117,12 @@ class LLMEngine:
         self.scheduler.add(seq)
         seed = sampling.seed32 if sampling.seed is not None else self._seeds.getrandbits(32)
         self._requests[request_id] = _RequestState(
-            seq, sampling, seed, logprobs=[] if sampling.logprobs is not None else None,
-            prompt_logprobs=[None] if sampling.prompt_logprobs is not None else None)
+            seq,
+            sampling,
+            seed,
+            logprobs=[] if sampling.logprobs is not None else None,
+            prompt_logprobs=[None] if sampling.prompt_logprobs is not None else None,
+        )
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -230,7 +203,7 @@ class LLMEngine:
             state = self._requests.get(seq.request_id)
             if state is None or state.prompt_logprobs is None or seq.request_id in errors:
                 continue
-            targets = seq.prompt_ids[start + 1:min(end + 1, len(seq.prompt_ids))]
+            targets = seq.prompt_ids[start + 1 : min(end + 1, len(seq.prompt_ids))]
             if not targets:
                 continue
             try:
@@ -262,8 +235,9 @@ class LLMEngine:
             self._paused = paused
             self.step_request_ids = sorted(paused)
 
-    def _run_isolating(self, rows: list[Row], seqs: list[Sequence], errors: dict[str, str],
-                       between_layers=None) -> list:
+    def _run_isolating(
+        self, rows: list[Row], seqs: list[Sequence], errors: dict[str, str], between_layers=None
+    ) -> list:
         """``runner.run(rows)``; when it raises, only the requests that make it fail are failed
         (``errors``): the rows are run again in halves until the failing ones are found. Rows
         run twice write the same KV again. If the failed program took the KV cache with it, the
@@ -278,18 +252,29 @@ class LLMEngine:
                 errors[seqs[0].request_id] = f"engine step failed: {type(e).__name__}: {e}"
                 return [None]
             mid = len(rows) // 2
-            return (self._run_isolating(rows[:mid], seqs[:mid], errors)
-                    + self._run_isolating(rows[mid:], seqs[mid:], errors))
+            return self._run_isolating(rows[:mid], seqs[:mid], errors) + self._run_isolating(
+                rows[mid:], seqs[mid:], errors
+            )
 
     def _failed(self, seq: Sequence, message: str) -> RequestOutput:
         """Abort a request that failed in this step; its final output carries the error."""
         state = self._requests.get(seq.request_id)
         self.abort(seq.request_id)
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
-            text=state.text if state else "", delta_token_ids=[], delta_text="",
-            logprobs=list(state.logprobs) if state and state.logprobs is not None else None, finished=True,
-            finish_reason="error", priority=seq.priority.value, ttft=seq.ttft, tpot=seq.tpot, error=message)
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_ids,
+            token_ids=list(seq.output_ids),
+            text=state.text if state else "",
+            delta_token_ids=[],
+            delta_text="",
+            logprobs=list(state.logprobs) if state and state.logprobs is not None else None,
+            finished=True,
+            finish_reason="error",
+            priority=seq.priority.value,
+            ttft=seq.ttft,
+            tpot=seq.tpot,
+            error=message,
+        )
 
     def _recover_cache(self) -> bool:
         """After a failed run: if the executor's KV cache is gone (a failed program that donates
@@ -304,8 +289,9 @@ class LLMEngine:
 
     def _row(self, seq: Sequence, tokens: list[int], start: int, sample: bool) -> Row:
         state = self._requests[seq.request_id]
-        return Row(tokens, start, list(seq.block_table), state.sampling if sample else None,
-                   state.seed, seq.num_output_tokens)
+        return Row(
+            tokens, start, list(seq.block_table), state.sampling if sample else None, state.seed, seq.num_output_tokens
+        )
 
     def _stop_reason(self, state: _RequestState, token: int) -> str | None:
         s = state.sampling
@@ -314,7 +300,7 @@ class LLMEngine:
         if s.stop:
             text = self.tokenizer.decode(state.seq.output_ids + [token])
             for stop in s.stop:
-                if stop and stop in text[max(0, len(state.text) - len(stop)):]:
+                if stop and stop in text[max(0, len(state.text) - len(stop)) :]:
                     return "stop"
         return None
 
@@ -327,15 +313,23 @@ class LLMEngine:
             text = _cut_at_stop(text, state.sampling.stop)
         elif text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
             text = state.text
-        delta_text, state.text = text[len(state.text):], text
-        delta_ids, state.sent_tokens = ids[state.sent_tokens:], len(ids)
+        delta_text, state.text = text[len(state.text) :], text
+        delta_ids, state.sent_tokens = ids[state.sent_tokens :], len(ids)
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_ids, token_ids=list(ids), text=text,
-            delta_token_ids=list(delta_ids), delta_text=delta_text,
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_ids,
+            token_ids=list(ids),
+            text=text,
+            delta_token_ids=list(delta_ids),
+            delta_text=delta_text,
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
-            finished=seq.is_finished, finish_reason=seq.finish_reason, priority=seq.priority.value,
-            ttft=seq.ttft, tpot=seq.tpot,
-            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None and seq.is_finished
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            priority=seq.priority.value,
+            ttft=seq.ttft,
+            tpot=seq.tpot,
+            prompt_logprobs=list(state.prompt_logprobs)
+            if state.prompt_logprobs is not None and seq.is_finished
             else None,
         )
 
@@ -357,8 +351,9 @@ def _block_manager(executor, config: EngineConfig) -> BlockManager:
     one partition per instance, so a sequence's KV never leaves its instance)."""
     layout = executor.kv_layout
     if layout.block_size != config.block_size:
-        raise ValueError(f"block_size: the engine's is {config.block_size}, the executor's KV cache "
-                         f"uses {layout.block_size}")
+        raise ValueError(
+            f"block_size: the engine's is {config.block_size}, the executor's KV cache uses {layout.block_size}"
+        )
     return BlockManager.for_layout(layout)
 
 

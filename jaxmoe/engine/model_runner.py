@@ -14,6 +14,7 @@ per-instance row count, padding rows with slot -1, block table padding with the 
 block, so the executor can run attention per instance (``DisaggregatedExecutor.is_local``).
 Results come back in the callers' row order.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -103,8 +104,12 @@ class ModelRunner:
         that layer-level preemption runs)."""
         B = self.num_instances * rows_per_instance
         args = self._empty(B, tokens)
-        self._execute(*args, _sampling_arrays(B), want_logprobs=False,
-                      between_layers=(lambda layer: None) if layer_by_layer else None)
+        self._execute(
+            *args,
+            _sampling_arrays(B),
+            want_logprobs=False,
+            between_layers=(lambda layer: None) if layer_by_layer else None,
+        )
 
     def score(self, row: Row, targets: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
         """Logprob of each of ``targets`` (the tokens after each of the row's positions) and the top
@@ -153,8 +158,7 @@ class ModelRunner:
         tokens_in, batch, last, where = self.prepare(rows)
         sampling = _sampling_arrays(tokens_in.shape[0], rows, where)
         want_logprobs = any(r.sampling is not None and r.sampling.logprobs is not None for r in rows)
-        tokens, chosen, top_ids, top_lp = self._execute(tokens_in, batch, last, sampling, want_logprobs,
-                                                        between_layers)
+        tokens, chosen, top_ids, top_lp = self._execute(tokens_in, batch, last, sampling, want_logprobs, between_layers)
         out: list[Sampled | None] = []
         for i, r in zip(where, rows):
             if r.sampling is None:
@@ -169,8 +173,11 @@ class ModelRunner:
         """The executor's forward pass, then the sampler as its own program (compiled once per batch
         size, shared by every token bucket); only the sampled tokens come back to the host.
         ``between_layers``: the executor runs layer by layer and calls it between layers."""
-        logits = (self.executor.forward(tokens, batch, last) if between_layers is None
-                  else self.executor.forward(tokens, batch, last, between_layers=between_layers))
+        logits = (
+            self.executor.forward(tokens, batch, last)
+            if between_layers is None
+            else self.executor.forward(tokens, batch, last, between_layers=between_layers)
+        )
         result = sample(logits, *sampling, np.bool_(want_logprobs))
         return jax.device_get(result)  # one host transfer for all four
 

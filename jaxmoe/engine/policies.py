@@ -55,12 +55,15 @@ class Queues:
 
     def all(self) -> list[Sequence]:
         """Every sequence, in arrival order."""
-        return sorted(self.ls_prefill + self.ls_decode + self.be_prefill + self.be_decode,
-                      key=arrival_key)
+        return sorted(self.ls_prefill + self.ls_decode + self.be_prefill + self.be_decode, key=arrival_key)
 
     def lengths(self) -> dict[str, int]:
-        return {"ls_prefill": len(self.ls_prefill), "ls_decode": len(self.ls_decode),
-                "be_prefill": len(self.be_prefill), "be_decode": len(self.be_decode)}
+        return {
+            "ls_prefill": len(self.ls_prefill),
+            "ls_decode": len(self.ls_decode),
+            "be_prefill": len(self.be_prefill),
+            "be_decode": len(self.be_decode),
+        }
 
 
 @dataclass(frozen=True)

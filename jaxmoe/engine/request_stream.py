@@ -3,23 +3,20 @@
 The ``AsyncEngine`` loop thread puts outputs (and at the end ``END`` or an exception) into the
 stream; the consumer reads them from any thread (``for``) or from an asyncio loop (``async for``).
 """
+
 from __future__ import annotations
 
 import asyncio
 import queue
 from typing import Any
 
-from jaxmoe.engine.engine import RequestOutput
+from jaxmoe.engine.outputs import RequestOutput
 
 END = object()
 
 
 class EngineClosedError(RuntimeError):
     """The engine is shutting down and accepts no new requests."""
-
-
-class WarmupCancelled(RuntimeError):
-    """``warmup`` stopped early because its ``cancel`` event was set."""
 
 
 class EngineStepError(RuntimeError):

@@ -103,8 +103,10 @@ class Scheduler:
         if not seq.prompt_ids:
             raise ValueError(f"request {seq.request_id!r} has an empty prompt")
         if seq.num_tokens > self.bm.max_seq_tokens:
-            raise ValueError(f"request {seq.request_id!r}: {seq.num_tokens} tokens exceed the "
-                             f"KV cache capacity of {self.bm.max_seq_tokens} tokens per sequence")
+            raise ValueError(
+                f"request {seq.request_id!r}: {seq.num_tokens} tokens exceed the "
+                f"KV cache capacity of {self.bm.max_seq_tokens} tokens per sequence"
+            )
         if self.num_waiting >= self.max_waiting:
             self.num_rejected += 1
             raise OverloadedError(f"{self.num_waiting} requests waiting (max_waiting={self.max_waiting})")
@@ -126,8 +128,11 @@ class Scheduler:
         """The next batch. ``exclude``: sequences of a step that is paused between layers (they are
         neither scheduled, evicted nor preempted); ``priority``: schedule only those (the step that
         runs inside a paused one, QLLM layer-level preemption)."""
-        live = [s for s in self._seqs.values()
-                if s.request_id not in exclude and (priority is None or s.priority is priority)]
+        live = [
+            s
+            for s in self._seqs.values()
+            if s.request_id not in exclude and (priority is None or s.priority is priority)
+        ]
         queues = Queues.from_seqs(live)
         budget = Budget(self.max_batch_tokens, self.max_num_seqs, self.bm.num_free, self.bm.block_size)
         order = self.policy.order(queues, budget)
@@ -176,10 +181,15 @@ class Scheduler:
         bm, my_rank = self.bm, rank[seq.request_id]
         part = bm.partition_of(seq)  # None: a new one takes any partition, so any victim may help
         while not bm.can_allocate(seq.num_computed + want, seq):
-            victims = [s for s in live if s.has_kv and s is not seq
-                       and s.request_id not in scheduled
-                       and rank.get(s.request_id, _INF) > my_rank
-                       and part in (None, bm.partition_of(s))]
+            victims = [
+                s
+                for s in live
+                if s.has_kv
+                and s is not seq
+                and s.request_id not in scheduled
+                and rank.get(s.request_id, _INF) > my_rank
+                and part in (None, bm.partition_of(s))
+            ]
             if not victims:
                 break
             victim = self.policy.victim(victims)

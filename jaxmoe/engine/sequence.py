@@ -42,8 +42,7 @@ class Priority(enum.Enum):
         if key in alias:
             return alias[key]
         raise ValueError(
-            f"unknown priority {value!r}; allowed (case-insensitive): "
-            "'ls', 'latency_sensitive', 'be', 'best_effort'"
+            f"unknown priority {value!r}; allowed (case-insensitive): 'ls', 'latency_sensitive', 'be', 'best_effort'"
         )
 
     @classmethod
@@ -53,8 +52,8 @@ class Priority(enum.Enum):
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"      # accepted, never scheduled, holds no KV blocks
-    RUNNING = "running"      # scheduled in the latest step, holds KV blocks
+    WAITING = "waiting"  # accepted, never scheduled, holds no KV blocks
+    RUNNING = "running"  # scheduled in the latest step, holds KV blocks
     PREEMPTED = "preempted"  # was running, not scheduled now; see Sequence.has_kv
     FINISHED = "finished"
 
@@ -137,7 +136,7 @@ class Sequence:
     def step_token_ids(self) -> list[int]:
         """Input tokens of this step: ``all_ids[num_computed:num_computed+num_scheduled]``."""
         start = self.num_computed
-        return self.all_ids[start:start + self.num_scheduled]
+        return self.all_ids[start : start + self.num_scheduled]
 
     # -- metrics -----------------------------------------------------------
     @property

@@ -5,6 +5,7 @@ adds the attention output to the residual stream and returns the post-attention-
 that the expert side consumes.  The KV cache is paged: each layer's cache holds ``num_slots =
 num_blocks * block_size`` token slots, a sequence's tokens live in the blocks its block table lists.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -135,8 +136,7 @@ def gqa_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
         return scores * a.softmax_scale, values
 
     def mix(probs, values):
-        return jnp.einsum("bkgtw,bwkd->bkgtd", probs.astype(values.dtype), values,
-                          preferred_element_type=jnp.float32)
+        return jnp.einsum("bkgtw,bwkd->bkgtd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
 
     out = paged_attention(batch.block_tables, batch.positions, block_size, chunk_scores, mix)  # [B, KVH, G, T, hd]
     out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, a.num_heads * a.head_dim).astype(x.dtype)
@@ -160,8 +160,10 @@ def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
     cos, sin = rope_cos_sin(cfg.rope, cfg.max_position, batch.positions)
     q_pe = apply_rope(q_pe, cos, sin, cfg.rope.interleaved)
     k_pe = apply_rope(k_pe, cos, sin, cfg.rope.interleaved)[:, :, 0]
-    cache = {"ckv": _write(cache["ckv"], batch.slots, ckv, layer),
-             "kpe": _write(cache["kpe"], batch.slots, k_pe, layer)}
+    cache = {
+        "ckv": _write(cache["ckv"], batch.slots, ckv, layer),
+        "kpe": _write(cache["kpe"], batch.slots, k_pe, layer),
+    }
     w_kv_b = p["kv_b"].reshape(a.kv_lora_rank, H, nope + a.v_head_dim)
     w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
     q_latent = jnp.einsum("bthn,chn->bhtc", q_nope, w_uk)
@@ -170,8 +172,9 @@ def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
     def chunk_scores(idx, key_pos):
         ckv_c = _read(cache["ckv"], idx, layer, ckv.dtype)  # [B, W, C]
         kpe_c = _read(cache["kpe"], idx, layer, k_pe.dtype)  # [B, W, R]
-        scores = (jnp.einsum("bhtc,bwc->bhtw", q_latent, ckv_c, preferred_element_type=jnp.float32)
-                  + jnp.einsum("bhtr,bwr->bhtw", q_pe, kpe_c, preferred_element_type=jnp.float32))
+        scores = jnp.einsum("bhtc,bwc->bhtw", q_latent, ckv_c, preferred_element_type=jnp.float32) + jnp.einsum(
+            "bhtr,bwr->bhtw", q_pe, kpe_c, preferred_element_type=jnp.float32
+        )
         return scores * a.softmax_scale, ckv_c
 
     def mix(probs, ckv_c):

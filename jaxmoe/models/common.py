@@ -1,5 +1,6 @@
 """Small building blocks shared by both sides of a layer: RMSNorm, the SwiGLU MLP, and the bit-packing
 of 16-bit float weights stacked over layers."""
+
 from __future__ import annotations
 
 import jax
@@ -24,8 +25,11 @@ def pack16(a: jnp.ndarray) -> jnp.ndarray:
     dot: it converts a loop's loop-invariant bf16 operand to fp32 *whole*, outside the loop, so a
     scan over stacked bf16 weights would convert every layer's weights on every step. Bits are not
     floats: only the slice a layer uses is turned back into bf16 (``unpack16``) and converted."""
-    return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 and jnp.issubdtype(
-        a.dtype, jnp.floating) else a
+    return (
+        jax.lax.bitcast_convert_type(a, jnp.uint16)
+        if a.dtype.itemsize == 2 and jnp.issubdtype(a.dtype, jnp.floating)
+        else a
+    )
 
 
 def unpack16(a: jnp.ndarray, dtype) -> jnp.ndarray:

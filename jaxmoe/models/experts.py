@@ -9,6 +9,7 @@ faster with it than with ``dense`` (``bench/decode_throughput.py``; BENCHMARKS.m
 elsewhere, which has no data-dependent control flow).  The disaggregated runtime runs the same op
 over physical replica slots (``jaxmoe.runtime.expert_program``).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -39,16 +40,20 @@ class LayerWeights(NamedTuple):
         return self.p["w_gate"].shape[1]
 
     def stacked(self, dtype):
-        return tuple(unpack16(jax.lax.dynamic_index_in_dim(self.p[k], self.layer, keepdims=False), dtype)
-                     for k in _NAMES)
+        return tuple(
+            unpack16(jax.lax.dynamic_index_in_dim(self.p[k], self.layer, keepdims=False), dtype) for k in _NAMES
+        )
 
     def expert(self, e, dtype):
-        return tuple(unpack16(jax.lax.dynamic_slice(self.p[k], (self.layer, e, 0, 0), (1, 1) + self.p[k].shape[2:])[0, 0],
-                              dtype) for k in _NAMES)
+        return tuple(
+            unpack16(jax.lax.dynamic_slice(self.p[k], (self.layer, e, 0, 0), (1, 1) + self.p[k].shape[2:])[0, 0], dtype)
+            for k in _NAMES
+        )
 
 
-def routed_experts(p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray, layer=None,
-                   impl: str = "auto") -> jnp.ndarray:
+def routed_experts(
+    p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray, layer=None, impl: str = "auto"
+) -> jnp.ndarray:
     """sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]) for x [T, D]; ``layer``: the weights are stacked
     over layers (``LayerWeights``); ``impl``: an expert-FFN implementation or "auto"."""
     experts = Stacked(*(p[k] for k in _NAMES)) if layer is None else LayerWeights(p, layer)
@@ -64,8 +69,9 @@ class Brownout(NamedTuple):
     full: bool = False
 
 
-def moe_layer(p: dict, cfg: ModelConfig, x: jnp.ndarray, layer=None, brownout: Brownout | None = None,
-              impl: str = "auto") -> jnp.ndarray:
+def moe_layer(
+    p: dict, cfg: ModelConfig, x: jnp.ndarray, layer=None, brownout: Brownout | None = None, impl: str = "auto"
+) -> jnp.ndarray:
     """Routed-experts output for normed activations x [..., D] (gate + top-k + experts + combine).
     ``layer``: the expert weights in ``p`` are stacked over layers (``LayerWeights``); ``impl``: the
     expert-FFN implementation (``routed_experts``).
@@ -77,7 +83,9 @@ def moe_layer(p: dict, cfg: ModelConfig, x: jnp.ndarray, layer=None, brownout: B
     if brownout is None or "united" not in p:
         return routed_experts(p, x, ids, weights, layer, impl).reshape(shape)
     original, united = split(ids, brownout.valid, p["united_groups"], brownout.threshold, brownout.full)
-    y = routed_experts(p, x, original, weights, layer, impl) + routed_experts(p["united"], x, united, weights, layer, impl)
+    y = routed_experts(p, x, original, weights, layer, impl) + routed_experts(
+        p["united"], x, united, weights, layer, impl
+    )
     return y.reshape(shape)
 
 

@@ -2,6 +2,7 @@
 
 Frequencies follow Hugging Face's ``modeling_rope_utils`` so logits match transformers.
 """
+
 from __future__ import annotations
 
 import math

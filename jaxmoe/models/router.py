@@ -5,6 +5,7 @@
 * DeepSeek-V3 ``noaux_tc``: sigmoid scores, ``e_score_correction_bias`` used for selection only,
   groups ranked by the sum of their top-2 biased scores.
 """
+
 from __future__ import annotations
 
 import jax

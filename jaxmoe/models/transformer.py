@@ -11,6 +11,7 @@ parameters and KV caches stacked on a leading layer axis (``stack_layers``). A c
 holds one layer body per group, not one per layer: compile time and the JIT's memory mappings do
 not grow with depth.
 """
+
 from __future__ import annotations
 
 import jax
@@ -24,6 +25,7 @@ from jaxmoe.models.experts import Brownout, moe_layer, shared_experts
 
 def layer_groups(layers: list[dict]) -> list[tuple[int, int]]:
     """(start, stop) of each maximal run of layers with the same parameter structure and shapes."""
+
     def signature(layer):
         return jax.tree.structure(layer), tuple((a.shape, a.dtype) for a in jax.tree.leaves(layer))
 
@@ -86,6 +88,7 @@ ROUTED = ("w_gate", "w_up", "w_down")  # routed expert weights: sliced per layer
 def layer_view(group: dict, index, dtype) -> dict:
     """Layer ``index`` of a stacked group, except the routed expert weights, which stay stacked (and
     packed: the expert code slices and unpacks them)."""
+
     def take(path, a):
         routed = len(path) >= 2 and getattr(path[0], "key", None) == "moe" and getattr(path[-1], "key", None) in ROUTED
         return a if routed else unpack16(jax.lax.dynamic_index_in_dim(a, index, keepdims=False), dtype)
@@ -93,8 +96,17 @@ def layer_view(group: dict, index, dtype) -> dict:
     return jax.tree_util.tree_map_with_path(take, group)
 
 
-def layer_step(layer: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int,
-               index=None, brownout: Brownout | None = None, expert_impl: str = "auto"):
+def layer_step(
+    layer: dict,
+    cfg: ModelConfig,
+    x,
+    batch: AttentionBatch,
+    cache: dict,
+    block_size: int,
+    index=None,
+    brownout: Brownout | None = None,
+    expert_impl: str = "auto",
+):
     """One whole layer (attention side, then the routed experts); ``index`` as ``attention_layer``'s
     (and, for the routed expert weights of a ``layer_view``, ``moe_layer``'s); ``expert_impl``: the
     expert-FFN implementation (``moe_layer``)."""
@@ -106,8 +118,18 @@ def layer_step(layer: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: d
     return x, cache
 
 
-def forward(params: dict, cfg: ModelConfig, tokens, batch: AttentionBatch, cache: list, block_size: int,
-            logits_index=None, brownout_threshold=None, full_brownout: bool = False, expert_impl: str = "auto"):
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    tokens,
+    batch: AttentionBatch,
+    cache: list,
+    block_size: int,
+    logits_index=None,
+    brownout_threshold=None,
+    full_brownout: bool = False,
+    expert_impl: str = "auto",
+):
     """Monolithic forward over tokens [B, T] with stacked parameters and caches (``stack_layers``,
     ``init_stacked_cache``): one ``lax.scan`` per layer group.
 
@@ -115,10 +137,14 @@ def forward(params: dict, cfg: ModelConfig, tokens, batch: AttentionBatch, cache
     row), or [B, T, V] when ``logits_index`` is None.
     """
     x = embed(params, tokens)
-    brownout = None if brownout_threshold is None else Brownout(
-        brownout_threshold, (batch.slots >= 0).reshape(-1), full_brownout)
+    brownout = (
+        None
+        if brownout_threshold is None
+        else Brownout(brownout_threshold, (batch.slots >= 0).reshape(-1), full_brownout)
+    )
     new_cache = []
     for group, group_cache in zip(params["groups"], cache):
+
         def body(carry, index, group=group):
             x, group_cache = carry
             layer = layer_view(group, index, params["embed"].dtype)

@@ -32,15 +32,27 @@ def register(sub, add_model_args) -> None:
 
     plan = sub.add_parser("plan", help="FinDEP configuration (r1, r2, order) for a batch, from a profile")
     add_model_args(plan)
-    plan.add_argument("--profile", default=None,
-                      help="profile JSON from `jaxmoe profile` (default: measure one for --model on --mesh first)")
+    plan.add_argument(
+        "--profile",
+        default=None,
+        help="profile JSON from `jaxmoe profile` (default: measure one for --model on --mesh first)",
+    )
     plan.add_argument("--batch", type=int, required=True, help="sequences per attention instance")
-    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence in the step (a prefill of "
-                      "that length); default: a decode step (--tokens 1 attending --context)")
+    plan.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence in the step (a prefill of "
+        "that length); default: a decode step (--tokens 1 attending --context)",
+    )
     plan.add_argument("--tokens", type=int, default=1, help="new tokens per sequence (1: decode)")
     plan.add_argument("--context", type=int, default=0, help="tokens attended (default: --tokens)")
-    plan.add_argument("--mode", default="batch", choices=["batch", "max"],
-                      help="batch: run exactly --batch; max: --batch is the memory limit (the paper)")
+    plan.add_argument(
+        "--mode",
+        default="batch",
+        choices=["batch", "max"],
+        help="batch: run exactly --batch; max: --batch is the memory limit (the paper)",
+    )
     plan.add_argument("--brute-force", action="store_true", help="search every configuration instead")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=cmd_plan)
@@ -93,11 +105,22 @@ def cmd_plan(args) -> int:
     best, base = search(profile, shape, mode=args.mode), pppipe(profile, shape, mode=args.mode)
     speedup = best.tokens_per_s / base.tokens_per_s
     if args.json:
-        print(json.dumps({**best.as_dict(), "search": "brute_force" if args.brute_force else "solver",
-                          "pppipe": base.as_dict(), "speedup_vs_pppipe": speedup, "profile": profile.source}))
+        print(
+            json.dumps(
+                {
+                    **best.as_dict(),
+                    "search": "brute_force" if args.brute_force else "solver",
+                    "pppipe": base.as_dict(),
+                    "speedup_vs_pppipe": speedup,
+                    "profile": profile.source,
+                }
+            )
+        )
         return 0
     for name, p in (("FinDEP", best), ("PPPipe", base)):
-        print(f"{name:>6}: {p.order} r1={p.r1} m_a={p.m_a} r2={p.r2} m_e={p.m_e:.2f} "
-              f"step {p.time_s * 1e3:.3f} ms, {p.tokens_per_s:.1f} tokens/s (solved in {p.solve_ms:.2f} ms)")
+        print(
+            f"{name:>6}: {p.order} r1={p.r1} m_a={p.m_a} r2={p.r2} m_e={p.m_e:.2f} "
+            f"step {p.time_s * 1e3:.3f} ms, {p.tokens_per_s:.1f} tokens/s (solved in {p.solve_ms:.2f} ms)"
+        )
     print(f"predicted speedup over PPPipe: {speedup:.3f}x")
     return 0

@@ -33,6 +33,7 @@ has two forms (the static ``local`` argument):
                partitioned ``BlockManager`` + ``ModelRunner`` row placement); the executor checks
                that on the host (``DisaggregatedExecutor.is_local``) and falls back to local=False.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,8 +86,9 @@ def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -
         tables = jnp.clip(batch.block_tables - first // block_size, 0, n // block_size - 1)
         return attend(p, x, AttentionBatch(batch.positions, slots, tables), layer_cache)
 
-    attend_local = jax.shard_map(attend_on_instance, mesh=sub.attention,
-                                 in_specs=(P(), P(attn), P(attn), P(attn)), out_specs=P(attn))
+    attend_local = jax.shard_map(
+        attend_on_instance, mesh=sub.attention, in_specs=(P(), P(attn), P(attn), P(attn)), out_specs=P(attn)
+    )
 
     def layer_step(layer, x, y_prev, batch: AttentionBatch, layer_cache, local: bool = False):
         x = x + y_prev
@@ -122,5 +124,7 @@ def attention_side_params(layer: dict) -> dict:
 
 def head_params(params: dict, cfg: ModelConfig) -> dict:
     """What ``lm_head`` reads: the final norm and the output matrix (the embedding when tied)."""
-    return {"final_norm": params["final_norm"], ("embed" if cfg.tie_embeddings else "lm_head"):
-            params["embed" if cfg.tie_embeddings else "lm_head"]}
+    return {
+        "final_norm": params["final_norm"],
+        ("embed" if cfg.tie_embeddings else "lm_head"): params["embed" if cfg.tie_embeddings else "lm_head"],
+    }

@@ -12,6 +12,7 @@ instance does the work moves.
     llm.engine.step_hooks.append(controller)       # or PlacementController.attach(llm.engine, 500),
                                                    # or LLM(..., rebalance_every=500)
 """
+
 from __future__ import annotations
 
 import collections

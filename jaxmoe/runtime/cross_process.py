@@ -50,6 +50,7 @@ and for host reads of expert-side counters.
 (``spans_processes``); in one process it uses ``transfer.LocalTransfer``. The rounds themselves:
 ``transfer_rounds``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,7 +71,6 @@ from jaxmoe.runtime.transfer_rounds import (
     run_e2a_rounds,
     schedule_rounds,
 )
-
 
 
 def spans_processes(sub: SubMeshes) -> bool:
@@ -250,8 +250,7 @@ class CrossProcessTransfer:
                 data = self._zero(dev, shard_shape, x.dtype)
             arrays.append(data)
         shape = (len(self.sub.devices) * shard_shape[0],) + tuple(shard_shape[1:])
-        return jax.make_array_from_single_device_arrays(shape, NamedSharding(self.mesh, P(XFER)), arrays,
-                                                        dtype=x.dtype)
+        return jax.make_array_from_single_device_arrays(shape, NamedSharding(self.mesh, P(XFER)), arrays, dtype=x.dtype)
 
     def _from_global(self, out: jax.Array, shape, sharding: NamedSharding) -> jax.Array:
         """The shards of a global-mesh result that belong to ``sharding``'s devices, as one array."""
@@ -271,8 +270,9 @@ class CrossProcessTransfer:
             return "attention"
         if devs <= set(self.sub.experts.devices.flat):
             return "experts"
-        raise ValueError(f"to_local: expected an array on the attention or the expert mesh, got devices "
-                         f"{sorted(d.id for d in devs)}")
+        raise ValueError(
+            f"to_local: expected an array on the attention or the expert mesh, got devices {sorted(d.id for d in devs)}"
+        )
 
     def _same_cluster(self, sub: SubMeshes | None) -> None:
         if sub is not None and sub is not self.sub and sub.spec != self.spec:

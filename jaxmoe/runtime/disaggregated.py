@@ -34,6 +34,7 @@ With ``pipeline=Pipeline(r1, order)`` the rows run as r1 micro-batches interleav
 
 Same interface as ``MonolithicExecutor``: ``.params``, ``.cache``, ``forward``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -87,10 +88,23 @@ class DisaggregatedExecutor:
         sub-meshes span processes, else ``transfer.LocalTransfer`` (device_put hops).
     """
 
-    def __init__(self, cfg: ModelConfig, params: dict, num_slots: int, block_size: int, mesh, *,
-                 replica_policy: str = "aebs", expert_impl: str = "auto", aebs_impl: str = "reference",
-                 interpret: bool | None = None, placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                 transfer=None, cache_dtype=None, pipeline: Pipeline | dict | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        num_slots: int,
+        block_size: int,
+        mesh,
+        *,
+        replica_policy: str = "aebs",
+        expert_impl: str = "auto",
+        aebs_impl: str = "reference",
+        interpret: bool | None = None,
+        placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        transfer=None,
+        cache_dtype=None,
+        pipeline: Pipeline | dict | None = None,
+    ):
         self.cfg, self.block_size = cfg, block_size
         self.sub = mesh if isinstance(mesh, SubMeshes) else _sub_meshes(_spec(mesh))
         spec = self.sub.spec
@@ -108,16 +122,28 @@ class DisaggregatedExecutor:
 
         self.attention = make_attention_programs(cfg, block_size, self.sub)
         self.expert_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
-        self.experts = make_expert_program(cfg, self.sub, self.slots_per_instance, policy=replica_policy,
-                                           aebs_impl=aebs_impl, expert_impl=self.expert_impl, interpret=interpret)
+        self.experts = make_expert_program(
+            cfg,
+            self.sub,
+            self.slots_per_instance,
+            policy=replica_policy,
+            aebs_impl=aebs_impl,
+            expert_impl=self.expert_impl,
+            interpret=interpret,
+        )
 
         # Attention side: everything but the routed experts, replicated on the attention mesh.
         rep = self.attention.replicated
         self._embed = jax.device_put(params["embed"], rep)
         self._head = jax.device_put(head_params(params, cfg), rep)
         self._attn_layers = [jax.device_put(attention_side_params(layer), rep) for layer in params["layers"]]
-        self._shared_layers = {} if self.shared_on_experts else {
-            i: jax.device_put(layer["shared"], rep) for i, layer in enumerate(params["layers"]) if "shared" in layer}
+        self._shared_layers = (
+            {}
+            if self.shared_on_experts
+            else {
+                i: jax.device_put(layer["shared"], rep) for i, layer in enumerate(params["layers"]) if "shared" in layer
+            }
+        )
         self.pipeline = Pipeline.parse(pipeline)
         # Expert side: router + slot arrays (+ shared experts) per MoE layer, on the expert mesh.
         self.expert_side = ExpertSide(cfg, params, self.sub, self.experts, self.transfer, placement)
@@ -127,8 +153,9 @@ class DisaggregatedExecutor:
         self.kv_layout = KVLayout.for_slots(num_slots, block_size, self.num_attention)
         self.num_cache_slots = self.kv_layout.num_slots
         dtype = cache_dtype or params["embed"].dtype
-        self._new_layer_cache = jax.jit(lambda: init_layer_cache(cfg, self.num_cache_slots, dtype),
-                                        out_shardings=self.attention.cache)  # each instance: only its slots
+        self._new_layer_cache = jax.jit(
+            lambda: init_layer_cache(cfg, self.num_cache_slots, dtype), out_shardings=self.attention.cache
+        )  # each instance: only its slots
         self.reset_cache()
 
         self._transfers = {i: LayerTransferStats() for i in self.moe_layers}
@@ -163,8 +190,9 @@ class DisaggregatedExecutor:
         for i, layer in enumerate(self._attn_layers):
             xns, plans = [None] * r1, [None] * r1
             for k, mb in enumerate(mbs):
-                xs[k], xns[k], self.cache[i] = run("attention", i, self.attention.layer, layer, xs[k], ys[k],
-                                                   mb.batch, self.cache[i], local)
+                xs[k], xns[k], self.cache[i] = run(
+                    "attention", i, self.attention.layer, layer, xs[k], ys[k], mb.batch, self.cache[i], local
+                )
                 if self.pipeline.order == "ASAS":
                     xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, plans, zeros)
             if self.pipeline.order == "AASS":
@@ -175,8 +203,10 @@ class DisaggregatedExecutor:
                     ys[k] = run("e2a", i, self.transfer.e2a, ys[k], plans[k], self.sub)
             if between_layers is not None and i + 1 < len(self._attn_layers):
                 between_layers(i + 1)
-        logits = [self.transfer.to_local(run("head", None, self.attention.head, self._head, xs[k], ys[k], mb.index))
-                  for k, mb in enumerate(mbs)]
+        logits = [
+            self.transfer.to_local(run("head", None, self.attention.head, self._head, xs[k], ys[k], mb.index))
+            for k, mb in enumerate(mbs)
+        ]
         if self.timing:
             self.timings.append(run.record)
         out = logits[0] if r1 == 1 else jnp.concatenate(logits)[where]
@@ -204,7 +234,8 @@ class DisaggregatedExecutor:
             tokens=jax.device_put(tokens, rows),
             batch=AttentionBatch(*(jax.device_put(a, rows) for a in batch)),
             index=None if index is None else jax.device_put(index, rows),
-            valid=jax.device_put(batch.slots >= 0, self.experts.replicated))  # host metadata for the gate
+            valid=jax.device_put(batch.slots >= 0, self.experts.replicated),
+        )  # host metadata for the gate
 
     def _pad(self, tokens, batch: AttentionBatch, logits_index):
         """Rows padded to a multiple of the attention instances (padding: slot -1, table 0)."""

@@ -24,6 +24,7 @@ Weights: routed experts as slot arrays [S, D, F] / [S, F, D] sharded P("expert")
 see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias) replicated; shared experts
 (expert side only) sharded on their hidden axis.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,9 +72,16 @@ class ExpertProgram:
 
 
 @functools.lru_cache(maxsize=32)
-def make_expert_program(cfg: ModelConfig, sub: SubMeshes, slots_per_instance: int, *,
-                        policy: str = "aebs", aebs_impl: str = "reference", expert_impl: str = "auto",
-                        interpret: bool | None = None) -> ExpertProgram:
+def make_expert_program(
+    cfg: ModelConfig,
+    sub: SubMeshes,
+    slots_per_instance: int,
+    *,
+    policy: str = "aebs",
+    aebs_impl: str = "reference",
+    expert_impl: str = "auto",
+    interpret: bool | None = None,
+) -> ExpertProgram:
     """The jitted expert program (cached like ``make_attention_programs``)."""
     N, C, E = sub.spec.experts.count, slots_per_instance, cfg.moe.num_experts
     ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
@@ -85,13 +93,22 @@ def make_expert_program(cfg: ModelConfig, sub: SubMeshes, slots_per_instance: in
         ids, weights = route(p, cfg.moe, x2)
         ids = jnp.where(valid.reshape(B * T, 1), ids, -1)
         # 2. AEBS: logical -> physical replica, identical on every instance
-        phys, activated = schedule(ids, tables["replica_table"], tables["replica_instance"], N,
-                                   policy=policy, impl=aebs_impl, interpret=interpret, seed=step)
+        phys, activated = schedule(
+            ids,
+            tables["replica_table"],
+            tables["replica_instance"],
+            N,
+            policy=policy,
+            impl=aebs_impl,
+            interpret=interpret,
+            seed=step,
+        )
         # 3. grouped matmul over the replicas this instance hosts
         first = jax.lax.axis_index(EXP) * C
         local = jnp.where((phys >= first) & (phys < first + C), phys - first, -1)
-        y = expert_ffn(x2, local, weights, Stacked(p["w_gate"], p["w_up"], p["w_down"]), impl=ffn_impl,
-                       interpret=interpret)
+        y = expert_ffn(
+            x2, local, weights, Stacked(p["w_gate"], p["w_up"], p["w_down"]), impl=ffn_impl, interpret=interpret
+        )
         # 4. this instance's slice of the shared experts (shared_experts: experts)
         if "shared" in p:
             y = y + shared_experts(p["shared"], x2).astype(y.dtype)
@@ -101,7 +118,8 @@ def make_expert_program(cfg: ModelConfig, sub: SubMeshes, slots_per_instance: in
 
     def run(p, tables, x, valid, step, coact):
         mapped = jax.shard_map(
-            per_instance, mesh=sub.experts,
+            per_instance,
+            mesh=sub.experts,
             in_specs=(param_specs(p), P(), P(), P(), P()),
             out_specs=(P(EXP), P(), P()),
             check_vma=False,  # coact/activated are replicated by construction (same inputs everywhere)
@@ -114,6 +132,7 @@ def make_expert_program(cfg: ModelConfig, sub: SubMeshes, slots_per_instance: in
 
 
 # --------------------------------------------------------------------------- weight layout
+
 
 def place_layer(layer: dict, layout: ReplicaLayout, sub: SubMeshes, shared_on_experts: bool) -> dict:
     """One MoE layer's expert-side parameters on the expert mesh.
@@ -147,8 +166,10 @@ def place_layer(layer: dict, layout: ReplicaLayout, sub: SubMeshes, shared_on_ex
             shared["w_down"] = jnp.pad(shared["w_down"], ((0, pad), (0, 0)))
         out["shared"] = shared
     specs = param_specs(out)
-    return {k: (v if k in ("w_gate", "w_up", "w_down") else jax.device_put(v, _shardings(sub.experts, specs[k])))
-            for k, v in out.items()}
+    return {
+        k: (v if k in ("w_gate", "w_up", "w_down") else jax.device_put(v, _shardings(sub.experts, specs[k])))
+        for k, v in out.items()
+    }
 
 
 def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: SubMeshes) -> tuple[dict, int]:
@@ -165,8 +186,10 @@ def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: Su
     spanning processes raises NotImplementedError (moves would need ``cross_process`` collectives).
     """
     if len({dev.process_index for dev in sub.experts.devices.flat}) > 1:
-        raise NotImplementedError("set_placement: the expert sub-mesh spans processes; moving expert "
-                                  "replicas between processes is not implemented (docs/multi_host.md)")
+        raise NotImplementedError(
+            "set_placement: the expert sub-mesh spans processes; moving expert "
+            "replicas between processes is not implemented (docs/multi_host.md)"
+        )
     C = new.slots_per_instance
     insts = sub.spec.experts.devices
     plan: list[int] = []  # source slot per new slot (-1: zeros)
@@ -197,7 +220,7 @@ def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: Su
                         pieces.append(jax.device_put(np.zeros((1,) + arr.shape[1:], arr.dtype), dev))
                         continue
                     src_dev = sub.devices[insts[src // C][t]]
-                    piece = shards[src_dev][src % C:src % C + 1]
+                    piece = shards[src_dev][src % C : src % C + 1]
                     pieces.append(piece if src_dev == dev else jax.device_put(piece, dev))
                 per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         out[k] = jax.make_array_from_single_device_arrays(arr.shape, sharding, per_device, dtype=arr.dtype)
@@ -207,5 +230,7 @@ def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: Su
 def place_tables(layout: ReplicaLayout, sub: SubMeshes) -> dict:
     """AEBS's replica table and replica -> instance map, replicated on the expert mesh."""
     rep = NamedSharding(sub.experts, P())
-    return {"replica_table": jax.device_put(layout.replica_table(), rep),
-            "replica_instance": jax.device_put(layout.replica_instance(), rep)}
+    return {
+        "replica_table": jax.device_put(layout.replica_table(), rep),
+        "replica_instance": jax.device_put(layout.replica_instance(), rep),
+    }

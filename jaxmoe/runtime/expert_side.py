@@ -3,6 +3,7 @@
 layout and the AEBS tables, and the device-side counters the placement controller reads
 (co-activations, activated replicas per instance). ``set_placement`` re-lays the replicas out
 between steps (JANUS 3.4)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -17,8 +18,15 @@ from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 
 
 class ExpertSide:
-    def __init__(self, cfg: ModelConfig, params: dict, sub: SubMeshes, program: ExpertProgram, transfer,
-                 placement: Sequence[int] | Sequence[Sequence[int]] | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        sub: SubMeshes,
+        program: ExpertProgram,
+        transfer,
+        placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ):
         """``params``: the logical model parameters (expert weights [E, ...]); ``placement``: see
         ``set_placement`` (default ``replicas.default_placement``); ``transfer.fetch`` reads the
         device counters (a collective across processes)."""
@@ -28,8 +36,9 @@ class ExpertSide:
         self.shared_here = spec.shared_experts == "experts"
         self.moe_layers = [i for i, layer in enumerate(params["layers"]) if "moe" in layer]
         self.layouts = self._layouts(placement)
-        self.layers = {i: place_layer(params["layers"][i], self.layouts[i], sub, self.shared_here)
-                       for i in self.moe_layers}
+        self.layers = {
+            i: place_layer(params["layers"][i], self.layouts[i], sub, self.shared_here) for i in self.moe_layers
+        }
         self._tables = {i: place_tables(self.layouts[i], sub) for i in self.moe_layers}
         E = cfg.moe.num_experts
         self._coact = {i: jax.device_put(np.zeros((E, E), np.int32), program.replicated) for i in self.moe_layers}

@@ -5,6 +5,7 @@ set.  It is the baseline the disaggregated runtime is checked against, and the s
 program (one per batch size, shared by every token bucket: the sampler is not compiled again into
 each step program).
 """
+
 from __future__ import annotations
 
 import jax
@@ -42,8 +43,16 @@ class MonolithicExecutor:
     Parameters and caches are stacked per layer group (``models.transformer.stack_layers``): the
     jitted step scans over layers."""
 
-    def __init__(self, cfg: ModelConfig, params: dict, num_slots: int, block_size: int, cache_dtype=None,
-                 brownout=None, expert_impl: str = "auto"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        num_slots: int,
+        block_size: int,
+        cache_dtype=None,
+        brownout=None,
+        expert_impl: str = "auto",
+    ):
         """``expert_impl``: the expert-FFN implementation (``jaxmoe.pallas_kernels.expert_ffn``; "auto":
         ``models.experts.AUTO_EXPERT_IMPL``). ``brownout``: a ``BrownoutConfig`` (the params must hold united experts,
         ``jaxmoe.brownout.united.attach``); its threshold is ``brownout_threshold``, which may

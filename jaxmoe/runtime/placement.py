@@ -18,6 +18,7 @@ logical expert e) and ``coact[e, f]`` (tokens routed to both e and f). Output: a
 The objective (eq. 1-2): the co-activation load of instance g, I(g) = sum over pairs i < j of
 experts on g of a(i, j); ``coactivation_load`` computes it, Algorithm 2 keeps max_g I(g) small.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -49,8 +50,9 @@ def replica_counts(counts: Sequence[float], num_instances: int, slots_per_instan
     return r
 
 
-def place_replicas(replicas: Sequence[int], counts: Sequence[float], coact: np.ndarray, num_instances: int,
-                   slots_per_instance: int) -> list[list[int]]:
+def place_replicas(
+    replicas: Sequence[int], counts: Sequence[float], coact: np.ndarray, num_instances: int, slots_per_instance: int
+) -> list[list[int]]:
     """Algorithm 2: P(g), the logical experts hosted by each instance g."""
     r, c, a = list(replicas), np.asarray(counts, np.float64), np.asarray(coact, np.float64)
     N, C = num_instances, slots_per_instance
@@ -89,15 +91,16 @@ def place_replicas(replicas: Sequence[int], counts: Sequence[float], coact: np.n
     return P
 
 
-def to_slots(hosted: Sequence[Sequence[int]], slots_per_instance: int,
-             previous: Sequence[int] | None = None) -> list[int]:
+def to_slots(
+    hosted: Sequence[Sequence[int]], slots_per_instance: int, previous: Sequence[int] | None = None
+) -> list[int]:
     """slot_to_expert [N x C] from per-instance expert sets; an expert the instance already hosted
     (in ``previous``) keeps its slot; unused slots are -1."""
     C = slots_per_instance
     out = [-1] * (len(hosted) * C)
     for g, experts in enumerate(hosted):
         base = g * C
-        old = list(previous[base:base + C]) if previous is not None else [-1] * C
+        old = list(previous[base : base + C]) if previous is not None else [-1] * C
         new = [e for e in experts if e not in old]
         for s in range(C):
             if old[s] in experts:
@@ -107,8 +110,13 @@ def to_slots(hosted: Sequence[Sequence[int]], slots_per_instance: int,
     return out
 
 
-def plan_placement(counts: Sequence[float], coact: np.ndarray, num_instances: int, slots_per_instance: int,
-                   previous: Sequence[int] | None = None) -> list[int]:
+def plan_placement(
+    counts: Sequence[float],
+    coact: np.ndarray,
+    num_instances: int,
+    slots_per_instance: int,
+    previous: Sequence[int] | None = None,
+) -> list[int]:
     """Replication, then Algorithm 2, then slots: the new ``slot_to_expert`` of one layer."""
     r = replica_counts(counts, num_instances, slots_per_instance)
     hosted = place_replicas(r, counts, coact, num_instances, slots_per_instance)
@@ -120,6 +128,6 @@ def coactivation_load(slot_to_expert: Sequence[int], coact: np.ndarray, slots_pe
     a, C = np.asarray(coact, np.float64), slots_per_instance
     out = []
     for g in range(len(slot_to_expert) // C):
-        hosted = sorted({e for e in slot_to_expert[g * C:(g + 1) * C] if e >= 0})
-        out.append(float(sum(a[i, j] for x, i in enumerate(hosted) for j in hosted[x + 1:])))
+        hosted = sorted({e for e in slot_to_expert[g * C : (g + 1) * C] if e >= 0})
+        out.append(float(sum(a[i, j] for x, i in enumerate(hosted) for j in hosted[x + 1 :])))
     return out

@@ -12,6 +12,7 @@ From a placement come the two tables AEBS reads (``jaxmoe.pallas_kernels.aebs.ap
                    expert), fixed per layout so a new placement never changes a shape.
   replica_instance [S] int32: the instance of each slot (s // C).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,10 @@ class ReplicaLayout:
     def __post_init__(self):
         S, E = self.num_slots, self.num_experts
         if len(self.slot_to_expert) != S:
-            raise ValueError(f"placement has {len(self.slot_to_expert)} entries, expected {S} slots "
-                             f"({self.num_instances} instances x {self.slots_per_instance})")
+            raise ValueError(
+                f"placement has {len(self.slot_to_expert)} entries, expected {S} slots "
+                f"({self.num_instances} instances x {self.slots_per_instance})"
+            )
         bad = [e for e in self.slot_to_expert if not -1 <= e < E]
         if bad:
             raise ValueError(f"placement: expert ids must be in [-1, {E}), got {sorted(set(bad))}")
@@ -72,12 +75,18 @@ class ReplicaLayout:
 
     def describe(self) -> str:
         C = self.slots_per_instance
-        return "; ".join(f"expert[{j}]: {list(self.slot_to_expert[j * C:(j + 1) * C])}"
-                         for j in range(self.num_instances))
+        return "; ".join(
+            f"expert[{j}]: {list(self.slot_to_expert[j * C : (j + 1) * C])}" for j in range(self.num_instances)
+        )
 
 
-def default_placement(num_experts: int, num_instances: int, slots_per_instance: int,
-                      counts: Sequence[float] | None = None, redundant: bool = True) -> list[int]:
+def default_placement(
+    num_experts: int,
+    num_instances: int,
+    slots_per_instance: int,
+    counts: Sequence[float] | None = None,
+    redundant: bool = True,
+) -> list[int]:
     """Round-robin placement: expert e on instance e % N; spare slots get redundant replicas.
 
     Slots are filled in round-robin order (local slot 0 of every instance, then local slot 1, ...):

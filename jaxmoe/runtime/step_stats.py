@@ -1,6 +1,7 @@
 """What the disaggregated executor records about its steps: per-MoE-layer transfer counts
 (``TransferStats``) and, in timing mode, per-phase wall times (``Phases``, which also feeds an
 observer every phase's outputs)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,10 +32,14 @@ class LayerTransferStats:
         """Steps run, A2E/E2A hops and bytes so far (cumulative, split intra/cross-node), hops per
         step, and the strategy of the last step."""
         return {
-            "steps": self.steps, "strategy": self.strategy,
-            "a2e": dataclasses.asdict(self.a2e), "e2a": dataclasses.asdict(self.e2a),
-            "a2e_transfers": self.a2e.transfers, "e2a_transfers": self.e2a.transfers,
-            "a2e_bytes": self.a2e.nbytes, "e2a_bytes": self.e2a.nbytes,
+            "steps": self.steps,
+            "strategy": self.strategy,
+            "a2e": dataclasses.asdict(self.a2e),
+            "e2a": dataclasses.asdict(self.e2a),
+            "a2e_transfers": self.a2e.transfers,
+            "e2a_transfers": self.e2a.transfers,
+            "a2e_bytes": self.a2e.nbytes,
+            "e2a_bytes": self.e2a.nbytes,
             "transfers_per_step": (self.a2e.transfers + self.e2a.transfers) / self.steps if self.steps else 0.0,
         }
 
@@ -45,8 +50,15 @@ class Phases:
 
     def __init__(self, timing: bool, observer):
         self.timing, self.observer = timing, observer
-        self.record: dict = {"embed": 0.0, "attention": {}, "a2e": {}, "expert": {}, "shared": {}, "e2a": {},
-                             "head": 0.0}
+        self.record: dict = {
+            "embed": 0.0,
+            "attention": {},
+            "a2e": {},
+            "expert": {},
+            "shared": {},
+            "e2a": {},
+            "head": 0.0,
+        }
 
     def __call__(self, phase: str, layer, fn, *args):
         t0 = time.perf_counter()

@@ -29,6 +29,7 @@ happen on the receiving device. So the plan's counters are exactly the hops exec
 This is single-controller: every device must be addressable from this process
 (``LocalTransfer``); across processes ``cross_process.CrossProcessTransfer`` runs the same plan.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -252,6 +253,7 @@ class LocalTransfer:
 
 # --------------------------------------------------------------------------- helpers
 
+
 @dataclasses.dataclass(frozen=True)
 class _Chunk:
     """Rows of `blocks` (in order) held on one device; `parts` = expert partials summed in (e2a)."""
@@ -285,8 +287,8 @@ def _cut(chunk: _Chunk, blocks: tuple[int, ...]) -> jax.Array:
     rows = chunk.data.shape[0] // len(chunk.blocks)
     pos = [chunk.blocks.index(b) for b in blocks]
     if pos == list(range(pos[0], pos[0] + len(pos))):
-        return chunk.data[pos[0] * rows:(pos[-1] + 1) * rows]
-    return jnp.concatenate([chunk.data[p * rows:(p + 1) * rows] for p in pos])
+        return chunk.data[pos[0] * rows : (pos[-1] + 1) * rows]
+    return jnp.concatenate([chunk.data[p * rows : (p + 1) * rows] for p in pos])
 
 
 def _gather(chunks: list[_Chunk], blocks: tuple[int, ...]) -> jax.Array:
@@ -295,9 +297,9 @@ def _gather(chunks: list[_Chunk], blocks: tuple[int, ...]) -> jax.Array:
     while i < len(blocks):
         chunk = max((c for c in chunks if blocks[i] in c.blocks), key=lambda c: len(c.blocks))
         start, run = chunk.blocks.index(blocks[i]), 1
-        while i + run < len(blocks) and chunk.blocks[start + run:start + run + 1] == (blocks[i + run],):
+        while i + run < len(blocks) and chunk.blocks[start + run : start + run + 1] == (blocks[i + run],):
             run += 1
-        pieces.append(_cut(chunk, blocks[i:i + run]))
+        pieces.append(_cut(chunk, blocks[i : i + run]))
         i += run
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
@@ -319,5 +321,7 @@ def check_input(x: jax.Array, sharding, nbytes: int, plan: TransferPlan, what: s
     if not x.sharding.is_equivalent_to(sharding, x.ndim):
         raise ValueError(f"{what}: expected sharding {sharding}, got {x.sharding}")
     if x.nbytes != nbytes:
-        raise ValueError(f"{what}: the plan was made for {plan.bytes_per_instance} bytes per attention instance "
-                         f"({nbytes} bytes here) but the array has {x.nbytes}; make one plan per batch shape")
+        raise ValueError(
+            f"{what}: the plan was made for {plan.bytes_per_instance} bytes per attention instance "
+            f"({nbytes} bytes here) but the array has {x.nbytes}; make one plan per batch shape"
+        )

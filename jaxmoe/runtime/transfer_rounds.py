@@ -5,6 +5,7 @@
 ``"xfer"`` axis; ``replay_a2e`` / ``replay_e2a`` replay them on the host when a program is built
 (every expert device gets every block, every attention device every partial exactly once).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -139,14 +140,17 @@ def replay_e2a(spec, rounds: list[Round]) -> list[np.ndarray]:
         for t in r.hops:
             for b in t.blocks:
                 if acc[t.dst][b] & val[t.src][b]:
-                    raise RuntimeError(f"cross-process e2a schedule bug at hop {t}: partials "
-                                       f"{sorted(acc[t.dst][b] & val[t.src][b])} would arrive twice")
+                    raise RuntimeError(
+                        f"cross-process e2a schedule bug at hop {t}: partials "
+                        f"{sorted(acc[t.dst][b] & val[t.src][b])} would arrive twice"
+                    )
                 acc[t.dst][b] = acc[t.dst][b] | val[t.src][b]
     inc, val = snapshot()
     include.append(inc)
     for i, inst in enumerate(spec.attention.devices):
         for d in inst:
             if val[d][i] != frozenset(range(n)):
-                raise RuntimeError(f"cross-process e2a schedule bug: attention device {d} gets partials "
-                                   f"{sorted(val[d][i])} of {n}")
+                raise RuntimeError(
+                    f"cross-process e2a schedule bug: attention device {d} gets partials {sorted(val[d][i])} of {n}"
+                )
     return include

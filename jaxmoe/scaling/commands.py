@@ -30,32 +30,51 @@ def cmd_simulate(args) -> int:
         raise ValueError(f"--target must be in (0, 1], got {args.target}")
     if args.slo_tpot_ms <= 0:
         raise ValueError(f"--slo-tpot-ms must be > 0, got {args.slo_tpot_ms}")
-    shape = TraceShape(days=args.days, mean_rate=args.mean_rate, peak_to_trough=args.peak_to_trough,
-                       bursts_per_day=args.bursts_per_day)
+    shape = TraceShape(
+        days=args.days, mean_rate=args.mean_rate, peak_to_trough=args.peak_to_trough, bursts_per_day=args.bursts_per_day
+    )
     rates = synthesize(shape, args.seed)
     pm = PerfModel()
-    result = compare(rates, pm=pm, slo_tpot=args.slo_tpot_ms / 1e3, interval=args.interval, target=args.target,
-                     output_tokens=shape.output_tokens, input_tokens=shape.input_tokens)
+    result = compare(
+        rates,
+        pm=pm,
+        slo_tpot=args.slo_tpot_ms / 1e3,
+        interval=args.interval,
+        target=args.target,
+        output_tokens=shape.output_tokens,
+        input_tokens=shape.input_tokens,
+    )
     out = summary(result)
-    out["trace"] = {"minutes": len(rates), "mean_rate": round(float(rates.mean()), 2),
-                    "peak_rate": round(float(rates.max()), 2), "seed": args.seed}
+    out["trace"] = {
+        "minutes": len(rates),
+        "mean_rate": round(float(rates.mean()), 2),
+        "peak_rate": round(float(rates.max()), 2),
+        "seed": args.seed,
+    }
     out["model"], out["hardware"] = pm.model.name, pm.hw.name
     if args.plot:
         plot(result, rates, args.plot)
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"trace: {out['trace']['minutes']} minutes, mean {out['trace']['mean_rate']} req/s, "
-          f"peak {out['trace']['peak_rate']} req/s; {pm.model.name} on {pm.hw.name}; "
-          f"TPOT SLO {args.slo_tpot_ms:g} ms, every policy provisioned for {100 * args.target:g} % attainment")
+    print(
+        f"trace: {out['trace']['minutes']} minutes, mean {out['trace']['mean_rate']} req/s, "
+        f"peak {out['trace']['peak_rate']} req/s; {pm.model.name} on {pm.hw.name}; "
+        f"TPOT SLO {args.slo_tpot_ms:g} ms, every policy provisioned for {100 * args.target:g} % attainment"
+    )
     for key in ("janus", "monolithic_best", "disagg"):
         r = out[key]
-        print(f"{key:>16} ({r['policy']}): {r['gpu_hours']:8.1f} GPU-hours, SLO attainment "
-              f"{100 * r['slo_attainment']:.2f} %, headroom {r['headroom']}")
+        print(
+            f"{key:>16} ({r['policy']}): {r['gpu_hours']:8.1f} GPU-hours, SLO attainment "
+            f"{100 * r['slo_attainment']:.2f} %, headroom {r['headroom']}"
+        )
     print(f"JANUS saves {100 * out['gpu_hours_saved_vs_monolithic']:.1f} % of GPU-hours against the best monolithic")
     print("\nper-GPU throughput under the SLO (Fig. 7), context 144:")
     for row in throughput_table(pm, slo_tpot=args.slo_tpot_ms / 1e3):
-        cells = [f"{k} {v['layout']} {v['tokens_per_s_per_gpu']} tok/s/GPU ({v['tpot_ms']} ms)" if v else f"{k} -"
-                 for k, v in row.items() if k != "batch"]
+        cells = [
+            f"{k} {v['layout']} {v['tokens_per_s_per_gpu']} tok/s/GPU ({v['tpot_ms']} ms)" if v else f"{k} -"
+            for k, v in row.items()
+            if k != "batch"
+        ]
         print(f"  batch {row['batch']:>4}: " + "; ".join(cells))
     return 0

@@ -40,8 +40,7 @@ class System:
     def tpot(self, pm: PerfModel, layout: Layout, batch: float, context: float) -> float:
         if not self.disaggregated:
             return pm.tpot_monolithic(batch, context, layout.gpus)
-        return pm.tpot_disaggregated(batch, context, layout.attention, layout.experts, self.balanced,
-                                     self.two_phase)
+        return pm.tpot_disaggregated(batch, context, layout.attention, layout.experts, self.balanced, self.two_phase)
 
     def capacity(self, pm: PerfModel, layout: Layout, context: float) -> float:
         if not self.disaggregated:
@@ -62,8 +61,12 @@ def candidates(pm: PerfModel, kind: str, max_gpus: int = 128) -> list[Layout]:
     if kind == "janus":
         return [Layout(a + e, a, e) for a in range(1, 33) for e in range(e_min, 65) if a + e <= max_gpus]
     if kind == "disagg":
-        return [Layout(a + e, a, e) for a in range(node, 33, node) for e in range(node, 65, node)
-                if e >= e_min and a + e <= max_gpus]
+        return [
+            Layout(a + e, a, e)
+            for a in range(node, 33, node)
+            for e in range(node, 65, node)
+            if e >= e_min and a + e <= max_gpus
+        ]
     if kind == "monolithic":
         return [Layout(g) for g in (16, 32, 64) if g <= max_gpus]
     raise ValueError(f"unknown layout kind {kind!r} (janus, disagg, monolithic)")
@@ -92,8 +95,15 @@ def steady_state(pm: PerfModel, system: System, layout: Layout, load: Load) -> t
 
 
 class ScalingController:
-    def __init__(self, pm: PerfModel, system: System, layouts: Iterable[Layout], slo_tpot: float,
-                 margin: float = 0.85, down_after: int = 2):
+    def __init__(
+        self,
+        pm: PerfModel,
+        system: System,
+        layouts: Iterable[Layout],
+        slo_tpot: float,
+        margin: float = 0.85,
+        down_after: int = 2,
+    ):
         self.pm, self.system, self.slo, self.margin, self.down_after = pm, system, slo_tpot, margin, down_after
         self.layouts = sorted(layouts)
         if not self.layouts:

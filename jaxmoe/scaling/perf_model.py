@@ -37,8 +37,14 @@ class Hardware:
     launch_overhead: float = 20e-6  # seconds per layer part
 
 
-H100 = Hardware("H100 SXM (80 GB)", memory_bandwidth=0.8 * 3.35e12, flops=0.5 * 989e12, memory=72e9,
-                link_bandwidth=50e9, link_alpha=10e-6)
+H100 = Hardware(
+    "H100 SXM (80 GB)",
+    memory_bandwidth=0.8 * 3.35e12,
+    flops=0.5 * 989e12,
+    memory=72e9,
+    link_bandwidth=50e9,
+    link_alpha=10e-6,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +72,17 @@ class ModelShape:
 
 # JANUS Table 1 (DS-V2: 421 GB of experts, 472 GB total) and DeepSeek-V2's config (60 layers, the
 # first dense; hidden 5120; 160 routed experts top-6; MLA cache of 512 + 64 values per token and layer).
-DEEPSEEK_V2 = ModelShape("DeepSeek-V2", layers=60, moe_layers=59, hidden=5120, experts=160, top_k=6,
-                         expert_bytes_total=421e9, other_bytes_total=51e9, kv_bytes_per_token_layer=576 * 2)
+DEEPSEEK_V2 = ModelShape(
+    "DeepSeek-V2",
+    layers=60,
+    moe_layers=59,
+    hidden=5120,
+    experts=160,
+    top_k=6,
+    expert_bytes_total=421e9,
+    other_bytes_total=51e9,
+    kv_bytes_per_token_layer=576 * 2,
+)
 
 
 class PerfModel:
@@ -112,8 +127,9 @@ class PerfModel:
         return 2 * (hops * hw.link_alpha + hops * per_sender / hw.link_bandwidth)
 
     # -- a step ----------------------------------------------------------------------------------
-    def tpot_disaggregated(self, batch: float, context: float, attention: int, experts: int,
-                           balanced: bool = True, two_phase: bool = True) -> float:
+    def tpot_disaggregated(
+        self, batch: float, context: float, attention: int, experts: int, balanced: bool = True, two_phase: bool = True
+    ) -> float:
         m = self.model
         per_layer_attn = self.attention_s(batch / attention, context)
         per_moe = self.moe_s(batch, experts, balanced) + self.transfer_s(batch, attention, experts, two_phase)

@@ -32,14 +32,22 @@ def _controller(pm: PerfModel, policy: str, slo: float) -> ScalingController:
         return ScalingController(pm, DISAGG, candidates(pm, "disagg"), slo)
     if policy == "monolithic":
         return ScalingController(pm, MONOLITHIC, candidates(pm, "monolithic"), slo)
-    if policy.startswith("monolithic-") and policy[len("monolithic-"):].isdigit():
-        return ScalingController(pm, MONOLITHIC, [Layout(int(policy[len("monolithic-"):]))], slo)
+    if policy.startswith("monolithic-") and policy[len("monolithic-") :].isdigit():
+        return ScalingController(pm, MONOLITHIC, [Layout(int(policy[len("monolithic-") :]))], slo)
     raise ValueError(f"unknown policy {policy!r} (janus, disagg, monolithic, monolithic-N)")
 
 
-def simulate(rates: np.ndarray, policy: str, *, pm: PerfModel | None = None, slo_tpot: float = 0.2,
-             interval: int = 30, output_tokens: float = 256.0, input_tokens: float = 16.0,
-             headroom: float = 1.0) -> dict:
+def simulate(
+    rates: np.ndarray,
+    policy: str,
+    *,
+    pm: PerfModel | None = None,
+    slo_tpot: float = 0.2,
+    interval: int = 30,
+    output_tokens: float = 256.0,
+    input_tokens: float = 16.0,
+    headroom: float = 1.0,
+) -> dict:
     """One policy over a trace of per-minute request rates; the controller provisions for
     ``headroom`` x the peak rate it saw. Returns gpu_hours, slo_attainment, per-minute GPUs and
     the layouts chosen."""
@@ -52,7 +60,7 @@ def simulate(rates: np.ndarray, policy: str, *, pm: PerfModel | None = None, slo
     ok = np.zeros(len(rates), bool)
     layouts = []
     for start in range(0, len(rates), interval):
-        seen = rates[max(0, start - interval):start] if start else rates[:1]
+        seen = rates[max(0, start - interval) : start] if start else rates[:1]
         layout = ctl.decide(Load(headroom * float(seen.max()), output_tokens, context))
         layouts.append(layout.name)
         for m in range(start, min(start + interval, len(rates))):
@@ -60,12 +68,19 @@ def simulate(rates: np.ndarray, policy: str, *, pm: PerfModel | None = None, slo
             gpus[m] = layout.gpus
             ok[m] = state is not None and state[1] <= slo_tpot
     served = float((rates * ok).sum() / rates.sum())
-    return {"policy": policy, "gpu_hours": float(gpus.sum() / 60.0), "slo_attainment": served,
-            "gpus": gpus, "layouts": layouts, "headroom": headroom}
+    return {
+        "policy": policy,
+        "gpu_hours": float(gpus.sum() / 60.0),
+        "slo_attainment": served,
+        "gpus": gpus,
+        "layouts": layouts,
+        "headroom": headroom,
+    }
 
 
-def provision(rates: np.ndarray, policy: str, target: float, *, max_headroom: float = 4.0, steps: int = 8,
-              **kw) -> dict:
+def provision(
+    rates: np.ndarray, policy: str, target: float, *, max_headroom: float = 4.0, steps: int = 8, **kw
+) -> dict:
     """The run of ``policy`` with the least headroom whose SLO attainment reaches ``target``
     (bisection on the headroom; attainment grows with it). If even ``max_headroom`` misses the
     target, that run."""
@@ -86,8 +101,15 @@ def provision(rates: np.ndarray, policy: str, target: float, *, max_headroom: fl
     return best
 
 
-def compare(rates: np.ndarray, *, pm: PerfModel | None = None, slo_tpot: float = 0.2, interval: int = 30,
-            target: float = 0.99, **load) -> dict:
+def compare(
+    rates: np.ndarray,
+    *,
+    pm: PerfModel | None = None,
+    slo_tpot: float = 0.2,
+    interval: int = 30,
+    target: float = 0.99,
+    **load,
+) -> dict:
     """Every policy provisioned (``provision``) to reach the same SLO attainment ``target``; the
     best monolithic one is the cheapest that reaches it (if none does: the highest attainment)."""
     pm = pm or PerfModel()
@@ -98,8 +120,14 @@ def compare(rates: np.ndarray, *, pm: PerfModel | None = None, slo_tpot: float =
     good = [r for r in mono if r["slo_attainment"] >= target]
     best = min(good, key=lambda r: r["gpu_hours"]) if good else max(mono, key=lambda r: r["slo_attainment"])
     janus = runs["janus"]
-    return {"janus": janus, "monolithic_best": best, "disagg": runs["disagg"], "runs": runs, "target": target,
-            "gpu_hours_saved_vs_monolithic": 1 - janus["gpu_hours"] / best["gpu_hours"]}
+    return {
+        "janus": janus,
+        "monolithic_best": best,
+        "disagg": runs["disagg"],
+        "runs": runs,
+        "target": target,
+        "gpu_hours_saved_vs_monolithic": 1 - janus["gpu_hours"] / best["gpu_hours"],
+    }
 
 
 def summary(result: dict) -> dict:
@@ -107,24 +135,34 @@ def summary(result: dict) -> dict:
     out = {}
     for key in ("janus", "monolithic_best", "disagg"):
         r = result[key]
-        out[key] = {"policy": r["policy"], "gpu_hours": round(r["gpu_hours"], 2),
-                    "slo_attainment": round(r["slo_attainment"], 5), "headroom": round(r["headroom"], 3)}
+        out[key] = {
+            "policy": r["policy"],
+            "gpu_hours": round(r["gpu_hours"], 2),
+            "slo_attainment": round(r["slo_attainment"], 5),
+            "headroom": round(r["headroom"], 3),
+        }
     out["gpu_hours_saved_vs_monolithic"] = round(result["gpu_hours_saved_vs_monolithic"], 4)
     out["slo_attainment_target"] = result["target"]
-    out["all"] = {p: {"gpu_hours": round(r["gpu_hours"], 2), "slo_attainment": round(r["slo_attainment"], 5)}
-                  for p, r in result["runs"].items()}
+    out["all"] = {
+        p: {"gpu_hours": round(r["gpu_hours"], 2), "slo_attainment": round(r["slo_attainment"], 5)}
+        for p, r in result["runs"].items()
+    }
     return out
 
 
-def throughput_table(pm: PerfModel | None = None, batches=(4, 16, 64, 256, 512), context: float = 144.0,
-                     slo_tpot: float = 0.2) -> list[dict]:
+def throughput_table(
+    pm: PerfModel | None = None, batches=(4, 16, 64, 256, 512), context: float = 144.0, slo_tpot: float = 0.2
+) -> list[dict]:
     """Fig. 7: per batch, the TPOT and per-GPU throughput of the best layout of each system under the SLO."""
     pm = pm or PerfModel()
     rows = []
     for b in batches:
         row = {"batch": b}
-        for name, system, kind in (("janus", JANUS, "janus"), ("disagg", DISAGG, "disagg"),
-                                   ("monolithic", MONOLITHIC, "monolithic")):
+        for name, system, kind in (
+            ("janus", JANUS, "janus"),
+            ("disagg", DISAGG, "disagg"),
+            ("monolithic", MONOLITHIC, "monolithic"),
+        ):
             best = None
             for layout in candidates(pm, kind):
                 if system.capacity(pm, layout, context) < b:
@@ -133,8 +171,11 @@ def throughput_table(pm: PerfModel | None = None, batches=(4, 16, 64, 256, 512),
                 per_gpu = b / tpot / layout.gpus
                 if tpot <= slo_tpot and (best is None or per_gpu > best[2]):
                     best = (layout.name, tpot, per_gpu)
-            row[name] = None if best is None else {"layout": best[0], "tpot_ms": round(best[1] * 1e3, 1),
-                                                   "tokens_per_s_per_gpu": round(best[2], 1)}
+            row[name] = (
+                None
+                if best is None
+                else {"layout": best[0], "tpot_ms": round(best[1] * 1e3, 1), "tokens_per_s_per_gpu": round(best[2], 1)}
+            )
         rows.append(row)
     return rows
 
@@ -151,8 +192,12 @@ def plot(result: dict, rates: np.ndarray, path) -> None:
     ax1.set_ylabel("requests / s")
     for key, style in (("janus", "-"), ("monolithic_best", "--"), ("disagg", ":")):
         r = result[key]
-        ax2.plot(hours, r["gpus"], style, label=f"{key} ({r['policy']}): {r['gpu_hours']:.0f} GPU-h, "
-                                                f"SLO {100 * r['slo_attainment']:.1f} %")
+        ax2.plot(
+            hours,
+            r["gpus"],
+            style,
+            label=f"{key} ({r['policy']}): {r['gpu_hours']:.0f} GPU-h, SLO {100 * r['slo_attainment']:.1f} %",
+        )
     ax2.set(xlabel="hours", ylabel="GPUs")
     ax2.legend(fontsize=8)
     fig.tight_layout()

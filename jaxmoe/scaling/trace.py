@@ -43,5 +43,5 @@ def synthesize(shape: TraceShape = TraceShape(), seed: int = 0) -> np.ndarray:
     for _ in range(rng.poisson(shape.bursts_per_day * shape.days)):
         start = rng.integers(0, minutes)
         length = rng.integers(shape.burst_minutes[0], shape.burst_minutes[1] + 1)
-        rate[start:start + length] *= rng.uniform(*shape.burst_factor)
+        rate[start : start + length] *= rng.uniform(*shape.burst_factor)
     return rate * rng.lognormal(0.0, shape.jitter, minutes)

@@ -31,8 +31,12 @@ def register(sub, add_model_args) -> None:
     ev.add_argument("--heldout-fraction", type=float, default=0.05)
     ev.add_argument("--seq-len", type=int, default=256, help="tokens per scored window")
     ev.add_argument("--max-tokens", type=int, default=32768, help="tokens to score (0: all held-out text)")
-    ev.add_argument("--brownout-threshold", type=float, default=None,
-                    help="score with brownout at this threshold (the model needs united experts: jaxmoe unite)")
+    ev.add_argument(
+        "--brownout-threshold",
+        type=float,
+        default=None,
+        help="score with brownout at this threshold (the model needs united experts: jaxmoe unite)",
+    )
     ev.add_argument("--full-brownout", action="store_true", help="full brownout instead of partial")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(func=cmd_eval)
@@ -79,8 +83,7 @@ def cmd_eval(args) -> int:
         from jaxmoe.brownout.united import attach
         from jaxmoe.demo import DEMO_DIR
 
-        config = BrownoutConfig(1.0 if args.brownout_threshold is None else args.brownout_threshold,
-                                args.full_brownout)
+        config = BrownoutConfig(1.0 if args.brownout_threshold is None else args.brownout_threshold, args.full_brownout)
         params = attach(params, cfg, DEMO_DIR if args.model == "demo" else args.model)
         brownout = (config.threshold, config.use_full_brownout)
     if args.text_file:
@@ -100,8 +103,10 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{args.model}: held-out perplexity {result['perplexity']:.3f} ({result['tokens']} tokens, "
-              f"{result['loss']:.4f} nats/token)")
+        print(
+            f"{args.model}: held-out perplexity {result['perplexity']:.3f} ({result['tokens']} tokens, "
+            f"{result['loss']:.4f} nats/token)"
+        )
     return 0
 
 
@@ -110,7 +115,9 @@ def cmd_unite(args) -> int:
 
     report = unite(args.model, args.ways, args.out, grouping=args.grouping, tokens=args.tokens, steps=args.steps)
     for layer, r in report.items():
-        print(f"layer {layer}: groups {r['groups']}, distillation MSE per united expert "
-              + ", ".join(f"{v:.4g}" for v in r["losses"]))
+        print(
+            f"layer {layer}: groups {r['groups']}, distillation MSE per united expert "
+            + ", ".join(f"{v:.4g}" for v in r["losses"])
+        )
     print(f"united experts written to {args.out}")
     return 0

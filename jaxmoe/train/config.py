@@ -5,6 +5,7 @@ The model is a Mixtral: GQA attention with RoPE, RMSNorm, and per layer ``num_ex
 experts of width ``expert_size`` of which ``top_k`` run per token.  ``dense=True`` trains the
 baseline with the same *active* parameters: one SwiGLU MLP of width ``top_k * expert_size`` per layer.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,8 +49,21 @@ class TrainConfig:
 
     def check(self) -> None:
         """A clear ``ValueError`` naming the field for every inconsistent setting."""
-        positive = ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k",
-                    "expert_size", "steps", "batch_size", "seq_len", "checkpoint_every", "max_position"]
+        positive = [
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "num_experts",
+            "top_k",
+            "expert_size",
+            "steps",
+            "batch_size",
+            "seq_len",
+            "checkpoint_every",
+            "max_position",
+        ]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -83,9 +97,21 @@ class TrainConfig:
 
 PRESETS = {
     "demo": TrainConfig(),  # the shipped model (docs/demo_model.md has the command)
-    "tiny": TrainConfig(vocab_size=320, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, expert_size=32,
-                        steps=30, batch_size=8, seq_len=32, learning_rate=3e-3, warmup_steps=5, checkpoint_every=10,
-                        eval_tokens=2048),
+    "tiny": TrainConfig(
+        vocab_size=320,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        expert_size=32,
+        steps=30,
+        batch_size=8,
+        seq_len=32,
+        learning_rate=3e-3,
+        warmup_steps=5,
+        checkpoint_every=10,
+        eval_tokens=2048,
+    ),
 }
 
 
@@ -124,8 +150,9 @@ def hf_config(tc: TrainConfig, special_ids: dict[str, int] | None = None) -> dic
 def model_config(tc: TrainConfig, special_ids: dict[str, int] | None = None) -> ModelConfig:
     cfg = from_hf_config(hf_config(tc, special_ids))
     if tc.dense:
-        cfg = dataclasses.replace(cfg, moe_layers=(False,) * tc.num_layers,
-                                  dense_intermediate_size=tc.top_k * tc.expert_size)
+        cfg = dataclasses.replace(
+            cfg, moe_layers=(False,) * tc.num_layers, dense_intermediate_size=tc.top_k * tc.expert_size
+        )
     return cfg
 
 

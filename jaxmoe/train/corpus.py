@@ -10,6 +10,7 @@ files exist, and a module's docstrings always land in the same part as its sourc
 The corpus depends on the interpreter's version (3.11's standard library is not 3.12's); the training
 command records which one it used.
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,8 +21,18 @@ from pathlib import Path
 
 STDLIB = "stdlib"
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
-_STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "encodings", "pydoc_data",
-                     "__pycache__", "lib-dynload", "turtledemo"}
+_STDLIB_SKIP_DIRS = {
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "encodings",
+    "pydoc_data",
+    "__pycache__",
+    "lib-dynload",
+    "turtledemo",
+}
 
 
 class CorpusError(ValueError):
@@ -43,8 +54,10 @@ class Corpus:
         def size(docs):
             return sum(len(d.text) for d in docs)
 
-        return (f"{len(self.train)} train documents ({size(self.train) / 1e6:.1f} M chars), "
-                f"{len(self.heldout)} held-out ({size(self.heldout) / 1e6:.2f} M chars)")
+        return (
+            f"{len(self.train)} train documents ({size(self.train) / 1e6:.1f} M chars), "
+            f"{len(self.heldout)} held-out ({size(self.heldout) / 1e6:.2f} M chars)"
+        )
 
 
 def is_heldout(name: str, fraction: float) -> bool:
@@ -63,8 +76,10 @@ def load_corpus(source: str | Path = STDLIB, heldout_fraction: float = 0.05) -> 
     heldout = [d for d in docs if is_heldout(d.name, heldout_fraction)]
     if not train or not heldout:
         part = "training" if not train else "held-out"
-        raise CorpusError(f"corpus {str(source)!r} has {len(docs)} document(s): none falls in the {part} "
-                          f"part (held-out fraction {heldout_fraction}); give more files")
+        raise CorpusError(
+            f"corpus {str(source)!r} has {len(docs)} document(s): none falls in the {part} "
+            f"part (held-out fraction {heldout_fraction}); give more files"
+        )
     return Corpus(train, heldout)
 
 
@@ -94,8 +109,11 @@ def stdlib_documents(root: Path | None = None) -> list[Document]:
     root = Path(root or sysconfig.get_paths()["stdlib"])
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        if _STDLIB_SKIP_DIRS.intersection(rel.parts[:-1]) or rel.name.startswith("_sysconfigdata") or (
-                rel.parts[0].startswith("config-")):
+        if (
+            _STDLIB_SKIP_DIRS.intersection(rel.parts[:-1])
+            or rel.name.startswith("_sysconfigdata")
+            or (rel.parts[0].startswith("config-"))
+        ):
             continue
         source = _read_text(path)
         if source is None:
@@ -115,8 +133,9 @@ def module_docstrings(source: str) -> str:
     except (SyntaxError, ValueError):
         return ""
     parts = []
-    for node in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef,
-                                                                       ast.AsyncFunctionDef))]:
+    for node in [tree] + [
+        n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]:
         doc = ast.get_docstring(node)
         if doc and len(doc) > 40:
             title = "" if isinstance(node, ast.Module) else f"{node.name}\n{'-' * len(node.name)}\n"

@@ -5,6 +5,7 @@ adds it) and concatenated into one int32 stream.  The batch of step s is ``batch
 ``seq_len + 1`` tokens at offsets drawn from a generator seeded by (seed, s): any step's batch can be
 rebuilt from the step number alone, so a resumed run sees exactly the batches an uninterrupted one would.
 """
+
 from __future__ import annotations
 
 from typing import Sequence

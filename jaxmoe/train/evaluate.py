@@ -3,6 +3,7 @@
 Both run the training forward pass with no expert capacity limit, which equals the serving forward
 (``tests/test_train.py`` checks the logits), over windows of the held-out token stream.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,11 @@ def _scorer(cfg: ModelConfig, brownout=None):
     """``brownout``: None, or (threshold, use_full_brownout) to score through brownout routing."""
 
     def score(params, window):
-        bo = None if brownout is None else Brownout(jnp.float32(brownout[0]), jnp.ones(window.shape[0] - 1, bool),
-                                                    brownout[1])
+        bo = (
+            None
+            if brownout is None
+            else Brownout(jnp.float32(brownout[0]), jnp.ones(window.shape[0] - 1, bool), brownout[1])
+        )
         logits, stats = forward(params, cfg, window[None, :-1], capacity_factor=0.0, brownout=bo)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits[0], window[1:]).sum()
         counts = stats["counts"] if stats else jnp.zeros((0,), jnp.int32)

@@ -7,6 +7,7 @@ An MoE model becomes a Hugging Face Mixtral checkpoint (``config.json``, ``model
 A dense baseline has no Mixtral form; it is saved converted (``checkpoint.save_converted``, weights
 rounded to bf16 as the safetensors are), which ``LLM(dir)`` and ``jaxmoe eval`` read as well.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,14 @@ def hf_tensors(params: dict, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict[str, 
     return tensors
 
 
-def export_model(directory: str | Path, params: dict, cfg: ModelConfig, hf_config: dict | None,
-                 tokenizer_dir: str | Path, generation_config: dict | None = None) -> Path:
+def export_model(
+    directory: str | Path,
+    params: dict,
+    cfg: ModelConfig,
+    hf_config: dict | None,
+    tokenizer_dir: str | Path,
+    generation_config: dict | None = None,
+) -> Path:
     """Write the model to ``directory``: HF Mixtral form when ``hf_config`` is given, else converted."""
     from safetensors.numpy import save_file
 

@@ -13,6 +13,7 @@ Every check (settings, output directory writable, corpus has text) runs before a
 Given the seed the run is deterministic: initial parameters from ``jax.random.key(seed)``, batches
 from ``data.batch_at``; a run stopped and resumed ends with the same parameters as one that was not.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,10 +55,14 @@ def _check_same_run(out_dir: Path, tc: TrainConfig) -> None:
     if not saved.exists():
         return
     old = TrainConfig.from_json(saved.read_text())
-    changed = [f.name for f in dataclasses.fields(tc) if f.name != "steps" and getattr(old, f.name) != getattr(tc, f.name)]
+    changed = [
+        f.name for f in dataclasses.fields(tc) if f.name != "steps" and getattr(old, f.name) != getattr(tc, f.name)
+    ]
     if changed:
-        raise ValueError(f"{out_dir} holds a run with different settings ({', '.join(changed)}); "
-                         "resume with the same settings or pick another output directory")
+        raise ValueError(
+            f"{out_dir} holds a run with different settings ({', '.join(changed)}); "
+            "resume with the same settings or pick another output directory"
+        )
 
 
 def prepare(tc: TrainConfig, out_dir: Path, log=print):
@@ -77,29 +82,36 @@ def prepare(tc: TrainConfig, out_dir: Path, log=print):
     train_stream = data.encode_documents(tokenizer, [d.text for d in corpus.train])
     heldout_stream = data.encode_documents(tokenizer, [d.text for d in corpus.heldout])
     if len(train_stream) < tc.seq_len + 1:
-        raise ValueError(f"corpus {tc.corpus!r} gives {len(train_stream)} training tokens, fewer than "
-                         f"seq_len + 1 = {tc.seq_len + 1}")
+        raise ValueError(
+            f"corpus {tc.corpus!r} gives {len(train_stream)} training tokens, fewer than seq_len + 1 = {tc.seq_len + 1}"
+        )
     tokens_dir.mkdir(exist_ok=True)
     np.save(tokens_dir / "train.npy", train_stream)
     np.save(tokens_dir / "heldout.npy", heldout_stream)
     save_tokenizer(tokenizer, out_dir, tc.max_position)
-    log(f"tokenizer: {tokenizer.get_vocab_size()} entries; {len(train_stream):,} train / "
-        f"{len(heldout_stream):,} held-out tokens")
+    log(
+        f"tokenizer: {tokenizer.get_vocab_size()} entries; {len(train_stream):,} train / "
+        f"{len(heldout_stream):,} held-out tokens"
+    )
     return tokenizer, train_stream, heldout_stream
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, min(tc.warmup_steps, tc.steps - 1),
-                                                  tc.steps, end_value=tc.learning_rate * 0.1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, tc.learning_rate, min(tc.warmup_steps, tc.steps - 1), tc.steps, end_value=tc.learning_rate * 0.1
+    )
     no_decay_on_vectors = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731
-    return optax.chain(optax.clip_by_global_norm(tc.grad_clip or float("inf")),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=no_decay_on_vectors))
+    return optax.chain(
+        optax.clip_by_global_norm(tc.grad_clip or float("inf")),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=no_decay_on_vectors),
+    )
 
 
 def make_train_step(cfg, tc: TrainConfig, optimizer):
     def step(params, opt_state, batch):
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, cfg, batch, tc.aux_loss_coef, tc.capacity_factor)
+            params, cfg, batch, tc.aux_loss_coef, tc.capacity_factor
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, metrics
 
@@ -149,7 +161,9 @@ def train(tc: TrainConfig, out_dir: str | Path, *, progress: bool = True, log=pr
                     loss = float(metrics["ce"])
                     elapsed = time.perf_counter() - first_timed[0]
                     rate = (step + 1 - first_timed[1]) * tokens_per_step / elapsed if elapsed > 0 else 0.0
-                    extra = f" aux={float(metrics['aux']):.3f} drop={int(metrics['dropped'])}" if "aux" in metrics else ""
+                    extra = (
+                        f" aux={float(metrics['aux']):.3f} drop={int(metrics['dropped'])}" if "aux" in metrics else ""
+                    )
                     bar.set_postfix_str(f"loss={loss:.3f}{extra} tok/s={rate:,.0f}", refresh=False)
                 bar.update(1)
                 if manager.should_save(step + 1) or step + 1 == end:
@@ -173,15 +187,21 @@ def finish(tc, cfg, params, tokenizer, heldout_stream, out_dir: Path, wall: floa
     windows = data.eval_windows(heldout_stream, tc.seq_len, tc.eval_tokens)
     scored = perplexity(cfg, exported, windows, progress=False)
     report = {
-        "model": str(model_dir), "dense": tc.dense, "steps": tc.steps,
-        "train_tokens": tc.steps * tc.batch_size * tc.seq_len, "wall_s": round(wall, 1),
-        "final_train_loss": loss, "heldout": scored,
+        "model": str(model_dir),
+        "dense": tc.dense,
+        "steps": tc.steps,
+        "train_tokens": tc.steps * tc.batch_size * tc.seq_len,
+        "wall_s": round(wall, 1),
+        "final_train_loss": loss,
+        "heldout": scored,
         "total_params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__} on {jax.default_backend()}",
         "python": sys.version.split()[0],
     }
     if cfg.num_moe_layers:
-        report["expert_share_heldout"] = [[round(x, 4) for x in row] for row in expert_token_share(cfg, exported, windows)]
+        report["expert_share_heldout"] = [
+            [round(x, 4) for x in row] for row in expert_token_share(cfg, exported, windows)
+        ]
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     log(f"held-out perplexity {scored['perplexity']:.3f} over {scored['tokens']} tokens; model in {model_dir}")
     return report

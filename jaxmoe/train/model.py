@@ -15,6 +15,7 @@ The router's load-balancing loss is Switch Transformer's: ``E * sum_e f_e * P_e`
 fraction of top-k assignments that go to expert e and ``P_e`` its mean router probability (1.0 when
 the load is even).
 """
+
 from __future__ import annotations
 
 import math
@@ -102,8 +103,9 @@ def moe_ffn(p: dict, cfg: ModelConfig, x: jnp.ndarray, capacity_factor: float) -
     return out, {"aux": aux, "counts": counts, "dropped": jnp.sum(~kept)}
 
 
-def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, capacity_factor: float = 0.0,
-            brownout: Brownout | None = None):
+def forward(
+    params: dict, cfg: ModelConfig, tokens: jnp.ndarray, capacity_factor: float = 0.0, brownout: Brownout | None = None
+):
     """Logits [B, T, V] (fp32) for tokens [B, T], and per-MoE-layer router stats (stacked).
     ``brownout`` (evaluation only; the layers must hold united experts): the MoE layers run the
     serving code's ``moe_layer`` with brownout (no router stats then)."""

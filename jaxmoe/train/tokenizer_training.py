@@ -6,6 +6,7 @@ template), which both ``jaxmoe.tokenizer.HFTokenizer`` and transformers' ``AutoT
 adds it), so a prompt looks like the start of a document; generating it ends the text.  The chat
 roles are special tokens of their own; ``<|end|>`` closes a message.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,12 +33,17 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
     eot = tokenizer.token_to_id(ENDOFTEXT)
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{ENDOFTEXT} $A", pair=f"{ENDOFTEXT} $A {ENDOFTEXT} $B:1", special_tokens=[(ENDOFTEXT, eot)])
+        single=f"{ENDOFTEXT} $A", pair=f"{ENDOFTEXT} $A {ENDOFTEXT} $B:1", special_tokens=[(ENDOFTEXT, eot)]
+    )
     return tokenizer
 
 

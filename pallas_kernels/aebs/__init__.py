@@ -3,5 +3,4 @@
 from .api import IMPLS, POLICIES, schedule
 from .reference import aebs_jnp, aebs_numpy, aebs_plus_numpy, random_jnp
 
-__all__ = ["schedule", "POLICIES", "IMPLS", "aebs_numpy", "aebs_plus_numpy",
-           "aebs_jnp", "random_jnp"]
+__all__ = ["schedule", "POLICIES", "IMPLS", "aebs_numpy", "aebs_plus_numpy", "aebs_jnp", "random_jnp"]

@@ -16,7 +16,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from . import kernel as _kernel
+from . import backends as _backends
 from . import reference as _ref
 
 POLICIES = ("aebs", "aebs_plus", "random")
@@ -24,108 +24,117 @@ IMPLS = ("kernel", "reference")
 
 
 def _round_up(x, m):
-  return max(m, -(-x // m) * m)
+    return max(m, -(-x // m) * m)
 
 
 def _prepare(topk_ids, replica_table, replica_instance, num_instances):
-  """Kernel layout: flat, -1-padded ids; transposed replica/instance tables."""
-  T, k = topk_ids.shape
-  E, R = replica_table.shape
-  tkp = _round_up(T * k, 128)
-  width = _round_up(max(E, num_instances), 128)
-  ids = jnp.asarray(topk_ids, jnp.int32).reshape(-1)
-  ids = jnp.where((ids >= 0) & (ids < E), ids, -1)
-  ids = jnp.pad(ids, (0, tkp - T * k), constant_values=-1)
-  rt = jnp.asarray(replica_table, jnp.int32)
-  it = jnp.where(rt >= 0, jnp.asarray(replica_instance, jnp.int32)[jnp.maximum(rt, 0)], -1)
-  rt = jnp.pad(rt.T, ((0, 0), (0, width - E)), constant_values=-1)
-  it = jnp.pad(it.T, ((0, 0), (0, width - E)), constant_values=-1)
-  return ids, rt, it, tkp, width
+    """Kernel layout: flat, -1-padded ids; transposed replica/instance tables."""
+    T, k = topk_ids.shape
+    E, R = replica_table.shape
+    tkp = _round_up(T * k, 128)
+    width = _round_up(max(E, num_instances), 128)
+    ids = jnp.asarray(topk_ids, jnp.int32).reshape(-1)
+    ids = jnp.where((ids >= 0) & (ids < E), ids, -1)
+    ids = jnp.pad(ids, (0, tkp - T * k), constant_values=-1)
+    rt = jnp.asarray(replica_table, jnp.int32)
+    it = jnp.where(rt >= 0, jnp.asarray(replica_instance, jnp.int32)[jnp.maximum(rt, 0)], -1)
+    rt = jnp.pad(rt.T, ((0, 0), (0, width - E)), constant_values=-1)
+    it = jnp.pad(it.T, ((0, 0), (0, width - E)), constant_values=-1)
+    return ids, rt, it, tkp, width
 
 
 def _backend(interpret):
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  if interpret:
-    return "interpret"
-  platform = jax.default_backend()
-  if platform == "gpu":
-    return "mosaic_gpu"
-  raise NotImplementedError(
-      f"AEBS kernel has no compiled lowering for backend {platform!r}; use "
-      "interpret=True or impl='reference'.")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if interpret:
+        return "interpret"
+    platform = jax.default_backend()
+    if platform == "gpu":
+        return "mosaic_gpu"
+    raise NotImplementedError(
+        f"AEBS kernel has no compiled lowering for backend {platform!r}; use interpret=True or impl='reference'."
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("num_instances", "policy", "backend", "max_moves"))
-def _kernel_schedule(topk_ids, replica_table, replica_instance, *, num_instances,
-                     policy, backend, max_moves):
-  T, k = topk_ids.shape
-  E, R = replica_table.shape
-  ids, rt, it, tkp, width = _prepare(topk_ids, replica_table, replica_instance,
-                                     num_instances)
-  fn = _kernel.build(E, num_instances, R, tkp, width, policy=policy,
-                     max_moves=max_moves, backend=backend)
-  phys, loads = fn(ids, rt, it, jnp.arange(width, dtype=jnp.int32))
-  return phys[: T * k].reshape(T, k), loads[:num_instances]
+def _kernel_schedule(topk_ids, replica_table, replica_instance, *, num_instances, policy, backend, max_moves):
+    T, k = topk_ids.shape
+    E, R = replica_table.shape
+    ids, rt, it, tkp, width = _prepare(topk_ids, replica_table, replica_instance, num_instances)
+    fn = _backends.build(E, num_instances, R, tkp, width, policy=policy, max_moves=max_moves, backend=backend)
+    phys, loads = fn(ids, rt, it, jnp.arange(width, dtype=jnp.int32))
+    return phys[: T * k].reshape(T, k), loads[:num_instances]
 
 
 def _plus_callback(topk_ids, replica_table, replica_instance, num_instances, max_moves):
-  T, k = topk_ids.shape
-  out = (jax.ShapeDtypeStruct((T, k), jnp.int32),
-         jax.ShapeDtypeStruct((num_instances,), jnp.int32))
+    T, k = topk_ids.shape
+    out = (jax.ShapeDtypeStruct((T, k), jnp.int32), jax.ShapeDtypeStruct((num_instances,), jnp.int32))
 
-  def host(ids, rt, ri):
-    O, load = _ref.aebs_plus_numpy(np.asarray(ids), np.asarray(rt), np.asarray(ri),
-                                   num_instances, max_moves)
-    return O.astype(np.int32), load.astype(np.int32)
+    def host(ids, rt, ri):
+        O, load = _ref.aebs_plus_numpy(np.asarray(ids), np.asarray(rt), np.asarray(ri), num_instances, max_moves)
+        return O.astype(np.int32), load.astype(np.int32)
 
-  return jax.pure_callback(host, out, topk_ids, replica_table, replica_instance)
+    return jax.pure_callback(host, out, topk_ids, replica_table, replica_instance)
 
 
-def schedule(topk_ids, replica_table, replica_instance, num_instances, *,
-             policy="aebs", impl="kernel", interpret=None, seed=0, max_moves=None):
-  """Assign every activated logical expert to exactly one of its replicas.
+def schedule(
+    topk_ids,
+    replica_table,
+    replica_instance,
+    num_instances,
+    *,
+    policy="aebs",
+    impl="kernel",
+    interpret=None,
+    seed=0,
+    max_moves=None,
+):
+    """Assign every activated logical expert to exactly one of its replicas.
 
-  Args:
-    topk_ids: [T, k] int32 logical expert ids; -1 (or any id outside [0, E))
-      marks an empty slot.
-    replica_table: [E, R_max] int32, row e = physical slot ids hosting expert
-      e, -1 padded.
-    replica_instance: [S] int32, instance (in [0, num_instances)) of each slot.
-    num_instances: N (static).
-    policy: "aebs" (janus Algorithm 1), "aebs_plus" (improved, never a larger
-      max than "aebs") or "random" (uniform replica per expert; ignores impl).
-    impl: "kernel" (Pallas) or "reference".
-    interpret: kernel only; None = interpret iff the default backend is CPU.
-    seed: int or PRNG key for policy="random" (may be traced).
-    max_moves: aebs_plus bound on local-improvement moves (default 4N).
+    Args:
+      topk_ids: [T, k] int32 logical expert ids; -1 (or any id outside [0, E))
+        marks an empty slot.
+      replica_table: [E, R_max] int32, row e = physical slot ids hosting expert
+        e, -1 padded.
+      replica_instance: [S] int32, instance (in [0, num_instances)) of each slot.
+      num_instances: N (static).
+      policy: "aebs" (janus Algorithm 1), "aebs_plus" (improved, never a larger
+        max than "aebs") or "random" (uniform replica per expert; ignores impl).
+      impl: "kernel" (Pallas) or "reference".
+      interpret: kernel only; None = interpret iff the default backend is CPU.
+      seed: int or PRNG key for policy="random" (may be traced).
+      max_moves: aebs_plus bound on local-improvement moves (default 4N).
 
-  Returns:
-    (physical_ids [T, k] int32, -1 where the input slot is empty;
-     activated_per_instance [N] int32, distinct activated replicas per instance).
+    Returns:
+      (physical_ids [T, k] int32, -1 where the input slot is empty;
+       activated_per_instance [N] int32, distinct activated replicas per instance).
 
-  Deterministic for aebs/aebs_plus, so every instance computes the same answer.
-  Usable inside ``jax.jit`` (policy/impl/num_instances/interpret/max_moves must
-  be static Python values).
-  """
-  if policy not in POLICIES:
-    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  num_instances = int(num_instances)
-  topk_ids = jnp.asarray(topk_ids, jnp.int32)
-  replica_table = jnp.asarray(replica_table, jnp.int32)
-  replica_instance = jnp.asarray(replica_instance, jnp.int32)
-  if max_moves is None:
-    max_moves = 4 * num_instances
-  if policy == "random":
-    return _ref.random_jnp(topk_ids, replica_table, replica_instance,
-                           num_instances, seed)
-  if impl == "reference":
-    if policy == "aebs":
-      return _ref.aebs_jnp(topk_ids, replica_table, replica_instance, num_instances)
-    return _plus_callback(topk_ids, replica_table, replica_instance, num_instances,
-                          int(max_moves))
-  return _kernel_schedule(topk_ids, replica_table, replica_instance,
-                          num_instances=num_instances, policy=policy,
-                          backend=_backend(interpret), max_moves=int(max_moves))
+    Deterministic for aebs/aebs_plus, so every instance computes the same answer.
+    Usable inside ``jax.jit`` (policy/impl/num_instances/interpret/max_moves must
+    be static Python values).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    num_instances = int(num_instances)
+    topk_ids = jnp.asarray(topk_ids, jnp.int32)
+    replica_table = jnp.asarray(replica_table, jnp.int32)
+    replica_instance = jnp.asarray(replica_instance, jnp.int32)
+    if max_moves is None:
+        max_moves = 4 * num_instances
+    if policy == "random":
+        return _ref.random_jnp(topk_ids, replica_table, replica_instance, num_instances, seed)
+    if impl == "reference":
+        if policy == "aebs":
+            return _ref.aebs_jnp(topk_ids, replica_table, replica_instance, num_instances)
+        return _plus_callback(topk_ids, replica_table, replica_instance, num_instances, int(max_moves))
+    return _kernel_schedule(
+        topk_ids,
+        replica_table,
+        replica_instance,
+        num_instances=num_instances,
+        policy=policy,
+        backend=_backend(interpret),
+        max_moves=int(max_moves),
+    )

@@ -22,6 +22,7 @@ in x.dtype with fp32 accumulation.  ``experts`` gives the stacked weights (``Exp
 Which one runs is explicit configuration (``EngineConfig.expert_impl``); ``"auto"`` is resolved by
 the caller with ``resolve`` from its per-backend defaults.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Protocol
@@ -67,6 +68,7 @@ class Stacked(NamedTuple):
 def _sorted(grouped_impl: str) -> Callable:
     def run(x, ids, weights, experts, interpret=None):
         return xla.sorted_by_expert(x, ids, weights, experts, grouped_impl, interpret)
+
     return run
 
 

@@ -1,5 +1,6 @@
 """The plain jnp reference of the expert FFN: a Python loop over experts, each on every token,
 weighted by that token's combine weight for it (zero when it did not choose it)."""
+
 from __future__ import annotations
 
 import jax

@@ -4,6 +4,7 @@
 
 The loop bodies / switch branches are compiled once, so compile time stays close to the dense form's.
 """
+
 from __future__ import annotations
 
 import jax
@@ -98,6 +99,7 @@ def grouped(x, ids, weights, experts):
             y = jnp.einsum("ecf,efd->ecd", h, w_down).reshape(E * cap, D)
             yk = jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(T, K, D)
             return jnp.einsum("tkd,tk->td", yk.astype(jnp.float32), weights.astype(jnp.float32)).astype(x.dtype)
+
         return apply
 
     busiest = one_hot.sum(axis=0).max()
@@ -109,6 +111,7 @@ def sorted_by_expert(x, ids, weights, experts, grouped_impl: str, interpret=None
     | pallas), un-sorted and mixed (``combine``). The padded einsum's capacity is T: exact."""
     x_sorted, group_sizes, info = dispatch(x, ids, experts.num_experts)
     options = {"capacity": x.shape[0]} if grouped_impl == "einsum" else None
-    y_sorted = grouped_swiglu(x_sorted, group_sizes, *experts.stacked(x.dtype), impl=grouped_impl,
-                              interpret=interpret, kernel_options=options)
+    y_sorted = grouped_swiglu(
+        x_sorted, group_sizes, *experts.stacked(x.dtype), impl=grouped_impl, interpret=interpret, kernel_options=options
+    )
     return combine(y_sorted, weights, info)

@@ -5,6 +5,7 @@ numpy reading of the formula.
 Cases cover batch-1 decode, prefill-sized batches, unrouted slots (id -1), experts no token chose,
 every token on one expert, fp32 and bf16.
 """
+
 import functools
 import os
 
@@ -36,8 +37,12 @@ def _inputs(case: str, dtype, seed: int):
             ids = ids.at[3, 1].set(-1).at[0].set(-1)
     weights = jax.nn.softmax(jax.random.normal(kw, (t, k)), -1).astype(dtype)
     s = 1.0 / np.sqrt(d)
-    experts = Stacked(*((jax.random.normal(key, shape) * s).astype(dtype)
-                        for key, shape in ((kg, (e, d, f)), (ku, (e, d, f)), (kd, (e, f, d)))))
+    experts = Stacked(
+        *(
+            (jax.random.normal(key, shape) * s).astype(dtype)
+            for key, shape in ((kg, (e, d, f)), (ku, (e, d, f)), (kd, (e, f, d)))
+        )
+    )
     return x, ids, weights, experts
 
 
