@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from jaxmoe import LLM, SamplingParams
+from jaxmoe.engine.policies import QLLMPolicy
 
 BE = SamplingParams(max_tokens=16, ignore_eos=True)
 LS = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -23,9 +24,10 @@ def _llm(mesh):
     return LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8, layer_preemption=True, **kw)
 
 
-@pytest.mark.parametrize("mesh", [None, "meshes/cpu-8.yaml"], ids=["monolithic", "cpu8-disaggregated"])
-def test_layer_preemption_keeps_every_token(mesh):
-    llm = _llm(mesh)
+def _drive(llm):
+    """Serve the BE prompts with the LS ones arriving between layers as ``ARRIVALS`` scripts; asserts
+    every request's tokens equal its standalone tokens and all KV blocks are free after. Returns the
+    layer pauses it caused."""
     engine = llm.engine
     alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in BE_PROMPTS}
     alone.update({p: llm.generate([p], LS, priority="ls")[0].token_ids for p in LS_PROMPTS})
@@ -56,12 +58,56 @@ def test_layer_preemption_keeps_every_token(mesh):
             if out.finished:
                 finished[out.request_id] = out.token_ids
         step["n"] += 1
-    assert not pending, pending  # every scripted arrival happened inside a paused BE step
-    assert engine.layer_pauses - pauses >= len(ARRIVALS)  # LS decodes may run between later layers too
-    assert engine.scheduler.preemptions["pause"]["be"] >= len(ARRIVALS)
+    assert not pending, pending  # every scripted arrival happened inside a BE step
     for p, rid in {**be_ids, **ls_ids}.items():
         assert finished[rid] == alone[p], p
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    return engine.layer_pauses - pauses
+
+
+@pytest.mark.parametrize("mesh", [None, "meshes/cpu-8.yaml"], ids=["monolithic", "cpu8-disaggregated"])
+def test_layer_preemption_keeps_every_token(mesh):
+    llm = _llm(mesh)
+    assert _drive(llm) >= len(ARRIVALS)  # LS decodes may run between later layers too
+    assert llm.engine.scheduler.preemptions["pause"]["be"] >= len(ARRIVALS)
+
+
+class NeverPause(QLLMPolicy):
+    """A user policy: QLLM's batches, but a running step is never paused (step-level preemption)."""
+
+    name = "never_pause"
+
+    def pause_at_layer(self, running, waiting, layer):
+        return False
+
+
+class BrokenPause(QLLMPolicy):
+    name = "broken_pause"
+
+    def pause_at_layer(self, running, waiting, layer):
+        raise RuntimeError("bug in a user policy")
+
+
+def test_a_user_policy_decides_the_pauses():
+    llm = _llm(None)
+    llm.engine.scheduler.policy.policy = NeverPause()  # the scheduler's (guarded) policy
+    assert _drive(llm) == 0
+
+
+def test_a_failing_pause_decision_falls_back_to_qllm(caplog):
+    llm = LLM(
+        "tiny-random",
+        dtype="float32",
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=8,
+        layer_preemption=True,
+        policy=BrokenPause(),
+    )
+    with caplog.at_level("ERROR"):
+        assert _drive(llm) >= len(ARRIVALS)
+    assert llm.engine.scheduler.stats()["policy_errors"] > 0
+    assert "broken_pause" in caplog.text and "bug in a user policy" in caplog.text
 
 
 def test_no_pause_without_latency_sensitive_work():

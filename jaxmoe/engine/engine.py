@@ -50,7 +50,7 @@ class EngineConfig:
     max_waiting: int = 1024
     max_model_len: int | None = None  # default: the model's max_position
     max_prefill_chunk: int = 512  # tokens of one prefill chunk (longer prompts are chunked)
-    policy: str = "qllm"
+    policy: str = "qllm"  # "qllm" | "fcfs" | "module:Class" | a SchedulingPolicy object (engine.policies)
     layer_preemption: bool = False  # QLLM: latency-sensitive work may run between the layers of a BE step
     expert_impl: str = "auto"  # the expert-FFN implementation (jaxmoe.pallas_kernels.expert_ffn.IMPLS)
 
@@ -219,6 +219,8 @@ class LLMEngine:
         goes on from the next layer with its hidden states (kept on the device) and the KV it wrote."""
         if self.poll is not None:
             self.poll()
+        if not self.scheduler.pause_at_layer(self._paused, layer):
+            return
         inner = self.scheduler.schedule(exclude=self._paused, priority=Priority.LS)
         if inner.is_empty:
             return
