@@ -25,9 +25,9 @@ def _llm(mesh):
 
 
 def _drive(llm):
-    """Serve the BE prompts with the LS ones arriving between layers as ``ARRIVALS`` scripts; asserts
-    every request's tokens equal its standalone tokens and all KV blocks are free after. Returns the
-    layer pauses it caused."""
+    """Serve the BE prompts with the LS ones arriving between layers as ``ARRIVALS`` scripts (an
+    arrival whose step had no layer boundary comes at the next step); asserts every request's tokens
+    equal its standalone tokens and all KV blocks are free after. Returns (layer pauses, overdue arrivals)."""
     engine = llm.engine
     alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in BE_PROMPTS}
     alone.update({p: llm.generate([p], LS, priority="ls")[0].token_ids for p in LS_PROMPTS})
@@ -52,23 +52,29 @@ def _drive(llm):
     engine.poll = poll
     engine._between_layers = between
     be_ids = {p: engine.add_request(p, BE, "be") for p in BE_PROMPTS}
-    pauses, finished = engine.layer_pauses, {}
-    while engine.has_work():
+    pauses, finished, overdue = engine.layer_pauses, {}, 0
+    while engine.has_work() or pending:
+        for (s, at), prompt in list(pending):  # overdue: its step ran fused (not pausable) or never paused
+            if s < step["n"]:
+                ls_ids[prompt] = engine.add_request(prompt, LS, "ls")
+                pending.remove(((s, at), prompt))
+                overdue += 1
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.token_ids
         step["n"] += 1
-    assert not pending, pending  # every scripted arrival happened inside a BE step
     for p, rid in {**be_ids, **ls_ids}.items():
         assert finished[rid] == alone[p], p
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    return engine.layer_pauses - pauses
+    return engine.layer_pauses - pauses, overdue
 
 
 @pytest.mark.parametrize("mesh", [None, "meshes/cpu-8.yaml"], ids=["monolithic", "cpu8-disaggregated"])
 def test_layer_preemption_keeps_every_token(mesh):
     llm = _llm(mesh)
-    assert _drive(llm) >= len(ARRIVALS)  # LS decodes may run between later layers too
+    pauses, overdue = _drive(llm)
+    assert overdue == 0  # every scripted arrival happened inside a paused BE step
+    assert pauses >= len(ARRIVALS)  # LS decodes may run between later layers too
     assert llm.engine.scheduler.preemptions["pause"]["be"] >= len(ARRIVALS)
 
 
@@ -91,7 +97,7 @@ class BrokenPause(QLLMPolicy):
 def test_a_user_policy_decides_the_pauses():
     llm = _llm(None)
     llm.engine.scheduler.policy.policy = NeverPause()  # the scheduler's (guarded) policy
-    assert _drive(llm) == 0
+    assert _drive(llm)[0] == 0
 
 
 def test_a_failing_pause_decision_falls_back_to_qllm(caplog):
@@ -105,7 +111,8 @@ def test_a_failing_pause_decision_falls_back_to_qllm(caplog):
         policy=BrokenPause(),
     )
     with caplog.at_level("ERROR"):
-        assert _drive(llm) >= len(ARRIVALS)
+        pauses, overdue = _drive(llm)
+    assert overdue == 0 and pauses >= len(ARRIVALS)  # QLLM's pauses, as without the policy
     assert llm.engine.scheduler.stats()["policy_errors"] > 0
     assert "broken_pause" in caplog.text and "bug in a user policy" in caplog.text
 
@@ -115,3 +122,22 @@ def test_no_pause_without_latency_sensitive_work():
     before = llm.engine.layer_pauses
     outs = llm.generate(BE_PROMPTS, BE, priority="be")
     assert all(len(o.token_ids) == 16 for o in outs) and llm.engine.layer_pauses == before
+
+
+def test_latency_sensitive_tokens_go_out_while_the_paused_step_waits():
+    """The outputs of the step run inside a paused one are emitted at once (``engine.emit``: the
+    serving loop delivers them to their streams), not held until the paused step ends."""
+    llm = _llm(None)
+    engine, events, ls = llm.engine, [], {}
+    engine.emit = lambda outs: events.append(("inner", [o.request_id for o in outs]))
+
+    def poll():  # an LS request arrives after the BE step's first layer
+        if not ls:
+            ls["id"] = engine.add_request("urgent a", LS, "ls")
+
+    engine.poll = poll
+    be = engine.add_request("best effort one", BE, "be")
+    events.append(("step", [o.request_id for o in engine.step()]))
+    # the LS prefill (and decodes, between later layers) went out before the BE step returned
+    assert events[0] == ("inner", [ls["id"]]) and events[-1] == ("step", [be])
+    assert all(kind == "inner" for kind, _ in events[:-1])

@@ -83,6 +83,7 @@ class LLMEngine:
         self._seeds = _unseeded_seeds()
         self.step_request_ids: list[str] = []  # the requests of the last step (set before it runs)
         self.poll = None  # poll(): admit requests that arrived meanwhile (AsyncEngine; between layers)
+        self.emit = None  # emit(outputs): deliver a step run inside a paused one at once (else step() returns them)
         self._paused: frozenset[str] = frozenset()  # the requests of a step paused between layers
         self._inner_outputs: list[RequestOutput] = []
         self.layer_pauses = 0  # times a step was paused between layers for latency-sensitive work
@@ -232,10 +233,14 @@ class LLMEngine:
                 self.scheduler.preemptions["pause"][seq.priority.value] += 1
         self._paused = frozenset()
         try:
-            self._inner_outputs += self._run_batch(inner)
+            outputs = self._run_batch(inner)
         finally:
             self._paused = paused
             self.step_request_ids = sorted(paused)
+        if self.emit is not None:  # the latency-sensitive tokens go out now, not after the paused step
+            self.emit(outputs)
+        else:
+            self._inner_outputs += outputs
 
     def _run_isolating(
         self, rows: list[Row], seqs: list[Sequence], errors: dict[str, str], between_layers=None
