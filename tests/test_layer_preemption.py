@@ -75,6 +75,7 @@ def test_layer_preemption_keeps_every_token(mesh):
     pauses, overdue = _drive(llm)
     assert overdue == 0  # every scripted arrival happened inside a paused BE step
     assert pauses >= len(ARRIVALS)  # LS decodes may run between later layers too
+    assert llm.engine.paused_state_bytes_max > 0 and llm.engine.pauses_over_budget == 0
     assert llm.engine.scheduler.preemptions["pause"]["be"] >= len(ARRIVALS)
 
 
@@ -92,6 +93,22 @@ class BrokenPause(QLLMPolicy):
 
     def pause_at_layer(self, running, waiting, layer):
         raise RuntimeError("bug in a user policy")
+
+
+def test_a_step_over_the_memory_budget_is_not_paused():
+    """``max_paused_state_bytes``: a step whose hidden states exceed it runs on (step-level
+    preemption instead), counted; tokens are still exact."""
+    llm = LLM(
+        "tiny-random",
+        dtype="float32",
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=8,
+        layer_preemption=True,
+        max_paused_state_bytes=1024,
+    )
+    pauses, overdue = _drive(llm)
+    assert pauses == 0 and llm.engine.pauses_over_budget > 0
 
 
 def test_a_user_policy_decides_the_pauses():

@@ -52,6 +52,7 @@ class EngineConfig:
     max_prefill_chunk: int = 512  # tokens of one prefill chunk (longer prompts are chunked)
     policy: str = "qllm"  # "qllm" | "fcfs" | "module:Class" | a SchedulingPolicy object (engine.policies)
     layer_preemption: bool = False  # QLLM: latency-sensitive work may run between the layers of a BE step
+    max_paused_state_bytes: int | None = None  # layer preemption: a bigger step is not paused (None: any)
     expert_impl: str = "auto"  # the expert-FFN implementation (jaxmoe.pallas_kernels.expert_ffn.IMPLS)
 
 
@@ -87,6 +88,8 @@ class LLMEngine:
         self._paused: frozenset[str] = frozenset()  # the requests of a step paused between layers
         self._inner_outputs: list[RequestOutput] = []
         self.layer_pauses = 0  # times a step was paused between layers for latency-sensitive work
+        self.paused_state_bytes_max = 0  # the most device memory a paused step kept (hidden states)
+        self.pauses_over_budget = 0  # pauses refused: the step's state exceeded max_paused_state_bytes
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -222,10 +225,16 @@ class LLMEngine:
             self.poll()
         if not self.scheduler.pause_at_layer(self._paused, layer):
             return
+        state = self.runner.pausable_state_bytes
+        budget = self.config.max_paused_state_bytes
+        if budget is not None and state > budget:  # too big to keep: LS work waits for the step boundary
+            self.pauses_over_budget += 1
+            return
         inner = self.scheduler.schedule(exclude=self._paused, priority=Priority.LS)
         if inner.is_empty:
             return
         self.layer_pauses += 1
+        self.paused_state_bytes_max = max(self.paused_state_bytes_max, state)
         paused = self._paused
         for rid in paused:
             seq = self.scheduler.get(rid)
