@@ -108,23 +108,41 @@ def serve(engine: LLMEngine, trace: list[dict]) -> dict:
     return dict(first=first, done=done, makespan=makespan, steps=steps, step_seconds=step_seconds)
 
 
+def counters(engine: LLMEngine) -> dict:
+    pre = engine.scheduler.preemptions
+    return {
+        "preemptions_step": sum(pre["keep_kv"].values()) + sum(pre["recompute"].values()),
+        "preemptions_layer": sum(pre["pause"].values()),
+        "layer_pauses": engine.layer_pauses,
+    }
+
+
+def run_trace(engine: LLMEngine, trace: list[dict]) -> dict:
+    """Serve the trace on an engine that may have served others (counters as deltas)."""
+    before = counters(engine)
+    engine.paused_state_bytes_max = 0
+    run = serve(engine, trace)
+    after = counters(engine)
+    return summarize(trace, run, engine) | {k: after[k] - before[k] for k in after}
+
+
 def summarize(trace: list[dict], run: dict, engine: LLMEngine) -> dict:
     arrival = {r["id"]: r["t"] for r in trace}
     ls = [run["first"][r["id"]] - r["t"] for r in trace if r["kind"] == "ls"]
     be = [r for r in trace if r["kind"] == "be"]
     be_tokens = sum(r["tokens"] for r in be)
-    pre = engine.scheduler.preemptions
     return {
         "ls_ttft_p50_s": float(np.percentile(ls, 50)) if ls else None,
         "ls_ttft_p90_s": float(np.percentile(ls, 90)) if ls else None,
         "be_throughput_tok_s": be_tokens / run["makespan"],
         "be_turnaround_mean_s": float(np.mean([run["done"][r["id"]] - arrival[r["id"]] for r in be])),
-        "preemptions_step": sum(pre["keep_kv"].values()) + sum(pre["recompute"].values()),
-        "preemptions_layer": sum(pre["pause"].values()),
-        "layer_pauses": engine.layer_pauses,
         "saved_state_bytes_max": engine.paused_state_bytes_max,
         "mean_step_ms": 1e3 * run["step_seconds"] / max(run["steps"], 1),
     }
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.0f}"
 
 
 def capacity(engine: LLMEngine, n: int) -> float:
@@ -159,13 +177,12 @@ def main(argv=None) -> int:
     for load in (float(x) for x in args.loads.split(",")):
         rate = load * cap
         trace = make_trace(args.requests, rate, args.ls_share, args.seed)
-        for mode in MODES:
-            engine = build_engine(args.layers, *MODES[mode])  # fresh counters, same compiled programs
-            row = dict(load=load, rate=rate, mode=mode, **summarize(trace, serve(engine, trace), engine))
+        for mode, engine in engines.items():
+            row = dict(load=load, rate=rate, mode=mode, **run_trace(engine, trace))
             results["rows"].append(row)
             print(
-                f"| {load:.1f} | {rate:.2f} | {mode} | {1e3 * row['ls_ttft_p50_s']:.0f} | "
-                f"{1e3 * row['ls_ttft_p90_s']:.0f} | {row['be_throughput_tok_s']:.1f} | "
+                f"| {load:.1f} | {rate:.2f} | {mode} | {_ms(row['ls_ttft_p50_s'])} | "
+                f"{_ms(row['ls_ttft_p90_s'])} | {row['be_throughput_tok_s']:.1f} | "
                 f"{row['be_turnaround_mean_s']:.2f} | {row['preemptions_step']} | {row['preemptions_layer']} | "
                 f"{row['saved_state_bytes_max'] / 1024:.0f} |",
                 flush=True,
@@ -175,8 +192,7 @@ def main(argv=None) -> int:
     trace = make_trace(args.requests // 2, 0.7 * cap, 0.0, args.seed + 1)
     cost = {}
     for mode in ("step-level", "layer-level"):
-        engine = build_engine(args.layers, *MODES[mode])
-        cost[mode] = summarize(trace, serve(engine, trace), engine)["mean_step_ms"]
+        cost[mode] = run_trace(engines[mode], trace)["mean_step_ms"]
     overhead = cost["layer-level"] / cost["step-level"] - 1
     results["no_preemption_step_ms"] = cost
     results["layer_by_layer_overhead"] = overhead
