@@ -29,7 +29,11 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--grpc-port", type=int, default=50051, help="0 = pick a free port")
     serve.add_argument("--http-port", type=int, default=8000, help="0 = pick a free port")
     serve.add_argument("--served-model-name", default=None, help="name in /v1/models (default: --model)")
-    serve.add_argument("--policy", default="qllm", choices=["qllm", "fcfs"])
+    serve.add_argument(
+        "--policy",
+        default="qllm",
+        help="scheduling policy: qllm, fcfs, or module:Class (a SchedulingPolicy, docs/scheduling_policies.md)",
+    )
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-batch-tokens", type=int, default=2048)
     serve.add_argument(
@@ -139,10 +143,14 @@ def _names(text: str) -> tuple[str, ...]:
 
 def cmd_serve(args) -> int:
     from jaxmoe.engine.engine import EngineConfig
+    from jaxmoe.engine.policies import make_policy
     from jaxmoe.server.app import ServeOptions, load_engine
     from jaxmoe.server.security import SecurityOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.getcwd() not in sys.path:  # --policy module:Class may name a module here (as uvicorn's app dir)
+        sys.path.insert(0, os.getcwd())
+    policy = make_policy(args.policy)  # a bad name or module:Class fails now, before the model loads
     config = EngineConfig(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
@@ -151,7 +159,7 @@ def cmd_serve(args) -> int:
         max_waiting=args.max_waiting,
         max_model_len=args.max_model_len,
         max_prefill_chunk=args.max_prefill_chunk,
-        policy=args.policy,
+        policy=policy,
         layer_preemption=args.layer_preemption,
         expert_impl=args.expert_impl,
     )

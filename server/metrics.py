@@ -107,6 +107,11 @@ class _EngineCollector:
         yield pre
         yield CounterMetricFamily("jaxmoe_engine_steps", "Engine steps", value=snap["steps"])
         yield CounterMetricFamily("jaxmoe_engine_step_errors", "Engine steps that raised", value=snap["step_errors"])
+        yield CounterMetricFamily(
+            "jaxmoe_policy_errors",
+            "Scheduling-policy decisions that raised or were invalid (the default policy decided instead)",
+            value=snap["policy_errors"],
+        )
         xla = compile_events()
         yield CounterMetricFamily("jaxmoe_xla_compiles", "XLA programs compiled by this process", value=xla["compiles"])
         yield CounterMetricFamily(

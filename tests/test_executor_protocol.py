@@ -9,7 +9,7 @@ import pytest
 from jaxmoe import LLM
 from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
-from jaxmoe.runtime.executor import Executor
+from jaxmoe.runtime.executor import BrownoutCapable, Executor, ReplicaPlacement
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 
 
@@ -30,3 +30,6 @@ def test_executors_implement_the_protocol(mesh):
     counts = ex.expert_activation_counts()
     assert counts is None if mesh is None else len(counts) == llm.cfg.num_moe_layers
     assert "layers" in ex.params
+    # capabilities: replica placement on a mesh, a brownout threshold on the monolithic executor
+    assert isinstance(ex, ReplicaPlacement) == bool(mesh)
+    assert isinstance(ex, BrownoutCapable) != bool(mesh)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from jaxmoe import LLM, SamplingParams
+from jaxmoe.engine.policies import QLLMPolicy
 
 BE = SamplingParams(max_tokens=16, ignore_eos=True)
 LS = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -23,9 +24,10 @@ def _llm(mesh):
     return LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8, layer_preemption=True, **kw)
 
 
-@pytest.mark.parametrize("mesh", [None, "meshes/cpu-8.yaml"], ids=["monolithic", "cpu8-disaggregated"])
-def test_layer_preemption_keeps_every_token(mesh):
-    llm = _llm(mesh)
+def _drive(llm):
+    """Serve the BE prompts with the LS ones arriving between layers as ``ARRIVALS`` scripts (an
+    arrival whose step had no layer boundary comes at the next step); asserts every request's tokens
+    equal its standalone tokens and all KV blocks are free after. Returns (layer pauses, overdue arrivals)."""
     engine = llm.engine
     alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in BE_PROMPTS}
     alone.update({p: llm.generate([p], LS, priority="ls")[0].token_ids for p in LS_PROMPTS})
@@ -50,18 +52,86 @@ def test_layer_preemption_keeps_every_token(mesh):
     engine.poll = poll
     engine._between_layers = between
     be_ids = {p: engine.add_request(p, BE, "be") for p in BE_PROMPTS}
-    pauses, finished = engine.layer_pauses, {}
-    while engine.has_work():
+    pauses, finished, overdue = engine.layer_pauses, {}, 0
+    while engine.has_work() or pending:
+        for (s, at), prompt in list(pending):  # overdue: its step ran fused (not pausable) or never paused
+            if s < step["n"]:
+                ls_ids[prompt] = engine.add_request(prompt, LS, "ls")
+                pending.remove(((s, at), prompt))
+                overdue += 1
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.token_ids
         step["n"] += 1
-    assert not pending, pending  # every scripted arrival happened inside a paused BE step
-    assert engine.layer_pauses - pauses >= len(ARRIVALS)  # LS decodes may run between later layers too
-    assert engine.scheduler.preemptions["pause"]["be"] >= len(ARRIVALS)
     for p, rid in {**be_ids, **ls_ids}.items():
         assert finished[rid] == alone[p], p
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    return engine.layer_pauses - pauses, overdue
+
+
+@pytest.mark.parametrize("mesh", [None, "meshes/cpu-8.yaml"], ids=["monolithic", "cpu8-disaggregated"])
+def test_layer_preemption_keeps_every_token(mesh):
+    llm = _llm(mesh)
+    pauses, overdue = _drive(llm)
+    assert overdue == 0  # every scripted arrival happened inside a paused BE step
+    assert pauses >= len(ARRIVALS)  # LS decodes may run between later layers too
+    assert llm.engine.paused_state_bytes_max > 0 and llm.engine.pauses_over_budget == 0
+    assert llm.engine.scheduler.preemptions["pause"]["be"] >= len(ARRIVALS)
+
+
+class NeverPause(QLLMPolicy):
+    """A user policy: QLLM's batches, but a running step is never paused (step-level preemption)."""
+
+    name = "never_pause"
+
+    def pause_at_layer(self, running, waiting, layer):
+        return False
+
+
+class BrokenPause(QLLMPolicy):
+    name = "broken_pause"
+
+    def pause_at_layer(self, running, waiting, layer):
+        raise RuntimeError("bug in a user policy")
+
+
+def test_a_step_over_the_memory_budget_is_not_paused():
+    """``max_paused_state_bytes``: a step whose hidden states exceed it runs on (step-level
+    preemption instead), counted; tokens are still exact."""
+    llm = LLM(
+        "tiny-random",
+        dtype="float32",
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=8,
+        layer_preemption=True,
+        max_paused_state_bytes=1024,
+    )
+    pauses, overdue = _drive(llm)
+    assert pauses == 0 and llm.engine.pauses_over_budget > 0
+
+
+def test_a_user_policy_decides_the_pauses():
+    llm = _llm(None)
+    llm.engine.scheduler.policy.policy = NeverPause()  # the scheduler's (guarded) policy
+    assert _drive(llm)[0] == 0
+
+
+def test_a_failing_pause_decision_falls_back_to_qllm(caplog):
+    llm = LLM(
+        "tiny-random",
+        dtype="float32",
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=8,
+        layer_preemption=True,
+        policy=BrokenPause(),
+    )
+    with caplog.at_level("ERROR"):
+        pauses, overdue = _drive(llm)
+    assert overdue == 0 and pauses >= len(ARRIVALS)  # QLLM's pauses, as without the policy
+    assert llm.engine.scheduler.stats()["policy_errors"] > 0
+    assert "broken_pause" in caplog.text and "bug in a user policy" in caplog.text
 
 
 def test_no_pause_without_latency_sensitive_work():
@@ -69,3 +139,22 @@ def test_no_pause_without_latency_sensitive_work():
     before = llm.engine.layer_pauses
     outs = llm.generate(BE_PROMPTS, BE, priority="be")
     assert all(len(o.token_ids) == 16 for o in outs) and llm.engine.layer_pauses == before
+
+
+def test_latency_sensitive_tokens_go_out_while_the_paused_step_waits():
+    """The outputs of the step run inside a paused one are emitted at once (``engine.emit``: the
+    serving loop delivers them to their streams), not held until the paused step ends."""
+    llm = _llm(None)
+    engine, events, ls = llm.engine, [], {}
+    engine.emit = lambda outs: events.append(("inner", [o.request_id for o in outs]))
+
+    def poll():  # an LS request arrives after the BE step's first layer
+        if not ls:
+            ls["id"] = engine.add_request("urgent a", LS, "ls")
+
+    engine.poll = poll
+    be = engine.add_request("best effort one", BE, "be")
+    events.append(("step", [o.request_id for o in engine.step()]))
+    # the LS prefill (and decodes, between later layers) went out before the BE step returned
+    assert events[0] == ("inner", [ls["id"]]) and events[-1] == ("step", [be])
+    assert all(kind == "inner" for kind, _ in events[:-1])

@@ -384,17 +384,56 @@ def test_make_policy_and_protocol():
     assert isinstance(QLLMPolicy(), SchedulingPolicy) and isinstance(FCFSPolicy(), SchedulingPolicy)
 
 
-def test_bad_policy_is_caught():
-    class Dup(Policy):
-        name = "dup"
+class Dup(Policy):
+    name = "dup"
 
-        def order(self, queues, budget):
-            return queues.all() * 2
+    def order(self, queues, budget):
+        return queues.all() * 2
 
-    sched, _ = make(policy=Dup())
+
+class Raises(Policy):
+    name = "raises"
+
+    def order(self, queues, budget):
+        raise ZeroDivisionError("policy bug")
+
+
+class WrongVictim(QLLMPolicy):
+    name = "wrong_victim"
+
+    def victim(self, candidates):
+        return "nobody"
+
+
+@pytest.mark.parametrize("bad", [Dup(), Raises()], ids=["duplicate", "raises"])
+def test_bad_policy_decision_is_logged_and_made_by_qllm(bad, caplog):
+    """A policy that returns an invalid order or raises: logged, QLLM decides that step, nothing lost."""
+    sched, model = make(policy=bad)
     sched.add(mk("a", 3))
-    with pytest.raises(RuntimeError, match="duplicate"):
-        sched.schedule()
+    sched.add(mk("b", 2, "ls"))
+    with caplog.at_level("ERROR"):
+        finished = ids(drain(sched, model))
+    assert set(finished) == {"a", "b"} and sched.stats()["policy_errors"] >= 1
+    assert bad.name in caplog.text and ("duplicate" in caplog.text or "policy bug" in caplog.text)
+
+
+def test_bad_victim_falls_back():
+    sched, model = make(num_blocks=4, block_size=4, policy=WrongVictim(), max_num_seqs=4)
+    sched.add(mk("be", 8))
+    step(sched, model)  # BE takes the blocks
+    sched.add(mk("ls", 8, "ls"))
+    finished = ids(drain(sched, model))
+    assert set(finished) == {"be", "ls"} and sched.stats()["policy_errors"] >= 1
+
+
+def test_policy_from_a_module_spec():
+    assert make_policy("jaxmoe.engine.policies:FCFSPolicy").name == "fcfs"
+    assert make_policy("examples.custom_policy:ShortestPromptFirst").name == "shortest_prompt_first"
+    policy = QLLMPolicy(True)
+    assert make_policy(policy) is policy
+    for bad in ("nomodule_xyz:Policy", "jaxmoe.engine.policies:Nope", "jaxmoe.engine.sequence:Priority"):
+        with pytest.raises(ValueError, match="policy"):
+            make_policy(bad)
 
 
 def test_custom_policy_example_plugs_in():
@@ -463,3 +502,20 @@ def test_random_soak_never_loses_tokens(policy, seed, parts):
             assert s.output_ids == expected_outputs(s)[: len(s.output_ids)]
         else:
             assert s.output_ids == expected_outputs(s), s
+
+
+def test_the_documented_policy_runs():
+    """docs/scheduling_policies.md's example policy (order and pause) works as written."""
+    text = (ROOT / "docs" / "scheduling_policies.md").read_text()
+    code = next(block for block in text.split("```python")[1:] if "class EarlyPause" in block).split("```")[0]
+    namespace: dict = {}
+    exec(code, namespace)
+    policy = make_policy(namespace["EarlyPause"]())
+    sched, model = make(policy=policy)
+    sched.add(mk("long", 9))
+    sched.add(mk("short", 2))
+    sched.add(mk("urgent", 5, "ls"))
+    assert ids(sched.schedule().seqs)[0] == "urgent"
+    waiting = Queues.from_seqs([mk("ls", 3, "ls")])
+    assert policy.pause_at_layer([], waiting, 3) and not policy.pause_at_layer([], waiting, 20)
+    assert not policy.pause_at_layer([], Queues(), 3)

@@ -242,6 +242,7 @@ def test_metrics(server, oai):
         'jaxmoe_preemptions_total{kind="keep_kv",level="step",priority="be"}',
         'jaxmoe_preemptions_total{kind="recompute",level="step",priority="ls"}',
         'jaxmoe_preemptions_total{kind="pause",level="layer",priority="be"}',
+        "jaxmoe_policy_errors_total 0.0",
         'jaxmoe_expert_activations_total{expert="2",layer="1"} 6.0',
         'jaxmoe_requests_rejected_total{reason="invalid"}',
         'jaxmoe_requests_finished_total{finish_reason="length",priority="ls"}',

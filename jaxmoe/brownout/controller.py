@@ -14,6 +14,7 @@ import time
 
 from jaxmoe.brownout.config import BrownoutError
 from jaxmoe.brownout.salc import SALC, SLOAnalyzer
+from jaxmoe.runtime.executor import BrownoutCapable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +32,8 @@ class SALCConfig:
 
 
 class BrownoutController:
-    def __init__(self, executor, config: SALCConfig, clock=time.monotonic):
-        if getattr(executor, "brownout", None) is None:
+    def __init__(self, executor: BrownoutCapable, config: SALCConfig, clock=time.monotonic):
+        if not isinstance(executor, BrownoutCapable) or executor.brownout is None:
             raise BrownoutError("SALC needs an executor built with brownout (LLM(dir, brownout=...))")
         self.executor, self.config, self.clock = executor, config, clock
         self.analyzer = SLOAnalyzer(config.window_s, clock)

@@ -9,14 +9,12 @@ command queue that the loop drains between steps:
   caller: ``ValueError`` (bad input), ``OverloadedError`` (waiting queue full),
   ``EngineClosedError`` (shutting down). An accepted request always ends its stream: finished,
   aborted (``finish_reason="abort"``) or with an :class:`EngineStepError`.
-* ``abort(request_id)`` from any thread; processed before the next step, frees the KV blocks and
-  ends the stream with ``finish_reason="abort"``.
-* An exception inside ``step()`` fails the requests of that step (their streams raise
-  ``EngineStepError``, their blocks are freed); the loop keeps serving the others (if the failed
-  program took the KV cache with it, the engine re-allocates it and the others recompute theirs).
-* ``shutdown(abort_inflight)`` stops admission, then aborts or finishes the in-flight requests.
-* ``snapshot()`` returns scheduler / KV statistics published by the loop after every step (for
-  metrics; no engine access from other threads), ``call(fn)`` runs ``fn(engine)`` on the loop.
+* ``abort(request_id)`` (any thread, done before the next step) frees the KV blocks and ends the
+  stream with ``finish_reason="abort"``.
+* An exception inside ``step()`` fails the requests of that step only (``EngineStepError``); the
+  loop keeps serving the others (re-allocating the KV cache if the failed program took it).
+* ``shutdown(abort_inflight)``; ``snapshot()``: statistics published after every step (metrics);
+  ``call(fn)`` runs ``fn(engine)`` on the loop.
 """
 
 from __future__ import annotations
@@ -73,6 +71,7 @@ class AsyncEngine:
         self.brownout = None  # a BrownoutController (SALC) whose state metrics export
         self._deferred: list = []  # commands that arrived while a step was paused between layers
         engine.poll = self._admit_arrivals
+        engine.emit = self._deliver_all
         self._admitted: dict[str, float] = {}  # request id -> admission time (for the deadline)
         self.on_finish = on_finish  # called on the loop thread with each final output (metrics)
         self._idle_poll_s = idle_poll_s
@@ -316,12 +315,16 @@ class AsyncEngine:
             self._after_failure()
             return
         self.num_steps += 1
+        self._deliver_all(outputs)
+        self._publish()
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """The outputs of a step (also of one run inside a paused step: ``engine.emit``) to their streams."""
         for out in outputs:
             if out.error is not None:
                 self.step_errors += 1
                 log.error("request %s failed in the engine: %s", out.request_id, out.error)
             self._deliver(out)
-        self._publish()
 
     def _after_failure(self) -> None:
         """No stream may wait forever: fail every stream whose request the engine no longer holds."""
@@ -336,14 +339,9 @@ class AsyncEngine:
         limit = time.monotonic() - self.request_timeout_s
         late = [rid for rid, t in self._admitted.items() if t < limit]
         if late:
-            log.warning(
-                "%d request(s) passed the %g s request deadline; ending them", len(late), self.request_timeout_s
-            )
-            self._fail(
-                late,
-                f"the request did not finish within the server's deadline of {self.request_timeout_s:g} s",
-                RequestTimeoutError,
-            )
+            message = f"the request did not finish within the server's deadline of {self.request_timeout_s:g} s"
+            log.warning("%d request(s) passed the request deadline; ending them", len(late))
+            self._fail(late, message, RequestTimeoutError)
             self._publish()
 
     def _fail(self, rids: list[str], message: str, error: type[EngineStepError] = EngineStepError) -> None:

@@ -50,8 +50,9 @@ class EngineConfig:
     max_waiting: int = 1024
     max_model_len: int | None = None  # default: the model's max_position
     max_prefill_chunk: int = 512  # tokens of one prefill chunk (longer prompts are chunked)
-    policy: str = "qllm"
+    policy: str = "qllm"  # "qllm" | "fcfs" | "module:Class" | a SchedulingPolicy object (engine.policies)
     layer_preemption: bool = False  # QLLM: latency-sensitive work may run between the layers of a BE step
+    max_paused_state_bytes: int | None = None  # layer preemption: a bigger step is not paused (None: any)
     expert_impl: str = "auto"  # the expert-FFN implementation (jaxmoe.pallas_kernels.expert_ffn.IMPLS)
 
 
@@ -83,9 +84,12 @@ class LLMEngine:
         self._seeds = _unseeded_seeds()
         self.step_request_ids: list[str] = []  # the requests of the last step (set before it runs)
         self.poll = None  # poll(): admit requests that arrived meanwhile (AsyncEngine; between layers)
+        self.emit = None  # emit(outputs): deliver a step run inside a paused one at once (else step() returns them)
         self._paused: frozenset[str] = frozenset()  # the requests of a step paused between layers
         self._inner_outputs: list[RequestOutput] = []
         self.layer_pauses = 0  # times a step was paused between layers for latency-sensitive work
+        self.paused_state_bytes_max = 0  # the most device memory a paused step kept (hidden states)
+        self.pauses_over_budget = 0  # pauses refused: the step's state exceeded max_paused_state_bytes
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -219,10 +223,18 @@ class LLMEngine:
         goes on from the next layer with its hidden states (kept on the device) and the KV it wrote."""
         if self.poll is not None:
             self.poll()
+        if not self.scheduler.pause_at_layer(self._paused, layer):
+            return
+        state = self.runner.pausable_state_bytes
+        budget = self.config.max_paused_state_bytes
+        if budget is not None and state > budget:  # too big to keep: LS work waits for the step boundary
+            self.pauses_over_budget += 1
+            return
         inner = self.scheduler.schedule(exclude=self._paused, priority=Priority.LS)
         if inner.is_empty:
             return
         self.layer_pauses += 1
+        self.paused_state_bytes_max = max(self.paused_state_bytes_max, state)
         paused = self._paused
         for rid in paused:
             seq = self.scheduler.get(rid)
@@ -230,10 +242,14 @@ class LLMEngine:
                 self.scheduler.preemptions["pause"][seq.priority.value] += 1
         self._paused = frozenset()
         try:
-            self._inner_outputs += self._run_batch(inner)
+            outputs = self._run_batch(inner)
         finally:
             self._paused = paused
             self.step_request_ids = sorted(paused)
+        if self.emit is not None:  # the latency-sensitive tokens go out now, not after the paused step
+            self.emit(outputs)
+        else:
+            self._inner_outputs += outputs
 
     def _run_isolating(
         self, rows: list[Row], seqs: list[Sequence], errors: dict[str, str], between_layers=None

@@ -55,6 +55,7 @@ class ModelRunner:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.plan = plan or ShapePlan(max_num_seqs=64, max_prefill_chunk=512)
         self.kv = executor.kv_layout  # slots, and which attention instance holds a block
+        self.pausable_state_bytes = 0  # of the step now running layer by layer (layer-level preemption)
         self.num_instances = self.kv.num_instances
 
     def instance_of(self, row: Row) -> int:
@@ -173,11 +174,12 @@ class ModelRunner:
         """The executor's forward pass, then the sampler as its own program (compiled once per batch
         size, shared by every token bucket); only the sampled tokens come back to the host.
         ``between_layers``: the executor runs layer by layer and calls it between layers."""
-        logits = (
-            self.executor.forward(tokens, batch, last)
-            if between_layers is None
-            else self.executor.forward(tokens, batch, last, between_layers=between_layers)
-        )
+        if between_layers is None:
+            logits = self.executor.forward(tokens, batch, last)
+        else:  # what a pause keeps on the device: the step's hidden states [B, T, D]
+            itemsize = jax.tree.leaves(self.executor.cache)[0].dtype.itemsize
+            self.pausable_state_bytes = int(np.prod(np.shape(tokens))) * self.executor.cfg.hidden_size * itemsize
+            logits = self.executor.forward(tokens, batch, last, between_layers=between_layers)
         result = sample(logits, *sampling, np.bool_(want_logprobs))
         return jax.device_get(result)  # one host transfer for all four
 

@@ -16,17 +16,28 @@ each in arrival order) and the step budget (``Budget``). The policy returns
   offers sequences that rank *below* the one that needs memory (later in
   ``order`` or absent from it), so a policy can never evict a more urgent
   sequence for a less urgent one.
+* ``pause_at_layer(running, waiting, layer) -> bool``: with layer-level
+  preemption on, between two layers of a best-effort step (``running``),
+  whether to pause it there and run the waiting latency-sensitive work
+  (``waiting``: the LS queues) first.
 
 Policies are plain objects; subclass ``Policy`` to inherit the default victim
-rule (BE before LS, newest first). They must not mutate sequences.
+rule (BE before LS, newest first) and pause rule (QLLM: whenever LS work
+waits). They must not mutate sequences. The scheduler calls a policy through
+``GuardedPolicy``: a decision that raises or is invalid is logged and taken by
+the default policy (QLLM) for that call instead; no request is lost.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from jaxmoe.engine.sequence import Priority, Sequence
+
+log = logging.getLogger(__name__)
 
 
 def arrival_key(seq: Sequence) -> tuple[float, int]:
@@ -88,6 +99,10 @@ class SchedulingPolicy(Protocol):
         """The sequence whose KV blocks are freed when memory runs out."""
         ...
 
+    def pause_at_layer(self, running: list[Sequence], waiting: Queues, layer: int) -> bool:
+        """Whether the best-effort step ``running`` pauses after ``layer`` layers for ``waiting``."""
+        ...
+
 
 class Policy:
     """Convenience base: default victim rule, BE before LS, newest first."""
@@ -99,6 +114,10 @@ class Policy:
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         return max(candidates, key=lambda s: (s.priority is Priority.BE, arrival_key(s)))
+
+    def pause_at_layer(self, running: list[Sequence], waiting: Queues, layer: int) -> bool:
+        # QLLM: an LS job that arrives while a BE batch is in layer l does not wait for the rest
+        return bool(waiting.ls_prefill or waiting.ls_decode)
 
 
 class QLLMPolicy(Policy):
@@ -155,13 +174,87 @@ class FCFSPolicy(Policy):
         return queues.all()
 
 
+class PolicyError(ValueError):
+    """A policy's decision that the scheduler cannot use."""
+
+
+class GuardedPolicy:
+    """``policy`` with a guard: a decision that raises or is invalid (an unknown or duplicate
+    sequence, a victim that was not offered, a pause answer that is not a bool) is logged with its
+    traceback and made by ``fallback`` (QLLM) for that call instead; ``errors`` counts them."""
+
+    def __init__(self, policy: SchedulingPolicy, fallback: SchedulingPolicy | None = None):
+        self.policy, self.fallback, self.errors = policy, fallback or QLLMPolicy(), 0
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    def order(self, queues: Queues, budget: Budget) -> list[Sequence]:
+        def check(order):
+            offered, seen = {id(s) for s in queues.all()}, set()
+            for s in order:
+                if id(s) not in offered or id(s) in seen:
+                    raise PolicyError(f"order() returned an unknown or duplicate entry {s!r}")
+                seen.add(id(s))
+            return order
+
+        return self._decide(
+            "order", lambda: check(list(self.policy.order(queues, budget))), lambda: self.fallback.order(queues, budget)
+        )
+
+    def victim(self, candidates: list[Sequence]) -> Sequence:
+        def check(victim):
+            if not any(victim is c for c in candidates):
+                raise PolicyError(f"victim() chose {victim!r}, which was not a candidate")
+            return victim
+
+        return self._decide(
+            "victim", lambda: check(self.policy.victim(list(candidates))), lambda: self.fallback.victim(candidates)
+        )
+
+    def pause_at_layer(self, running: list[Sequence], waiting: Queues, layer: int) -> bool:
+        def check(answer):
+            if not isinstance(answer, bool):
+                raise PolicyError(f"pause_at_layer() returned {answer!r}, not a bool")
+            return answer
+
+        return self._decide(
+            "pause_at_layer",
+            lambda: check(self.policy.pause_at_layer(running, waiting, layer)),
+            lambda: self.fallback.pause_at_layer(running, waiting, layer),
+        )
+
+    def _decide(self, what: str, decide, fallback):
+        try:
+            return decide()
+        except Exception:
+            self.errors += 1
+            log.exception("scheduling policy %r: %s failed; the default policy decides this time", self.name, what)
+            return fallback()
+
+
 POLICIES: dict[str, type] = {"qllm": QLLMPolicy, "fcfs": FCFSPolicy}
 
 
-def make_policy(name: str, **kwargs) -> SchedulingPolicy:
-    """Build a built-in policy by name ("qllm", "fcfs"; case-insensitive)."""
+def make_policy(spec) -> SchedulingPolicy:
+    """A policy from a built-in name ("qllm", "fcfs"; case-insensitive), a ``"module:Class"`` spec (the
+    class is imported and built with no arguments) or a policy object (returned as it is)."""
+    if not isinstance(spec, str):
+        if not isinstance(spec, SchedulingPolicy):
+            raise ValueError(f"policy: {spec!r} is not a SchedulingPolicy (order, victim, pause_at_layer, name)")
+        return spec
+    name = spec.strip()
+    if ":" not in name:
+        try:
+            return POLICIES[name.lower()]()
+        except KeyError:
+            raise ValueError(f"unknown policy {spec!r}; available: {sorted(POLICIES)} or module:Class") from None
+    module, _, attr = name.partition(":")
     try:
-        cls = POLICIES[name.strip().lower()]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; available: {sorted(POLICIES)}") from None
-    return cls(**kwargs)
+        policy = getattr(importlib.import_module(module), attr)()
+    except Exception as e:
+        raise ValueError(f"policy {spec!r} could not be loaded: {type(e).__name__}: {e}") from e
+    if not isinstance(policy, SchedulingPolicy):
+        raise ValueError(f"policy {spec!r} is not a SchedulingPolicy (order, victim, pause_at_layer, name)")
+    return policy

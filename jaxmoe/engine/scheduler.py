@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from jaxmoe.engine.block_manager import BlockManager
-from jaxmoe.engine.policies import Budget, Queues, QLLMPolicy, SchedulingPolicy
+from jaxmoe.engine.policies import Budget, GuardedPolicy, Queues, QLLMPolicy, SchedulingPolicy
 from jaxmoe.engine.sequence import Priority, Sequence, SequenceStatus
 
 _INF = float("inf")
@@ -79,7 +79,7 @@ class Scheduler:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {max_prefill_chunk}")
         self.max_prefill_chunk = max_prefill_chunk or max_batch_tokens
         self.bm = block_manager
-        self.policy = policy if policy is not None else QLLMPolicy()
+        self.policy = GuardedPolicy(policy if policy is not None else QLLMPolicy())  # bad decisions: QLLM's
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
@@ -136,11 +136,7 @@ class Scheduler:
         queues = Queues.from_seqs(live)
         budget = Budget(self.max_batch_tokens, self.max_num_seqs, self.bm.num_free, self.bm.block_size)
         order = self.policy.order(queues, budget)
-        rank: dict[str, int] = {}
-        for i, s in enumerate(order):
-            if self._seqs.get(s.request_id) is not s or s.request_id in rank:
-                raise RuntimeError(f"policy {self.policy.name!r} returned unknown/duplicate {s!r}")
-            rank[s.request_id] = i
+        rank = {s.request_id: i for i, s in enumerate(order)}
 
         batch = ScheduledBatch()
         scheduled: set[str] = set()
@@ -174,6 +170,13 @@ class Scheduler:
         self.num_steps += 1
         return batch
 
+    def pause_at_layer(self, paused: frozenset[str], layer: int) -> bool:
+        """The policy's answer: does the step of ``paused`` (best-effort requests) pause after
+        ``layer`` layers for the latency-sensitive work that waits (QLLM layer-level preemption)?"""
+        running = [s for s in self._seqs.values() if s.request_id in paused]
+        waiting = [s for s in self._seqs.values() if s.request_id not in paused and s.priority is Priority.LS]
+        return self.policy.pause_at_layer(running, Queues.from_seqs(waiting), layer)
+
     def _reserve(self, seq, want, prefill, rank, scheduled, evicted, live, batch) -> int:
         """Allocate blocks for ``want`` more tokens of ``seq``, evicting
         lower-ranked sequences if needed. Returns the tokens granted (a prefill
@@ -193,8 +196,6 @@ class Scheduler:
             if not victims:
                 break
             victim = self.policy.victim(victims)
-            if victim not in victims:
-                raise RuntimeError(f"policy {self.policy.name!r} chose a non-candidate victim")
             self._preempt_recompute(victim, batch)
             evicted.add(victim.request_id)
         if not bm.can_allocate(seq.num_computed + want, seq):
@@ -340,6 +341,7 @@ class Scheduler:
             "rejected": self.num_rejected,
             "aborted": self.num_aborted,
             "finished": self.num_finished,
+            "policy_errors": self.policy.errors,
         }
         out.update({f"queue_{k}": v for k, v in self.queue_lengths().items()})
         for kind, per in self.preemptions.items():

@@ -20,6 +20,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxmoe.runtime.executor import ReplicaPlacement
 from jaxmoe.runtime.placement import coactivation_load, plan_placement
 
 
@@ -34,8 +35,8 @@ class Rebalance:
 
 
 class PlacementController:
-    def __init__(self, executor, every_steps: int = 0, min_tokens: int = 1):
-        if not hasattr(executor, "expert_coactivation"):
+    def __init__(self, executor: ReplicaPlacement, every_steps: int = 0, min_tokens: int = 1):
+        if not isinstance(executor, ReplicaPlacement):
             raise TypeError(f"{type(executor).__name__} has no expert replicas to place (use a mesh file)")
         self.executor, self.every_steps, self.min_tokens = executor, every_steps, min_tokens
         self._seen = executor.expert_coactivation()  # the window starts now

@@ -58,7 +58,7 @@ from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
 from jaxmoe.runtime.pipeline import Pipeline, split_rows
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
-from jaxmoe.runtime.transfer import LocalTransfer, plan_transfers
+from jaxmoe.runtime.transfer import LocalTransfer, TransferBackend, plan_transfers
 
 
 class _MicroBatch(NamedTuple):
@@ -82,9 +82,8 @@ class DisaggregatedExecutor:
       interpret: Pallas interpret mode for both kernels (None: on CPU only).
       placement: slot -> logical expert list [S] (-1 = unused), the same for every MoE layer,
         or one list per MoE layer; default ``replicas.default_placement``.
-      transfer: what executes A2E / E2A and host reads (kept as ``.transfer``): an object with
-        ``a2e(x, plan, sub)``, ``e2a(y, plan, sub)``, ``to_local(x)`` and ``fetch(x)``, or a
-        factory called with the SubMeshes. None: ``cross_process.CrossProcessTransfer`` when the
+      transfer: what executes A2E / E2A and host reads (kept as ``.transfer``): a
+        ``transfer.TransferBackend``, or a factory called with the SubMeshes. None: ``cross_process.CrossProcessTransfer`` when the
         sub-meshes span processes, else ``transfer.LocalTransfer`` (device_put hops).
     """
 
@@ -116,7 +115,7 @@ class DisaggregatedExecutor:
 
         if transfer is None:
             transfer = CrossProcessTransfer(self.sub) if spans_processes(self.sub) else LocalTransfer()
-        elif isinstance(transfer, type) or not hasattr(transfer, "a2e"):
+        elif isinstance(transfer, type) or not isinstance(transfer, TransferBackend):  # a factory (or class)
             transfer = transfer(self.sub)
         self.transfer = transfer
 

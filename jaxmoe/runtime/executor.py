@@ -2,13 +2,20 @@
 
 The engine (``ModelRunner``, ``LLMEngine``, ``AsyncEngine``) calls only what ``Executor`` declares;
 ``MonolithicExecutor`` and ``DisaggregatedExecutor`` implement it (``tests/test_executor_protocol.py``).
+Capabilities some executors have are their own protocols, checked with ``isinstance`` by the hooks
+that need them: ``ReplicaPlacement`` (expert replicas re-placed between steps: the disaggregated
+executor; ``runtime.controller``) and ``BrownoutCapable`` (a run-time brownout threshold: the
+monolithic executor; ``brownout.controller``). Layer-level preemption (QLLM) is every executor's:
+``forward(..., between_layers=...)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import numpy as np
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
@@ -40,3 +47,30 @@ class Executor(Protocol):
     def params(self) -> dict:
         """The parameters as a per-layer tree."""
         ...
+
+
+@runtime_checkable
+class ReplicaPlacement(Protocol):
+    """Expert replicas that the host-side controller re-places between steps (JANUS 3.4)."""
+
+    def expert_coactivation(self) -> list[np.ndarray]:
+        """Per MoE layer: cumulative co-activation counts [E, E] (diagonal: tokens per expert)."""
+        ...
+
+    def placement(self, layer: int | None = None) -> list[int]:
+        """slot -> logical expert of a MoE layer (default: the first one)."""
+        ...
+
+    def set_placement(self, slot_to_expert: Sequence[int] | Sequence[Sequence[int]]) -> int:
+        """Install a new placement (one for all MoE layers, or one per layer); returns slots moved."""
+        ...
+
+
+@runtime_checkable
+class BrownoutCapable(Protocol):
+    """Routed experts that may go to united experts (BrownoutServe): ``brownout`` is the
+    ``BrownoutConfig`` it was built with (None: without), ``brownout_threshold`` may change between
+    steps without recompiling."""
+
+    brownout: Any
+    brownout_threshold: float | None

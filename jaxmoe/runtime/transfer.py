@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import operator
 from collections import defaultdict
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -235,6 +236,28 @@ def e2a(y_expert: jax.Array, plan: TransferPlan, sub_meshes: SubMeshes) -> jax.A
                 raise RuntimeError(f"transfer plan bug: attention device {d} got partials {sorted(parts)} of {n}")
             outs.append(data)
     return jax.make_array_from_single_device_arrays(y_expert.shape[1:], sub_meshes.batch_sharding, outs)
+
+
+@runtime_checkable
+class TransferBackend(Protocol):
+    """What moves activations between the sub-meshes for ``DisaggregatedExecutor`` (its
+    ``.transfer``): ``LocalTransfer`` in one process, ``cross_process.CrossProcessTransfer`` across."""
+
+    def a2e(self, x: jax.Array, plan: TransferPlan | None = None, sub: SubMeshes | None = None) -> jax.Array:
+        """Normed activations (rows on the attention mesh) -> a full copy on every expert device."""
+        ...
+
+    def e2a(self, y: jax.Array, plan: TransferPlan | None = None, sub: SubMeshes | None = None) -> jax.Array:
+        """Per-expert-instance partial outputs -> their sum, rows on the attention mesh."""
+        ...
+
+    def to_local(self, x: jax.Array) -> jax.Array:
+        """An array of either side, readable by this process."""
+        ...
+
+    def fetch(self, x: jax.Array) -> np.ndarray:
+        """A host copy of an array of either side."""
+        ...
 
 
 class LocalTransfer:
