@@ -25,12 +25,15 @@ class BlockManager:
         """Allocates the blocks of ``KVLayout(num_blocks, block_size, num_partitions)``
         (``for_layout``: of a given layout)."""
         self.layout = layout = KVLayout(num_blocks, block_size, num_partitions)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_partitions = num_partitions
-        self.blocks_per_partition = n = layout.blocks_per_instance
+        n = layout.blocks_per_instance
         self._free: list[deque[int]] = [deque(range(p * n, (p + 1) * n)) for p in range(num_partitions)]
         self._owner: dict[int, str] = {}  # block id -> request_id
+
+    # the layout's numbers, under the allocator's names
+    num_blocks = property(lambda self: self.layout.num_blocks)
+    block_size = property(lambda self: self.layout.block_size)
+    num_partitions = property(lambda self: self.layout.num_instances)
+    blocks_per_partition = property(lambda self: self.layout.blocks_per_instance)
 
     @classmethod
     def for_layout(cls, layout: KVLayout) -> "BlockManager":
