@@ -59,15 +59,28 @@ def build_executor(
     num_slots = engine_config.num_blocks * engine_config.block_size
     if mesh is None:
         return MonolithicExecutor(
-            cfg, params, num_slots, engine_config.block_size, brownout=brownout, expert_impl=engine_config.expert_impl
+            cfg,
+            params,
+            num_slots,
+            engine_config.block_size,
+            brownout=brownout,
+            expert_impl=engine_config.expert_impl,
+            expert_queues=engine_config.expert_queues,
+            pause_every=engine_config.pause_every_for(cfg.num_layers),
         )
+    if engine_config.expert_queues:
+        raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
     if brownout is not None:
         from jaxmoe.brownout import BrownoutError
 
         raise BrownoutError("brownout runs on the monolithic executor only (not built for a mesh yet)")
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
-    kwargs = {"expert_impl": engine_config.expert_impl, **(executor_kwargs or {})}
+    kwargs = {
+        "expert_impl": engine_config.expert_impl,
+        "pause_every": engine_config.pause_every_for(cfg.num_layers),
+        **(executor_kwargs or {}),
+    }
     return DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **kwargs)
 
 

@@ -42,6 +42,28 @@ def register(sub, add_model_args) -> None:
         help="QLLM: latency-sensitive requests run between the layers of a best-effort step",
     )
     serve.add_argument(
+        "--expert-queues",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="QLLM per-expert queues (with --layer-preemption): serve each MoE layer's experts in ROUNDS rounds, "
+        "with a pause point between rounds (0: off)",
+    )
+    serve.add_argument(
+        "--pause-every",
+        type=int,
+        default=None,
+        metavar="LAYERS",
+        help="layer preemption: layers between two pause points (more: less overhead, a later pause; "
+        "default: a quarter of the layers)",
+    )
+    serve.add_argument(
+        "--max-paused-state-bytes",
+        type=int,
+        default=None,
+        help="layer preemption: a step whose paused state would exceed this is not paused (default: no limit)",
+    )
+    serve.add_argument(
         "--expert-impl",
         default="auto",
         choices=["auto", *EXPERT_IMPLS],
@@ -161,6 +183,9 @@ def cmd_serve(args) -> int:
         max_prefill_chunk=args.max_prefill_chunk,
         policy=policy,
         layer_preemption=args.layer_preemption,
+        expert_queues=args.expert_queues,
+        pause_every=args.pause_every,
+        max_paused_state_bytes=args.max_paused_state_bytes,
         expert_impl=args.expert_impl,
     )
     mesh_description = "monolithic: one device (no mesh file)"

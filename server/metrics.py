@@ -105,6 +105,27 @@ class _EngineCollector:
             for prio, n in per.items():
                 pre.add_metric([kind, PREEMPTION_LEVELS[kind], prio], n)
         yield pre
+        yield CounterMetricFamily(
+            "jaxmoe_pauses_over_budget",
+            "Layer-level pauses refused because the step's state exceeded max_paused_state_bytes "
+            "(the latency-sensitive work waited for the step boundary)",
+            value=snap["pauses_over_budget"],
+        )
+        yield GaugeMetricFamily(
+            "jaxmoe_paused_state_bytes_max",
+            "The most device memory a paused step kept (hidden states, expert-queue state)",
+            value=snap["paused_state_bytes_max"],
+        )
+        depth = snap["expert_queue_depth"]
+        if depth is not None:
+            q = GaugeMetricFamily(
+                "jaxmoe_expert_queue_depth",
+                "Per-expert queues: assignments waiting at each expert when a step last paused between expert rounds",
+                labels=["expert"],
+            )
+            for expert, n in enumerate(depth):
+                q.add_metric([str(expert)], n)
+            yield q
         yield CounterMetricFamily("jaxmoe_engine_steps", "Engine steps", value=snap["steps"])
         yield CounterMetricFamily("jaxmoe_engine_step_errors", "Engine steps that raised", value=snap["step_errors"])
         yield CounterMetricFamily(

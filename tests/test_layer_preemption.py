@@ -5,9 +5,11 @@ and the disaggregated executor, with pauses during BE prefill and during BE deco
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxmoe import LLM, SamplingParams
+from jaxmoe.engine.model_runner import Row
 from jaxmoe.engine.policies import QLLMPolicy
 
 BE = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -158,3 +160,53 @@ def test_latency_sensitive_tokens_go_out_while_the_paused_step_waits():
     # the LS prefill (and decodes, between later layers) went out before the BE step returned
     assert events[0] == ("inner", [ls["id"]]) and events[-1] == ("step", [be])
     assert all(kind == "inner" for kind, _ in events[:-1])
+
+
+def test_pause_points_wait_for_the_device():
+    """A pause point runs the hook only once the program dispatched before the previous pause point
+    is done (JAX dispatches asynchronously: without the wait, every pause decision of a step would be
+    taken before its first layer ran); with ``every``, only at multiples of it."""
+    from jaxmoe.runtime.pause_points import PausePoints
+
+    events = []
+
+    class Output:  # a dispatched program's output
+        def __init__(self, name):
+            self.name = name
+
+        def block_until_ready(self):
+            events.append(f"wait {self.name}")
+            return self
+
+    pause = PausePoints(lambda n: events.append(f"hook {n}"))
+    for n in (1, 2, 3):
+        pause(n, Output(f"layer{n}"))
+    assert events == ["hook 1", "wait layer1", "hook 2", "wait layer2", "hook 3"]
+    events.clear()
+    every = PausePoints(lambda n: events.append(f"hook {n}"), every=2)
+    for n in (1, 2, 3, 4):
+        every(n, Output(f"layer{n}"))
+    assert events == ["hook 2", "wait layer2", "hook 4"]
+
+
+def test_pause_every_runs_layers_in_groups_with_the_same_tokens():
+    """``pause_every=2`` on the 4-layer model: one pause point (after layer 2) and the same logits as
+    the fused program."""
+    llm = LLM(
+        "tiny-random",
+        dtype="float32",
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=8,
+        layer_preemption=True,
+        pause_every=2,
+    )
+    ex = llm.executor
+    calls = []
+    tokens, batch, last = llm.engine.runner.prepare([Row([5, 6, 7], 0, [0])])[:3]
+    fused = np.asarray(ex.forward(tokens, batch, last))
+    grouped = np.asarray(ex.forward(tokens, batch, last, between_layers=calls.append))
+    np.testing.assert_allclose(grouped, fused, rtol=1e-5, atol=1e-5)
+    assert calls == [2]
+    with pytest.raises(ValueError, match="pause_every"):
+        LLM("tiny-random", layer_preemption=True, pause_every=0)

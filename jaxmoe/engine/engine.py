@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jaxmoe.engine.block_manager import BlockManager
+from jaxmoe.engine.config import EngineConfig
 from jaxmoe.engine.buckets import ShapePlan
 from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
@@ -28,6 +29,7 @@ from jaxmoe.engine.policies import make_policy
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
+from jaxmoe.runtime.executor import ExpertQueueing
 
 
 @dataclasses.dataclass
@@ -39,21 +41,6 @@ class _RequestState:
     sent_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 16
-    num_blocks: int = 1024  # disaggregated: rounded up to a multiple of the attention instances
-    max_num_seqs: int = 64
-    max_batch_tokens: int = 2048
-    max_waiting: int = 1024
-    max_model_len: int | None = None  # default: the model's max_position
-    max_prefill_chunk: int = 512  # tokens of one prefill chunk (longer prompts are chunked)
-    policy: str = "qllm"  # "qllm" | "fcfs" | "module:Class" | a SchedulingPolicy object (engine.policies)
-    layer_preemption: bool = False  # QLLM: latency-sensitive work may run between the layers of a BE step
-    max_paused_state_bytes: int | None = None  # layer preemption: a bigger step is not paused (None: any)
-    expert_impl: str = "auto"  # the expert-FFN implementation (jaxmoe.pallas_kernels.expert_ffn.IMPLS)
 
 
 class LLMEngine:
@@ -90,6 +77,7 @@ class LLMEngine:
         self.layer_pauses = 0  # times a step was paused between layers for latency-sensitive work
         self.paused_state_bytes_max = 0  # the most device memory a paused step kept (hidden states)
         self.pauses_over_budget = 0  # pauses refused: the step's state exceeded max_paused_state_bytes
+        self.expert_queue_depth: list[int] | None = None  # per expert, assignments queued at the latest expert pause
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -235,11 +223,15 @@ class LLMEngine:
             return
         self.layer_pauses += 1
         self.paused_state_bytes_max = max(self.paused_state_bytes_max, state)
+        executor = self.runner.executor
+        depth = executor.expert_queue_depth() if isinstance(executor, ExpertQueueing) else None
+        if depth is not None:
+            self.expert_queue_depth = [int(n) for n in depth]
         paused = self._paused
         for rid in paused:
             seq = self.scheduler.get(rid)
             if seq is not None:
-                self.scheduler.preemptions["pause"][seq.priority.value] += 1
+                self.scheduler.preemptions["pause" if depth is None else "expert_pause"][seq.priority.value] += 1
         self._paused = frozenset()
         try:
             outputs = self._run_batch(inner)

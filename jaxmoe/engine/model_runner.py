@@ -27,6 +27,7 @@ import numpy as np
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
 from jaxmoe.sampling import SamplingParams, sample
 from jaxmoe.models.attention import AttentionBatch
+from jaxmoe.runtime.executor import ExpertQueueing
 
 
 @dataclasses.dataclass
@@ -176,12 +177,21 @@ class ModelRunner:
         ``between_layers``: the executor runs layer by layer and calls it between layers."""
         if between_layers is None:
             logits = self.executor.forward(tokens, batch, last)
-        else:  # what a pause keeps on the device: the step's hidden states [B, T, D]
-            itemsize = jax.tree.leaves(self.executor.cache)[0].dtype.itemsize
-            self.pausable_state_bytes = int(np.prod(np.shape(tokens))) * self.executor.cfg.hidden_size * itemsize
+        else:
+            self.pausable_state_bytes = self._pause_state_bytes(int(np.prod(np.shape(tokens))))
             logits = self.executor.forward(tokens, batch, last, between_layers=between_layers)
         result = sample(logits, *sampling, np.bool_(want_logprobs))
         return jax.device_get(result)  # one host transfer for all four
+
+    def _pause_state_bytes(self, num_tokens: int) -> int:
+        """What a pause keeps on the device: the step's hidden states [B, T, D]; between expert
+        rounds (per-expert queues) also the experts' input, the float32 partial outputs and the
+        gating result."""
+        ex, cfg = self.executor, self.executor.cfg
+        hidden = num_tokens * cfg.hidden_size * jax.tree.leaves(ex.cache)[0].dtype.itemsize
+        if not (isinstance(ex, ExpertQueueing) and ex.expert_queues):
+            return hidden
+        return 2 * hidden + num_tokens * (cfg.hidden_size * 4 + cfg.moe.top_k * 8)
 
 
 @functools.partial(jax.jit, static_argnums=2)

@@ -37,7 +37,8 @@ class OverloadedError(RuntimeError):
     """The waiting queue is full; the request was not accepted (retry later)."""
 
 
-PREEMPTION_LEVELS = {"keep_kv": "step", "recompute": "step", "pause": "layer"}  # kind -> where it happens
+# kind -> where it happens; "expert_pause": between the expert rounds of a MoE layer (per-expert queues)
+PREEMPTION_LEVELS = {"keep_kv": "step", "recompute": "step", "pause": "layer", "expert_pause": "expert"}
 
 
 @dataclass
@@ -87,7 +88,8 @@ class Scheduler:
         self.num_steps = 0
         self.num_admitted = self.num_rejected = self.num_aborted = self.num_finished = 0
         # preemptions[kind][priority value]: "keep_kv" / "recompute" at step boundaries, "pause" (a
-        # request paused between layers for latency-sensitive work, counted by LLMEngine)
+        # request paused between layers for latency-sensitive work, counted by LLMEngine) and
+        # "expert_pause" (paused between the expert rounds of a layer: per-expert queues)
         self.preemptions = {k: {"ls": 0, "be": 0} for k in PREEMPTION_LEVELS}
 
     # -- admission ---------------------------------------------------------

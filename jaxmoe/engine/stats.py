@@ -25,6 +25,9 @@ class EngineStats:
         snap["num_blocks"] = engine.block_manager.num_blocks
         snap["in_flight"] = in_flight
         snap["step_errors"] = step_errors
+        snap["pauses_over_budget"] = engine.pauses_over_budget
+        snap["paused_state_bytes_max"] = engine.paused_state_bytes_max
+        snap["expert_queue_depth"] = engine.expert_queue_depth
         if brownout is not None:
             snap["brownout"] = brownout.state()
         now = time.monotonic()

@@ -96,6 +96,14 @@ def layer_view(group: dict, index, dtype) -> dict:
     return jax.tree_util.tree_map_with_path(take, group)
 
 
+def attention_side(layer: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, index=None):
+    """The attention side of a layer: (residual stream with attention and the attention-side FFN
+    added, the normed input of the routed experts, the new cache)."""
+    h, xn, cache = attention_layer(layer["attn"], cfg, x, batch, cache, block_size, index)
+    out = attention_side_ffn(layer, xn)
+    return (h if out is None else h + out), xn, cache
+
+
 def layer_step(
     layer: dict,
     cfg: ModelConfig,
@@ -110,9 +118,7 @@ def layer_step(
     """One whole layer (attention side, then the routed experts); ``index`` as ``attention_layer``'s
     (and, for the routed expert weights of a ``layer_view``, ``moe_layer``'s); ``expert_impl``: the
     expert-FFN implementation (``moe_layer``)."""
-    h, xn, cache = attention_layer(layer["attn"], cfg, x, batch, cache, block_size, index)
-    out = attention_side_ffn(layer, xn)
-    x = h if out is None else h + out
+    x, xn, cache = attention_side(layer, cfg, x, batch, cache, block_size, index)
     if "moe" in layer:
         x = x + moe_layer(layer["moe"], cfg, xn, index, brownout, expert_impl)
     return x, cache

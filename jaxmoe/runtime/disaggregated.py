@@ -57,6 +57,7 @@ from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
 from jaxmoe.runtime.pipeline import Pipeline, split_rows
+from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
 from jaxmoe.runtime.transfer import LocalTransfer, TransferBackend, plan_transfers
 
@@ -103,8 +104,15 @@ class DisaggregatedExecutor:
         transfer=None,
         cache_dtype=None,
         pipeline: Pipeline | dict | None = None,
+        pause_every: int = 1,
     ):
+        """``pause_every``: with layer-level preemption, the pause points are every that many layers."""
         self.cfg, self.block_size = cfg, block_size
+        if not isinstance(pause_every, int) or isinstance(pause_every, bool) or pause_every < 1:
+            raise ValueError(
+                f"pause_every must be a positive integer (layers between pause points), got {pause_every!r}"
+            )
+        self.pause_every = pause_every
         self.sub = mesh if isinstance(mesh, SubMeshes) else _sub_meshes(_spec(mesh))
         spec = self.sub.spec
         spec.validate_for(cfg.moe.num_experts)
@@ -183,6 +191,7 @@ class DisaggregatedExecutor:
         step = jax.device_put(np.int32(self._step), self.experts.replicated)
         self._step += 1
         run = Phases(self.timing, self.observer)
+        pause = None if between_layers is None else PausePoints(between_layers, self.pause_every)
 
         xs, ys = map(list, zip(*(run("embed", None, self.attention.embed, self._embed, mb.tokens) for mb in mbs)))
         zeros = ys[0]  # no routed output to add before the first layer (nor after a dense layer)
@@ -200,8 +209,8 @@ class DisaggregatedExecutor:
             if i in self.expert_side.layers:  # E2A last: the attention mesh had other work meanwhile
                 for k in range(r1):
                     ys[k] = run("e2a", i, self.transfer.e2a, ys[k], plans[k], self.sub)
-            if between_layers is not None and i + 1 < len(self._attn_layers):
-                between_layers(i + 1)
+            if pause is not None and i + 1 < len(self._attn_layers):
+                pause(i + 1, xs, ys)
         logits = [
             self.transfer.to_local(run("head", None, self.attention.head, self._head, xs[k], ys[k], mb.index))
             for k, mb in enumerate(mbs)

@@ -5,7 +5,8 @@ The engine (``ModelRunner``, ``LLMEngine``, ``AsyncEngine``) calls only what ``E
 Capabilities some executors have are their own protocols, checked with ``isinstance`` by the hooks
 that need them: ``ReplicaPlacement`` (expert replicas re-placed between steps: the disaggregated
 executor; ``runtime.controller``) and ``BrownoutCapable`` (a run-time brownout threshold: the
-monolithic executor; ``brownout.controller``). Layer-level preemption (QLLM) is every executor's:
+monolithic executor; ``brownout.controller``) and ``ExpertQueueing`` (QLLM per-expert queues: pause
+points between the expert rounds of a MoE layer; the monolithic executor). Layer-level preemption (QLLM) is every executor's:
 ``forward(..., between_layers=...)``.
 """
 
@@ -74,3 +75,16 @@ class BrownoutCapable(Protocol):
 
     brownout: Any
     brownout_threshold: float | None
+
+
+@runtime_checkable
+class ExpertQueueing(Protocol):
+    """QLLM per-expert queues (``runtime.expert_queues``): in a layer-by-layer step, each MoE layer's
+    experts are served in ``expert_queues`` rounds (0: off) with a pause point between rounds."""
+
+    expert_queues: int
+
+    def expert_queue_depth(self) -> np.ndarray | None:
+        """Assignments waiting at each expert [E] while a step is paused between expert rounds
+        (None anywhere else)."""
+        ...

@@ -1,0 +1,40 @@
+"""``EngineConfig``: the engine's settings (KV cache, batch budget, scheduling policy, QLLM
+preemption, the expert-FFN implementation), checked when built."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 1024  # disaggregated: rounded up to a multiple of the attention instances
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 2048
+    max_waiting: int = 1024
+    max_model_len: int | None = None  # default: the model's max_position
+    max_prefill_chunk: int = 512  # tokens of one prefill chunk (longer prompts are chunked)
+    policy: str = "qllm"  # "qllm" | "fcfs" | "module:Class" | a SchedulingPolicy object (engine.policies)
+    layer_preemption: bool = False  # QLLM: latency-sensitive work may run between the layers of a BE step
+    max_paused_state_bytes: int | None = None  # layer preemption: a bigger step is not paused (None: any)
+    expert_impl: str = "auto"  # the expert-FFN implementation (jaxmoe.pallas_kernels.expert_ffn.IMPLS)
+    # QLLM per-expert queues: a paused-able step serves each MoE layer's experts in this many rounds, with
+    # a pause point between rounds (runtime.expert_queues; needs layer_preemption; 0: off)
+    expert_queues: int = 0
+    # layer preemption: layers between two pause points (more: less overhead, later pauses; None: a quarter
+    # of the layers -- bench/qllm.py measured per-layer pauses at +27 % step time, every 4 of 16 layers at ~0)
+    pause_every: int | None = None
+
+    def pause_every_for(self, num_layers: int) -> int:
+        return self.pause_every or max(1, num_layers // 4)
+
+    def __post_init__(self):
+        q = self.expert_queues
+        if not isinstance(q, int) or isinstance(q, bool) or q < 0:
+            raise ValueError(f"expert_queues must be a non-negative integer, got {q!r}")
+        every = self.pause_every
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise ValueError(f"pause_every must be a positive integer or None, got {every!r}")
+        if q and not self.layer_preemption:
+            raise ValueError("expert_queues needs layer_preemption=True (its rounds are pause points of a BE step)")

@@ -1,0 +1,34 @@
+"""The pause points of a step run layer by layer (QLLM layer-level preemption), kept in step with the
+device.
+
+JAX dispatches asynchronously: the host reaches the boundary after layer n while the device may
+still be computing layer 1. A pause decision taken at dispatch time sees only the requests that
+arrived before the step's burst of dispatches (measured with ``bench/qllm.py``: every
+latency-sensitive arrival was seen at a step boundary, none between layers). ``PausePoints`` keeps
+the host one program ahead of the device: at each boundary it first waits for the output of the
+program dispatched before the previous boundary, so the hook runs when the device has really
+reached (almost) that point, while the next program is already queued (the device does not idle).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+
+class PausePoints:
+    def __init__(self, hook: Callable[[int], None], every: int = 1):
+        """``hook(n)``: the engine's ``between_layers`` (``n``: layers done so far); ``every``: only
+        at layer boundaries where ``n`` is a multiple of it."""
+        self.hook, self.every = hook, every
+        self._previous = None
+
+    def __call__(self, layers_done: int, *outputs) -> None:
+        """A boundary after the program(s) that produce ``outputs`` (dispatched, maybe not done)."""
+        if layers_done % self.every:
+            return
+        if self._previous is not None:
+            jax.block_until_ready(self._previous)
+        self._previous = outputs
+        self.hook(layers_done)

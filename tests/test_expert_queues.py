@@ -1,0 +1,147 @@
+"""QLLM per-expert queues: a best-effort step's MoE layers serve their experts in rounds with a pause
+point between rounds. The rounds give the fused program's logits; latency-sensitive requests that
+arrive between expert rounds run at once and every request keeps its standalone greedy tokens; the
+queue depth at a pause is what the gating left for the experts not yet served."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxmoe import LLM, SamplingParams
+from jaxmoe.demo import demo_config, demo_params
+from jaxmoe.engine.engine import EngineConfig
+from jaxmoe.engine.stats import EngineStats
+from jaxmoe.models.attention import AttentionBatch
+from jaxmoe.runtime.expert_queues import expert_bounds, queue_depth
+from jaxmoe.runtime.monolithic import MonolithicExecutor
+from jaxmoe.server.metrics import _EngineCollector
+
+BE = SamplingParams(max_tokens=12, ignore_eos=True)
+LS = SamplingParams(max_tokens=4, ignore_eos=True)
+BE_PROMPTS = ["best effort one", "best effort number two", "three"]
+LS_PROMPTS = ["urgent a", "urgent bb", "urgent ccc"]
+# (engine step, expert pause point of that step) at which each LS request arrives: step 0 is a BE
+# prefill, the later ones BE decodes
+ARRIVALS = [(0, 0), (6, 4), (9, 2)]
+
+
+def test_expert_bounds_cover_every_expert_once():
+    assert expert_bounds(8, 1) == [(0, 8)]
+    assert expert_bounds(8, 3) == [(0, 3), (3, 5), (5, 8)]
+    assert expert_bounds(4, 9) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # at most one round per expert
+    for bad in (0, -1, 2.5, True, "2"):
+        with pytest.raises(ValueError, match="expert_queues"):
+            expert_bounds(8, bad)
+
+
+def test_queue_depth_counts_what_waits():
+    ids = np.array([[0, 5], [7, 5], [-1, -1], [2, 6]])  # row 2: a padding token (queued nowhere)
+    assert queue_depth(ids, 5, 8).tolist() == [0, 0, 0, 0, 0, 2, 1, 1]
+    assert queue_depth(ids, 0, 8).sum() == 6
+
+
+@pytest.mark.parametrize("rounds", [1, 3, 8])
+def test_expert_rounds_give_the_fused_logits(rounds):
+    cfg = demo_config()
+    params = demo_params(cfg, seed=1)
+    fused = MonolithicExecutor(cfg, params, 64, 8)
+    queued = MonolithicExecutor(cfg, params, 64, 8, expert_queues=rounds)
+    rng = np.random.default_rng(rounds)
+    tokens = rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32)
+    positions = np.tile(np.arange(8, dtype=np.int32), (2, 1))
+    slots = np.stack([np.arange(8), 16 + np.arange(8)]).astype(np.int32)
+    slots[1, 6:] = -1  # padding
+    tables = np.array([[0, 0], [2, 0]], np.int32)
+    batch = AttentionBatch(positions, slots, tables)
+    last = np.array([7, 5], np.int32)
+    calls, depths = [], []
+
+    def pause_point(n):
+        calls.append(n)
+        depths.append(queued.expert_queue_depth())
+
+    want = np.asarray(fused.forward(tokens, batch, last))
+    got = np.asarray(queued.forward(tokens, batch, last, between_layers=pause_point))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    R, L = len(expert_bounds(cfg.moe.num_experts, rounds)), cfg.num_layers
+    assert len(calls) == (L - 1) + L * (R - 1)  # layer boundaries + expert-round boundaries
+    inside = [d for d in depths if d is not None]
+    assert len(inside) == L * (R - 1) and queued.expert_queue_depth() is None
+    top_k, real = cfg.moe.top_k, 8 + 6
+    for r, d in enumerate(inside[: R - 1]):  # layer 0: what waits shrinks round by round
+        lo_next = expert_bounds(cfg.moe.num_experts, rounds)[r + 1][0]
+        assert d[:lo_next].sum() == 0 and 0 < d.sum() <= real * top_k
+
+
+def _drive(llm):
+    """Serve the BE prompts; each LS prompt arrives at the expert pause point ``ARRIVALS`` names;
+    every request's tokens must equal its standalone tokens."""
+    engine, executor = llm.engine, llm.executor
+    alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in BE_PROMPTS}
+    alone.update({p: llm.generate([p], LS, priority="ls")[0].token_ids for p in LS_PROMPTS})
+    state = {"step": 0, "point": 0}
+    pending = list(zip(ARRIVALS, LS_PROMPTS))
+    ids = {}
+
+    def poll():  # what AsyncEngine does at a pause point: admit what arrived
+        if executor.expert_queue_depth() is None:
+            return  # a layer boundary
+        for (s, k), prompt in list(pending):
+            if s == state["step"] and k == state["point"]:
+                ids[prompt] = engine.add_request(prompt, LS, "ls")
+                pending.remove(((s, k), prompt))
+        state["point"] += 1
+
+    engine.poll = poll
+    ids.update({p: engine.add_request(p, BE, "be") for p in BE_PROMPTS})
+    finished = {}
+    while engine.has_work() or pending:
+        assert state["step"] < 200
+        state["point"] = 0
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+        state["step"] += 1
+    for p, rid in ids.items():
+        assert finished[rid] == alone[p], p
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+def test_latency_sensitive_work_runs_between_expert_rounds_with_exact_tokens():
+    llm = LLM(
+        "tiny-random",
+        dtype="float32",
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=8,
+        layer_preemption=True,
+        expert_queues=4,
+    )
+    _drive(llm)
+    engine = llm.engine
+    assert engine.scheduler.preemptions["expert_pause"]["be"] >= len(ARRIVALS)
+    depth = engine.expert_queue_depth
+    assert len(depth) == 8 and sum(depth) > 0
+    assert engine.paused_state_bytes_max > 0
+
+    class Async:  # what the server's collector reads
+        compiles_after_warmup = None
+
+        def snapshot(self):
+            return EngineStats().snapshot(engine, in_flight=0, step_errors=0)
+
+    families = {f.name: f for f in _EngineCollector(Async()).collect()}
+    assert [s.value for s in families["jaxmoe_expert_queue_depth"].samples] == depth
+    levels = {s.labels["level"] for s in families["jaxmoe_preemptions"].samples if s.value}
+    assert "expert" in levels
+    assert families["jaxmoe_paused_state_bytes_max"].samples[0].value == engine.paused_state_bytes_max
+
+
+def test_expert_queues_settings_are_checked():
+    with pytest.raises(ValueError, match="layer_preemption"):
+        EngineConfig(expert_queues=2)
+    with pytest.raises(ValueError, match="expert_queues"):
+        EngineConfig(expert_queues=-1, layer_preemption=True)
+    with pytest.raises(ValueError, match="monolithic executor only"):
+        LLM("tiny-random", mesh="meshes/cpu-8.yaml", layer_preemption=True, expert_queues=2, num_blocks=64)
