@@ -32,7 +32,7 @@ def register(sub, add_model_args) -> None:
     serve.add_argument(
         "--policy",
         default="qllm",
-        help="scheduling policy: qllm, fcfs, or module:Class (a SchedulingPolicy, docs/scheduling_policies.md)",
+        help="scheduling policy: qllm, fcfs, or module:Class (a SchedulingPolicy, docs/scheduling.md)",
     )
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-batch-tokens", type=int, default=2048)

@@ -210,3 +210,54 @@ def test_pause_every_runs_layers_in_groups_with_the_same_tokens():
     assert calls == [2]
     with pytest.raises(ValueError, match="pause_every"):
         LLM("tiny-random", layer_preemption=True, pause_every=0)
+
+
+@pytest.mark.parametrize(
+    "mesh,seed", [(None, 0), (None, 3), ("meshes/cpu-8.yaml", 2)], ids=["monolithic-0", "monolithic-3", "cpu8-2"]
+)
+def test_random_mixed_traces_keep_every_token(mesh, seed):
+    """A random trace: LS and BE requests with random prompts and lengths arrive at random engine
+    steps and pause points; every request's greedy tokens equal its standalone tokens.
+
+    Seed 1 is left out on purpose: its first prompt ('0:eg abh cchdchcd') gets other tokens in any
+    batch of two rows than alone, with or without preemption -- its logits agree to 3e-6 up to
+    position 10 and jump at 11, where (on this random model, layer 0) the router's 2nd and 3rd
+    scores differ by 6e-8, so the batch shape's summation order flips the top-2 choice. That is
+    floating point, not lost state; the other seeds tried (0, 2, 3) pass."""
+    rng = np.random.default_rng(seed)
+    llm = _llm(mesh)
+    engine = llm.engine
+    trace = []
+    for i in range(8):  # two BE requests start the trace; then LS / BE at random steps and pause points
+        kind = "be" if i < 2 else str(rng.choice(["ls", "be"]))
+        prompt = "".join(rng.choice(list("abcdefgh ")) for _ in range(int(rng.integers(3, 30))))
+        params = SamplingParams(max_tokens=int(rng.integers(4, 12)), ignore_eos=True)
+        step = 0 if i < 2 else int(rng.integers(1, 12))
+        trace.append((step, int(rng.integers(0, 3)), kind, f"{i}:{prompt}", params))
+    alone = {p: llm.generate([p], sp, priority=kind)[0].token_ids for _, _, kind, p, sp in trace}
+    state, pending, ids, finished = {"step": 0, "point": 0}, list(trace), {}, {}
+
+    def admit(at_point):
+        for item in list(pending):
+            step, point, kind, prompt, sp = item
+            if step < state["step"] or (step == state["step"] and (at_point is None or point <= at_point)):
+                ids[prompt] = engine.add_request(prompt, sp, kind)
+                pending.remove(item)
+
+    def poll():
+        admit(state["point"])
+        state["point"] += 1
+
+    engine.poll = poll
+    while engine.has_work() or pending:
+        assert state["step"] < 300
+        admit(None if not engine.has_work() else -1)  # an idle engine takes the next arrivals now
+        state["point"] = 0
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+        state["step"] += 1
+    for prompt, rid in ids.items():
+        assert finished[rid] == alone[prompt], prompt
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert engine.layer_pauses > 0  # the trace did preempt between layers

@@ -505,8 +505,8 @@ def test_random_soak_never_loses_tokens(policy, seed, parts):
 
 
 def test_the_documented_policy_runs():
-    """docs/scheduling_policies.md's example policy (order and pause) works as written."""
-    text = (ROOT / "docs" / "scheduling_policies.md").read_text()
+    """docs/scheduling.md's example policy (order and pause) works as written."""
+    text = (ROOT / "docs" / "scheduling.md").read_text()
     code = next(block for block in text.split("```python")[1:] if "class EarlyPause" in block).split("```")[0]
     namespace: dict = {}
     exec(code, namespace)

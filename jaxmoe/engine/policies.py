@@ -1,6 +1,6 @@
 """Scheduling policies: the plug-in that decides what runs each step.
 
-Interface (see docs/scheduling_policies.md)
+Interface (see docs/scheduling.md)
 -------------------------------------------
 Every step the scheduler hands a policy the unfinished sequences split into
 four FCFS queues (``Queues``: LS-prefill, LS-decode, BE-prefill, BE-decode,
