@@ -181,8 +181,9 @@ class DisaggregatedExecutor:
         """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None), readable by this
         process (``transfer.to_local``: every process calls forward); updates the KV cache.
         With ``pipeline.r1 > 1`` the rows run as micro-batches interleaved layer by layer (FinDEP).
-        ``between_layers(n)``: called after each of the first L - 1 layers (layer-level preemption:
-        it may run another batch on this executor meanwhile)."""
+        ``between_layers(n)``: called after every ``pause_every`` layers but the last, once the device
+        has got there (``runtime.pause_points``; layer-level preemption: it may run another batch on
+        this executor meanwhile)."""
         tokens, batch, logits_index, B = self._pad(tokens, batch, logits_index)
         local = self.is_local(batch)  # attention per instance, no cross-instance traffic
         r1 = self.pipeline.micro_batches(tokens.shape[0] // self.num_attention)

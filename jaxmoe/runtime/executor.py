@@ -32,8 +32,10 @@ class Executor(Protocol):
 
     def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
         """One step: logits [B, V] at ``logits_index`` (or [B, T, V] when None); writes the KV of the
-        batch's slots. ``between_layers(n)``: run layer by layer and call it after each of the first
-        L - 1 layers (QLLM layer-level preemption; it may run another batch meanwhile)."""
+        batch's slots. ``between_layers(n)``: run layer by layer and call it at each pause point
+        inside the step (``n``: layers done; every ``pause_every`` layers, and between expert
+        rounds with per-expert queues), once the device has got there (``runtime.pause_points``)
+        (QLLM layer-level preemption; it may run another batch meanwhile)."""
         ...
 
     def reset_cache(self) -> None:
