@@ -10,7 +10,10 @@ already holds them). Then, for every threshold (partial brownout) and the ``--fu
 * held-out perplexity: ``jaxmoe eval --model ROOT/demo-uK-G --brownout-threshold T
   [--full-brownout] --max-tokens N --json`` (run in this process through ``jaxmoe.cli.main``), the
   first N tokens of the standard library's held-out part, the original model's value beside it;
-* greedy agreement with the original model: ``--prompts`` prompts of ``--prompt-len`` tokens cut
+* next-token agreement with the original model: on the same held-out windows, teacher-forced, the
+  share of positions whose greedy (argmax) next token equals the original model's (brownout's
+  split then sees a whole 256-token window per step, as in ``jaxmoe eval``);
+* free-running greedy agreement with the original model: ``--prompts`` prompts of ``--prompt-len`` tokens cut
   from the held-out text after the scored part, ``--gen-tokens`` greedy tokens each with
   ``LLM(dir, brownout=BrownoutConfig(T, full))`` vs ``LLM("demo")``; "tokens" = share of positions
   whose token equals the original's, "prefix" = mean share of the generation before the first
@@ -68,6 +71,47 @@ def heldout_prompts(n: int, length: int, skip: int) -> list[list[int]]:
     return [stream[s : s + length].tolist() for s in starts]
 
 
+def heldout_windows(max_tokens: int):
+    """The windows ``jaxmoe eval --max-tokens N`` scores (the same encoding and cut)."""
+    from jaxmoe.llm import load_model
+    from jaxmoe.train import data
+    from jaxmoe.train.corpus import load_corpus
+
+    _, _, tokenizer = load_model("demo")
+    stream = data.encode_documents(tokenizer, [d.text for d in load_corpus("stdlib").heldout])
+    return data.eval_windows(stream, 256, max_tokens)
+
+
+class NextToken:
+    """Teacher-forced greedy choices on the held-out windows (the training forward, which equals the
+    serving one), with brownout at a traced threshold: one compile per model and mode."""
+
+    def __init__(self, model, full: bool | None):
+        import jax
+        import jax.numpy as jnp
+
+        from jaxmoe.brownout.united import attach
+        from jaxmoe.llm import load_model
+        from jaxmoe.models.experts import Brownout
+        from jaxmoe.train.model import forward
+
+        cfg, params, _ = load_model(str(model), "float32")
+        if full is not None:
+            params = attach(params, cfg, model)
+
+        def choose(params, window, threshold):
+            bo = None if full is None else Brownout(threshold, jnp.ones(window.shape[0], bool), full)
+            logits, _ = forward(params, cfg, window[None], capacity_factor=0.0, brownout=bo)
+            return jnp.argmax(logits[0], -1)
+
+        self.params, self.fn = params, jax.jit(choose)
+
+    def __call__(self, windows, threshold: float = 1.0):
+        import numpy as np
+
+        return np.concatenate([np.asarray(self.fn(self.params, w[:-1], np.float32(threshold))) for w in windows])
+
+
 def agreement(got: list[list[int]], want: list[list[int]]) -> tuple[float, float]:
     tokens = prefix = 0.0
     for g, w in zip(got, want):
@@ -101,6 +145,8 @@ def main() -> int:
     prompts = heldout_prompts(args.prompts, args.prompt_len, args.max_tokens + 1)
     base = run_cli(["eval", "--model", "demo", "--max-tokens", str(args.max_tokens)])["perplexity"]
     original = [o.token_ids for o in LLM("demo", dtype="float32").generate(prompts, greedy)]
+    windows = heldout_windows(args.max_tokens)
+    original_next = NextToken("demo", None)(windows)
     print(f"original demo model: held-out perplexity {base:.3f}", flush=True)
     rows = []
     for grouping in args.groupings.split(","):
@@ -124,6 +170,7 @@ def main() -> int:
                 if not thresholds:
                     continue
                 llm = LLM(model, dtype="float32", brownout=BrownoutConfig(1.0, use_full_brownout=full))
+                next_token = NextToken(model, full)
                 for t in thresholds:
                     extra = ["--full-brownout"] if full else []
                     ppl = run_cli(
@@ -134,6 +181,7 @@ def main() -> int:
                     llm.executor.brownout_threshold = t
                     got = [o.token_ids for o in llm.generate(prompts, greedy)]
                     tok, pre = agreement(got, original)
+                    teacher = float((next_token(windows, t) == original_next).mean())
                     row = dict(
                         grouping=grouping,
                         ways=k,
@@ -141,6 +189,7 @@ def main() -> int:
                         brownout="full" if full else "partial",
                         perplexity=round(ppl, 3),
                         vs_original=round(ppl / base, 3),
+                        agreement_next=round(teacher, 4),
                         agreement_tokens=round(tok, 3),
                         agreement_prefix=round(pre, 3),
                         distill_mse_mean=round(sum(mse) / len(mse), 4),
@@ -150,13 +199,15 @@ def main() -> int:
                 del llm
     print(f"\noriginal model: held-out perplexity {base:.2f} (first {args.max_tokens} held-out tokens)\n")
     print(
-        "| grouping | ways k | threshold | brownout | held-out ppl | vs original | greedy agreement (tokens) | (prefix) |"
+        "| grouping | ways k | threshold | brownout | held-out ppl | vs original | next-token agreement | "
+        "free-running agreement (tokens) | (prefix) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['grouping']} | {r['ways']} | {r['threshold']} | {r['brownout']} | {r['perplexity']:.2f} | "
-            f"{r['vs_original']:.2f}x | {r['agreement_tokens']:.3f} | {r['agreement_prefix']:.3f} |"
+            f"{r['vs_original']:.2f}x | {r['agreement_next']:.3f} | {r['agreement_tokens']:.3f} | "
+            f"{r['agreement_prefix']:.3f} |"
         )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
