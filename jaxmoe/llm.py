@@ -54,7 +54,7 @@ def build_executor(
     """Monolithic executor by default; with a mesh file, the disaggregated one.
 
     ``executor_kwargs`` go to ``DisaggregatedExecutor`` (replica_policy, expert_impl, placement,
-    pipeline, ...). ``brownout``: a ``BrownoutConfig`` (monolithic executor only, so far).
+    pipeline, ...). ``brownout``: a ``BrownoutConfig`` (either executor).
     """
     num_slots = engine_config.num_blocks * engine_config.block_size
     if mesh is None:
@@ -70,15 +70,12 @@ def build_executor(
         )
     if engine_config.expert_queues:
         raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
-    if brownout is not None:
-        from jaxmoe.brownout import BrownoutError
-
-        raise BrownoutError("brownout runs on the monolithic executor only (not built for a mesh yet)")
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
     kwargs = {
         "expert_impl": engine_config.expert_impl,
         "pause_every": engine_config.pause_every_for(cfg.num_layers),
+        "brownout": brownout,
         **(executor_kwargs or {}),
     }
     return DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **kwargs)
