@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmoe.checkpoint import is_converted, load_params, restore_converted
 from jaxmoe.compilation import enable_persistent_cache
@@ -50,13 +51,20 @@ def build_executor(
     mesh=None,
     executor_kwargs: dict | None = None,
     brownout=None,
+    pipeline=None,
+    pipeline_profile=None,
 ):
     """Monolithic executor by default; with a mesh file, the disaggregated one.
 
     ``executor_kwargs`` go to ``DisaggregatedExecutor`` (replica_policy, expert_impl, placement,
     pipeline, ...). ``brownout``: a ``BrownoutConfig`` (either executor).
+    ``pipeline``: the disaggregated step's schedule, "sequential" (the default), "pppipe", "findep" or
+    a dict {"order", "r1", "r2"}; ``pipeline_profile``: a ``jaxmoe profile`` JSON for "pppipe" /
+    "findep" (``jaxmoe.planning.online``).
     """
     num_slots = engine_config.num_blocks * engine_config.block_size
+    if mesh is None and pipeline not in (None, "sequential"):
+        raise ValueError(f"pipeline {pipeline!r}: pipelined schedules run on a disaggregated mesh; give mesh=FILE")
     if mesh is None:
         return MonolithicExecutor(
             cfg,
@@ -78,7 +86,22 @@ def build_executor(
         "brownout": brownout,
         **(executor_kwargs or {}),
     }
-    return DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **kwargs)
+    executor = DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **kwargs)
+    if pipeline is not None or pipeline_profile is not None:
+        from jaxmoe.planning.online import pipeline_chooser
+
+        dtype = np.dtype(params["embed"].dtype)
+        executor.pipeline = pipeline_chooser(
+            "sequential" if pipeline is None else pipeline,
+            cfg,
+            executor.sub.spec,
+            str(dtype),
+            dtype.itemsize,
+            profile=pipeline_profile,
+            max_rows=engine_config.max_num_seqs,
+            max_tokens=engine_config.max_batch_tokens,
+        )
+    return executor
 
 
 class LLM:
@@ -93,12 +116,17 @@ class LLM:
         executor_kwargs: dict | None = None,
         rebalance_every: int = 0,
         brownout=None,
+        pipeline=None,
+        pipeline_profile=None,
         **engine_kwargs,
     ):
         """``rebalance_every``: with a mesh, re-place the expert replicas from recent activations
         every that many steps (``runtime.controller.PlacementController``, JANUS Algorithm 2).
         ``brownout``: a ``BrownoutConfig`` (BrownoutServe); the model directory must hold united
         experts (``jaxmoe unite``); ``llm.executor.brownout_threshold`` may change between steps.
+        ``pipeline`` / ``pipeline_profile`` (with a mesh): the step's schedule, "sequential" (default),
+        "pppipe", "findep" or {"order": "ASAS", "r1": 2, "r2": 4}, and the profile the solver uses
+        (``build_executor``, ``jaxmoe.planning.online``).
         Compiled programs go to the persistent compilation cache (``jaxmoe.compilation``)."""
         enable_persistent_cache()
         self.model = model
@@ -108,7 +136,9 @@ class LLM:
 
             params = attach(params, self.cfg, DEMO_DIR if str(model) == "demo" else model)
         self.engine_config = EngineConfig(**engine_kwargs)
-        self.executor = build_executor(self.cfg, params, self.engine_config, mesh, executor_kwargs, brownout)
+        self.executor = build_executor(
+            self.cfg, params, self.engine_config, mesh, executor_kwargs, brownout, pipeline, pipeline_profile
+        )
         self.engine = LLMEngine(self.cfg, self.executor, self.tokenizer, self.engine_config)
         self.controller = None
         if rebalance_every:
