@@ -105,8 +105,11 @@ class DisaggregatedExecutor:
         cache_dtype=None,
         pipeline: Pipeline | dict | None = None,
         pause_every: int = 1,
+        placed_experts: dict | None = None,
     ):
-        """``pause_every``: with layer-level preemption, the pause points are every that many layers."""
+        """``pause_every``: with layer-level preemption, the pause points are every that many layers.
+        ``placed_experts``: per MoE layer, its expert-side parameters already laid out on this
+        expert mesh by ``placement`` (``runtime.rescale``); ``params`` then has them in that form."""
         self.cfg, self.block_size = cfg, block_size
         if not isinstance(pause_every, int) or isinstance(pause_every, bool) or pause_every < 1:
             raise ValueError(
@@ -153,7 +156,7 @@ class DisaggregatedExecutor:
         )
         self.pipeline = Pipeline.parse(pipeline)
         # Expert side: router + slot arrays (+ shared experts) per MoE layer, on the expert mesh.
-        self.expert_side = ExpertSide(cfg, params, self.sub, self.experts, self.transfer, placement)
+        self.expert_side = ExpertSide(cfg, params, self.sub, self.experts, self.transfer, placement, placed_experts)
         self.moe_layers = self.expert_side.moe_layers
 
         # KV cache: slots padded to whole blocks per attention instance, sharded P("attn").

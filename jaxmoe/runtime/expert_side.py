@@ -26,10 +26,12 @@ class ExpertSide:
         program: ExpertProgram,
         transfer,
         placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        placed: dict | None = None,
     ):
         """``params``: the logical model parameters (expert weights [E, ...]); ``placement``: see
         ``set_placement`` (default ``replicas.default_placement``); ``transfer.fetch`` reads the
-        device counters (a collective across processes)."""
+        device counters (a collective across processes). ``placed``: per MoE layer, the parameters
+        already laid out by ``placement`` on this mesh (live re-scaling), used as they are."""
         self.cfg, self.sub, self.program, self.transfer = cfg, sub, program, transfer
         spec = sub.spec
         self.num_instances, self.slots_per_instance = spec.experts.count, spec.experts.slots_per_instance
@@ -37,7 +39,10 @@ class ExpertSide:
         self.moe_layers = [i for i, layer in enumerate(params["layers"]) if "moe" in layer]
         self.layouts = self._layouts(placement)
         self.layers = {
-            i: place_layer(params["layers"][i], self.layouts[i], sub, self.shared_here) for i in self.moe_layers
+            i: placed[i]
+            if placed is not None
+            else place_layer(params["layers"][i], self.layouts[i], sub, self.shared_here)
+            for i in self.moe_layers
         }
         self._tables = {i: place_tables(self.layouts[i], sub) for i in self.moe_layers}
         E = cfg.moe.num_experts
