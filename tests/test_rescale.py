@@ -140,3 +140,56 @@ def test_rescale_too_small_for_a_live_request(llm):
 def test_rescale_needs_a_mesh(path):
     with pytest.raises(RescaleError, match="needs the disaggregated executor"):
         LLM(path, **ENGINE).engine.rescale(2, 6)
+
+
+@pytest.mark.parametrize(
+    "payload, names",
+    [
+        ({"attention": 2}, "experts: Field required"),
+        ({"attention": "2", "experts": 6}, "attention: Input should be a valid integer (got '2')"),
+        ({"attention": 0, "experts": 6}, "attention: Input should be greater than or equal to 1 (got 0)"),
+        ({"attention": 2, "experts": 6, "gpus": 8}, "gpus: Extra inputs are not permitted"),
+        ([2, 6], "body: Input should be a valid dictionary"),
+    ],
+)
+def test_admin_payload_errors_name_the_field(payload, names):
+    from jaxmoe.server import admin
+
+    with pytest.raises(admin.AdminError, match=re.escape(names)) as err:
+        admin.parse_rescale(payload)
+    assert err.value.http_status == 400
+
+
+def test_grpc_rescale_behind_the_api_key_while_streaming(llm):
+    """``Rescale`` needs the API key; a bad one is INVALID_ARGUMENT naming the value; a good one
+    answers once 4a4e serves, while a streamed request goes on with its standalone tokens."""
+    import grpc
+
+    from jaxmoe.server.app import ServeOptions, ServerThread
+    from jaxmoe.server.client import JaxmoeClient
+    from jaxmoe.server.security import SecurityOptions
+
+    prompt, sampling = _prompt(101), SamplingParams(max_tokens=40, ignore_eos=True)
+    want = llm.generate([prompt], sampling)[0].token_ids
+    opts = ServeOptions(warmup=False, security=SecurityOptions(api_key="k3y"))
+    st = ServerThread(llm.engine, opts)
+    srv = st.start()
+    try:
+        with JaxmoeClient(srv.grpc_target) as anonymous, JaxmoeClient(srv.grpc_target, api_key="k3y") as admin:
+            with pytest.raises(grpc.RpcError) as err:
+                anonymous.rescale(4, 4)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as err:
+                admin.rescale(6, 6)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "attention=6 + experts=6 = 12 instances do not fit the 8 devices" in err.value.details()
+            stream = admin.generate(prompt, max_tokens=40, ignore_eos=True, temperature=0.0)
+            first = next(stream)
+            resp = admin.rescale(4, 4)
+            ids = list(first.delta_token_ids) + [t for c in stream for t in c.delta_token_ids]
+            assert (resp.attention, resp.experts, resp.previous) == (4, 4, "2a6e") and resp.swap_s > 0
+            assert ids == want
+            assert srv.async_engine.call(lambda e: e.runner.executor.num_attention) == 4
+            assert admin.rescale(2, 6).previous == "4a4e"
+    finally:
+        st.stop(abort_inflight=True)
