@@ -110,10 +110,13 @@ class DisaggregatedExecutor:
         pipeline: Pipeline | PipelineChooser | dict | str | None = None,
         pause_every: int = 1,
         brownout=None,
+        placed_experts: dict | None = None,
     ):
         """``pause_every``: with layer-level preemption, the pause points are every that many layers.
         ``brownout``: a ``BrownoutConfig`` (BrownoutServe, in the expert program:
-        ``runtime.expert_brownout``); the params hold united experts."""
+        ``runtime.expert_brownout``); the params hold united experts.
+        ``placed_experts``: per MoE layer, its expert-side parameters already laid out on this
+        expert mesh by ``placement`` (``runtime.rescale``); ``params`` then has them in that form."""
         self.cfg, self.block_size = cfg, block_size
         if not isinstance(pause_every, int) or isinstance(pause_every, bool) or pause_every < 1:
             raise ValueError(
@@ -162,7 +165,9 @@ class DisaggregatedExecutor:
         self.pipeline = Pipeline.parse(pipeline)  # a PipelineChooser (a fixed Pipeline is one)
         self.last_pipeline: Pipeline | None = None  # what the last step ran
         # Expert side: router + slot arrays (+ shared experts) per MoE layer, on the expert mesh.
-        self.expert_side = ExpertSide(cfg, params, self.sub, self.experts, self.transfer, placement, brownout)
+        self.expert_side = ExpertSide(
+            cfg, params, self.sub, self.experts, self.transfer, placement, brownout, placed_experts
+        )
         self.moe_layers = self.expert_side.moe_layers
 
         # KV cache: slots padded to whole blocks per attention instance, sharded P("attn").

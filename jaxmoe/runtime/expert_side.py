@@ -29,12 +29,14 @@ class ExpertSide:
         transfer,
         placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
         brownout=None,
+        placed: dict | None = None,
     ):
         """``params``: the logical model parameters (expert weights [E, ...]); ``placement``: see
         ``set_placement`` (default ``replicas.default_placement``); ``transfer.fetch`` reads the
         device counters (a collective across processes). ``brownout``: a ``BrownoutConfig`` (the
         params hold united experts, ``jaxmoe.brownout.united.attach``; the program was made with
-        ``brownout="partial"`` or ``"full"`` to match) or None."""
+        ``brownout="partial"`` or ``"full"`` to match) or None. ``placed``: per MoE layer, the
+        parameters already laid out by ``placement`` on this mesh (live re-scaling), used as they are."""
         self.cfg, self.sub, self.program, self.transfer = cfg, sub, program, transfer
         spec = sub.spec
         self.num_instances, self.slots_per_instance = spec.experts.count, spec.experts.slots_per_instance
@@ -45,7 +47,9 @@ class ExpertSide:
         self.brownout_threshold = None if brownout is None else brownout.threshold
         self._threshold = (None, None)  # (value, its device copy)
         self.layers = {
-            i: place_layer(params["layers"][i], self.layouts[i], sub, self.shared_here, brownout is not None, i)
+            i: placed[i]
+            if placed is not None
+            else place_layer(params["layers"][i], self.layouts[i], sub, self.shared_here, brownout is not None, i)
             for i in self.moe_layers
         }
         self._tables = {i: place_tables(self.layouts[i], sub) for i in self.moe_layers}
