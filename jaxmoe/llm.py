@@ -137,17 +137,12 @@ class LLM:
 
             params = attach(params, self.cfg, DEMO_DIR if str(model) == "demo" else model)
         self.engine_config = EngineConfig(**engine_kwargs)
-<<<<<<< HEAD
-        self.executor = build_executor(
+        executor = build_executor(
             self.cfg, params, self.engine_config, mesh, executor_kwargs, brownout, pipeline, pipeline_profile
         )
-        self.engine = LLMEngine(self.cfg, self.executor, self.tokenizer, self.engine_config)
-=======
-        executor = build_executor(self.cfg, params, self.engine_config, mesh, executor_kwargs, brownout)
         self.engine = LLMEngine(self.cfg, executor, self.tokenizer, self.engine_config)
         keep = ("replica_policy", "aebs_impl", "interpret")  # what a rescaled executor is built with too
         self.engine.rescaler.executor_kwargs = {k: v for k, v in (executor_kwargs or {}).items() if k in keep}
->>>>>>> live-rescale
         self.controller = None
         if rebalance_every:
             from jaxmoe.runtime.controller import PlacementController

@@ -165,7 +165,9 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
     }
     stats = MoveStats()
     if side.brownout is None:
-        placed = {i: reshard_experts(layers[i], layouts[i], old.sub, new_layouts[i], sub, stats) for i in side.moe_layers}
+        placed = {
+            i: reshard_experts(layers[i], layouts[i], old.sub, new_layouts[i], sub, stats) for i in side.moe_layers
+        }
     else:  # the united experts' slots depend on the instance count: place everything again from the weights
         placed = None
     ex = DisaggregatedExecutor(
