@@ -10,8 +10,8 @@ first token is handed out. The model is a random Mixtral-shaped MoE (hidden 256,
 byte vocabulary) with ``--layers`` layers, so one step is long enough for the difference to show.
 
 Rates are multiples of the measured capacity (best-effort requests per second when all arrive at
-once). Also measured: the cost of running best-effort steps layer by layer when nothing preempts
-(BE-only trace, layer-level preemption on vs off).
+once). Also measured: the cost of pausable steps when nothing preempts (the same 16 best-effort
+decodes stepped on each engine, rounds interleaved across engines, median ms per step).
 
     python bench/qllm.py [--layers 16] [--requests 60] [--loads 0.4,0.7,0.9] [--json out.json]
 """
@@ -37,16 +37,16 @@ from jaxmoe.tokenizer import ByteTokenizer
 MODES = {  # name: (policy, layer_preemption, expert_queues, pause_every)
     "fcfs": ("fcfs", False, 0),
     "step-level": ("qllm", False, 0),
-    "layer-level": ("qllm", True, 0),  # pause points every layers/4 layers (EngineConfig.pause_every default)
-    "every-layer": ("qllm", True, 0, 1),  # pause points after every layer
-    "expert-queues": ("qllm", True, 4, 1),  # every layer + per-expert queues served in 4 rounds per MoE layer
+    "layer-level": ("qllm", True, 0),  # pause points after every layer (EngineConfig.pause_every default)
+    "every-4-layers": ("qllm", True, 0, 4),  # pause points after every 4 layers
+    "expert-queues": ("qllm", True, 4),  # every layer + per-expert queues served in 4 rounds per MoE layer
 }
 LS = dict(prompt=48, tokens=8)
 BE = dict(prompt=192, tokens=32)
 
 
 def build_engine(
-    layers: int, policy: str, layer_preemption: bool, expert_queues: int = 0, pause_every: int | None = None
+    layers: int, policy: str, layer_preemption: bool, expert_queues: int = 0, pause_every: int = 1
 ) -> LLMEngine:
     cfg = from_hf_config({**DEMO_HF_CONFIG, "num_hidden_layers": layers})
     config = EngineConfig(
@@ -220,8 +220,8 @@ def main(argv=None) -> int:
             )
 
     # the price of pausable steps when nothing preempts: the same 16 decodes, step by step
-    cost = decode_step_cost(engines, ("step-level", "layer-level", "every-layer", "expert-queues"), args.rounds)
-    overhead = {m: cost[m] / cost["step-level"] - 1 for m in ("layer-level", "every-layer", "expert-queues")}
+    cost = decode_step_cost(engines, ("step-level", "layer-level", "every-4-layers", "expert-queues"), args.rounds)
+    overhead = {m: cost[m] / cost["step-level"] - 1 for m in ("layer-level", "every-4-layers", "expert-queues")}
     results["no_preemption_step_ms"] = cost
     results["pausable_step_overhead"] = overhead
     print(f"\nNothing preempts: 16 BE decodes, median over {args.rounds} interleaved rounds of 8 steps:")

@@ -75,7 +75,7 @@ def build_executor(
             brownout=brownout,
             expert_impl=engine_config.expert_impl,
             expert_queues=engine_config.expert_queues,
-            pause_every=engine_config.pause_every_for(cfg.num_layers),
+            pause_every=engine_config.pause_every,
         )
     if engine_config.expert_queues:
         raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
@@ -83,7 +83,7 @@ def build_executor(
 
     kwargs = {
         "expert_impl": engine_config.expert_impl,
-        "pause_every": engine_config.pause_every_for(cfg.num_layers),
+        "pause_every": engine_config.pause_every,
         "brownout": brownout,
         **(executor_kwargs or {}),
     }

@@ -52,10 +52,10 @@ def register(sub, add_model_args) -> None:
     serve.add_argument(
         "--pause-every",
         type=int,
-        default=None,
+        default=1,
         metavar="LAYERS",
-        help="layer preemption: layers between two pause points (more: less overhead, a later pause; "
-        "default: a quarter of the layers)",
+        help="layer preemption: layers between two pause points (default 1: after every layer; more: fewer "
+        "programs per step, a later pause)",
     )
     serve.add_argument(
         "--max-paused-state-bytes",

@@ -22,19 +22,17 @@ class EngineConfig:
     # QLLM per-expert queues: a paused-able step serves each MoE layer's experts in this many rounds, with
     # a pause point between rounds (runtime.expert_queues; needs layer_preemption; 0: off)
     expert_queues: int = 0
-    # layer preemption: layers between two pause points (more: less overhead, later pauses; None: a quarter
-    # of the layers -- bench/qllm.py measured per-layer pauses at +27 % step time, every 4 of 16 layers at ~0)
-    pause_every: int | None = None
-
-    def pause_every_for(self, num_layers: int) -> int:
-        return self.pause_every or max(1, num_layers // 4)
+    # layer preemption: layers between two pause points, i.e. per program of a pausable step (1: after every
+    # layer; bench/qllm.py measured one-layer programs no slower than the fused step and LS TTFT P90 at 0.2-0.3x
+    # step-level preemption's, where every 4 of 16 layers did not beat step-level; BENCHMARKS.md)
+    pause_every: int = 1
 
     def __post_init__(self):
         q = self.expert_queues
         if not isinstance(q, int) or isinstance(q, bool) or q < 0:
             raise ValueError(f"expert_queues must be a non-negative integer, got {q!r}")
         every = self.pause_every
-        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-            raise ValueError(f"pause_every must be a positive integer or None, got {every!r}")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"pause_every must be a positive integer, got {every!r}")
         if q and not self.layer_preemption:
             raise ValueError("expert_queues needs layer_preemption=True (its rounds are pause points of a BE step)")
