@@ -18,7 +18,8 @@ the probe's median TTFT and median TPOT at capacity.
 
 Measured per request at the client: TTFT (submission to first token) and every gap between
 output tokens. SLO violation rate, as the paper defines it, = share of tokens that miss the SLO:
-first tokens against the TTFT SLO, later tokens' gaps against the TPOT SLO. Also per 5 s window
+first tokens against the TTFT SLO (a request the server refuses, its waiting queue full, counts as
+a miss), later tokens' gaps against the TPOT SLO. Also per 5 s window
 the P90 of both, and the server's ``jaxmoe_brownout_threshold`` scraped twice a second. Plot:
 ``--png`` (P90 TTFT / TPOT over time for both runs, the SLOs, the threshold, the burst). Beside it,
 what the thresholds SALC chose cost: the held-out perplexity (``jaxmoe eval --brownout-threshold
@@ -170,10 +171,13 @@ def summarise(records, slo_ttft: float, slo_tpot: float, duration: float) -> dic
             vals = [v for t, v in xs if start <= t < start + WINDOW_S]
             row[name] = float(np.percentile(vals, 90)) if vals else None
         windows.append(row)
+    refused = sum(not r["times"] for r in records)  # e.g. RESOURCE_EXHAUSTED: the waiting queue was full
     return {
         "requests": len(records),
         "failed": sum("error" in r for r in records),
-        "ttft_violation": sum(v > slo_ttft for _, v in ttft) / max(1, len(ttft)),
+        "refused": refused,
+        # a refused request never gets its first token: it misses the TTFT SLO
+        "ttft_violation": (sum(v > slo_ttft for _, v in ttft) + refused) / max(1, len(records)),
         "tpot_violation": sum(v > slo_tpot for _, v in gaps) / max(1, len(gaps)),
         "ttft_p90": float(np.percentile([v for _, v in ttft], 90)) if ttft else None,
         "tpot_p90": float(np.percentile([v for _, v in gaps], 90)) if gaps else None,
