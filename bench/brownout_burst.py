@@ -265,6 +265,7 @@ def main() -> int:
     ap.add_argument("--slo-tpot-ms", default="auto")
     ap.add_argument("--slo-factor", type=float, default=2.0, help="auto SLO = this x the median at capacity")
     ap.add_argument("--salc-window", type=float, default=5.0)
+    ap.add_argument("--salc-period", type=float, default=0.0, help="seconds between SALC updates (0: every step)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -289,6 +290,7 @@ def main() -> int:
         else:
             salc = ["--salc", "--slo-ttft-ms", f"{info['slo_ttft'] * 1e3:.1f}"]
             salc += ["--slo-tpot-ms", f"{info['slo_tpot'] * 1e3:.1f}", "--salc-window", str(args.salc_window)]
+            salc += ["--salc-period", str(args.salc_period)]
             server = Server(["--model", args.united, "--brownout-threshold", "1.0", *salc, *common], logs / "salc.log")
         try:
             server.wait_ready()
