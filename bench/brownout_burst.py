@@ -344,7 +344,7 @@ def main() -> int:
     print(f"\nplot: {args.png}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"info": info, "results": results}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"info": info, "results": results}) + "\n")
     return 0
 
 
