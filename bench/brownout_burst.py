@@ -18,7 +18,8 @@ the probe's median TTFT and median TPOT at capacity.
 
 Measured per request at the client: TTFT (submission to first token) and every gap between
 output tokens. SLO violation rate, as the paper defines it, = share of tokens that miss the SLO:
-first tokens against the TTFT SLO, later tokens' gaps against the TPOT SLO. Also per 5 s window
+first tokens against the TTFT SLO (a request the server refuses, its waiting queue full, counts as
+a miss), later tokens' gaps against the TPOT SLO. Also per 5 s window
 the P90 of both, and the server's ``jaxmoe_brownout_threshold`` scraped twice a second. Plot:
 ``--png`` (P90 TTFT / TPOT over time for both runs, the SLOs, the threshold, the burst). Beside it,
 what the thresholds SALC chose cost: the held-out perplexity (``jaxmoe eval --brownout-threshold
@@ -170,10 +171,13 @@ def summarise(records, slo_ttft: float, slo_tpot: float, duration: float) -> dic
             vals = [v for t, v in xs if start <= t < start + WINDOW_S]
             row[name] = float(np.percentile(vals, 90)) if vals else None
         windows.append(row)
+    refused = sum(not r["times"] for r in records)  # e.g. RESOURCE_EXHAUSTED: the waiting queue was full
     return {
         "requests": len(records),
         "failed": sum("error" in r for r in records),
-        "ttft_violation": sum(v > slo_ttft for _, v in ttft) / max(1, len(ttft)),
+        "refused": refused,
+        # a refused request never gets its first token: it misses the TTFT SLO
+        "ttft_violation": (sum(v > slo_ttft for _, v in ttft) + refused) / max(1, len(records)),
         "tpot_violation": sum(v > slo_tpot for _, v in gaps) / max(1, len(gaps)),
         "ttft_p90": float(np.percentile([v for _, v in ttft], 90)) if ttft else None,
         "tpot_p90": float(np.percentile([v for _, v in gaps], 90)) if gaps else None,
@@ -261,6 +265,7 @@ def main() -> int:
     ap.add_argument("--slo-tpot-ms", default="auto")
     ap.add_argument("--slo-factor", type=float, default=2.0, help="auto SLO = this x the median at capacity")
     ap.add_argument("--salc-window", type=float, default=5.0)
+    ap.add_argument("--salc-period", type=float, default=0.0, help="seconds between SALC updates (0: every step)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -285,6 +290,7 @@ def main() -> int:
         else:
             salc = ["--salc", "--slo-ttft-ms", f"{info['slo_ttft'] * 1e3:.1f}"]
             salc += ["--slo-tpot-ms", f"{info['slo_tpot'] * 1e3:.1f}", "--salc-window", str(args.salc_window)]
+            salc += ["--salc-period", str(args.salc_period)]
             server = Server(["--model", args.united, "--brownout-threshold", "1.0", *salc, *common], logs / "salc.log")
         try:
             server.wait_ready()
@@ -338,7 +344,7 @@ def main() -> int:
     print(f"\nplot: {args.png}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"info": info, "results": results}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"info": info, "results": results}) + "\n")
     return 0
 
 

@@ -129,6 +129,9 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--salc-increment", type=float, default=0.1)
     serve.add_argument("--salc-shrink-ratio", type=float, default=0.8)
     serve.add_argument(
+        "--salc-period", type=float, default=0.0, help="SALC: seconds between threshold updates (0: every step)"
+    )
+    serve.add_argument(
         "--api-key",
         default=os.environ.get("JAXMOE_API_KEY"),
         help="require this key (HTTP Authorization: Bearer KEY, gRPC metadata authorization) "
@@ -219,6 +222,7 @@ def cmd_serve(args) -> int:
                 args.salc_warning_factor,
                 args.salc_increment,
                 args.salc_shrink_ratio,
+                args.salc_period,
             )
     pipeline = None
     if args.pipeline is not None:

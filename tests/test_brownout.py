@@ -279,6 +279,25 @@ def test_salc_moves_the_threshold_of_a_serving_engine(united_dir):
         SALCConfig()
 
 
+def test_salc_period_spaces_the_updates(united_dir):
+    """With ``period_s`` Algorithm 2 runs at most once per period (samples are still taken every
+    step): on a frozen clock one update, one shrink (1.0 x 0.8); without a period, one per step."""
+    from jaxmoe.brownout.controller import BrownoutController, SALCConfig
+
+    out, _ = united_dir
+    got = {}
+    for period in (100.0, 0.0):
+        llm = LLM(out, dtype="float32", brownout=BrownoutConfig(threshold=1.0))
+        ctl = BrownoutController(llm.executor, SALCConfig(slo_ttft_s=1e-9, period_s=period), clock=lambda: 0.0)
+        llm.engine.step_hooks.append(ctl)
+        llm.generate(PROMPTS, GREEDY)
+        got[period] = ctl.state()["threshold"]
+    assert got[100.0] == pytest.approx(0.8)
+    assert got[0.0] < 0.8 * 0.8
+    with pytest.raises(BrownoutError, match="SALC period must be >= 0 seconds, got -1"):
+        SALCConfig(slo_ttft_s=1.0, period_s=-1)
+
+
 @pytest.mark.parametrize("seed,ways", [(0, 2), (1, 2), (2, 4)])
 def test_coactivation_grouping_recovers_planted_groups(seed, ways):
     from jaxmoe.brownout.united import group_by_coactivation

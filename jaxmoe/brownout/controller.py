@@ -2,7 +2,7 @@
 
 After every step: each request that got its first token in it adds a TTFT sample; a step that
 decoded adds its wall time as a TPOT sample (the time every decoding request waited for its next
-token). Then Algorithm 2 runs per phase that has an SLO and the executor's brownout threshold
+token). Then (after every step, or at most every ``period_s`` seconds) Algorithm 2 runs per phase that has an SLO and the executor's brownout threshold
 becomes the lower of the phases' thresholds (the stricter phase wins). ``state()`` is what metrics
 export (``jaxmoe_brownout_threshold``, the P90s).
 """
@@ -25,6 +25,7 @@ class SALCConfig:
     warning_factor: float = 0.8
     increment: float = 0.1
     shrink_ratio: float = 0.8
+    period_s: float = 0.0  # run Algorithm 2 at most this often (0: after every step); samples every step
 
     def __post_init__(self):
         if self.slo_ttft_s is None and self.slo_tpot_s is None:
@@ -37,6 +38,7 @@ class SALCConfig:
             warning_factor=self.warning_factor,
             increment=self.increment,
             shrink_ratio=self.shrink_ratio,
+            period=self.period_s,
         )
 
 
@@ -52,7 +54,7 @@ class BrownoutController:
             for phase, slo in (("ttft", config.slo_ttft_s), ("tpot", config.slo_tpot_s))
             if slo is not None
         }
-        self._last = None
+        self._last = self._updated = None
         self._seen_first: set[str] = set()
 
     @classmethod
@@ -77,6 +79,9 @@ class BrownoutController:
         if decoded and self._last is not None:
             self.analyzer.record("tpot", now - self._last, now)
         self._last = now
+        if self._updated is not None and now - self._updated < self.config.period_s:
+            return
+        self._updated = now
         thresholds = [salc.update(self.analyzer.p90(phase, now)) for phase, salc in self.salc.items()]
         self.executor.brownout_threshold = min(thresholds)
 

@@ -47,6 +47,7 @@ RANGES = {
     "slo_ttft_s": ("> 0 seconds", lambda v: v > 0),
     "slo_tpot_s": ("> 0 seconds", lambda v: v > 0),
     "window": ("> 0 seconds", lambda v: v > 0),
+    "period": (">= 0 seconds", lambda v: v >= 0),
     "warning_factor": ("in (0, 1]", lambda v: 0 < v <= 1),
     "increment": ("in (0, 1]", lambda v: 0 < v <= 1),
     "shrink_ratio": ("in (0, 1)", lambda v: 0 < v < 1),
