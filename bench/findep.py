@@ -81,7 +81,7 @@ class Runner:
         self.cfg, self.params, block = cfg, params, 16
         probe = DisaggregatedExecutor(cfg, params, 1, block, mesh)
         self.ag = probe.num_attention
-        slots = self.ag * rows * (-(-max_context // block) * block)
+        slots = self.ag * rows * (-(-2 * max_context // block) * block)
         self.ex = DisaggregatedExecutor(cfg, params, slots, block, probe.sub)
 
     def batch(self, rows, seq):
@@ -128,7 +128,9 @@ def cpu_part(args):
         f"{time.strftime('%Y-%m-%d')}, median of {args.steps} interleaved prefill steps"
     )
     t0 = time.perf_counter()
-    profile = profile_executor(run.ex, Sweep(rows=(1, 2, 4), contexts=(args.seq,), tokens=args.seq, repeats=3))
+    profile = profile_executor(
+        run.ex, Sweep(rows=(1, 2, 4), contexts=(args.seq, 2 * args.seq), tokens=args.seq, repeats=3)
+    )
     print(f"profile measured in {time.perf_counter() - t0:.0f} s; fits (R²):", end="")
     for s in ("attention", "shared", "a2e", "expert", "e2a"):
         m = getattr(profile.stages, s)

@@ -39,7 +39,8 @@ class StreamTracer:
     def __call__(self, phase: str, layer, out) -> None:
         stream = STREAM_OF.get(phase)
         if stream is not None and layer is not None:
-            self._queues[stream].put((phase, layer, time.perf_counter(), out))
+            # the first output only: later ones (the attention layer's KV cache) may be donated meanwhile
+            self._queues[stream].put((phase, layer, time.perf_counter(), jax.tree.leaves(out)[0]))
 
     def _watch(self, stream: str) -> None:
         last = 0.0
