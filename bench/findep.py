@@ -113,9 +113,6 @@ def cpu_part(args):
     from jaxmoe.llm import load_model
     from jaxmoe.planning import BatchShape, solve
     from jaxmoe.planning.measure import Sweep, plot_profile, profile_executor
-    from jaxmoe.planning.schedule import simulate
-    from jaxmoe.planning.solver import stage_times
-    from jaxmoe.runtime.pipeline import Pipeline
 
     model = Path(args.model) if args.model else write_checkpoint(Path(tempfile.mkdtemp()) / "dsv2")
     cfg, params, _ = load_model(model, "float32")
@@ -140,12 +137,23 @@ def cpu_part(args):
     if args.profile_plot:
         plot_profile(profile, args.profile_plot)
     tok = lambda rows, seq, t: rows * seq * run.ag / t  # noqa: E731
-    accuracy = []
 
     def predicted(p, rows, seq):
         shape = BatchShape(rows, seq, seq)
         return solve(profile, shape, orders=(p.order,), r1=p.r1, r2=p.r2).time_s
 
+    rows, seq = args.rows * 2, args.seq
+    if "cpu" in args.part.split(","):
+        tables(args, run, profile, predicted, tok, layers, seqs)
+    if args.plot:
+        timeline(args, run, profile, rows, seq, layers)
+
+
+def tables(args, run, profile, predicted, tok, layers, seqs):
+    from jaxmoe.planning import BatchShape, solve
+    from jaxmoe.runtime.pipeline import Pipeline
+
+    accuracy = []
     # Table 3: vs r1; Table 4: vs r2
     rows, seq = args.rows * 2, args.seq
     r1s = [Pipeline(r, "ASAS", 1) for r in (1, 2, 4)]
@@ -220,36 +228,50 @@ def cpu_part(args):
     )
     within = sum(abs(q - m) <= 0.15 * m for *_, m, q in accuracy)
     print(f"\nwithin 15 %: {within} of {len(accuracy)} configurations")
+    return accuracy
 
-    if args.plot:  # timeline of one layer: predicted (event model) vs measured (per-stream watchers)
-        from bench.findep_trace import StreamTracer, plot_timelines
 
-        p = Pipeline(2, "ASAS", 2)
-        argsb = run.batch(rows, seq)
-        run.ex.pipeline = p
-        jax.block_until_ready(run.ex.forward(*argsb))
-        tracer = StreamTracer()
-        run.ex.observer = tracer
-        jax.block_until_ready(run.ex.forward(*argsb))
-        run.ex.observer = None
-        tasks = tracer.close()
-        layer = layers // 2
-        mine = [x for x in tasks if x["layer"] == layer]
-        first = min(x["start"] for x in mine)
-        measured = [dict(x, start=x["start"] - first, end=x["end"] - first) for x in mine]
-        times = stage_times(profile, BatchShape(rows, seq, seq), rows // p.r1, p.r2)
-        _, events = simulate(times, p.order, p.r1, p.r2, (True,), timeline=True)
-        pred = [
-            {
-                "stream": "shared" if e.task == "shared" else e.resource,
-                "start": e.start,
-                "end": e.end,
-                "micro_batch": e.micro_batch,
-            }
-            for e in events
-        ]
-        plot_timelines(pred, measured, args.plot, f"one MoE layer, {p.order} r1={p.r1} r2={p.r2}, CPU mesh")
-        print(f"\ntimeline of layer {layer} written to {args.plot}")
+def timeline(args, run, profile, rows, seq, layers):
+    """One layer's timeline: predicted (event model) vs measured (per-stream watchers)."""
+    import jax
+
+    from bench.findep_trace import StreamTracer, plot_timelines
+    from jaxmoe.planning import BatchShape
+    from jaxmoe.planning.schedule import simulate
+    from jaxmoe.planning.solver import stage_times
+    from jaxmoe.runtime.pipeline import Pipeline
+
+    p = Pipeline(2, "ASAS", 2)
+    argsb = run.batch(rows, seq)
+    run.ex.pipeline = p
+    jax.block_until_ready(run.ex.forward(*argsb))
+    tracer = StreamTracer()
+    run.ex.observer = tracer
+    jax.block_until_ready(run.ex.forward(*argsb))
+    run.ex.observer = None
+    tasks = tracer.close()
+    layer = layers // 2
+    mine = [x for x in tasks if x["layer"] == layer]
+    first = min(x["start"] for x in mine)
+    seen: dict[str, int] = {}
+    measured = []
+    for x in sorted(mine, key=lambda x: x["start"]):  # micro-batch of each task, from dispatch order
+        n = seen[x["phase"]] = seen.get(x["phase"], -1) + 1
+        mb = n // p.r2 if x["phase"] in ("a2e", "expert", "e2a") else n
+        measured.append(dict(x, start=x["start"] - first, end=x["end"] - first, micro_batch=mb))
+    times = stage_times(profile, BatchShape(rows, seq, seq), rows // p.r1, p.r2)
+    _, events = simulate(times, p.order, p.r1, p.r2, (True,), timeline=True)
+    pred = [
+        {
+            "stream": "shared" if e.task == "shared" else e.resource,
+            "start": e.start,
+            "end": e.end,
+            "micro_batch": e.micro_batch,
+        }
+        for e in events
+    ]
+    plot_timelines(pred, measured, args.plot, f"one MoE layer, {p.order} r1={p.r1} r2={p.r2}, CPU mesh")
+    print(f"\ntimeline of layer {layer} written to {args.plot}")
 
 
 def sim_part():
@@ -332,12 +354,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--plot", default=None, help="PNG of one layer's timeline, predicted vs measured")
     ap.add_argument("--profile-plot", default=None, help="PNG of the measured profile against its fits")
-    ap.add_argument("--part", default="cpu,sim")
+    ap.add_argument("--part", default="cpu,sim", help="cpu (tables), sim, timeline (only the --plot)")
     args = ap.parse_args(argv)
     parts = args.part.split(",")
     if "sim" in parts:
         sim_part()
-    if "cpu" in parts:
+    if "cpu" in parts or "timeline" in parts:
         cpu_part(args)
     return 0
 
