@@ -18,6 +18,7 @@ from jaxmoe.compilation import enable_persistent_cache
 from jaxmoe.config import ModelConfig, load_config
 from jaxmoe.demo import DEMO_DIR, TINY_RANDOM, demo_config, demo_params
 from jaxmoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from jaxmoe.engine.rescale import RescaleResult
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 from jaxmoe.tokenizer import ByteTokenizer, load_tokenizer
@@ -57,7 +58,7 @@ def build_executor(
     """Monolithic executor by default; with a mesh file, the disaggregated one.
 
     ``executor_kwargs`` go to ``DisaggregatedExecutor`` (replica_policy, expert_impl, placement,
-    pipeline, ...). ``brownout``: a ``BrownoutConfig`` (monolithic executor only, so far).
+    pipeline, ...). ``brownout``: a ``BrownoutConfig`` (either executor).
     ``pipeline``: the disaggregated step's schedule, "sequential" (the default), "pppipe", "findep" or
     a dict {"order", "r1", "r2"}; ``pipeline_profile``: a ``jaxmoe profile`` JSON for "pppipe" /
     "findep" (``jaxmoe.planning.online``).
@@ -78,15 +79,12 @@ def build_executor(
         )
     if engine_config.expert_queues:
         raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
-    if brownout is not None:
-        from jaxmoe.brownout import BrownoutError
-
-        raise BrownoutError("brownout runs on the monolithic executor only (not built for a mesh yet)")
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
     kwargs = {
         "expert_impl": engine_config.expert_impl,
         "pause_every": engine_config.pause_every_for(cfg.num_layers),
+        "brownout": brownout,
         **(executor_kwargs or {}),
     }
     executor = DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **kwargs)
@@ -139,10 +137,12 @@ class LLM:
 
             params = attach(params, self.cfg, DEMO_DIR if str(model) == "demo" else model)
         self.engine_config = EngineConfig(**engine_kwargs)
-        self.executor = build_executor(
+        executor = build_executor(
             self.cfg, params, self.engine_config, mesh, executor_kwargs, brownout, pipeline, pipeline_profile
         )
-        self.engine = LLMEngine(self.cfg, self.executor, self.tokenizer, self.engine_config)
+        self.engine = LLMEngine(self.cfg, executor, self.tokenizer, self.engine_config)
+        keep = ("replica_policy", "aebs_impl", "interpret")  # what a rescaled executor is built with too
+        self.engine.rescaler.executor_kwargs = {k: v for k, v in (executor_kwargs or {}).items() if k in keep}
         self.controller = None
         if rebalance_every:
             from jaxmoe.runtime.controller import PlacementController
@@ -163,8 +163,29 @@ class LLM:
         return {k: conf[k] for k in ("temperature", "top_p", "top_k") if isinstance(conf.get(k), (int, float))}
 
     @property
+    def executor(self):
+        """The executor serving now (``rescale`` replaces it)."""
+        return self.engine.runner.executor
+
+    @property
     def params(self) -> dict:
         return self.executor.params
+
+    def rescale(
+        self, attention: int, experts: int, slots_per_instance: int | None = None, timeout: float = 600.0
+    ) -> RescaleResult:
+        """Change the number of attention and expert instances (mesh file engines): returns when the
+        new layout serves, with the stall it caused (``engine.rescale``: build in the background,
+        swap at a step boundary). For an idle engine (between ``generate`` calls). Raises ``RescaleError`` naming a value that does not fit."""
+        if self.engine.has_work():
+            raise RuntimeError(
+                "requests are in flight on this engine: call llm.engine.rescale(...) and keep stepping it"
+            )
+        job = self.engine.rescale(attention, experts, slots_per_instance)
+        if not job.wait_ready(timeout):
+            raise TimeoutError(f"rescale to {job.target} not built after {timeout}s")
+        self.engine.apply_rescale()  # idle: the job is done once swapped
+        return job.result()
 
     def generate(
         self,

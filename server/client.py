@@ -83,6 +83,13 @@ class JaxmoeClient:
     def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfoResponse:
         return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
+    def rescale(
+        self, attention: int, experts: int, slots_per_instance: int | None = None, timeout: float | None = 600.0
+    ) -> pb.RescaleResponse:
+        """Live re-scaling (admin; the API key when the server has one): returns when the new layout serves."""
+        req = pb.RescaleRequest(attention=attention, experts=experts, slots_per_instance=slots_per_instance)
+        return self.stub.Rescale(req, timeout=timeout, metadata=self.metadata)
+
     def health(self, service: str = "", timeout: float | None = 10.0) -> str:
         """ "SERVING" / "NOT_SERVING" (standard grpc.health.v1)."""
         resp = health_pb2_grpc.HealthStub(self.channel).Check(

@@ -1,4 +1,5 @@
-"""The gRPC front end (``jaxmoe.v1.Jaxmoe``): server-streaming ``Generate`` and ``ModelInfo``, plus
+"""The gRPC front end (``jaxmoe.v1.Jaxmoe``): server-streaming ``Generate``, ``ModelInfo`` and the admin
+``Rescale`` (live re-scaling, ``server.admin``; behind the API key like every RPC), plus
 the standard health service and server reflection (so ``grpcurl`` works without the .proto).
 
 Runs on ``grpc.aio`` (one event loop, shared with the HTTP front end); each ``Generate`` call admits
@@ -13,6 +14,7 @@ the request in the engine, which frees its KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import grpc
@@ -24,6 +26,7 @@ from jaxmoe.engine.outputs import RequestOutput
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
+from jaxmoe.server import admin
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
 from jaxmoe.server.security import ApiKeyInterceptor, SecurityOptions
@@ -114,6 +117,11 @@ def add_servicer(servicer: "JaxmoeServicer", server) -> None:
             request_deserializer=_lenient(pb.ModelInfoRequest.FromString),
             response_serializer=pb.ModelInfoResponse.SerializeToString,
         ),
+        "Rescale": grpc.unary_unary_rpc_method_handler(
+            servicer.Rescale,
+            request_deserializer=_lenient(pb.RescaleRequest.FromString),
+            response_serializer=pb.RescaleResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
@@ -187,6 +195,24 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
                 f"the request is not a ModelInfoRequest ({request.error})",
             )
         return self.info
+
+    async def Rescale(self, request, context):
+        """Live re-scaling: answers when the new layout serves (``server.admin.rescale`` in a thread)."""
+        if isinstance(request, Undecodable):
+            await self._reject(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "invalid",
+                f"the request is not a RescaleRequest ({request.error})",
+            )
+        payload = {"attention": request.attention, "experts": request.experts}
+        if request.HasField("slots_per_instance"):
+            payload["slots_per_instance"] = request.slots_per_instance
+        try:
+            result = await asyncio.to_thread(admin.rescale, self.engine, payload)
+        except admin.AdminError as e:
+            await context.abort(e.grpc_status, str(e))
+        return pb.RescaleResponse(**{k: v for k, v in result.items() if v is not None})
 
 
 def build_grpc_server(

@@ -26,6 +26,7 @@ from jaxmoe.engine.buckets import ShapePlan
 from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
 from jaxmoe.engine.policies import make_policy
+from jaxmoe.engine.rescale import RescaleJob, Rescaler
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
@@ -78,6 +79,8 @@ class LLMEngine:
         self.paused_state_bytes_max = 0  # the most device memory a paused step kept (hidden states)
         self.pauses_over_budget = 0  # pauses refused: the step's state exceeded max_paused_state_bytes
         self.expert_queue_depth: list[int] | None = None  # per expert, assignments queued at the latest expert pause
+        self.last_step_ran = False  # the latest step ran the model
+        self.rescaler = Rescaler(self)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -124,9 +127,23 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    # -- live re-scaling (engine.rescale) ----------------------------------------------------
+    def rescale(self, attention: int, experts: int, slots_per_instance: int | None = None) -> RescaleJob:
+        """Start changing the attention / expert instances (built in the background, swapped in at a
+        step boundary); raises ``RescaleError`` naming a value that does not fit (nothing changes)."""
+        return self.rescaler.start(attention, experts, slots_per_instance)
+
+    def apply_rescale(self) -> bool:
+        """Swap in a built rescale now (between steps; e.g. while idle); whether one was swapped."""
+        return self.rescaler.apply()
+
     # -- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        return self.rescaler.around_step(self._step)
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.last_step_ran = not batch.is_empty
         if batch.is_empty:
             return []
         pausable = self.config.layer_preemption and all(s.priority is Priority.BE for s in batch.seqs)

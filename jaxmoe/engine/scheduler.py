@@ -225,6 +225,28 @@ class Scheduler:
             self._preempt_recompute(seq, batch)
         return hit
 
+    def move_kv_to(self, bm: BlockManager) -> tuple[list[tuple[list[int], list[int]]], list[Sequence]]:
+        """Hand the KV of every sequence over to a new block manager (live re-scaling, between steps):
+        longest first, each sequence holding blocks gets as many from one partition of ``bm``; one
+        that does not fit is recompute-preempted (its tokens are kept). Returns the (old blocks, new
+        blocks) to copy and the recomputed sequences; ``bm`` is the allocator from now on."""
+        moves, recomputed = [], []
+        for seq in sorted((s for s in self._seqs.values() if s.has_kv), key=lambda s: -len(s.block_table)):
+            old, seq.block_table = seq.block_table, []
+            if bm.can_allocate(len(old) * bm.block_size):
+                bm.allocate(seq, len(old) * bm.block_size)
+                moves.append((old, list(seq.block_table)))
+            else:
+                seq.num_computed = seq.num_scheduled = 0
+                self._mark_preempted(seq, "recompute", ScheduledBatch())
+                recomputed.append(seq)
+        self.bm = bm
+        return moves, recomputed
+
+    def sequences(self) -> list[Sequence]:
+        """Every unfinished sequence."""
+        return list(self._seqs.values())
+
     def _mark_preempted(self, seq: Sequence, kind: str, batch: ScheduledBatch) -> None:
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1

@@ -50,6 +50,11 @@ class PlacementController:
         engine.step_hooks.append(controller)
         return controller
 
+    def rebind(self, executor: ReplicaPlacement) -> None:
+        """Place the replicas of ``executor`` from now on (live re-scaling swapped it in)."""
+        self.executor = executor
+        self._seen = executor.expert_coactivation()
+
     def __call__(self, engine=None) -> Rebalance | None:
         """An engine step hook: rebalance every ``every_steps`` calls (0: never)."""
         self._steps += 1

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoe.brownout.config import check_threshold
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import ClusterSpec, SubMeshes, build_meshes, load_mesh
@@ -108,8 +109,14 @@ class DisaggregatedExecutor:
         cache_dtype=None,
         pipeline: Pipeline | PipelineChooser | dict | str | None = None,
         pause_every: int = 1,
+        brownout=None,
+        placed_experts: dict | None = None,
     ):
-        """``pause_every``: with layer-level preemption, the pause points are every that many layers."""
+        """``pause_every``: with layer-level preemption, the pause points are every that many layers.
+        ``brownout``: a ``BrownoutConfig`` (BrownoutServe, in the expert program:
+        ``runtime.expert_brownout``); the params hold united experts.
+        ``placed_experts``: per MoE layer, its expert-side parameters already laid out on this
+        expert mesh by ``placement`` (``runtime.rescale``); ``params`` then has them in that form."""
         self.cfg, self.block_size = cfg, block_size
         if not isinstance(pause_every, int) or isinstance(pause_every, bool) or pause_every < 1:
             raise ValueError(
@@ -140,6 +147,7 @@ class DisaggregatedExecutor:
             aebs_impl=aebs_impl,
             expert_impl=self.expert_impl,
             interpret=interpret,
+            brownout=None if brownout is None else ("full" if brownout.use_full_brownout else "partial"),
         )
 
         # Attention side: everything but the routed experts, replicated on the attention mesh.
@@ -157,7 +165,9 @@ class DisaggregatedExecutor:
         self.pipeline = Pipeline.parse(pipeline)  # a PipelineChooser (a fixed Pipeline is one)
         self.last_pipeline: Pipeline | None = None  # what the last step ran
         # Expert side: router + slot arrays (+ shared experts) per MoE layer, on the expert mesh.
-        self.expert_side = ExpertSide(cfg, params, self.sub, self.experts, self.transfer, placement)
+        self.expert_side = ExpertSide(
+            cfg, params, self.sub, self.experts, self.transfer, placement, brownout, placed_experts
+        )
         self.moe_layers = self.expert_side.moe_layers
 
         # KV cache: slots padded to whole blocks per attention instance, sharded P("attn").
@@ -310,6 +320,26 @@ class DisaggregatedExecutor:
     def expert_coactivation(self) -> list[np.ndarray]:
         """Per MoE layer: cumulative co-activation counts [E, E] (``ExpertSide.coactivation``)."""
         return self.expert_side.coactivation()
+
+    @property
+    def brownout(self):
+        """The ``BrownoutConfig`` it was built with (None: without); ``BrownoutCapable``."""
+        return self.expert_side.brownout
+
+    @property
+    def brownout_threshold(self) -> float | None:
+        """The brownout threshold of the next steps (may change between steps; no recompile)."""
+        return self.expert_side.brownout_threshold
+
+    @brownout_threshold.setter
+    def brownout_threshold(self, value) -> None:
+        if self.expert_side.brownout is None:
+            raise ValueError("brownout_threshold: this executor was built without brownout")
+        self.expert_side.brownout_threshold = check_threshold(value)
+
+    def activated_experts(self) -> dict[int, tuple[int, int]]:
+        """Per MoE layer: distinct (original, united) experts the last step used (``ExpertSide``)."""
+        return self.expert_side.activated_experts()
 
     def activated_per_instance(self) -> dict[int, list[int]]:
         """Per MoE layer: distinct replicas each expert instance ran in the last step (AEBS's load).

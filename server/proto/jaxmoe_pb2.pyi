@@ -135,3 +135,45 @@ class ModelInfoResponse(_message.Message):
     num_kv_blocks: int
     kv_block_size: int
     def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_moe_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., mesh: _Optional[str] = ..., policy: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
+
+class RescaleRequest(_message.Message):
+    __slots__ = ("attention", "experts", "slots_per_instance")
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_PER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    attention: int
+    experts: int
+    slots_per_instance: int
+    def __init__(self, attention: _Optional[int] = ..., experts: _Optional[int] = ..., slots_per_instance: _Optional[int] = ...) -> None: ...
+
+class RescaleResponse(_message.Message):
+    __slots__ = ("attention", "experts", "slots_per_instance", "previous", "build_s", "swap_s", "first_step_s", "normal_step_s", "stall_ratio", "kv_blocks_moved", "sequences_recomputed", "expert_slots_local", "expert_slots_copied", "expert_bytes_copied")
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_PER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    BUILD_S_FIELD_NUMBER: _ClassVar[int]
+    SWAP_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    NORMAL_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    STALL_RATIO_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_SLOTS_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_SLOTS_COPIED_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    attention: int
+    experts: int
+    slots_per_instance: int
+    previous: str
+    build_s: float
+    swap_s: float
+    first_step_s: float
+    normal_step_s: float
+    stall_ratio: float
+    kv_blocks_moved: int
+    sequences_recomputed: int
+    expert_slots_local: int
+    expert_slots_copied: int
+    expert_bytes_copied: int
+    def __init__(self, attention: _Optional[int] = ..., experts: _Optional[int] = ..., slots_per_instance: _Optional[int] = ..., previous: _Optional[str] = ..., build_s: _Optional[float] = ..., swap_s: _Optional[float] = ..., first_step_s: _Optional[float] = ..., normal_step_s: _Optional[float] = ..., stall_ratio: _Optional[float] = ..., kv_blocks_moved: _Optional[int] = ..., sequences_recomputed: _Optional[int] = ..., expert_slots_local: _Optional[int] = ..., expert_slots_copied: _Optional[int] = ..., expert_bytes_copied: _Optional[int] = ...) -> None: ...

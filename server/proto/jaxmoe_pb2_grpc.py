@@ -44,6 +44,11 @@ class JaxmoeStub:
                 request_serializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Rescale = channel.unary_unary(
+                '/jaxmoe.v1.Jaxmoe/Rescale',
+                request_serializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.RescaleRequest.SerializeToString,
+                response_deserializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.RescaleResponse.FromString,
+                _registered_method=True)
 
 
 class JaxmoeServicer:
@@ -63,6 +68,13 @@ class JaxmoeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rescale(self, request, context):
+        """Live re-scaling (mesh-file engines): answers when the new layout serves, with the stall it caused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxmoeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_JaxmoeServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoRequest.FromString,
                     response_serializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'Rescale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rescale,
+                    request_deserializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.RescaleRequest.FromString,
+                    response_serializer=jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.RescaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +148,33 @@ class Jaxmoe:
             '/jaxmoe.v1.Jaxmoe/ModelInfo',
             jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoRequest.SerializeToString,
             jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rescale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxmoe.v1.Jaxmoe/Rescale',
+            jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.RescaleRequest.SerializeToString,
+            jaxmoe_dot_server_dot_proto_dot_jaxmoe__pb2.RescaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,275 @@
+"""Live re-scaling of a running engine: another number of attention and expert instances without a
+restart (JANUS 3.4 resource scaling), for the disaggregated executor.
+
+``LLMEngine.rescale(attention=N, experts=M)`` checks the request at once (``RescaleError`` naming
+the value; nothing changes) and returns a ``RescaleJob``. Then:
+
+1. **Build, in the background** (a thread; the old executor keeps serving): the new executor on the
+   new layout (``runtime.rescale.build_rescaled``: attention parameters copied to the new attention
+   devices; expert replicas kept on the devices that already hold them, only the others copied),
+   and every step program of the serving shapes compiled by running it on padding rows (no KV
+   written) -- the same shapes as warm-up.
+2. **Swap, at a step boundary** (the engine's thread, before the next step; ``apply_rescale`` when
+   the engine is idle): the KV blocks of live sequences get blocks in the new layout's allocator
+   (a partition of their own) and their KV is copied there (``runtime.rescale.move_kv``); a
+   sequence that does not fit is recompute-preempted (its tokens kept: it re-prefills over prompt
+   + generated tokens). The runner, block manager and scheduler then use the new layout.
+3. **Measured**: the swap time plus the first step on the new layout against a normal step (the
+   median of the recent steps that ran the model) is the stall (``RescaleResult``); the job is
+   done when the new layout has served a step (at once when idle).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import statistics
+import threading
+import time
+from typing import Protocol, runtime_checkable
+
+import jax
+
+from jaxmoe.engine.block_manager import BlockManager
+from jaxmoe.engine.model_runner import ModelRunner
+from jaxmoe.kv_layout import KVLayout
+from jaxmoe.mesh import MeshConfigError
+from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
+from jaxmoe.runtime.rescale import MoveStats, build_rescaled, move_kv, rescaled_spec
+
+
+class RescaleError(ValueError):
+    """A rescale that cannot be done (names the value); nothing was changed."""
+
+
+class RescaleInProgressError(RescaleError):
+    """A rescale arrived while another one is being built or swapped in."""
+
+
+@runtime_checkable
+class ExecutorBound(Protocol):
+    """A step hook that holds the executor (e.g. the placement controller): moved to the new one."""
+
+    def rebind(self, executor) -> None: ...
+
+
+@dataclasses.dataclass
+class RescaleResult:
+    attention: int  # instances now
+    experts: int
+    slots_per_instance: int
+    previous: str  # e.g. "2a6e"
+    build_s: float  # background: new executor + expert re-shard + compiling the step programs
+    swap_s: float  # at the step boundary: KV blocks moved, executor swapped
+    first_step_s: float | None  # the first step on the new layout (None: the engine was idle)
+    normal_step_s: float | None  # median of the recent steps before the swap (None: none ran)
+    stall_ratio: float | None  # (swap_s + first_step_s) / normal_step_s
+    kv_blocks_moved: int
+    sequences_recomputed: int
+    expert_slots_local: int  # new slots whose expert the device already held (no copy)
+    expert_slots_copied: int  # copied from another device
+    expert_bytes_copied: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class RescaleJob:
+    """One rescale: ``ready()`` once built and compiled, ``result(timeout)`` once the new layout serves
+    (raises the build's or the swap's error: the old layout then keeps serving)."""
+
+    def __init__(self, attention: int, experts: int, slots: int):
+        self.attention, self.experts, self.slots_per_instance = attention, experts, slots
+        self._ready, self._done = threading.Event(), threading.Event()
+        self._result: RescaleResult | None = None
+        self._error: BaseException | None = None
+        self.executor = self.runner = None
+        self.stats = MoveStats()
+        self.build_s = 0.0
+        self.swap_s: float | None = None
+        self.recomputed = 0
+        self.previous = ""
+
+    @property
+    def target(self) -> str:
+        return f"{self.attention}a{self.experts}e"
+
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> RescaleResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"rescale to {self.target} not done after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+        self._done.set()
+
+
+class Rescaler:
+    """The engine's live re-scaling (one at a time); ``LLMEngine.rescale`` / ``apply_rescale`` / ``step``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.executor_kwargs: dict = {}  # for the new executors (replica_policy, aebs_impl, interpret)
+        ex = engine.runner.executor
+        # expert slots a device's memory holds: the launch layout's (CPU devices report no memory limit)
+        self.max_slots_per_instance = ex.slots_per_instance if isinstance(ex, DisaggregatedExecutor) else None
+        self.job: RescaleJob | None = None
+        self.history: list[RescaleResult] = []
+        self._step_times: collections.deque[float] = collections.deque(maxlen=32)
+        self._lock = threading.Lock()
+
+    # -- request ------------------------------------------------------------------------------
+    def start(self, attention: int, experts: int, slots_per_instance: int | None = None) -> RescaleJob:
+        ex = self.engine.runner.executor
+        if not isinstance(ex, DisaggregatedExecutor):
+            raise RescaleError("rescale needs the disaggregated executor (start the engine with a mesh file)")
+        try:
+            spec = rescaled_spec(ex.sub.spec, attention, experts, slots_per_instance)
+        except MeshConfigError as e:
+            raise RescaleError(str(e)) from None
+        C, E = spec.experts.slots_per_instance, ex.cfg.moe.num_experts
+        limit = self.max_slots_per_instance
+        if limit is not None and C > limit:
+            raise RescaleError(f"slots_per_instance={C}: a device's memory holds {limit} expert slots")
+        if experts * C < E:
+            raise RescaleError(
+                f"experts={experts}: {E} experts need {math.ceil(E / experts)} slots per instance, "
+                f"memory holds {C} (experts x slots_per_instance = {experts * C} < {E})"
+            )
+        if (attention, experts, C) == (ex.num_attention, ex.num_expert_instances, ex.slots_per_instance):
+            raise RescaleError(f"the engine already runs {attention}a{experts}e with {C} slots per instance")
+        self._check_fits(self._kv_layout(attention))
+        with self._lock:
+            if self.job is not None:
+                raise RescaleInProgressError(
+                    f"a rescale to {self.job.target} is in progress; attention={attention}, experts={experts} "
+                    "was not started (retry when it is done)"
+                )
+            job = self.job = RescaleJob(attention, experts, C)
+        job.previous = f"{ex.num_attention}a{ex.num_expert_instances}e"
+        threading.Thread(target=self._build, args=(job, ex, spec), name="jaxmoe-rescale", daemon=True).start()
+        return job
+
+    def _kv_layout(self, attention: int) -> KVLayout:
+        cfg = self.engine.config
+        return KVLayout.for_slots(cfg.num_blocks * cfg.block_size, cfg.block_size, attention)
+
+    def _check_fits(self, layout: KVLayout) -> None:
+        """Every live request's longest context must fit one attention instance of ``layout``."""
+        per = layout.slots_per_instance
+        for seq in self.engine.scheduler.sequences():
+            need = len(seq.prompt_ids) + (seq.max_tokens or 0)
+            if need > per:
+                raise RescaleError(
+                    f"attention={layout.num_instances}: request {seq.request_id!r} may need {need} KV slots, "
+                    f"one attention instance would hold {per}"
+                )
+
+    def _build(self, job: RescaleJob, old, spec) -> None:
+        t0 = time.perf_counter()
+        try:
+            cfg = self.engine.config
+            job.executor, job.stats = build_rescaled(old, spec, cfg.num_blocks * cfg.block_size, **self.executor_kwargs)
+            runner = self.engine.runner
+            job.runner = ModelRunner(job.executor, runner.block_size, runner.max_blocks_per_seq, runner.plan)
+            for rows, tokens in runner.plan.shapes():  # compile by running on padding rows (no KV)
+                job.runner.warm(rows, tokens)
+                if cfg.layer_preemption:
+                    job.runner.warm(rows, tokens, layer_by_layer=True)
+            jax.block_until_ready(job.executor.cache)
+        except Exception as e:  # the old layout keeps serving
+            with self._lock:
+                self.job = None
+            job._fail(RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}"))
+            return
+        job.build_s = time.perf_counter() - t0
+        job._ready.set()
+
+    # -- at step boundaries (the engine's thread) ------------------------------------------------
+    def around_step(self, step):
+        """Swap in a built layout first, then run ``step()`` (timed)."""
+        job = self.job
+        if job is not None and job.ready() and job.swap_s is None:
+            self._swap(job)
+        t0 = time.perf_counter()
+        outputs = step()
+        dt = time.perf_counter() - t0
+        if self.engine.last_step_ran:
+            if job is not None and job.swap_s is not None and not job.done():
+                self._finish(job, dt)
+            else:
+                self._step_times.append(dt)
+        return outputs
+
+    def apply(self) -> bool:
+        """Swap in a built layout now (between steps); when the engine is idle the job is done at once.
+        Returns whether a swap happened."""
+        job = self.job
+        if job is None or not job.ready() or job.swap_s is not None:
+            return False
+        self._swap(job)
+        if job.swap_s is not None and not self.engine.has_work():
+            self._finish(job, None)
+        return True
+
+    def _swap(self, job: RescaleJob) -> None:
+        engine, t0 = self.engine, time.perf_counter()
+        new = job.executor
+        try:
+            self._check_fits(new.kv_layout)  # requests admitted while it was built
+        except RescaleError as e:
+            with self._lock:
+                self.job = None
+            job._fail(e)
+            return
+        old = engine.runner.executor
+        bm = BlockManager.for_layout(new.kv_layout)
+        moves, recomputed = engine.scheduler.move_kv_to(bm)
+        move_kv(old, new, moves, job.stats)
+        engine.block_manager, engine.runner = bm, job.runner
+        for hook in engine.step_hooks:
+            if isinstance(hook, ExecutorBound):
+                hook.rebind(new)
+        jax.block_until_ready(new.cache)
+        job.swap_s = time.perf_counter() - t0
+        job.recomputed = len(recomputed)
+        job.executor = job.runner = None
+
+    def _finish(self, job: RescaleJob, first_step_s: float | None) -> None:
+        normal = statistics.median(self._step_times) if self._step_times else None
+        stall = None if first_step_s is None or not normal else (job.swap_s + first_step_s) / normal
+        s = job.stats
+        job._result = RescaleResult(
+            job.attention,
+            job.experts,
+            job.slots_per_instance,
+            job.previous,
+            job.build_s,
+            job.swap_s,
+            first_step_s,
+            normal,
+            stall,
+            s.kv_blocks_moved,
+            job.recomputed,
+            s.expert_slots_local,
+            s.expert_slots_copied,
+            s.expert_bytes_copied,
+        )
+        self.history.append(job._result)
+        self._step_times.clear()  # the new layout's steps are the next baseline
+        with self._lock:
+            self.job = None
+        job._done.set()

@@ -1,0 +1,214 @@
+"""Live re-scaling of the disaggregated executor (JANUS 3.4 resource scaling): a new layout with
+another number of attention and expert instances on the same devices, built from the running one.
+
+* ``rescaled_spec``: the new ``ClusterSpec`` (attention instances on the lowest device indices,
+  expert instances on the next ones, one device each; the other devices idle).
+* ``reuse_placement``: the new slot -> expert table, keeping every expert a device already holds
+  where it is (so its weights are not copied), then giving the experts nobody holds a slot, then
+  redundant replicas in the spare slots.
+* ``reshard_experts``: the new slot arrays, one device at a time: a slot whose expert is already on
+  that device is a local slice; only the others are copied (one ``jax.device_put`` of one expert's
+  weights from a device that holds it).
+* ``build_rescaled``: the new ``DisaggregatedExecutor`` from the running one's parameters (attention
+  side: one ``device_put`` to the new attention mesh; expert side: ``reshard_experts``).
+* ``move_kv``: copies the KV blocks of live sequences from the old cache to their new blocks in the
+  new executor's cache (through host memory: the old cache is read, the moved blocks written).
+
+The engine side (background build and compile, the swap at a step boundary, the stall) is
+``jaxmoe.engine.rescale``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxmoe.mesh import ClusterSpec, Instances, MeshConfigError, SubMeshes
+from jaxmoe.runtime.replicas import ReplicaLayout
+
+_SLOT_KEYS = ("w_gate", "w_up", "w_down")
+
+
+def rescaled_spec(
+    spec: ClusterSpec, attention: int, experts: int, slots_per_instance: int | None = None
+) -> ClusterSpec:
+    """The layout with ``attention`` attention and ``experts`` expert instances (one device each) on
+    ``spec``'s devices: attention on device indices 0.., experts on the next ones, the rest idle.
+    ``slots_per_instance``: expert slots per instance (default: ``spec``'s). Raises
+    ``MeshConfigError`` naming the value that does not fit."""
+    for name, value in (("attention", attention), ("experts", experts)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise MeshConfigError(f"{name} must be a positive integer (instances), got {value!r}")
+    C = spec.experts.slots_per_instance if slots_per_instance is None else slots_per_instance
+    if not isinstance(C, int) or isinstance(C, bool) or C < 1:
+        raise MeshConfigError(f"slots_per_instance must be a positive integer, got {C!r}")
+    if spec.attention.devices_per_instance != 1 or spec.experts.devices_per_instance != 1:
+        raise MeshConfigError(f"{spec.source}: live re-scaling needs devices_per_instance: 1 on both sides")
+    if spec.shared_experts != "attention":
+        raise MeshConfigError(
+            f"{spec.source}: shared_experts: live re-scaling needs shared experts on the attention side"
+        )
+    if attention + experts > spec.num_devices:
+        raise MeshConfigError(
+            f"attention={attention} + experts={experts} = {attention + experts} instances do not fit "
+            f"the {spec.num_devices} devices of {spec.source}"
+        )
+    return dataclasses.replace(
+        spec,
+        attention=Instances(tuple((d,) for d in range(attention))),
+        experts=Instances(tuple((d,) for d in range(attention, attention + experts)), C),
+        source=f"{spec.source} rescaled to {attention}a{experts}e",
+    )
+
+
+def reuse_placement(old: ReplicaLayout, old_spec: ClusterSpec, new_spec: ClusterSpec) -> list[int]:
+    """slot -> expert of the new layout that keeps as many (device, expert) pairs as possible."""
+    E, C = old.num_experts, new_spec.experts.slots_per_instance
+    held = {inst[0]: [] for inst in old_spec.experts.devices}
+    for s, e in enumerate(old.slot_to_expert):
+        if e >= 0 and e not in held[old_spec.experts.devices[s // old.slots_per_instance][0]]:
+            held[old_spec.experts.devices[s // old.slots_per_instance][0]].append(e)
+    N = new_spec.experts.count
+    slots = [list(held.get(inst[0], []))[:C] for inst in new_spec.experts.devices]
+    reps = np.bincount([e for inst in slots for e in inst], minlength=E)
+    for e in [e for e in range(E) if reps[e] == 0]:  # experts no kept device holds
+        j = max(range(N), key=lambda j: (C - len(slots[j]), -j))
+        if len(slots[j]) == C:  # full: replace the copy of the most replicated expert
+            j, k = max(((j, k) for j in range(N) for k in range(C)), key=lambda jk: reps[slots[jk[0]][jk[1]]])
+            reps[slots[j][k]] -= 1
+            slots[j][k] = e
+        else:
+            slots[j].append(e)
+        reps[e] += 1
+    for j in range(N):  # spare slots: replicas of the least replicated experts not on the instance
+        while len(slots[j]) < C:
+            free = [e for e in range(E) if e not in slots[j]]
+            if not free:
+                slots[j].append(-1)
+                continue
+            e = min(free, key=lambda e: (reps[e], e))
+            slots[j].append(e)
+            reps[e] += 1
+    return [e for inst in slots for e in inst]
+
+
+@dataclasses.dataclass
+class MoveStats:
+    """What a re-layout copied: expert slots kept on their device (local slices), copied from
+    another device (with their bytes), and KV blocks moved."""
+
+    expert_slots_local: int = 0
+    expert_slots_copied: int = 0
+    expert_bytes_copied: int = 0
+    kv_blocks_moved: int = 0
+
+
+def reshard_experts(
+    placed: dict, old: ReplicaLayout, old_sub: SubMeshes, new: ReplicaLayout, new_sub: SubMeshes, stats: MoveStats
+) -> dict:
+    """One MoE layer's expert-side parameters (as ``expert_program.place_layer`` lays them out) moved
+    from layout ``old`` on ``old_sub`` to ``new`` on ``new_sub``: the router and other replicated
+    arrays go to the new expert mesh; a slot array's new slot is a slice of the same device's old
+    shard when that device held the expert, else one ``device_put`` from a device that does."""
+    rep = NamedSharding(new_sub.experts, P())
+    out = {k: jax.device_put(v, rep) for k, v in placed.items() if k not in _SLOT_KEYS}
+    C_old, C = old.slots_per_instance, new.slots_per_instance
+    old_dev = [old_sub.devices[inst[0]] for inst in old_sub.spec.experts.devices]
+    new_dev = [new_sub.devices[inst[0]] for inst in new_sub.spec.experts.devices]
+    sharding = NamedSharding(new_sub.experts, P("expert"))
+    for k in _SLOT_KEYS:
+        arr = placed[k]
+        shards = {sh.device: sh.data for sh in arr.addressable_shards}
+        per_device = []
+        for j, dev in enumerate(new_dev):
+            pieces = []
+            for s in range(j * C, (j + 1) * C):
+                e = new.slot_to_expert[s]
+                if e < 0:
+                    pieces.append(jax.device_put(np.zeros((1,) + arr.shape[1:], arr.dtype), dev))
+                    continue
+                hosts = old.replicas(e)
+                src = ([h for h in hosts if old_dev[h // C_old] == dev] or hosts)[0]
+                piece = shards[old_dev[src // C_old]][src % C_old : src % C_old + 1]
+                if old_dev[src // C_old] == dev:
+                    stats.expert_slots_local += 1
+                else:
+                    piece = jax.device_put(piece, dev)
+                    stats.expert_slots_copied += 1
+                    stats.expert_bytes_copied += piece.nbytes
+                pieces.append(piece)
+            per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        shape = (new.num_slots,) + arr.shape[1:]
+        out[k] = jax.make_array_from_single_device_arrays(shape, sharding, per_device, dtype=arr.dtype)
+    return out
+
+
+def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
+    """A ``DisaggregatedExecutor`` on layout ``spec`` built from the running executor ``old`` (read
+    only: ``old`` keeps serving meanwhile). Returns (executor, MoveStats of the expert re-shard)."""
+    from jaxmoe.runtime.disaggregated import DisaggregatedExecutor, _sub_meshes
+
+    if len({d.process_index for d in jax.devices()}) > 1:
+        raise MeshConfigError("live re-scaling runs in one process (the sub-meshes span processes)")
+    sub = _sub_meshes(spec)  # cached by spec: a layout seen before reuses its meshes and programs
+    side = old.expert_side
+    layouts, layers = dict(side.layouts), dict(side.layers)  # one snapshot (set_placement replaces both)
+    first = side.moe_layers[0]
+    placement = [reuse_placement(layouts[i], old.sub.spec, spec) for i in side.moe_layers]
+    new_layouts = {
+        i: ReplicaLayout(tuple(p), layouts[first].num_experts, spec.experts.count, spec.experts.slots_per_instance)
+        for i, p in zip(side.moe_layers, placement)
+    }
+    stats = MoveStats()
+    if side.brownout is None:
+        placed = {
+            i: reshard_experts(layers[i], layouts[i], old.sub, new_layouts[i], sub, stats) for i in side.moe_layers
+        }
+    else:  # the united experts' slots depend on the instance count: place everything again from the weights
+        placed = None
+    ex = DisaggregatedExecutor(
+        old.cfg,
+        old.params,
+        num_slots,
+        old.block_size,
+        sub,
+        placement=placement,
+        placed_experts=placed,
+        brownout=side.brownout,
+        expert_impl=old.expert_impl,
+        pause_every=old.pause_every,
+        pipeline=old.pipeline,
+        cache_dtype=jax.tree.leaves(old.cache)[0].dtype,
+        **executor_kwargs,
+    )
+    ex.timing = old.timing
+    if side.brownout is not None:  # SALC may have moved it since the start
+        ex.brownout_threshold = old.brownout_threshold
+    return ex, stats
+
+
+def move_kv(old, new, moves: list[tuple[list[int], list[int]]], stats: MoveStats) -> None:
+    """Copy the KV of blocks ``old_blocks`` of executor ``old``'s cache into blocks ``new_blocks`` of
+    ``new``'s cache, for each (old_blocks, new_blocks) of ``moves``; the other blocks of the new cache
+    are zeros. Through host memory: every layer's old cache is read once."""
+    bs = old.block_size
+    src = np.concatenate([np.asarray(o, np.int64) for o, _ in moves] or [np.zeros(0, np.int64)])
+    dst = np.concatenate([np.asarray(n, np.int64) for _, n in moves] or [np.zeros(0, np.int64)])
+    src_slots = (src[:, None] * bs + np.arange(bs)).reshape(-1)
+    dst_slots = (dst[:, None] * bs + np.arange(bs)).reshape(-1)
+    stats.kv_blocks_moved += len(src)
+    cache = []
+    for old_layer, new_layer in zip(old.cache, new.cache):
+        layer = {}
+        for key, leaf in old_layer.items():
+            target = new_layer[key]
+            host = np.zeros(target.shape, target.dtype)
+            if len(src_slots):
+                host[dst_slots] = np.asarray(leaf)[src_slots]
+            layer[key] = jax.device_put(host, target.sharding)
+        cache.append(layer)
+    new.cache = cache

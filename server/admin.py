@@ -1,0 +1,69 @@
+"""Admin operations, independent of the web framework: each takes the ``AsyncEngine`` and a JSON-like
+payload and returns a JSON-ready dict, raising ``AdminError`` (with the HTTP status and the gRPC
+status to answer) on bad input. The front ends only translate: the gRPC ``Rescale`` RPC
+(``grpc_service``) and, for HTTP, one line such as::
+
+    @app.post("/admin/rescale")        # behind the API key, like the other routes; AdminError ->
+    def admin_rescale(body: dict):     # its .http_status with {"error": str(e)}
+        return admin.rescale(engine, body)
+
+``rescale`` blocks until the new layout serves (run it in a worker thread from async code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import pydantic
+
+from jaxmoe.engine.rescale import RescaleError, RescaleInProgressError
+
+
+@dataclasses.dataclass
+class AdminError(Exception):
+    message: str
+    http_status: int = 400
+    grpc_status: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class RescaleRequest(pydantic.BaseModel):
+    """``POST /admin/rescale`` body: ``{"attention": N, "experts": M}`` (+ ``slots_per_instance``)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+    attention: int = pydantic.Field(ge=1)
+    experts: int = pydantic.Field(ge=1)
+    slots_per_instance: int | None = pydantic.Field(default=None, ge=1)
+
+
+def parse_rescale(payload) -> RescaleRequest:
+    """The validated request; ``AdminError`` naming the field otherwise."""
+    try:
+        return RescaleRequest.model_validate(payload)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "body"
+        raise AdminError(f"{field}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def rescale(async_engine, payload, timeout_s: float = 600.0) -> dict:
+    """Change the attention / expert instances of the running engine; returns ``RescaleResult``'s
+    fields once the new layout serves (build and compile in the background, swap at a step
+    boundary). Errors: 400 / INVALID_ARGUMENT (does not fit: nothing changed), 409 / ABORTED (one is
+    in progress), 504 / DEADLINE_EXCEEDED (not done in ``timeout_s``; it goes on)."""
+    req = parse_rescale(payload)
+    try:
+        job = async_engine.call(lambda e: e.rescale(req.attention, req.experts, req.slots_per_instance))
+        if not job.wait_ready(timeout_s):
+            raise TimeoutError(f"the {job.target} layout was not built in {timeout_s}s")
+        async_engine.call(lambda e: e.apply_rescale())  # swaps now when idle (else at the next step)
+        return job.result(timeout_s).as_dict()
+    except RescaleInProgressError as e:
+        raise AdminError(str(e), 409, grpc.StatusCode.ABORTED) from None
+    except RescaleError as e:
+        raise AdminError(str(e)) from None
+    except TimeoutError as e:
+        raise AdminError(f"rescale not done: {e}", 504, grpc.StatusCode.DEADLINE_EXCEEDED) from None

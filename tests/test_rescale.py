@@ -1,0 +1,195 @@
+"""Live re-scaling (``LLMEngine.rescale``): a bounded load of mixed requests while the layout changes
+three times on the 8-device CPU mesh (2a6e -> 4a4e -> 1a7e -> 2a6e); no request fails, every greedy
+output equals the request's standalone output (the monolithic executor, one request at a time), all
+KV blocks are free at the end, and each change reports its stall. Bad rescales change nothing.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from jaxmoe import LLM, SamplingParams
+from jaxmoe.engine.rescale import RescaleError, RescaleInProgressError
+
+ENGINE = dict(dtype="float32", num_blocks=64, block_size=8, max_num_seqs=4, max_prefill_chunk=16, max_batch_tokens=32)
+CHANGES = [(4, 4), (1, 7), (2, 6)]
+MAX_REQUESTS = 40
+
+
+def _prompt(i: int) -> list[int]:
+    rng = np.random.default_rng(i)
+    return [int(t) for t in rng.integers(3, 250, size=int(rng.integers(3, 30)))]
+
+
+def _sampling(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=6 + (i * 7) % 17, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint_dir):
+    return checkpoint_dir("mixtral")
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    return LLM(path, mesh="meshes/cpu-8.yaml", **ENGINE)
+
+
+def test_rescale_three_times_under_load(llm, path):
+    engine = llm.engine
+    final, added = {}, []
+
+    def add(i):
+        added.append(engine.add_request(_prompt(i), _sampling(i), "ls" if i % 3 == 0 else "be", f"r{i}"))
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+
+    for i in range(6):
+        add(i)
+    results = []
+    for attention, experts in CHANGES:
+        for _ in range(2):
+            step()
+        job = engine.rescale(attention, experts)
+        while not job.done():  # serve while the new layout is built; the swap happens in a step
+            live = len(engine.scheduler.sequences())
+            if job.ready() or live > 2:
+                step()
+            elif len(added) < MAX_REQUESTS:
+                add(len(added))
+            else:  # keep two requests in flight for the swap (their KV moves)
+                job.wait_ready(0.05)
+        results.append(job.result())
+        assert llm.executor.num_attention == attention and llm.executor.num_expert_instances == experts
+        add(len(added))
+    for _ in range(2000):  # bounded
+        if not engine.has_work():
+            break
+        step()
+
+    assert sorted(final) == sorted(added)
+    assert all(o.finish_reason == "length" and o.error is None for o in final.values())
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    mono = LLM(path, **ENGINE)
+    for rid in added:
+        i = int(rid[1:])
+        want = mono.generate([_prompt(i)], _sampling(i))[0].token_ids
+        assert final[rid].token_ids == want, rid
+
+    for r, (attention, experts) in zip(results, CHANGES):
+        assert (r.attention, r.experts) == (attention, experts)
+        assert r.swap_s > 0 and r.build_s > 0
+        assert r.expert_slots_local > 0  # experts a kept device already held are not copied
+        assert r.stall_ratio is not None and r.normal_step_s > 0
+        print(r.as_dict())
+    assert any(r.kv_blocks_moved > 0 for r in results)
+    assert [h.attention for h in engine.rescaler.history] == [a for a, _ in CHANGES]
+
+
+def _layout(llm):
+    ex = llm.executor
+    return ex.num_attention, ex.num_expert_instances, ex.slots_per_instance, ex.placement()
+
+
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        (dict(attention=5, experts=4), "attention=5 + experts=4 = 9 instances do not fit the 8 devices"),
+        (dict(attention=0, experts=6), "attention must be a positive integer"),
+        (dict(attention=2, experts="6"), "experts must be a positive integer"),
+        (dict(attention=7, experts=1), "experts=1: 8 experts need 8 slots per instance, memory holds 4"),
+        (dict(attention=2, experts=6, slots_per_instance=9), "slots_per_instance=9: a device's memory holds 4"),
+        (dict(attention=2, experts=6), "already runs 2a6e"),
+    ],
+)
+def test_bad_rescale_changes_nothing(llm, kwargs, names):
+    before = _layout(llm)
+    with pytest.raises(RescaleError, match=re.escape(names)):
+        llm.engine.rescale(**kwargs)
+    assert llm.engine.rescaler.job is None and _layout(llm) == before
+
+
+def test_rescale_while_one_is_in_progress(llm):
+    """A second rescale is refused while the first one is built; the first one still completes."""
+    job = llm.engine.rescale(4, 4)
+    with pytest.raises(RescaleInProgressError, match="a rescale to 4a4e is in progress; attention=1, experts=7"):
+        llm.engine.rescale(1, 7)
+    assert job.wait_ready(300)
+    llm.engine.apply_rescale()
+    assert job.result(1).attention == 4 and _layout(llm)[:2] == (4, 4)
+    assert llm.rescale(2, 6).experts == 6  # the notebook API; back to the launch layout
+
+
+def test_rescale_too_small_for_a_live_request(llm):
+    """4 attention instances hold 128 KV slots each; a live request that may need 200 would not fit."""
+    rid = llm.engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=163, ignore_eos=True))
+    try:
+        with pytest.raises(RescaleError, match=r"attention=4: request 'req-\d+' may need 200 KV slots.*hold 128"):
+            llm.engine.rescale(4, 4)
+    finally:
+        llm.engine.abort(rid)
+    assert _layout(llm)[:2] == (2, 6)
+
+
+def test_rescale_needs_a_mesh(path):
+    with pytest.raises(RescaleError, match="needs the disaggregated executor"):
+        LLM(path, **ENGINE).engine.rescale(2, 6)
+
+
+@pytest.mark.parametrize(
+    "payload, names",
+    [
+        ({"attention": 2}, "experts: Field required"),
+        ({"attention": "2", "experts": 6}, "attention: Input should be a valid integer (got '2')"),
+        ({"attention": 0, "experts": 6}, "attention: Input should be greater than or equal to 1 (got 0)"),
+        ({"attention": 2, "experts": 6, "gpus": 8}, "gpus: Extra inputs are not permitted"),
+        ([2, 6], "body: Input should be a valid dictionary"),
+    ],
+)
+def test_admin_payload_errors_name_the_field(payload, names):
+    from jaxmoe.server import admin
+
+    with pytest.raises(admin.AdminError, match=re.escape(names)) as err:
+        admin.parse_rescale(payload)
+    assert err.value.http_status == 400
+
+
+def test_grpc_rescale_behind_the_api_key_while_streaming(llm):
+    """``Rescale`` needs the API key; a bad one is INVALID_ARGUMENT naming the value; a good one
+    answers once 4a4e serves, while a streamed request goes on with its standalone tokens."""
+    import grpc
+
+    from jaxmoe.server.app import ServeOptions, ServerThread
+    from jaxmoe.server.client import JaxmoeClient
+    from jaxmoe.server.security import SecurityOptions
+
+    prompt, sampling = _prompt(101), SamplingParams(max_tokens=40, ignore_eos=True)
+    want = llm.generate([prompt], sampling)[0].token_ids
+    opts = ServeOptions(warmup=False, security=SecurityOptions(api_key="k3y"))
+    st = ServerThread(llm.engine, opts)
+    srv = st.start()
+    try:
+        with JaxmoeClient(srv.grpc_target) as anonymous, JaxmoeClient(srv.grpc_target, api_key="k3y") as admin:
+            with pytest.raises(grpc.RpcError) as err:
+                anonymous.rescale(4, 4)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as err:
+                admin.rescale(6, 6)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "attention=6 + experts=6 = 12 instances do not fit the 8 devices" in err.value.details()
+            stream = admin.generate(prompt, max_tokens=40, ignore_eos=True, temperature=0.0)
+            first = next(stream)
+            resp = admin.rescale(4, 4)
+            ids = list(first.delta_token_ids) + [t for c in stream for t in c.delta_token_ids]
+            assert (resp.attention, resp.experts, resp.previous) == (4, 4, "2a6e") and resp.swap_s > 0
+            assert ids == want
+            assert srv.async_engine.call(lambda e: e.runner.executor.num_attention) == 4
+            assert admin.rescale(2, 6).previous == "4a4e"
+    finally:
+        st.stop(abort_inflight=True)
