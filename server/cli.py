@@ -114,7 +114,14 @@ def register(sub, add_model_args) -> None:
     )
     serve.add_argument("--salc", action="store_true", help="SLO-aware latency control of the brownout threshold")
     serve.add_argument("--slo-ttft-ms", type=float, default=None, help="SALC: TTFT SLO (P90)")
-    serve.add_argument("--slo-tpot-ms", type=float, default=None, help="SALC: TPOT SLO (P90)")
+    serve.add_argument("--slo-tpot-ms", type=float, default=None, help="SALC and --autoscale: TPOT SLO (P90)")
+    serve.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="with --mesh and --slo-tpot-ms: the JANUS scaling controller changes the attention / expert "
+        "instances live (docs/scaling.md)",
+    )
+    serve.add_argument("--autoscale-interval", type=float, default=30.0, help="--autoscale: seconds between decisions")
     serve.add_argument("--salc-window", type=float, default=10.0, help="SALC: seconds of the P90 window (tw)")
     serve.add_argument("--salc-warning-factor", type=float, default=0.8)
     serve.add_argument("--salc-increment", type=float, default=0.1)
@@ -211,7 +218,14 @@ def cmd_serve(args) -> int:
                 args.salc_increment,
                 args.salc_shrink_ratio,
             )
+    if args.autoscale and not (args.mesh and args.slo_tpot_ms):
+        print("jaxmoe: --autoscale needs --mesh and --slo-tpot-ms", file=sys.stderr)
+        return 2
     engine = load_engine(args.model, config, args.mesh, args.dtype, args.rebalance_every, brownout, salc)
+    if args.autoscale:
+        from jaxmoe.scaling.autoscale import attach
+
+        attach(engine, args.slo_tpot_ms / 1e3, args.autoscale_interval)
     opts = ServeOptions(
         host=args.host,
         grpc_port=args.grpc_port,
