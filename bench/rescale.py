@@ -65,9 +65,10 @@ def main() -> None:
             prompt = [int(t) for t in rng.integers(3, 250, size=int(rng.integers(8, 60)))]
             engine.add_request(prompt, SamplingParams(max_tokens=int(rng.integers(24, 64)), ignore_eos=True))
 
-    def step() -> float:
+    def step(more: bool = True) -> float:
         nonlocal failed, finished
-        top_up()
+        if more:
+            top_up()
         t = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t
@@ -86,8 +87,13 @@ def main() -> None:
         r = job.result(60)
         normal = statistics.median(before)
         rows.append((r, normal, during, max(after) / normal))
-    while engine.has_work():
-        step()
+        print(
+            r.as_dict(), f"normal {normal:.4f}s, during build: {len(during)} steps, max {max(during, default=0):.3f}s"
+        )
+    for _ in range(100_000):  # drain (bounded)
+        if not engine.has_work():
+            break
+        step(more=False)
     bm = engine.block_manager
     print(
         f"\njax {jax.__version__} ({jax.device_count()} {jax.default_backend()} devices), {platform.processor() or platform.machine()}, "
