@@ -11,7 +11,7 @@ the old one serves, then swapped in at a step boundary. Reported per change:
                    what a stop-the-world change would stall for (the SGLang anchor of the issue:
                    ~1 s + ~20 ms per layer for an expert rebalance);
   swap_s           at the step boundary: KV blocks of live sequences copied, executor swapped;
-  stall ratio      (swap_s + first step on the new layout) / median step before the change;
+  swap step        (swap_s + first step on the new layout) / median of the steps before the change;
   worst after      the longest of the 5 steps after the swap / median step before;
   during build     median and max step while the build ran (it competes for the CPU cores);
   KV blocks moved, expert slots kept on their device (no copy) vs copied, bytes copied.
@@ -101,14 +101,14 @@ def main() -> None:
         f"KV blocks free at the end: {bm.num_free}/{bm.num_blocks}"
     )
     print(
-        "| change | build_s (stop-the-world) | swap_s | normal step | stall ratio | worst of 5 after | steps during build (median / max) | KV blocks moved | expert slots kept / copied (MiB) |"
+        "| change | build_s (stop-the-world) | swap_s | normal step | swap step / normal | worst of 5 after | steps during build (median / max) | KV blocks moved | expert slots kept / copied (MiB) |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r, normal, during, worst in rows:
         mid = statistics.median(during) if during else float("nan")
         print(
             f"| {r.previous} -> {r.attention}a{r.experts}e | {r.build_s:.2f} | {r.swap_s * 1e3:.1f} ms | {normal * 1e3:.1f} ms "
-            f"| {r.stall_ratio:.2f} | {worst:.2f} | {len(during)} steps, {mid * 1e3:.0f} / {max(during, default=0) * 1e3:.0f} ms "
+            f"| {(r.swap_s + r.first_step_s) / normal:.2f} | {worst:.2f} | {len(during)} steps, {mid * 1e3:.0f} / {max(during, default=0) * 1e3:.0f} ms "
             f"| {r.kv_blocks_moved} | {r.expert_slots_local} / {r.expert_slots_copied} ({r.expert_bytes_copied / 2**20:.1f}) |"
         )
 
