@@ -33,6 +33,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxmoe import LLM, SamplingParams  # noqa: E402
+from jaxmoe.compilation import compile_events  # noqa: E402
 
 
 def main() -> None:
@@ -83,10 +84,12 @@ def main() -> None:
         during = []
         while not job.ready():
             during.append(step())
+        programs = compile_events()["programs"]
         after = [step() for _ in range(6)]  # the first runs the swap
+        compiled = compile_events()["programs"] - programs
         r = job.result(60)
         normal = statistics.median(before)
-        rows.append((r, normal, during, max(after) / normal))
+        rows.append((r, normal, during, max(after) / normal, compiled))
         print(
             r.as_dict(), f"normal {normal:.4f}s, during build: {len(during)} steps, max {max(during, default=0):.3f}s"
         )
@@ -101,14 +104,14 @@ def main() -> None:
         f"KV blocks free at the end: {bm.num_free}/{bm.num_blocks}"
     )
     print(
-        "| change | build_s (stop-the-world) | swap_s | normal step | swap step / normal | worst of 5 after | steps during build (median / max) | KV blocks moved | expert slots kept / copied (MiB) |"
+        "| change | build_s (stop-the-world) | swap_s | normal step | swap step / normal | worst of 5 after | programs compiled after the swap | steps during build (median / max) | KV blocks moved | expert slots kept / copied (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r, normal, during, worst in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r, normal, during, worst, compiled in rows:
         mid = statistics.median(during) if during else float("nan")
         print(
             f"| {r.previous} -> {r.attention}a{r.experts}e | {r.build_s:.2f} | {r.swap_s * 1e3:.1f} ms | {normal * 1e3:.1f} ms "
-            f"| {(r.swap_s + r.first_step_s) / normal:.2f} | {worst:.2f} | {len(during)} steps, {mid * 1e3:.0f} / {max(during, default=0) * 1e3:.0f} ms "
+            f"| {(r.swap_s + r.first_step_s) / normal:.2f} | {worst:.2f} | {compiled} | {len(during)} steps, {mid * 1e3:.0f} / {max(during, default=0) * 1e3:.0f} ms "
             f"| {r.kv_blocks_moved} | {r.expert_slots_local} / {r.expert_slots_copied} ({r.expert_bytes_copied / 2**20:.1f}) |"
         )
 
