@@ -12,6 +12,11 @@ from jaxmoe.scaling.controller import Layout, Load
 ENGINE = dict(dtype="float32", num_blocks=64, block_size=8, max_num_seqs=4, max_prefill_chunk=16, max_batch_tokens=32)
 
 
+@pytest.fixture(scope="module")
+def llm(checkpoint_dir):
+    return LLM(checkpoint_dir("mixtral"), mesh="meshes/cpu-8.yaml", **ENGINE)
+
+
 class Scripted:
     """A controller that answers the next layout of its script (``ScalingController``'s interface)."""
 
@@ -31,8 +36,26 @@ def test_layouts_that_fit_the_cpu_mesh():
     assert Layout(2, 1, 1) not in got  # 4 slots cannot hold 8 experts
 
 
-def test_autoscaler_rescales_the_engine_when_the_decision_changes(checkpoint_dir):
-    llm = LLM(checkpoint_dir("mixtral"), mesh="meshes/cpu-8.yaml", **ENGINE)
+def test_attach_builds_the_real_controller(llm):
+    scaler = attach(llm.engine, slo_tpot_s=0.05, interval_s=3600)
+    assert scaler in llm.engine.step_hooks
+    assert scaler.controller.current == Layout(8, 2, 6)
+    assert Layout(8, 4, 4) in scaler.controller.layouts
+    shape = scaler.controller.pm.model
+    assert shape.experts == 8 and 0 < shape.expert_bytes_total < shape.expert_bytes_total + shape.other_bytes_total
+    try:
+        decision = scaler.decide()  # a real decision over the fitting layouts
+        assert decision.layout in scaler.controller.layouts
+    finally:
+        llm.engine.step_hooks.remove(scaler)
+        if llm.engine.rescaler.job is not None:  # it may have started one: let it finish
+            assert llm.engine.rescaler.job.wait_ready(300)
+            llm.engine.apply_rescale()
+        if llm.executor.num_attention != 2:
+            llm.rescale(2, 6)
+
+
+def test_autoscaler_rescales_the_engine_when_the_decision_changes(llm):
     engine = llm.engine
     now = [0.0]
     ctl = Scripted([Layout(8, 2, 6), Layout(8, 4, 4)])
@@ -58,18 +81,6 @@ def test_autoscaler_rescales_the_engine_when_the_decision_changes(checkpoint_dir
     assert job.wait_ready(300)
     engine.apply_rescale()  # idle: swapped now (serving, it is swapped at the next step)
     assert job.result(60).attention == 4 and llm.executor.num_attention == 4
-
-
-def test_attach_builds_the_real_controller(checkpoint_dir):
-    llm = LLM(checkpoint_dir("mixtral"), mesh="meshes/cpu-8.yaml", **ENGINE)
-    scaler = attach(llm.engine, slo_tpot_s=0.05, interval_s=3600)
-    assert scaler in llm.engine.step_hooks
-    assert scaler.controller.current == Layout(8, 2, 6)
-    assert Layout(8, 4, 4) in scaler.controller.layouts
-    shape = scaler.controller.pm.model
-    assert shape.experts == 8 and 0 < shape.expert_bytes_total < shape.expert_bytes_total + shape.other_bytes_total
-    decision = scaler.decide()  # a real decision over the fitting layouts
-    assert decision.layout in scaler.controller.layouts
 
 
 def test_serve_autoscale_needs_a_mesh_and_an_slo(capsys):
