@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmoe.checkpoint import is_converted, load_params, restore_converted
 from jaxmoe.compilation import enable_persistent_cache
@@ -51,13 +52,20 @@ def build_executor(
     mesh=None,
     executor_kwargs: dict | None = None,
     brownout=None,
+    pipeline=None,
+    pipeline_profile=None,
 ):
     """Monolithic executor by default; with a mesh file, the disaggregated one.
 
     ``executor_kwargs`` go to ``DisaggregatedExecutor`` (replica_policy, expert_impl, placement,
-    pipeline, ...). ``brownout``: a ``BrownoutConfig`` (monolithic executor only, so far).
+    pipeline, ...). ``brownout``: a ``BrownoutConfig`` (either executor).
+    ``pipeline``: the disaggregated step's schedule, "sequential" (the default), "pppipe", "findep" or
+    a dict {"order", "r1", "r2"}; ``pipeline_profile``: a ``jaxmoe profile`` JSON for "pppipe" /
+    "findep" (``jaxmoe.planning.online``).
     """
     num_slots = engine_config.num_blocks * engine_config.block_size
+    if mesh is None and pipeline not in (None, "sequential"):
+        raise ValueError(f"pipeline {pipeline!r}: pipelined schedules run on a disaggregated mesh; give mesh=FILE")
     if mesh is None:
         return MonolithicExecutor(
             cfg,
@@ -71,18 +79,30 @@ def build_executor(
         )
     if engine_config.expert_queues:
         raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
-    if brownout is not None:
-        from jaxmoe.brownout import BrownoutError
-
-        raise BrownoutError("brownout runs on the monolithic executor only (not built for a mesh yet)")
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
     kwargs = {
         "expert_impl": engine_config.expert_impl,
         "pause_every": engine_config.pause_every_for(cfg.num_layers),
+        "brownout": brownout,
         **(executor_kwargs or {}),
     }
-    return DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **kwargs)
+    executor = DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **kwargs)
+    if pipeline is not None or pipeline_profile is not None:
+        from jaxmoe.planning.online import pipeline_chooser
+
+        dtype = np.dtype(params["embed"].dtype)
+        executor.pipeline = pipeline_chooser(
+            "sequential" if pipeline is None else pipeline,
+            cfg,
+            executor.sub.spec,
+            str(dtype),
+            dtype.itemsize,
+            profile=pipeline_profile,
+            max_rows=engine_config.max_num_seqs,
+            max_tokens=engine_config.max_batch_tokens,
+        )
+    return executor
 
 
 class LLM:
@@ -97,12 +117,17 @@ class LLM:
         executor_kwargs: dict | None = None,
         rebalance_every: int = 0,
         brownout=None,
+        pipeline=None,
+        pipeline_profile=None,
         **engine_kwargs,
     ):
         """``rebalance_every``: with a mesh, re-place the expert replicas from recent activations
         every that many steps (``runtime.controller.PlacementController``, JANUS Algorithm 2).
         ``brownout``: a ``BrownoutConfig`` (BrownoutServe); the model directory must hold united
         experts (``jaxmoe unite``); ``llm.executor.brownout_threshold`` may change between steps.
+        ``pipeline`` / ``pipeline_profile`` (with a mesh): the step's schedule, "sequential" (default),
+        "pppipe", "findep" or {"order": "ASAS", "r1": 2, "r2": 4}, and the profile the solver uses
+        (``build_executor``, ``jaxmoe.planning.online``).
         Compiled programs go to the persistent compilation cache (``jaxmoe.compilation``)."""
         enable_persistent_cache()
         self.model = model
@@ -112,7 +137,9 @@ class LLM:
 
             params = attach(params, self.cfg, DEMO_DIR if str(model) == "demo" else model)
         self.engine_config = EngineConfig(**engine_kwargs)
-        executor = build_executor(self.cfg, params, self.engine_config, mesh, executor_kwargs, brownout)
+        executor = build_executor(
+            self.cfg, params, self.engine_config, mesh, executor_kwargs, brownout, pipeline, pipeline_profile
+        )
         self.engine = LLMEngine(self.cfg, executor, self.tokenizer, self.engine_config)
         keep = ("replica_policy", "aebs_impl", "interpret")  # what a rescaled executor is built with too
         self.engine.rescaler.executor_kwargs = {k: v for k, v in (executor_kwargs or {}).items() if k in keep}

@@ -50,10 +50,14 @@ def load_engine(
     rebalance_every: int = 0,
     brownout=None,
     salc=None,
+    *,
+    pipeline=None,
+    pipeline_profile=None,
 ) -> LLMEngine:
     """The engine ``jaxmoe serve`` runs; ``rebalance_every`` > 0 attaches the expert placement
     controller (a mesh file is needed); ``brownout`` (a ``BrownoutConfig``, the model directory
-    holding united experts) and ``salc`` (a ``SALCConfig``: SLO-aware control of its threshold)."""
+    holding united experts) and ``salc`` (a ``SALCConfig``: SLO-aware control of its threshold);
+    ``pipeline`` / ``pipeline_profile``: the disaggregated step's schedule (``llm.build_executor``)."""
     from jaxmoe.compilation import enable_persistent_cache
     from jaxmoe.llm import build_executor, load_model
 
@@ -65,7 +69,12 @@ def load_engine(
 
         params = attach(params, cfg, DEMO_DIR if str(model) == "demo" else model)
     engine = LLMEngine(
-        cfg, build_executor(cfg, params, engine_config, mesh, brownout=brownout), tokenizer, engine_config
+        cfg,
+        build_executor(
+            cfg, params, engine_config, mesh, brownout=brownout, pipeline=pipeline, pipeline_profile=pipeline_profile
+        ),
+        tokenizer,
+        engine_config,
     )
     if salc is not None:
         BrownoutController.attach(engine, salc)

@@ -80,6 +80,15 @@ def register(sub, add_model_args) -> None:
         help="with --mesh: re-place expert replicas from recent activations every N steps",
     )
     serve.add_argument(
+        "--pipeline",
+        default=None,
+        help="with --mesh: the step's schedule, sequential (default) | pppipe | findep | a JSON object like "
+        '\'{"order": "ASAS", "r1": 2, "r2": 4}\' (docs/findep.md)',
+    )
+    serve.add_argument(
+        "--pipeline-profile", default=None, help="profile JSON (`jaxmoe profile`) for --pipeline pppipe/findep"
+    )
+    serve.add_argument(
         "--max-prefill-chunk", type=int, default=512, help="tokens of one prefill chunk (longer prompts are chunked)"
     )
     serve.add_argument(
@@ -221,7 +230,22 @@ def cmd_serve(args) -> int:
     if args.autoscale and not (args.mesh and args.slo_tpot_ms):
         print("jaxmoe: --autoscale needs --mesh and --slo-tpot-ms", file=sys.stderr)
         return 2
-    engine = load_engine(args.model, config, args.mesh, args.dtype, args.rebalance_every, brownout, salc)
+    pipeline = None
+    if args.pipeline is not None:
+        from jaxmoe.planning.online import parse_pipeline
+
+        pipeline = parse_pipeline(args.pipeline)
+    engine = load_engine(
+        args.model,
+        config,
+        args.mesh,
+        args.dtype,
+        args.rebalance_every,
+        brownout,
+        salc,
+        pipeline=pipeline,
+        pipeline_profile=args.pipeline_profile,
+    )
     if args.autoscale:
         from jaxmoe.scaling.autoscale import attach
 

@@ -162,6 +162,17 @@ class _EngineCollector:
                 if value is not None:
                     p90.add_metric([phase], value)
             yield p90
+        used = snap.get("activated_experts")
+        if used is not None:
+            g = GaugeMetricFamily(
+                "jaxmoe_activated_experts",
+                "Distinct experts a step read, summed over MoE layers (kind original | united: brownout "
+                "replaces groups of original experts by united ones), the last step sampled",
+                labels=["kind"],
+            )
+            g.add_metric(["original"], used["original"])
+            g.add_metric(["united"], used["united"])
+            yield g
         counts = snap.get("expert_counts")
         if counts:
             act = CounterMetricFamily(

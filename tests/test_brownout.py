@@ -180,24 +180,46 @@ def test_bad_brownout_input(checkpoint_dir, tmp_path, capsys):
     from jaxmoe.cli import main
 
     for bad in (-0.1, 1.5, float("nan"), True):
-        with pytest.raises(BrownoutError, match="threshold"):
+        with pytest.raises(BrownoutError, match=rf"threshold must be a number in \[0, 1\], got {bad!r}"):
             BrownoutConfig(threshold=bad)
     with pytest.raises(BrownoutError, match="ways 3 must be >= 2 and divide the 8 experts"):
         unite(checkpoint_dir("mixtral"), 3, tmp_path / "x", progress=False)
-    with pytest.raises(BrownoutError, match="no united experts"):
+    assert main(["unite", "--model", str(checkpoint_dir("mixtral")), "--ways", "16", "--out", str(tmp_path / "y")]) == 2
+    assert "ways 16 must be >= 2 and divide the 8 experts" in capsys.readouterr().err
+    with pytest.raises(BrownoutError, match=f"{checkpoint_dir('mixtral')} has no united experts"):
         LLM(checkpoint_dir("mixtral"), brownout=BrownoutConfig(0.5))
-    with pytest.raises(BrownoutError, match="monolithic"):
-        from jaxmoe.llm import build_executor, load_model
-
-        cfg, params, _ = load_model(checkpoint_dir("mixtral"))
-        from jaxmoe.engine.engine import EngineConfig
-
-        build_executor(cfg, params, EngineConfig(), "meshes/cpu-8.yaml", brownout=BrownoutConfig(0.5))
+    llm = LLM(checkpoint_dir("mixtral"), dtype="float32", num_blocks=8)
+    with pytest.raises(ValueError, match="built without brownout"):
+        llm.executor.brownout_threshold = 0.5
     assert main(["eval", "--model", str(checkpoint_dir("mixtral")), "--brownout-threshold", "2"]) == 2
-    assert "threshold" in capsys.readouterr().err
-    for kw in (dict(slo=0), dict(slo=1, warning_factor=1.5), dict(slo=1, increment=0), dict(slo=1, shrink_ratio=1.0)):
-        with pytest.raises(BrownoutError, match="SALC"):
+    assert "threshold must be a number in [0, 1], got 2.0" in capsys.readouterr().err
+    for kw, msg in (
+        (dict(slo=0), "SALC slo must be > 0, got 0"),
+        (dict(slo=1, warning_factor=1.5), r"SALC warning_factor must be in \(0, 1\], got 1.5"),
+        (dict(slo=1, increment=0), r"SALC increment must be in \(0, 1\], got 0"),
+        (dict(slo=1, shrink_ratio=1.0), r"SALC shrink_ratio must be in \(0, 1\), got 1.0"),
+        (dict(slo=float("inf")), "SALC slo must be > 0, got inf"),
+    ):
+        with pytest.raises(BrownoutError, match=msg):
             SALC(**kw)
+    from jaxmoe.brownout.controller import SALCConfig
+
+    for kw, msg in (
+        (dict(slo_tpot_s=-0.1), "SALC slo_tpot_s must be > 0 seconds, got -0.1"),
+        (dict(slo_ttft_s=1.0, window_s=0), "SALC window must be > 0 seconds, got 0"),
+        (dict(slo_ttft_s=1.0, shrink_ratio=2.0), r"SALC shrink_ratio must be in \(0, 1\), got 2.0"),
+    ):
+        with pytest.raises(BrownoutError, match=msg):
+            SALCConfig(**kw)
+    serve = ["serve", "--model", str(checkpoint_dir("mixtral")), "--grpc-port", "0", "--http-port", "0"]
+    assert main(serve + ["--salc", "--slo-tpot-ms", "100", "--salc-shrink-ratio", "1.5"]) == 2
+    assert "SALC shrink_ratio must be in (0, 1), got 1.5" in capsys.readouterr().err
+    assert main(serve + ["--salc"]) == 2
+    assert "SALC needs an SLO" in capsys.readouterr().err
+    assert main(serve + ["--brownout-threshold", "-1"]) == 2
+    assert "threshold must be a number in [0, 1], got -1.0" in capsys.readouterr().err
+    assert main(serve + ["--brownout-threshold", "0.5"]) == 2  # the checkpoint has no united experts
+    assert "has no united experts" in capsys.readouterr().err
 
 
 def test_salc_is_algorithm_2():

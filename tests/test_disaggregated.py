@@ -151,8 +151,8 @@ def test_shared_experts_on_expert_side(llms):
 # --------------------------------------------------------------------------- placement on devices
 
 
-@pytest.mark.parametrize("order", ["ASAS", "AASS"])
-def test_fine_grained_pipeline_equals_monolithic(llms, checkpoint_dir, order):
+@pytest.mark.parametrize("order,r2", [("ASAS", 1), ("AASS", 2)])
+def test_fine_grained_pipeline_equals_monolithic(llms, checkpoint_dir, order, r2):
     """FinDEP: rows in r1 = 2 micro-batches per step, shared experts as their own program dispatched
     after the experts; the same logits and greedy tokens as the monolithic runtime."""
     mono = llms("deepseek_v2")
@@ -160,7 +160,7 @@ def test_fine_grained_pipeline_equals_monolithic(llms, checkpoint_dir, order):
         checkpoint_dir("deepseek_v2"),
         dtype="float32",
         mesh="meshes/cpu-8.yaml",
-        executor_kwargs={"pipeline": {"r1": 2, "order": order}},
+        executor_kwargs={"pipeline": {"r1": 2, "order": order, "r2": r2}},
         **ENGINE,
     )
     executor = dis.engine.runner.executor
@@ -174,6 +174,10 @@ def test_fine_grained_pipeline_equals_monolithic(llms, checkpoint_dir, order):
     attention = [p for p in seen if p == ("attention", last)]
     heads = [p for p in seen if p[0] == "head"]
     assert len(attention) == len(heads) and len(heads) > 2 * 14  # two micro-batches in (most) steps
+    experts = [p for p in seen if p == ("expert", last)]
+    # prefill micro-batches (2 rows x 5+ tokens per instance) run in r2 chunks; decode (1 token) in one
+    assert (len(experts) > len(attention)) == (r2 > 1)
+    assert (("split", last) in seen) == (r2 > 1)
     order_seen = [p for p, layer in seen if layer == last and p in ("attention", "shared")][:4]
     assert order_seen == (
         ["attention", "shared"] * 2 if order == "ASAS" else ["attention", "attention", "shared", "shared"]
@@ -186,7 +190,15 @@ def test_pipeline_settings_are_checked():
     from jaxmoe.runtime.pipeline import Pipeline
 
     assert Pipeline.parse({"r1": 4, "order": "AASS"}).micro_batches(6) == 3
-    for bad, match in (({"r1": 0}, "r1"), ({"order": "SASA"}, "order"), ({"r2": 2}, "unknown")):
+    assert Pipeline.parse({"r1": 4, "r2": 4}).for_batch(6, 5) == Pipeline(3, "ASAS", 2)  # 2 rows x 5 tokens
+    assert Pipeline.parse("sequential") == Pipeline(1, "PP", 1)
+    for bad, match in (
+        ({"r1": 0}, "r1"),
+        ({"r2": 0}, "r2=0|r2 must"),
+        ({"order": "SASA"}, "order"),
+        ({"r3": 2}, "unknown"),
+        ("fastest", "'fastest'"),
+    ):
         with pytest.raises(ValueError, match=match):
             Pipeline.parse(bad)
 

@@ -30,6 +30,6 @@ def test_executors_implement_the_protocol(mesh):
     counts = ex.expert_activation_counts()
     assert counts is None if mesh is None else len(counts) == llm.cfg.num_moe_layers
     assert "layers" in ex.params
-    # capabilities: replica placement on a mesh, a brownout threshold on the monolithic executor
+    # capabilities: replica placement on a mesh, a brownout threshold on both executors
     assert isinstance(ex, ReplicaPlacement) == bool(mesh)
-    assert isinstance(ex, BrownoutCapable) != bool(mesh)
+    assert isinstance(ex, BrownoutCapable) and ex.brownout is None and ex.brownout_threshold is None

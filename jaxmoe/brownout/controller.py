@@ -13,7 +13,7 @@ import dataclasses
 import time
 
 from jaxmoe.brownout.config import BrownoutError
-from jaxmoe.brownout.salc import SALC, SLOAnalyzer
+from jaxmoe.brownout.salc import SALC, SLOAnalyzer, check_salc
 from jaxmoe.runtime.executor import BrownoutCapable
 
 
@@ -29,6 +29,15 @@ class SALCConfig:
     def __post_init__(self):
         if self.slo_ttft_s is None and self.slo_tpot_s is None:
             raise BrownoutError("SALC needs an SLO: slo_ttft_s and/or slo_tpot_s")
+        for name, value in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
+            if value is not None:
+                check_salc(**{name: value})
+        check_salc(
+            window=self.window_s,
+            warning_factor=self.warning_factor,
+            increment=self.increment,
+            shrink_ratio=self.shrink_ratio,
+        )
 
 
 class BrownoutController:

@@ -42,6 +42,26 @@ class SLOAnalyzer:
         return float(np.percentile([v for _, v in q], 90)) if q else None
 
 
+RANGES = {
+    "slo": ("> 0", lambda v: v > 0),
+    "slo_ttft_s": ("> 0 seconds", lambda v: v > 0),
+    "slo_tpot_s": ("> 0 seconds", lambda v: v > 0),
+    "window": ("> 0 seconds", lambda v: v > 0),
+    "warning_factor": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "increment": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "shrink_ratio": ("in (0, 1)", lambda v: 0 < v < 1),
+}
+
+
+def check_salc(**values) -> None:
+    """Each SALC parameter (``RANGES``) a finite number in its range, else a ``BrownoutError``
+    naming the parameter, its range and the value."""
+    for name, value in values.items():
+        what, ok = RANGES[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            raise BrownoutError(f"SALC {name} must be {what}, got {value!r}")
+
+
 @dataclasses.dataclass
 class SALC:
     slo: float  # seconds
@@ -51,14 +71,9 @@ class SALC:
     threshold: float = 1.0
 
     def __post_init__(self):
-        for name, value, ok in (
-            ("slo", self.slo, self.slo > 0),
-            ("warning_factor", self.warning_factor, 0 < self.warning_factor <= 1),
-            ("increment", self.increment, 0 < self.increment <= 1),
-            ("shrink_ratio", self.shrink_ratio, 0 < self.shrink_ratio < 1),
-        ):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
-                raise BrownoutError(f"SALC {name} out of range: {value!r}")
+        check_salc(
+            slo=self.slo, warning_factor=self.warning_factor, increment=self.increment, shrink_ratio=self.shrink_ratio
+        )
         self.threshold = check_threshold(self.threshold)
 
     def update(self, latency: float | None) -> float:

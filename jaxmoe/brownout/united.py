@@ -2,7 +2,8 @@
 distilled to reproduce the group's outputs, saved beside a checkpoint, and attached to its params.
 
 ``unite(model_dir, ways, out_dir)``: for every MoE layer, the layer's inputs (post-attention-norm
-hidden states) are collected from real forward passes over text; experts are grouped (``index``:
+hidden states) are collected from real forward passes over text (the corpus's training part, windows
+spread evenly over it); experts are grouped (``index``:
 experts k*j .. k*j + k - 1, as the paper; ``similarity``: greedily by the distance between the
 experts' outputs on those tokens; ``coactivation``: greedily by how often the router picks two
 experts for the same token; both our extensions); each united expert starts as the mean of its
@@ -155,7 +156,7 @@ def unite(
     """Build, distil and save united experts for every MoE layer of the checkpoint in ``model_dir``."""
     from jaxmoe.llm import load_model
     from jaxmoe.train import data
-    from jaxmoe.train.corpus import documents
+    from jaxmoe.train.corpus import CorpusError, documents, load_corpus
 
     from jaxmoe.demo import DEMO_DIR
 
@@ -169,9 +170,13 @@ def unite(
         raise BrownoutError("--out must be a new directory, not the model's")
     work = out_dir / ".unite"
     work.mkdir(parents=True, exist_ok=True)
-    texts = [d.text for d in documents(corpus)]
+    try:  # the training part only: held-out text stays unseen (it scores the result)
+        texts = [d.text for d in load_corpus(corpus).train]
+    except CorpusError:  # too few files to split: all of it
+        texts = [d.text for d in documents(corpus)]
     stream = data.encode_documents(tokenizer, texts[:: max(1, len(texts) // 64)])
-    windows = data.eval_windows(stream, 256, tokens)
+    windows = data.eval_windows(stream, 256)
+    windows = windows[np.linspace(0, len(windows) - 1, max(1, min(len(windows), tokens // 256))).astype(int)]
     moe_layers = [i for i, is_moe in enumerate(cfg.moe_layers) if is_moe]
     inputs = None
     report = {}

@@ -7,6 +7,8 @@ import logging
 import time
 from typing import Any
 
+from jaxmoe.runtime.executor import ExpertUseCounting
+
 log = logging.getLogger(__name__)
 
 
@@ -17,6 +19,7 @@ class EngineStats:
         self.counts_every_s = counts_every_s
         self._counts_time = 0.0
         self._expert_counts = None
+        self._activated = None
 
     def snapshot(self, engine, in_flight: int, step_errors: int, brownout=None) -> dict[str, Any]:
         snap: dict[str, Any] = dict(engine.scheduler.stats())
@@ -40,7 +43,16 @@ class EngineStats:
                     moe = [i for i, is_moe in enumerate(engine.cfg.moe_layers) if is_moe]
                     layers = moe if len(moe) == len(rows) else list(range(len(rows)))
                     self._expert_counts = list(zip(layers, rows))  # (model layer index, counts)
+                executor = engine.runner.executor
+                used = executor.activated_experts() if isinstance(executor, ExpertUseCounting) else None
+                if used:
+                    self._activated = {
+                        "original": sum(o for o, _ in used.values()),
+                        "united": sum(u for _, u in used.values()),
+                        "per_layer": {i: list(v) for i, v in used.items()},
+                    }
             except Exception:
-                log.exception("expert_activation_counts() failed")
+                log.exception("expert_activation_counts() / activated_experts() failed")
         snap["expert_counts"] = self._expert_counts
+        snap["activated_experts"] = self._activated  # of the last step read (all MoE layers)
         return snap

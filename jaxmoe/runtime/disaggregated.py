@@ -29,8 +29,10 @@ no expert. The KV cache is sharded over attention instances on the slot axis (se
 replica table (``replicas``), kept with the device counters by ``expert_side.ExpertSide``;
 ``set_placement`` moves replicas between steps. Transfer counts and phase timings: ``step_stats``.
 
-With ``pipeline=Pipeline(r1, order)`` the rows run as r1 micro-batches interleaved per layer
-(``runtime.pipeline``, FinDEP's ASAS / AASS orders).
+With ``pipeline=`` a ``Pipeline(r1, order, r2)``, a dict of those, or a ``PipelineChooser`` (asked
+per step) the rows run as r1 micro-batches interleaved per layer, each micro-batch's expert work in
+r2 chunks (``runtime.pipeline``, ``runtime.chunks``: FinDEP's ASAS / AASS orders, PPPipe's PP);
+the default is the sequential schedule.
 
 Same interface as ``MonolithicExecutor``: ``.params``, ``.cache``, ``forward``.
 """
@@ -47,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoe.brownout.config import check_threshold
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import ClusterSpec, SubMeshes, build_meshes, load_mesh
@@ -56,7 +59,8 @@ from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
-from jaxmoe.runtime.pipeline import Pipeline, split_rows
+from jaxmoe.runtime import chunks
+from jaxmoe.runtime.pipeline import Pipeline, PipelineChooser, split_rows
 from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
 from jaxmoe.runtime.transfer import LocalTransfer, TransferBackend, plan_transfers
@@ -66,7 +70,7 @@ class _MicroBatch(NamedTuple):
     tokens: jax.Array
     batch: AttentionBatch
     index: jax.Array | None
-    valid: jax.Array  # [B, T] real tokens, on the expert mesh
+    valid: tuple[jax.Array, ...]  # real tokens of each expert-side chunk, on the expert mesh
 
 
 class DisaggregatedExecutor:
@@ -103,11 +107,14 @@ class DisaggregatedExecutor:
         placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
         transfer=None,
         cache_dtype=None,
-        pipeline: Pipeline | dict | None = None,
+        pipeline: Pipeline | PipelineChooser | dict | str | None = None,
         pause_every: int = 1,
+        brownout=None,
         placed_experts: dict | None = None,
     ):
         """``pause_every``: with layer-level preemption, the pause points are every that many layers.
+        ``brownout``: a ``BrownoutConfig`` (BrownoutServe, in the expert program:
+        ``runtime.expert_brownout``); the params hold united experts.
         ``placed_experts``: per MoE layer, its expert-side parameters already laid out on this
         expert mesh by ``placement`` (``runtime.rescale``); ``params`` then has them in that form."""
         self.cfg, self.block_size = cfg, block_size
@@ -140,6 +147,7 @@ class DisaggregatedExecutor:
             aebs_impl=aebs_impl,
             expert_impl=self.expert_impl,
             interpret=interpret,
+            brownout=None if brownout is None else ("full" if brownout.use_full_brownout else "partial"),
         )
 
         # Attention side: everything but the routed experts, replicated on the attention mesh.
@@ -154,9 +162,12 @@ class DisaggregatedExecutor:
                 i: jax.device_put(layer["shared"], rep) for i, layer in enumerate(params["layers"]) if "shared" in layer
             }
         )
-        self.pipeline = Pipeline.parse(pipeline)
+        self.pipeline = Pipeline.parse(pipeline)  # a PipelineChooser (a fixed Pipeline is one)
+        self.last_pipeline: Pipeline | None = None  # what the last step ran
         # Expert side: router + slot arrays (+ shared experts) per MoE layer, on the expert mesh.
-        self.expert_side = ExpertSide(cfg, params, self.sub, self.experts, self.transfer, placement, placed_experts)
+        self.expert_side = ExpertSide(
+            cfg, params, self.sub, self.experts, self.transfer, placement, brownout, placed_experts
+        )
         self.moe_layers = self.expert_side.moe_layers
 
         # KV cache: slots padded to whole blocks per attention instance, sharded P("attn").
@@ -189,9 +200,12 @@ class DisaggregatedExecutor:
         this executor meanwhile)."""
         tokens, batch, logits_index, B = self._pad(tokens, batch, logits_index)
         local = self.is_local(batch)  # attention per instance, no cross-instance traffic
-        r1 = self.pipeline.micro_batches(tokens.shape[0] // self.num_attention)
+        rows, T = tokens.shape[0] // self.num_attention, tokens.shape[1]
+        pipe = self.pipeline.for_batch(rows, T, int(batch.positions.max()) + 1)
+        self.last_pipeline = pipe
+        r1 = pipe.r1
         parts, where = split_rows(tokens, batch, logits_index, self.num_attention, r1)
-        mbs = [self._upload(*part) for part in parts]
+        mbs = [self._upload(*part, pipe.r2) for part in parts]
         step = jax.device_put(np.int32(self._step), self.experts.replicated)
         self._step += 1
         run = Phases(self.timing, self.observer)
@@ -205,14 +219,14 @@ class DisaggregatedExecutor:
                 xs[k], xns[k], self.cache[i] = run(
                     "attention", i, self.attention.layer, layer, xs[k], ys[k], mb.batch, self.cache[i], local
                 )
-                if self.pipeline.order == "ASAS":
-                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, plans, zeros)
-            if self.pipeline.order == "AASS":
+                if pipe.order != "AASS":
+                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, plans, zeros, pipe)
+            if pipe.order == "AASS":
                 for k, mb in enumerate(mbs):
-                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, plans, zeros)
+                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, plans, zeros, pipe)
             if i in self.expert_side.layers:  # E2A last: the attention mesh had other work meanwhile
                 for k in range(r1):
-                    ys[k] = run("e2a", i, self.transfer.e2a, ys[k], plans[k], self.sub)
+                    ys[k] = self._e2a(run, i, ys[k], plans[k])
             if pause is not None and i + 1 < len(self._attn_layers):
                 pause(i + 1, xs, ys)
         logits = [
@@ -224,30 +238,45 @@ class DisaggregatedExecutor:
         out = logits[0] if r1 == 1 else jnp.concatenate(logits)[where]
         return out if B == out.shape[0] else out[:B]
 
-    def _expert_side(self, run, i: int, k: int, h, xn, mb: _MicroBatch, step, ys: list, plans: list, zeros):
-        """Dispatch micro-batch k's A2E and expert program (async, on the expert mesh), then its
-        shared experts (attention mesh: they overlap). The expert partials go to ``ys[k]`` and the
-        transfer plan to ``plans[k]`` for E2A; returns h (+ the shared experts' output)."""
+    def _expert_side(self, run, i: int, k: int, h, xn, mb: _MicroBatch, step, ys: list, plans: list, zeros, pipe):
+        """Dispatch micro-batch k's A2E and expert program (async, on the expert mesh; in r2 chunks),
+        and its shared experts (attention mesh: after the experts, so they overlap; before the A2E in
+        order PP). The expert partials go to ``ys[k]`` (a list, one per chunk) and (plan, shape) to
+        ``plans[k]`` for E2A; returns h (+ the shared experts' output)."""
         if i not in self.expert_side.layers:
             ys[k] = zeros
             return h
-        plan = plan_transfers(self.sub.spec, xn.nbytes // self.num_attention)
-        plans[k] = plan
-        xe = run("a2e", i, self.transfer.a2e, xn, plan, self.sub)
-        ys[k] = run("expert", i, self.expert_side.run, i, xe, mb.valid, step)[0]
-        self._transfers[i].count(plan)
-        if i in self._shared_layers:
+        shared = i in self._shared_layers
+        if shared and pipe.order == "PP":
+            h = run("shared", i, self.attention.shared, self._shared_layers[i], h, xn)
+        parts = (xn,) if pipe.r2 == 1 else run("split", i, chunks.split, xn, self.sub, pipe.r2)
+        plan = plan_transfers(self.sub.spec, parts[0].nbytes // self.num_attention)
+        plans[k] = (plan, xn.shape)
+        ys[k] = []
+        for c, part in enumerate(parts):
+            xe = run("a2e", i, self.transfer.a2e, part, plan, self.sub)
+            ys[k].append(run("expert", i, self.expert_side.run, i, xe, mb.valid[c], step)[0])
+            self._transfers[i].count(plan)
+        if shared and pipe.order != "PP":
             h = run("shared", i, self.attention.shared, self._shared_layers[i], h, xn)
         return h
 
-    def _upload(self, tokens, batch: AttentionBatch, index) -> _MicroBatch:
+    def _e2a(self, run, i: int, partials: list, plan_shape):
+        """E2A of every chunk of a micro-batch, joined back into its rows."""
+        plan, shape = plan_shape
+        ys = [run("e2a", i, self.transfer.e2a, y, plan, self.sub) for y in partials]
+        return ys[0] if len(ys) == 1 else run("join", i, chunks.join, ys, shape, self.sub)
+
+    def _upload(self, tokens, batch: AttentionBatch, index, r2: int = 1) -> _MicroBatch:
         rows = self.attention.rows
+        valid = batch.slots >= 0  # host metadata for the gate
+        parts = [valid] if r2 == 1 else chunks.split_valid(valid, self.num_attention, r2)
         return _MicroBatch(
             tokens=jax.device_put(tokens, rows),
             batch=AttentionBatch(*(jax.device_put(a, rows) for a in batch)),
             index=None if index is None else jax.device_put(index, rows),
-            valid=jax.device_put(batch.slots >= 0, self.experts.replicated),
-        )  # host metadata for the gate
+            valid=tuple(jax.device_put(v, self.experts.replicated) for v in parts),
+        )
 
     def _pad(self, tokens, batch: AttentionBatch, logits_index):
         """Rows padded to a multiple of the attention instances (padding: slot -1, table 0)."""
@@ -291,6 +320,26 @@ class DisaggregatedExecutor:
     def expert_coactivation(self) -> list[np.ndarray]:
         """Per MoE layer: cumulative co-activation counts [E, E] (``ExpertSide.coactivation``)."""
         return self.expert_side.coactivation()
+
+    @property
+    def brownout(self):
+        """The ``BrownoutConfig`` it was built with (None: without); ``BrownoutCapable``."""
+        return self.expert_side.brownout
+
+    @property
+    def brownout_threshold(self) -> float | None:
+        """The brownout threshold of the next steps (may change between steps; no recompile)."""
+        return self.expert_side.brownout_threshold
+
+    @brownout_threshold.setter
+    def brownout_threshold(self, value) -> None:
+        if self.expert_side.brownout is None:
+            raise ValueError("brownout_threshold: this executor was built without brownout")
+        self.expert_side.brownout_threshold = check_threshold(value)
+
+    def activated_experts(self) -> dict[int, tuple[int, int]]:
+        """Per MoE layer: distinct (original, united) experts the last step used (``ExpertSide``)."""
+        return self.expert_side.activated_experts()
 
     def activated_per_instance(self) -> dict[int, list[int]]:
         """Per MoE layer: distinct replicas each expert instance ran in the last step (AEBS's load).

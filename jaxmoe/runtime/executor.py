@@ -4,8 +4,8 @@ The engine (``ModelRunner``, ``LLMEngine``, ``AsyncEngine``) calls only what ``E
 ``MonolithicExecutor`` and ``DisaggregatedExecutor`` implement it (``tests/test_executor_protocol.py``).
 Capabilities some executors have are their own protocols, checked with ``isinstance`` by the hooks
 that need them: ``ReplicaPlacement`` (expert replicas re-placed between steps: the disaggregated
-executor; ``runtime.controller``) and ``BrownoutCapable`` (a run-time brownout threshold: the
-monolithic executor; ``brownout.controller``) and ``ExpertQueueing`` (QLLM per-expert queues: pause
+executor; ``runtime.controller``) and ``BrownoutCapable`` (a run-time brownout threshold: both
+executors; ``brownout.controller``) and ``ExpertQueueing`` (QLLM per-expert queues: pause
 points between the expert rounds of a MoE layer; the monolithic executor). Layer-level preemption (QLLM) is every executor's:
 ``forward(..., between_layers=...)``.
 """
@@ -77,6 +77,16 @@ class BrownoutCapable(Protocol):
 
     brownout: Any
     brownout_threshold: float | None
+
+
+@runtime_checkable
+class ExpertUseCounting(Protocol):
+    """Distinct experts each step reads (the disaggregated executor's expert program counts them;
+    brownout lowers them: united experts replace groups of originals)."""
+
+    def activated_experts(self) -> dict[int, tuple[int, int]]:
+        """Per MoE layer: distinct (original, united) experts the real tokens of the last step used."""
+        ...
 
 
 @runtime_checkable

@@ -40,6 +40,7 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import EXPERT_AXES, SubMeshes
 from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.router import route
+from jaxmoe.runtime import expert_brownout
 from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
@@ -55,7 +56,11 @@ AUTO_EXPERT_IMPL = {"cpu": "padded_einsum", "other": "ragged_dot"}
 
 def param_specs(moe: dict) -> dict:
     """PartitionSpecs of one layer's expert-side parameters (as laid out by ``place_layer``)."""
-    specs = {k: (_SLOT_SPEC if k in ("w_gate", "w_up", "w_down") else P()) for k in moe if k != "shared"}
+    specs = {
+        k: (_SLOT_SPEC if k in ("w_gate", "w_up", "w_down") else P()) for k in moe if k not in ("shared", "united")
+    }
+    if "united" in moe:  # united-expert slots (brownout), sharded like the replica slots
+        specs["united"] = {k: _SLOT_SPEC for k in moe["united"]}
     if "shared" in moe:
         specs["shared"] = {k: _SHARED_SPECS.get(k, P()) for k in moe["shared"]}
     return specs
@@ -67,7 +72,7 @@ def _shardings(mesh, specs):
 
 @dataclasses.dataclass(frozen=True)
 class ExpertProgram:
-    run: Callable  # (params, tables, x, valid, step, coact) -> (partials, coact, activated)
+    run: Callable  # (params, tables, x, valid, step, coact, threshold) -> (partials, coact, activated, used)
     replicated: NamedSharding  # P() on the expert mesh
 
 
@@ -81,17 +86,27 @@ def make_expert_program(
     aebs_impl: str = "reference",
     expert_impl: str = "auto",
     interpret: bool | None = None,
+    brownout: str | None = None,
 ) -> ExpertProgram:
-    """The jitted expert program (cached like ``make_attention_programs``)."""
+    """The jitted expert program (cached like ``make_attention_programs``). ``brownout``: None, or
+    "partial" / "full" (``runtime.expert_brownout``; the params hold united-expert slots, the
+    ``threshold`` argument is traced)."""
     N, C, E = sub.spec.experts.count, slots_per_instance, cfg.moe.num_experts
     ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
+    expert_brownout.check_mode(brownout)
 
-    def per_instance(p, tables, x, valid, step):
+    def per_instance(p, tables, x, valid, step, threshold):
         B, T, D = x.shape
         x2 = x.reshape(B * T, D)
         # 1. gate (expert side)
         ids, weights = route(p, cfg.moe, x2)
-        ids = jnp.where(valid.reshape(B * T, 1), ids, -1)
+        coact_ids = ids = jnp.where(valid.reshape(B * T, 1), ids, -1)
+        if brownout is not None:  # 1b. Algorithm 1: originals keep S1 (and the special case), S2 -> united
+            ids, united, u_weights, used = expert_brownout.split_choices(
+                p, coact_ids, weights, valid.reshape(B * T), threshold, brownout == "full"
+            )
+        else:
+            used = jnp.stack([jnp.zeros((E,), bool).at[ids].set(True, mode="drop").sum(), 0]).astype(jnp.int32)
         # 2. AEBS: logical -> physical replica, identical on every instance
         phys, activated = schedule(
             ids,
@@ -110,22 +125,27 @@ def make_expert_program(
             x2, local, weights, Stacked(p["w_gate"], p["w_up"], p["w_down"]), impl=ffn_impl, interpret=interpret
         )
         # 4. this instance's slice of the shared experts (shared_experts: experts)
+        if brownout is not None:  # 3b. the united experts this instance hosts
+            u_local, u_runs = expert_brownout.local_united(p, united, jax.lax.axis_index(EXP), N)
+            u_w = Stacked(*(p["united"][k] for k in ("w_gate", "w_up", "w_down")))
+            y = y + expert_ffn(x2, u_local, u_weights, u_w, impl=ffn_impl, interpret=interpret)
+            activated = activated + u_runs.astype(activated.dtype)
         if "shared" in p:
             y = y + shared_experts(p["shared"], x2).astype(y.dtype)
-        hit = jax.nn.one_hot(ids, E, dtype=jnp.float32).sum(1)  # [B*T, E]: 1 where the token chose e
+        hit = jax.nn.one_hot(coact_ids, E, dtype=jnp.float32).sum(1)  # [B*T, E]: 1 where the token chose e
         coact = jnp.round(jnp.matmul(hit.T, hit, precision="highest")).astype(jnp.int32)  # both e and f (diag: e)
-        return y.reshape(1, B, T, D), coact, activated
+        return y.reshape(1, B, T, D), coact, activated, used
 
-    def run(p, tables, x, valid, step, coact):
+    def run(p, tables, x, valid, step, coact, threshold):
         mapped = jax.shard_map(
             per_instance,
             mesh=sub.experts,
-            in_specs=(param_specs(p), P(), P(), P(), P()),
-            out_specs=(P(EXP), P(), P()),
-            check_vma=False,  # coact/activated are replicated by construction (same inputs everywhere)
+            in_specs=(param_specs(p), P(), P(), P(), P(), P()),
+            out_specs=(P(EXP), P(), P(), P()),
+            check_vma=False,  # coact/used are replicated by construction (same inputs everywhere)
         )
-        partials, step_coact, activated = mapped(p, tables, x, valid, step)
-        return partials, coact + step_coact, activated
+        partials, step_coact, activated, used = mapped(p, tables, x, valid, step, threshold)
+        return partials, coact + step_coact, activated, used
 
     replicated = NamedSharding(sub.experts, P())
     return ExpertProgram(run=jax.jit(run, donate_argnums=(5,)), replicated=replicated)
@@ -134,17 +154,22 @@ def make_expert_program(
 # --------------------------------------------------------------------------- weight layout
 
 
-def place_layer(layer: dict, layout: ReplicaLayout, sub: SubMeshes, shared_on_experts: bool) -> dict:
+def place_layer(
+    layer: dict, layout: ReplicaLayout, sub: SubMeshes, shared_on_experts: bool, brownout: bool = False, index: int = 0
+) -> dict:
     """One MoE layer's expert-side parameters on the expert mesh.
 
     ``layer["moe"]`` holds logical expert weights [E, ...]; slot s gets expert
     ``layout.slot_to_expert[s]`` (zeros when -1). Each expert device receives only its own slots
     (built from a host copy, so no device ever holds all S slots). With ``shared_on_experts`` the
     layer's shared experts come along, their hidden width zero-padded to a multiple of N and
-    split over instances.
+    split over instances. With ``brownout`` the layer's united experts come along in their own
+    slots (``expert_brownout.place_united``; ``index``: the layer, for the error without them).
     """
     moe = layer["moe"]
-    out = {k: v for k, v in moe.items() if k not in ("w_gate", "w_up", "w_down")}
+    out = {k: v for k, v in moe.items() if k not in ("w_gate", "w_up", "w_down", "united", "united_groups")}
+    if brownout:
+        out.update(expert_brownout.place_united(moe, sub.spec.experts.count, index))
     idx, used = layout.gather_index(), layout.used()
     slot_sharding = NamedSharding(sub.experts, _SLOT_SPEC)
     for k in ("w_gate", "w_up", "w_down"):

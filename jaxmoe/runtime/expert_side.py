@@ -1,8 +1,10 @@
 """The expert sub-mesh's state in the disaggregated executor: per MoE layer the placed parameters
 (router + routed-expert replica slots [S, ...], + shared experts when they live there), the replica
 layout and the AEBS tables, and the device-side counters the placement controller reads
-(co-activations, activated replicas per instance). ``set_placement`` re-lays the replicas out
-between steps (JANUS 3.4)."""
+(co-activations, activated replicas per instance, distinct experts used per step). ``set_placement``
+re-lays the replicas out between steps (JANUS 3.4). With brownout (BrownoutServe) it also holds the
+united-expert slots and the run-time threshold (``brownout_threshold``: a traced input of the
+expert program, so moving it does not recompile)."""
 
 from __future__ import annotations
 
@@ -26,22 +28,28 @@ class ExpertSide:
         program: ExpertProgram,
         transfer,
         placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        brownout=None,
         placed: dict | None = None,
     ):
         """``params``: the logical model parameters (expert weights [E, ...]); ``placement``: see
         ``set_placement`` (default ``replicas.default_placement``); ``transfer.fetch`` reads the
-        device counters (a collective across processes). ``placed``: per MoE layer, the parameters
-        already laid out by ``placement`` on this mesh (live re-scaling), used as they are."""
+        device counters (a collective across processes). ``brownout``: a ``BrownoutConfig`` (the
+        params hold united experts, ``jaxmoe.brownout.united.attach``; the program was made with
+        ``brownout="partial"`` or ``"full"`` to match) or None. ``placed``: per MoE layer, the
+        parameters already laid out by ``placement`` on this mesh (live re-scaling), used as they are."""
         self.cfg, self.sub, self.program, self.transfer = cfg, sub, program, transfer
         spec = sub.spec
         self.num_instances, self.slots_per_instance = spec.experts.count, spec.experts.slots_per_instance
         self.shared_here = spec.shared_experts == "experts"
         self.moe_layers = [i for i, layer in enumerate(params["layers"]) if "moe" in layer]
         self.layouts = self._layouts(placement)
+        self.brownout = brownout
+        self.brownout_threshold = None if brownout is None else brownout.threshold
+        self._threshold = (None, None)  # (value, its device copy)
         self.layers = {
             i: placed[i]
             if placed is not None
-            else place_layer(params["layers"][i], self.layouts[i], sub, self.shared_here)
+            else place_layer(params["layers"][i], self.layouts[i], sub, self.shared_here, brownout is not None, i)
             for i in self.moe_layers
         }
         self._tables = {i: place_tables(self.layouts[i], sub) for i in self.moe_layers}
@@ -49,14 +57,24 @@ class ExpertSide:
         self._coact = {i: jax.device_put(np.zeros((E, E), np.int32), program.replicated) for i in self.moe_layers}
         self._coact_host = {i: np.zeros((E, E), np.int64) for i in self.moe_layers}
         self._activated = {}
+        self._used = {}
 
     def run(self, i: int, xe, valid, step):
         """Layer i's expert program on the A2E'd activations (async; gate, AEBS and grouped matmul
         all run on the expert mesh): (per-instance partial outputs, co-activation counters,
-        activated replicas per instance); the counters are kept here."""
-        out = self.program.run(self.layers[i], self._tables[i], xe, valid, step, self._coact[i])
-        _, self._coact[i], self._activated[i] = out
+        activated replicas per instance, distinct experts used); the counters are kept here."""
+        out = self.program.run(
+            self.layers[i], self._tables[i], xe, valid, step, self._coact[i], self._threshold_array()
+        )
+        _, self._coact[i], self._activated[i], self._used[i] = out
         return out
+
+    def _threshold_array(self):
+        """The brownout threshold on the expert mesh (copied once per new value; 1.0 without brownout)."""
+        value = 1.0 if self.brownout_threshold is None else float(self.brownout_threshold)
+        if self._threshold[0] != value:
+            self._threshold = (value, jax.device_put(np.float32(value), self.program.replicated))
+        return self._threshold[1]
 
     # ------------------------------------------------------------------ statistics
 
@@ -73,8 +91,14 @@ class ExpertSide:
             self._coact[i] = jax.device_put(np.zeros_like(self._coact_host[i], np.int32), self.program.replicated)
         return [self._coact_host[i].copy() for i in self.moe_layers]
 
+    def activated_experts(self) -> dict[int, tuple[int, int]]:
+        """Per MoE layer: distinct (original, united) experts the real tokens of the last step used
+        (logical experts, before replicas; without brownout the united count is 0). Brownout lowers it."""
+        return {i: tuple(int(v) for v in self.transfer.fetch(u)) for i, u in self._used.items()}
+
     def activated_per_instance(self) -> dict[int, list[int]]:
-        """Per MoE layer: distinct replicas each expert instance ran in the last step (AEBS's load)."""
+        """Per MoE layer: distinct replicas (and united-expert slots, with brownout) each expert
+        instance ran in the last step (AEBS's load)."""
         return {i: [int(v) for v in self.transfer.fetch(a)] for i, a in self._activated.items()}
 
     # ------------------------------------------------------------------ replicas

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoe.brownout.config import check_threshold
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.models.attention import AttentionBatch
@@ -75,7 +76,7 @@ class MonolithicExecutor:
         self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, self.num_cache_slots, dtype)
         self.cache = self._new_cache()
         self.brownout = brownout
-        self.brownout_threshold = None if brownout is None else brownout.threshold
+        self._brownout_threshold = None if brownout is None else brownout.threshold
         full = brownout is not None and brownout.use_full_brownout
         self.expert_impl = impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
         self.expert_queues = expert_queues
@@ -129,6 +130,18 @@ class MonolithicExecutor:
         self._head = jax.jit(head)
         self._gate = jax.jit(gate, donate_argnums=(3,))
         self._expert_round = jax.jit(expert_round)
+
+    @property
+    def brownout_threshold(self) -> float | None:
+        """The brownout threshold of the next steps (None: built without brownout); it may change
+        between steps without recompiling."""
+        return self._brownout_threshold
+
+    @brownout_threshold.setter
+    def brownout_threshold(self, value) -> None:
+        if self.brownout is None:
+            raise ValueError("brownout_threshold: this executor was built without brownout")
+        self._brownout_threshold = check_threshold(value)
 
     @property
     def params(self) -> dict:

@@ -164,7 +164,12 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
         for i, p in zip(side.moe_layers, placement)
     }
     stats = MoveStats()
-    placed = {i: reshard_experts(layers[i], layouts[i], old.sub, new_layouts[i], sub, stats) for i in side.moe_layers}
+    if side.brownout is None:
+        placed = {
+            i: reshard_experts(layers[i], layouts[i], old.sub, new_layouts[i], sub, stats) for i in side.moe_layers
+        }
+    else:  # the united experts' slots depend on the instance count: place everything again from the weights
+        placed = None
     ex = DisaggregatedExecutor(
         old.cfg,
         old.params,
@@ -173,6 +178,7 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
         sub,
         placement=placement,
         placed_experts=placed,
+        brownout=side.brownout,
         expert_impl=old.expert_impl,
         pause_every=old.pause_every,
         pipeline=old.pipeline,
@@ -180,6 +186,8 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
         **executor_kwargs,
     )
     ex.timing = old.timing
+    if side.brownout is not None:  # SALC may have moved it since the start
+        ex.brownout_threshold = old.brownout_threshold
     return ex, stats
 
 

@@ -57,6 +57,8 @@ class Phases:
             "expert": {},
             "shared": {},
             "e2a": {},
+            "split": {},  # expert-side chunks (r2 > 1): cutting a micro-batch, joining the E2A outputs
+            "join": {},
             "head": 0.0,
         }
 

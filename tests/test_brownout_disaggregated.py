@@ -1,0 +1,165 @@
+"""BrownoutServe in the disaggregated executor (8 CPU devices): Algorithm 1 in the expert program on
+the expert sub-mesh, with replicas and AEBS, against the monolithic executor.
+
+threshold 1 = the monolithic original model's tokens; full brownout at threshold 0 and partial
+brownout at 0.5 = the monolithic executor's tokens with the same brownout config (layouts 2a6e and
+4a4e); moving the threshold recompiles nothing; the distinct experts a step uses equal a direct
+reading of Algorithm 1 on the routing of the activations A2E delivered, and brownout lowers them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxmoe import LLM, BrownoutConfig, BrownoutError, SamplingParams
+from jaxmoe.brownout.routing import split_reference
+from jaxmoe.compilation import compile_events
+from jaxmoe.engine.model_runner import Row
+from jaxmoe.models.router import route
+
+ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=4)
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+PROMPTS = [[3, 9, 27, 81, 11], [5, 25, 17], [2, 4, 8, 16, 32, 64]]
+LAYOUTS = ["meshes/cpu-8.yaml", "meshes/cpu-8-4a4e.yaml"]  # 2a6e (24 slots: replicas), 4a4e (16 slots)
+
+
+@pytest.fixture(scope="module")
+def united(checkpoint_dir, tmp_path_factory):
+    """The tiny Mixtral checkpoint with united experts (k = 2, a short distillation)."""
+    from jaxmoe.brownout.united import unite
+
+    corpus = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("textwrap.py", "bisect.py", "heapq.py"):
+        shutil.copy(stdlib / name, corpus / name)
+    out = tmp_path_factory.mktemp("united") / "m"
+    unite(checkpoint_dir("mixtral"), 2, out, tokens=512, steps=20, corpus=str(corpus), progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llms(united):
+    """llms(mesh, full) -> LLM with brownout (threshold set by the test), built once."""
+    made = {}
+
+    def get(mesh=None, full=False):
+        if (mesh, full) not in made:
+            made[mesh, full] = LLM(
+                united, dtype="float32", mesh=mesh, brownout=BrownoutConfig(1.0, use_full_brownout=full), **ENGINE
+            )
+        return made[mesh, full]
+
+    return get
+
+
+def _greedy(llm, threshold):
+    llm.executor.brownout_threshold = threshold
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("mesh", LAYOUTS)
+def test_threshold_one_is_the_monolithic_original_model(llms, checkpoint_dir, mesh):
+    want = [o.token_ids for o in LLM(checkpoint_dir("mixtral"), dtype="float32", **ENGINE).generate(PROMPTS, GREEDY)]
+    assert _greedy(llms(mesh), 1.0) == want
+
+
+@pytest.mark.parametrize("mesh", LAYOUTS)
+@pytest.mark.parametrize("threshold,full", [(0.0, True), (0.5, False), (0.0, False)])
+def test_brownout_equals_the_monolithic_executor(llms, mesh, threshold, full):
+    want = _greedy(llms(None, full), threshold)
+    assert want != _greedy(llms(None, full), 1.0)  # brownout changes this model's tokens
+    assert _greedy(llms(mesh, full), threshold) == want
+
+
+def test_moving_the_threshold_on_a_mesh_does_not_recompile(llms):
+    dis = llms(LAYOUTS[0])
+    _greedy(dis, 0.7)
+    before = compile_events()["programs"]
+    for threshold in (0.2, 1.0, 0.0, 0.55):
+        _greedy(dis, threshold)
+    assert compile_events()["programs"] == before
+
+
+@pytest.mark.parametrize("threshold,full", [(1.0, False), (0.4, False), (0.0, False), (0.3, True)])
+def test_activated_experts_follow_algorithm_1(llms, threshold, full):
+    """The expert program's count of distinct original / united experts equals the split read
+    directly from Algorithm 1 (``split_reference``) on the routing of the activations A2E delivered."""
+    dis = llms(LAYOUTS[0], full)
+    ex = dis.executor
+    ex.brownout_threshold = threshold
+    sent, seen = {}, {}
+
+    def observe(phase, layer, out):
+        if phase == "a2e":
+            sent[layer] = np.asarray(out)
+        if phase == "expert":
+            seen[layer] = np.asarray(out[3])
+
+    rows = [Row(p, 0, [i]) for i, p in enumerate(PROMPTS)]
+    tokens, batch, last, _ = dis.engine.runner.prepare(rows)
+    ex.observer = observe
+    try:
+        ex.forward(tokens, batch, last)
+    finally:
+        ex.observer = None
+    got = ex.activated_experts()
+    for i in ex.moe_layers:
+        moe = ex.params["layers"][i]["moe"]
+        groups = np.asarray(moe["united_groups"])
+        xe = sent[i]
+        ids = np.asarray(route(moe, ex.cfg.moe, xe.reshape(-1, xe.shape[-1]))[0])
+        valid = np.zeros(xe.shape[:2], bool)
+        valid[: batch.slots.shape[0]] = batch.slots >= 0
+        valid = valid.reshape(-1)
+        orig, uni = split_reference(ids, valid, groups, threshold, full)
+        want = (len(set(orig[valid].ravel()) - {-1}), len(set(uni[valid].ravel()) - {-1}))
+        assert got[i] == want == tuple(int(v) for v in seen[i])
+        if threshold == 1.0:
+            assert want == (len(set(ids[valid].ravel())), 0)
+        else:
+            assert sum(want) < len(set(ids[valid].ravel()))  # brownout reads fewer weight sets
+    ex.brownout_threshold = 1.0
+
+
+def test_bad_brownout_input_on_a_mesh(llms, checkpoint_dir):
+    from jaxmoe.llm import load_model
+    from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
+
+    with pytest.raises(BrownoutError, match="no united experts"):
+        LLM(checkpoint_dir("mixtral"), mesh=LAYOUTS[0], brownout=BrownoutConfig(0.5), **ENGINE)
+    cfg, params, _ = load_model(checkpoint_dir("mixtral"), "float32")
+    with pytest.raises(BrownoutError, match="MoE layer 0 has no united experts"):
+        DisaggregatedExecutor(cfg, params, 64 * 8, 8, LAYOUTS[0], brownout=BrownoutConfig(0.5))
+    ex = llms(LAYOUTS[0]).executor
+    for bad in (1.5, -0.2, float("nan")):
+        with pytest.raises(BrownoutError, match=f"got {bad!r}"):
+            ex.brownout_threshold = bad
+    assert 0 <= ex.brownout_threshold <= 1  # the bad values were not taken
+
+
+def test_activated_experts_are_exported(llms):
+    """Engine stats and the Prometheus gauge ``jaxmoe_activated_experts`` carry the last step's count."""
+    import http.client
+
+    from jaxmoe.server.app import ServeOptions, ServerThread
+
+    dis = llms(LAYOUTS[0])
+    _greedy(dis, 0.0)
+    used = dis.executor.activated_experts()
+    st = ServerThread(dis.engine, ServeOptions(warmup=False))
+    server = st.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        st.stop()
+        dis.executor.brownout_threshold = 1.0
+    united = sum(u for _, u in used.values())
+    assert united > 0 and f'jaxmoe_activated_experts{{kind="united"}} {float(united)}' in text
+    assert f'jaxmoe_activated_experts{{kind="original"}} {float(sum(o for o, _ in used.values()))}' in text
