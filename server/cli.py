@@ -123,7 +123,14 @@ def register(sub, add_model_args) -> None:
     )
     serve.add_argument("--salc", action="store_true", help="SLO-aware latency control of the brownout threshold")
     serve.add_argument("--slo-ttft-ms", type=float, default=None, help="SALC: TTFT SLO (P90)")
-    serve.add_argument("--slo-tpot-ms", type=float, default=None, help="SALC: TPOT SLO (P90)")
+    serve.add_argument("--slo-tpot-ms", type=float, default=None, help="SALC and --autoscale: TPOT SLO (P90)")
+    serve.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="with --mesh and --slo-tpot-ms: the JANUS scaling controller changes the attention / expert "
+        "instances live (docs/scaling.md)",
+    )
+    serve.add_argument("--autoscale-interval", type=float, default=30.0, help="--autoscale: seconds between decisions")
     serve.add_argument("--salc-window", type=float, default=10.0, help="SALC: seconds of the P90 window (tw)")
     serve.add_argument("--salc-warning-factor", type=float, default=0.8)
     serve.add_argument("--salc-increment", type=float, default=0.1)
@@ -224,6 +231,9 @@ def cmd_serve(args) -> int:
                 args.salc_shrink_ratio,
                 args.salc_period,
             )
+    if args.autoscale and not (args.mesh and args.slo_tpot_ms):
+        print("jaxmoe: --autoscale needs --mesh and --slo-tpot-ms", file=sys.stderr)
+        return 2
     pipeline = None
     if args.pipeline is not None:
         from jaxmoe.planning.online import parse_pipeline
@@ -240,6 +250,10 @@ def cmd_serve(args) -> int:
         pipeline=pipeline,
         pipeline_profile=args.pipeline_profile,
     )
+    if args.autoscale:
+        from jaxmoe.scaling.autoscale import attach
+
+        attach(engine, args.slo_tpot_ms / 1e3, args.autoscale_interval)
     opts = ServeOptions(
         host=args.host,
         grpc_port=args.grpc_port,

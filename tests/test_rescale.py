@@ -193,3 +193,17 @@ def test_grpc_rescale_behind_the_api_key_while_streaming(llm):
             assert admin.rescale(2, 6).previous == "4a4e"
     finally:
         st.stop(abort_inflight=True)
+
+
+def test_placement_controller_follows_the_new_executor(llm):
+    from jaxmoe.runtime.controller import PlacementController
+
+    controller = PlacementController.attach(llm.engine, every_steps=0)
+    try:
+        llm.rescale(4, 4)
+        assert controller.executor is llm.executor and controller.executor.num_expert_instances == 4
+        llm.generate([_prompt(7)], _sampling(7))
+        assert controller.rebalance() is not None  # re-places the new executor's replicas
+    finally:
+        llm.engine.step_hooks.remove(controller)
+        llm.rescale(2, 6)

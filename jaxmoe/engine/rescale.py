@@ -15,7 +15,7 @@ the value; nothing changes) and returns a ``RescaleJob``. Then:
    sequence that does not fit is recompute-preempted (its tokens kept: it re-prefills over prompt
    + generated tokens). The runner, block manager and scheduler then use the new layout.
 3. **Measured**: the swap time plus the first step on the new layout against a normal step (the
-   median of the recent steps that ran the model) is the stall (``RescaleResult``); the job is
+   median of the recent steps that ran the model before the rescale started) is the stall (``RescaleResult``); the job is
    done when the new layout has served a step (at once when idle).
 """
 
@@ -63,7 +63,7 @@ class RescaleResult:
     build_s: float  # background: new executor + expert re-shard + compiling the step programs
     swap_s: float  # at the step boundary: KV blocks moved, executor swapped
     first_step_s: float | None  # the first step on the new layout (None: the engine was idle)
-    normal_step_s: float | None  # median of the recent steps before the swap (None: none ran)
+    normal_step_s: float | None  # median of the recent steps before the rescale started (None: none ran)
     stall_ratio: float | None  # (swap_s + first_step_s) / normal_step_s
     kv_blocks_moved: int
     sequences_recomputed: int
@@ -89,6 +89,7 @@ class RescaleJob:
         self.build_s = 0.0
         self.swap_s: float | None = None
         self.recomputed = 0
+        self.normal_step_s: float | None = None
         self.previous = ""
 
     @property
@@ -160,6 +161,8 @@ class Rescaler:
                 )
             job = self.job = RescaleJob(attention, experts, C)
         job.previous = f"{ex.num_attention}a{ex.num_expert_instances}e"
+        # the baseline: steps before the build (those during it compete with it for the host)
+        job.normal_step_s = statistics.median(self._step_times) if self._step_times else None
         threading.Thread(target=self._build, args=(job, ex, spec), name="jaxmoe-rescale", daemon=True).start()
         return job
 
@@ -249,7 +252,7 @@ class Rescaler:
         job.executor = job.runner = None
 
     def _finish(self, job: RescaleJob, first_step_s: float | None) -> None:
-        normal = statistics.median(self._step_times) if self._step_times else None
+        normal = job.normal_step_s
         stall = None if first_step_s is None or not normal else (job.swap_s + first_step_s) / normal
         s = job.stats
         job._result = RescaleResult(

@@ -1,0 +1,120 @@
+"""Live re-scaling (JANUS 3.4): the stall a layout change causes while serving, vs a normal step.
+
+Setting: the ``tiny-random`` model (Mixtral-shaped: 4 layers, 8 experts, top-2, hidden 256; fp32) on
+the 8 host CPU devices of ``meshes/cpu-8.yaml`` (2 attention + 6 expert instances x 4 slots),
+``--concurrency`` requests kept in flight (prefill chunks of at most 64 tokens; prompts of 8-60 tokens, 24-64 greedy output tokens; a
+finished one is replaced at once). The layout changes ``--changes`` (default 2a6e -> 4a4e -> 1a7e ->
+2a6e) with ``LLMEngine.rescale``: the new layout is built and compiled in a background thread while
+the old one serves, then swapped in at a step boundary. Reported per change:
+
+  build_s          background build: new executor, expert re-shard, every step program compiled;
+                   what a stop-the-world change would stall for (the SGLang anchor of the issue:
+                   ~1 s + ~20 ms per layer for an expert rebalance);
+  swap_s           at the step boundary: KV blocks of live sequences copied, executor swapped;
+  swap step        (swap_s + first step on the new layout) / median of the steps before the change;
+  worst after      the longest of the 5 steps after the swap / median step before;
+  during build     median and max step while the build ran (it competes for the CPU cores);
+  KV blocks moved, expert slots kept on their device (no copy) vs copied, bytes copied.
+
+Run:  PYTHONPATH=. python bench/rescale.py [--concurrency 8] [--changes 4a4e,1a7e,2a6e]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxmoe import LLM, SamplingParams  # noqa: E402
+from jaxmoe.compilation import compile_events  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--changes", default="4a4e,1a7e,2a6e")
+    ap.add_argument("--warm-steps", type=int, default=30, help="steps served before each change")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    changes = [tuple(int(x) for x in c.rstrip("e").split("a")) for c in args.changes.split(",")]
+    rng = np.random.default_rng(args.seed)
+    llm = LLM(
+        "tiny-random",
+        mesh="meshes/cpu-8.yaml",
+        num_blocks=256,
+        block_size=16,
+        max_num_seqs=args.concurrency,
+        max_prefill_chunk=64,
+        max_batch_tokens=128,
+    )
+    engine = llm.engine
+    t0 = time.perf_counter()
+    for rows, tokens in engine.runner.plan.shapes():
+        engine.runner.warm(rows, tokens)
+    print(f"warm-up of 2a6e: {time.perf_counter() - t0:.1f}s")
+    failed = finished = 0
+
+    def top_up():
+        while len(engine.scheduler.sequences()) < args.concurrency:
+            prompt = [int(t) for t in rng.integers(3, 250, size=int(rng.integers(8, 60)))]
+            engine.add_request(prompt, SamplingParams(max_tokens=int(rng.integers(24, 64)), ignore_eos=True))
+
+    def step(more: bool = True) -> float:
+        nonlocal failed, finished
+        if more:
+            top_up()
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        failed += sum(o.error is not None for o in outs)
+        finished += sum(o.finished for o in outs)
+        return dt
+
+    rows = []
+    for attention, experts in changes:
+        before = [step() for _ in range(args.warm_steps)]
+        job = engine.rescale(attention, experts)
+        during = []
+        while not job.ready():
+            during.append(step())
+        programs = compile_events()["programs"]
+        after = [step() for _ in range(6)]  # the first runs the swap
+        compiled = compile_events()["programs"] - programs
+        r = job.result(60)
+        normal = statistics.median(before)
+        rows.append((r, normal, during, max(after) / normal, compiled))
+        print(
+            r.as_dict(), f"normal {normal:.4f}s, during build: {len(during)} steps, max {max(during, default=0):.3f}s"
+        )
+    for _ in range(100_000):  # drain (bounded)
+        if not engine.has_work():
+            break
+        step(more=False)
+    bm = engine.block_manager
+    print(
+        f"\njax {jax.__version__} ({jax.device_count()} {jax.default_backend()} devices), {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores; concurrency {args.concurrency}; {finished} requests finished, {failed} failed; "
+        f"KV blocks free at the end: {bm.num_free}/{bm.num_blocks}"
+    )
+    print(
+        "| change | build_s (stop-the-world) | swap_s | normal step | swap step / normal | worst of 5 after | programs compiled after the swap | steps during build (median / max) | KV blocks moved | expert slots kept / copied (MiB) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r, normal, during, worst, compiled in rows:
+        mid = statistics.median(during) if during else float("nan")
+        print(
+            f"| {r.previous} -> {r.attention}a{r.experts}e | {r.build_s:.2f} | {r.swap_s * 1e3:.1f} ms | {normal * 1e3:.1f} ms "
+            f"| {(r.swap_s + r.first_step_s) / normal:.2f} | {worst:.2f} | {compiled} | {len(during)} steps, {mid * 1e3:.0f} / {max(during, default=0) * 1e3:.0f} ms "
+            f"| {r.kv_blocks_moved} | {r.expert_slots_local} / {r.expert_slots_copied} ({r.expert_bytes_copied / 2**20:.1f}) |"
+        )
+
+
+if __name__ == "__main__":
+    main()

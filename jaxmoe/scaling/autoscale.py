@@ -1,0 +1,144 @@
+"""``jaxmoe serve --autoscale``: the scaling controller driving live re-scaling of the running engine.
+
+``Autoscaler`` is an engine step hook. Every ``interval_s`` it measures the load the engine saw
+(arrival rate since the last decision, mean requested output tokens and mean context of the live
+requests), asks ``ScalingController.decide`` for a layout among those that fit the mesh's devices
+and expert slots, and when that differs from the layout serving, starts ``engine.rescale`` (built in
+the background, swapped in at a step boundary; one at a time). The controller's hysteresis applies:
+up at once, down only after ``down_after`` agreeing decisions.
+
+The performance model is ``perf_model.PerfModel`` with the served model's shape (``model_shape``)
+on ``hardware``; on the CPU mesh ``host_hardware`` measures the host's copy bandwidth and matmul
+rate once (a rough roofline, not fitted per layout). It runs only while the engine steps (an idle
+engine keeps its layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from jaxmoe.scaling.controller import JANUS, Layout, Load, ScalingController
+from jaxmoe.scaling.perf_model import Hardware, ModelShape, PerfModel
+
+
+def model_shape(cfg, params_bytes: int, expert_bytes: int, dtype_bytes: int) -> ModelShape:
+    """The served model's shape for the performance model (bytes from its parameters)."""
+    a = cfg.attn
+    kv = (a.kv_lora_rank + a.qk_rope_head_dim) if a.kind == "mla" else 2 * a.num_kv_heads * a.head_dim
+    return ModelShape(
+        cfg.family,
+        layers=cfg.num_layers,
+        moe_layers=cfg.num_moe_layers,
+        hidden=cfg.hidden_size,
+        experts=cfg.moe.num_experts,
+        top_k=cfg.moe.top_k,
+        expert_bytes_total=float(expert_bytes),
+        other_bytes_total=float(params_bytes - expert_bytes),
+        kv_bytes_per_token_layer=float(kv * dtype_bytes),
+        dtype_bytes=dtype_bytes,
+    )
+
+
+def host_hardware(devices: int, memory_bytes: float = 16e9, size: int = 1 << 24) -> Hardware:
+    """The host CPU as ``devices`` devices sharing it: copy bandwidth and fp32 matmul rate measured
+    once (best of 3), split over the devices."""
+    a = np.ones(size // 4, np.float32)
+    best_copy = min(_timed(lambda: a.copy()) for _ in range(3))
+    m = np.ones((512, 512), np.float32)
+    best_mm = min(_timed(lambda: m @ m) for _ in range(3))
+    return Hardware(
+        "host CPU",
+        memory_bandwidth=2 * a.nbytes / best_copy / devices,
+        flops=2 * 512**3 / best_mm / devices,
+        memory=memory_bytes / devices,
+        link_bandwidth=2 * a.nbytes / best_copy / devices,
+        link_alpha=20e-6,
+        gpus_per_node=devices,
+    )
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return max(time.perf_counter() - t, 1e-9)
+
+
+def layouts_that_fit(num_devices: int, num_experts: int, slots_per_instance: int) -> list[Layout]:
+    """Every aXeY with one device per instance on ``num_devices`` devices whose slots hold the experts."""
+    e_min = math.ceil(num_experts / slots_per_instance)
+    return [Layout(a + e, a, e) for a in range(1, num_devices) for e in range(e_min, num_devices - a + 1)]
+
+
+@dataclasses.dataclass
+class Decision:
+    time: float
+    load: Load
+    layout: Layout  # what the controller decided
+    started: bool  # a rescale was started (else: already serving it, or one in progress)
+    error: str | None = None
+
+
+class Autoscaler:
+    def __init__(self, engine, controller: ScalingController, interval_s: float = 30.0, clock=time.monotonic):
+        self.engine, self.controller, self.interval_s, self.clock = engine, controller, interval_s, clock
+        ex = engine.runner.executor
+        controller.current = Layout(
+            ex.num_attention + ex.num_expert_instances, ex.num_attention, ex.num_expert_instances
+        )
+        self._last, self._admitted = clock(), engine.scheduler.num_admitted
+        self.decisions: list[Decision] = []
+
+    def __call__(self, engine=None) -> Decision | None:
+        """Step hook: decide when ``interval_s`` has passed since the last decision."""
+        if self.clock() - self._last < self.interval_s:
+            return None
+        return self.decide()
+
+    def measure(self) -> Load:
+        now, admitted = self.clock(), self.engine.scheduler.num_admitted
+        rate = (admitted - self._admitted) / max(now - self._last, 1e-9)
+        self._last, self._admitted = now, admitted
+        live = self.engine.scheduler.sequences()
+        out = float(np.mean([s.max_tokens or 1 for s in live])) if live else 1.0
+        context = float(np.mean([s.num_tokens for s in live])) if live else 1.0
+        return Load(rate, out, context)
+
+    def decide(self) -> Decision:
+        load = self.measure()
+        layout = self.controller.decide(load)
+        ex = self.engine.runner.executor
+        serving = (ex.num_attention, ex.num_expert_instances) == (layout.attention, layout.experts)
+        decision = Decision(self.clock(), load, layout, started=False)
+        if not serving and self.engine.rescaler.job is None:
+            try:
+                self.engine.rescale(layout.attention, layout.experts)
+                decision.started = True
+            except ValueError as e:  # RescaleError: e.g. a live request too long for the layout
+                decision.error = str(e)
+        self.decisions.append(decision)
+        return decision
+
+
+def attach(engine, slo_tpot_s: float, interval_s: float = 30.0, hardware: Hardware | None = None) -> Autoscaler:
+    """An ``Autoscaler`` for a mesh-file engine, run after every step (``jaxmoe serve --autoscale``)."""
+    import jax
+
+    ex = engine.runner.executor
+    spec = ex.sub.spec
+    params = jax.tree.leaves(ex.params)
+    total = sum(p.nbytes for p in params)
+    experts = sum(
+        ex.expert_side.layers[i][k].nbytes * ex.cfg.moe.num_experts // ex.expert_side.layouts[i].num_slots
+        for i in ex.moe_layers
+        for k in ("w_gate", "w_up", "w_down")
+    )
+    dtype_bytes = jax.tree.leaves(ex.cache)[0].dtype.itemsize
+    pm = PerfModel(model_shape(ex.cfg, total, experts, dtype_bytes), hardware or host_hardware(spec.num_devices))
+    layouts = layouts_that_fit(spec.num_devices, ex.cfg.moe.num_experts, ex.slots_per_instance)
+    scaler = Autoscaler(engine, ScalingController(pm, JANUS, layouts, slo_tpot_s), interval_s)
+    engine.step_hooks.append(scaler)
+    return scaler

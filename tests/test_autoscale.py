@@ -1,0 +1,90 @@
+"""``jaxmoe serve --autoscale`` logic: the scaling controller driving live re-scaling (``Autoscaler``),
+with a controlled clock and a stand-in controller; and the real controller's candidate layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxmoe import LLM, SamplingParams
+from jaxmoe.scaling.autoscale import Autoscaler, attach, layouts_that_fit
+from jaxmoe.scaling.controller import Layout, Load
+
+ENGINE = dict(dtype="float32", num_blocks=64, block_size=8, max_num_seqs=4, max_prefill_chunk=16, max_batch_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint_dir):
+    return LLM(checkpoint_dir("mixtral"), mesh="meshes/cpu-8.yaml", **ENGINE)
+
+
+class Scripted:
+    """A controller that answers the next layout of its script (``ScalingController``'s interface)."""
+
+    def __init__(self, script):
+        self.script, self.current, self.loads = list(script), None, []
+
+    def decide(self, load: Load) -> Layout:
+        self.loads.append(load)
+        self.current = self.script.pop(0)
+        return self.current
+
+
+def test_layouts_that_fit_the_cpu_mesh():
+    got = layouts_that_fit(8, 8, 4)
+    assert Layout(8, 2, 6) in got and Layout(8, 4, 4) in got and Layout(3, 1, 2) in got
+    assert all(a.attention + a.experts <= 8 and a.experts * 4 >= 8 for a in got)
+    assert Layout(2, 1, 1) not in got  # 4 slots cannot hold 8 experts
+
+
+def test_attach_builds_the_real_controller(llm):
+    scaler = attach(llm.engine, slo_tpot_s=0.05, interval_s=3600)
+    assert scaler in llm.engine.step_hooks
+    assert scaler.controller.current == Layout(8, 2, 6)
+    assert Layout(8, 4, 4) in scaler.controller.layouts
+    shape = scaler.controller.pm.model
+    assert shape.experts == 8 and 0 < shape.expert_bytes_total < shape.expert_bytes_total + shape.other_bytes_total
+    try:
+        decision = scaler.decide()  # a real decision over the fitting layouts
+        assert decision.layout in scaler.controller.layouts
+    finally:
+        llm.engine.step_hooks.remove(scaler)
+        if llm.engine.rescaler.job is not None:  # it may have started one: let it finish
+            assert llm.engine.rescaler.job.wait_ready(300)
+            llm.engine.apply_rescale()
+        if llm.executor.num_attention != 2:
+            llm.rescale(2, 6)
+
+
+def test_autoscaler_rescales_the_engine_when_the_decision_changes(llm):
+    engine = llm.engine
+    now = [0.0]
+    ctl = Scripted([Layout(8, 2, 6), Layout(8, 4, 4)])
+    scaler = Autoscaler(engine, ctl, interval_s=10.0, clock=lambda: now[0])
+    engine.step_hooks.append(scaler)
+    for i in range(3):
+        engine.add_request([5 + i, 9, 11], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    assert not scaler.decisions  # before the interval
+    now[0] = 10.0
+    engine.step()
+    d = scaler.decisions[-1]
+    assert d.layout == Layout(8, 2, 6) and not d.started  # already serving it
+    assert d.load.rate == pytest.approx(0.3) and d.load.output_tokens == 30
+    now[0] = 20.0
+    engine.step()
+    assert scaler.decisions[-1].started and engine.rescaler.job is not None
+    job = engine.rescaler.job
+    for _ in range(5000):
+        if job.done() or not engine.has_work():
+            break
+        engine.step()
+    assert job.wait_ready(300)
+    engine.apply_rescale()  # idle: swapped now (serving, it is swapped at the next step)
+    assert job.result(60).attention == 4 and llm.executor.num_attention == 4
+
+
+def test_serve_autoscale_needs_a_mesh_and_an_slo(capsys):
+    from jaxmoe.cli import main
+
+    assert main(["serve", "--autoscale", "--model", "tiny-random"]) == 2
+    assert "--autoscale needs --mesh and --slo-tpot-ms" in capsys.readouterr().err
