@@ -145,7 +145,6 @@ BAD = [
     ({"prompt": "x" * 300}, "context"),
     ({"prompt": "hi", "priority": "urgent"}, "unknown priority"),
     ({"prompt": "hi", "n": 2}, "n=1"),
-    ({"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ({"prompt": ["a", 5]}, "prompt"),
     # each of these once passed validation and broke the step of every co-batched request
     ({"prompt": "hi", "seed": "1"}, "seed"),
