@@ -42,6 +42,7 @@ from jaxmoe.server.openai_format import ChatFormat, CompletionFormat, merge_fina
 log = logging.getLogger(__name__)
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 408, 413, 415, 421, 429, 500, 503, 504)}
+STREAMED = {**ERRORS, 200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 
 
 def _priority(request: Request, body_priority: str | None) -> Priority:
@@ -82,12 +83,14 @@ class OpenAIServer:
             middleware=[*guards, body],
         )
         install_error_handlers(app, on_invalid=lambda: self._reject(400))
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"], responses=ERRORS)
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], responses=ERRORS)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], responses=STREAMED)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], responses=STREAMED)
         app.add_api_route("/v1/models", self.models, methods=["GET"], responses=ERRORS)
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"], responses=ERRORS)
         app.add_api_route("/health", self.health, methods=["GET"], responses=ERRORS)
-        app.add_api_route("/metrics", self.prometheus, methods=["GET"], responses=ERRORS)
+        app.add_api_route(
+            "/metrics", self.prometheus, methods=["GET"], responses={**ERRORS, 200: {"content": {"text/plain": {}}}}
+        )
         return app
 
     # -- simple endpoints ------------------------------------------------------------------------
