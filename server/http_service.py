@@ -230,7 +230,12 @@ class OpenAIServer:
                     yield _sse(chunk)
                 async for i, out in _merged(streams):
                     last[i] = out
-                    if out.delta_text or out.finished or (out.logprobs and out.delta_token_ids) or fmts[i].pending:
+                    if (
+                        out.delta_text
+                        or out.finished
+                        or (out.logprobs and out.delta_token_ids)
+                        or _echo_ready(fmts[i], out)
+                    ):
                         yield _sse(fmts[i].chunk(out))
             except EngineStepError as e:
                 code = "timeout" if isinstance(e, RequestTimeoutError) else "internal_error"
@@ -244,6 +249,11 @@ class OpenAIServer:
             if not done:
                 log.info("client disconnected from %s; aborting it", streams[0].request_id)
                 self._abort(streams)
+
+
+def _echo_ready(fmt, out: RequestOutput) -> bool:
+    """A streamed echo waits for the first output that has tokens (and the prompt's logprobs)."""
+    return fmt.pending and (out.prompt_logprobs is not None or bool(out.token_ids))
 
 
 async def _disconnected(request: Request) -> None:
