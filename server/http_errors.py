@@ -58,6 +58,8 @@ def validation_error(errors) -> ApiError:
     first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request body"}
     if first.get("type") == "json_invalid":
         return bad("the body is not valid JSON")
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("model_attributes_type", "dict_type"):
+        return bad("the body must be a JSON object sent as Content-Type: application/json")
     err = protocol.request_error([dict(first, loc=tuple(first.get("loc", ()))[1:])])  # drop "body"
     return bad(str(err), err.param)
 

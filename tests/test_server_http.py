@@ -289,6 +289,15 @@ def test_unparseable_bodies_are_json_4xx(server):
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
 
 
+def test_body_must_be_a_json_object(server):
+    for body, headers in [
+        (b"[1, 2]", {}),
+        (b'{"prompt": "hi"}', {"Content-Type": "application/x-www-form-urlencoded"}),
+    ]:
+        status, err = _post(server, "/v1/completions", body, headers)
+        assert status == 400 and "JSON object" in err["error"]["message"], err
+
+
 def test_unknown_model_is_404(server, oai):
     status, err = _post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
     assert status == 404 and err["error"]["code"] == "model_not_found" and err["error"]["param"] == "model"
