@@ -98,7 +98,7 @@ def test_slow_body_is_refused_with_408():
     import socket
 
     llm = shared_demo_llm()
-    limits = HttpLimits(header_timeout_s=0.5, max_connections=4)
+    limits = HttpLimits(header_timeout_s=0.5, max_connections=4, max_header_bytes=4096)
     st = ServerThread(llm.engine, ServeOptions(model_name="m", body_read_timeout_s=0.5, http_limits=limits, **WARMUP))
     server = st.start()
     admitted = server.async_engine.call(lambda e: e.scheduler.stats()["admitted"])
@@ -125,6 +125,13 @@ def test_slow_body_is_refused_with_408():
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             t0 = time.monotonic()
             assert sock.recv(4096) == b"" and time.monotonic() - t0 < 5
+        # a request head still incomplete past max_header_bytes: uvicorn's (plain-text) 400, closed
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 8000)
+            reply = b""
+            while chunk := sock.recv(4096):
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 400"), reply[:100]
         # beyond the connection limit (uvicorn limit_concurrency) a connection gets 503
         idle = [socket.create_connection(("127.0.0.1", server.http_port), timeout=30) for _ in range(4)]
         try:
