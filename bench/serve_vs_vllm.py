@@ -206,12 +206,12 @@ async def _one(session, url: str, model: str, req: Req, t0: float, vllm: bool) -
     r = Result(send=time.monotonic())
     parts = []
     try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+        async with session.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return r
-            async for raw in resp.content:
-                line = raw.strip()
+            async for raw in resp.aiter_lines():
+                line = raw.strip().encode()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 obj = json.loads(line[6:])
@@ -233,10 +233,10 @@ async def _one(session, url: str, model: str, req: Req, t0: float, vllm: bool) -
 
 
 async def drive(url: str, model: str, workload: list[Req], vllm: bool, timeout: float) -> tuple[list[Result], float]:
-    import aiohttp
+    import httpx
 
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as s:
         t0 = time.monotonic()
         results = await asyncio.gather(*(_one(s, url, model, r, t0, vllm) for r in workload))
     return list(results), max(r.end for r in results) - t0

@@ -14,16 +14,17 @@ import asyncio
 import dataclasses
 import threading
 
-from aiohttp import web
-
 from jaxmoe.brownout.controller import BrownoutController
 from jaxmoe.engine.async_engine import AsyncEngine
 from jaxmoe.engine.engine import EngineConfig, LLMEngine
+from starlette.middleware import Middleware
+
 from jaxmoe.server.grpc_service import build_grpc_server, set_serving
+from jaxmoe.server.http_server import HttpLimits, HttpServer
 from jaxmoe.server.http_service import OpenAIServer
 from jaxmoe.server.metrics import ServerMetrics
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
-from jaxmoe.server.security import SecurityOptions, http_middleware
+from jaxmoe.server.security import HttpGuard, SecurityOptions
 
 
 @dataclasses.dataclass
@@ -40,6 +41,7 @@ class ServeOptions:
     request_timeout_s: float | None = 600.0  # a request still running after this long is ended (None: never)
     max_body_bytes: int = 4 << 20  # HTTP request bodies larger than this are refused (413)
     body_read_timeout_s: float = 30.0  # an HTTP body not fully received in this time is refused (408)
+    http_limits: HttpLimits = HttpLimits()  # connections, keep-alive, request head (uvicorn)
 
 
 def load_engine(
@@ -117,7 +119,7 @@ class JaxmoeServer:
         self.grpc_port = self.http_port = None
         self.warmup_seconds = 0.0
         self.cancel_warmup = threading.Event()  # set it to stop start() between two warm-up compiles
-        self._grpc = self._health = self._runner = None
+        self._grpc = self._health = self._http = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -140,12 +142,10 @@ class JaxmoeServer:
             max_body_bytes=o.max_body_bytes,
             body_read_timeout_s=o.body_read_timeout_s,
         )
-        guard = http_middleware(o.security, o.host, lambda: self.http_port)
-        self._runner = web.AppRunner(http.app(guard), handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, o.host, o.http_port)
-        await site.start()
-        self.http_port = self._runner.addresses[0][1]
+        guard = Middleware(HttpGuard, opts=o.security, bind_host=o.host, port_of=lambda: self.http_port)
+        self._http = HttpServer(http.app(guard), o.host, o.http_port, o.http_limits)
+        self.http_port = self._http.port
+        await self._http.start()
         await self._grpc.start()
         await set_serving(self._health, True)
         self.ready = True
@@ -161,8 +161,8 @@ class JaxmoeServer:
         await loop.run_in_executor(None, lambda: self.async_engine.shutdown(abort_inflight, grace))
         if grpc_done is not None:
             await grpc_done
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._http is not None:
+            await self._http.stop()
 
     @property
     def grpc_target(self) -> str:

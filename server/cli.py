@@ -113,6 +113,30 @@ def register(sub, add_model_args) -> None:
         help="seconds an HTTP request body may take to arrive (408 after; slow clients)",
     )
     serve.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=1024,
+        help="HTTP connections plus in-flight requests (uvicorn limit_concurrency; 503 beyond)",
+    )
+    serve.add_argument(
+        "--keep-alive-timeout",
+        type=int,
+        default=5,
+        help="seconds an idle kept-alive HTTP connection stays open (uvicorn timeout_keep_alive)",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a new HTTP connection may take to send its request head (closed after)",
+    )
+    serve.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=64 << 10,
+        help="largest HTTP request head (uvicorn h11_max_incomplete_event_size; 400 above)",
+    )
+    serve.add_argument(
         "--brownout-threshold",
         type=float,
         default=None,
@@ -186,6 +210,7 @@ def cmd_serve(args) -> int:
     from jaxmoe.engine.engine import EngineConfig
     from jaxmoe.engine.policies import make_policy
     from jaxmoe.server.app import ServeOptions, load_engine
+    from jaxmoe.server.http_server import HttpLimits
     from jaxmoe.server.security import SecurityOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -264,6 +289,12 @@ def cmd_serve(args) -> int:
         request_timeout_s=args.request_timeout or None,
         max_body_bytes=args.max_body_bytes,
         body_read_timeout_s=args.body_read_timeout,
+        http_limits=HttpLimits(
+            max_connections=args.http_max_connections,
+            keep_alive_timeout_s=args.keep_alive_timeout,
+            header_timeout_s=args.header_timeout,
+            max_header_bytes=args.max_header_bytes,
+        ),
         security=SecurityOptions(
             api_key=args.api_key or None,
             protect_health=args.protect_health,

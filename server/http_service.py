@@ -1,17 +1,20 @@
-"""The OpenAI-compatible HTTP front end (aiohttp).
+"""The OpenAI-compatible HTTP front end (FastAPI on uvicorn).
 
 Endpoints: ``POST /v1/completions`` (one prompt or a list of them, one choice each) and
 ``POST /v1/chat/completions`` (both with ``"stream": true`` as server-sent events ending in
-``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` and the Prometheus
-``GET /metrics``. Request bodies are validated by strict pydantic models
-(``jaxmoe.server.openai_protocol``). Extension: ``"priority": "ls" | "be"`` in the body, or an
-``X-Priority`` header (the body wins); ``top_k``, ``stop_token_ids`` and ``ignore_eos`` as in vLLM.
+``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, the Prometheus
+``GET /metrics`` and the OpenAPI schema ``GET /openapi.json`` (generated from the request models).
+Request bodies are validated by strict pydantic models (``jaxmoe.server.openai_protocol``).
+Extension: ``"priority": "ls" | "be"`` in the body, or an ``X-Priority`` header (the body wins);
+``top_k``, ``stop_token_ids`` and ``ignore_eos`` as in vLLM.
 
-Every error is OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
-(``param`` names the field), 404 unknown model (``model_not_found``) or path, 413 body too large,
-415 unknown Content-Encoding, 429 waiting queue full, 503 shutting down, 504 the server's request
-deadline passed, 500 engine failure. A client that disconnects mid-request has its request
-aborted in the engine.
+Every error is OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``
+(``jaxmoe.server.http_errors``): 400 bad input (``param`` names the field), 404 unknown model
+(``model_not_found``) or path, 408 / 413 / 415 from the body guard (``jaxmoe.server.http_body``),
+429 waiting queue full, 503 shutting down, 504 the server's request deadline passed, 500 engine
+failure. A client that disconnects mid-request has its request aborted in the engine.
+
+A route is one method registered in ``OpenAIServer.app``.
 """
 
 from __future__ import annotations
@@ -21,101 +24,33 @@ import json
 import logging
 import uuid
 
-from aiohttp import web
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from starlette.middleware import Middleware
 
 from jaxmoe.engine.async_engine import EngineClosedError, EngineStepError, RequestTimeoutError
 from jaxmoe.engine.outputs import RequestOutput
-from jaxmoe.sampling import SamplingParamsError
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
+from jaxmoe.sampling import SamplingParamsError
 from jaxmoe.server import openai_protocol as protocol
+from jaxmoe.server.http_body import BodyGuard
+from jaxmoe.server.http_errors import ApiError, ErrorResponse, bad, error_response, install_error_handlers
 from jaxmoe.server.openai_format import ChatFormat, CompletionFormat, merge_final, total_usage
 
 log = logging.getLogger(__name__)
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str, code: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 408, 413, 415, 421, 429, 500, 503, 504)}
+STREAMED = {**ERRORS, 200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 
 
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", "invalid_argument", param)
-
-
-def error_response(e: ApiError) -> web.Response:
-    return web.json_response(
-        {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}, status=e.status
-    )
-
-
-_HTTP_ERRORS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type"}
-
-
-@web.middleware
-async def json_errors(request: web.Request, handler):
-    """Every error answer is an OpenAI-style JSON object, never aiohttp's plain text."""
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return error_response(e)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        kind = "invalid_request_error" if e.status < 500 else "server_error"
-        return error_response(
-            ApiError(
-                e.status,
-                e.reason if not e.text or e.text.startswith(str(e.status)) else e.text,
-                kind,
-                _HTTP_ERRORS.get(e.status, "http_error"),
-            )
-        )
-
-
-def _priority(request: web.Request, body_priority: str | None) -> Priority:
+def _priority(request: Request, body_priority: str | None) -> Priority:
     value = body_priority if body_priority is not None else request.headers.get("X-Priority", "be")
     try:
         return Priority.parse(value)
     except ValueError as e:
-        raise _bad(str(e), "priority") from None
-
-
-async def _read_json(request: web.Request):
-    """The body as JSON, or a 4xx ApiError: bad encoding, bad compression, not JSON, too deep."""
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("identity", "gzip", "deflate", "br", ""):
-        raise ApiError(
-            415,
-            f"Content-Encoding {encoding!r} is not supported",
-            "invalid_request_error",
-            "unsupported_media_type",
-            "Content-Encoding",
-        )
-    timeout = request.app["body_read_timeout_s"]
-    try:
-        raw = await asyncio.wait_for(request.read(), timeout)
-    except TimeoutError:  # a slow client must not hold the connection and its handler forever
-        raise ApiError(
-            408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error", "request_timeout"
-        ) from None
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(
-            413,
-            f"request body larger than {request.app['max_body_bytes']} bytes",
-            "invalid_request_error",
-            "request_too_large",
-        ) from None
-    except Exception as e:  # undecodable compressed body (zlib / brotli errors)
-        raise _bad(f"the body could not be decoded ({encoding}): {type(e).__name__}") from None
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise _bad("the body is not valid JSON") from None
-    except RecursionError:
-        raise _bad("the body is nested too deeply") from None
+        raise bad(str(e), "priority") from None
 
 
 class OpenAIServer:
@@ -136,17 +71,26 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
 
-    def app(self, *guards) -> web.Application:
-        """The aiohttp app; ``guards`` are middlewares run before everything (``jaxmoe.server.security``)."""
-        app = web.Application(middlewares=[*guards, json_errors], client_max_size=self.max_body_bytes)
-        app["max_body_bytes"] = self.max_body_bytes
-        app["body_read_timeout_s"] = self.body_read_timeout_s
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model_id:.+}", self.model)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
+    def app(self, *guards: Middleware) -> FastAPI:
+        """The ASGI app; ``guards`` run before everything (``jaxmoe.server.security.HttpGuard``),
+        then the body guard, then the routes."""
+        body = Middleware(BodyGuard, max_body_bytes=self.max_body_bytes, body_read_timeout_s=self.body_read_timeout_s)
+        app = FastAPI(
+            title="jaxmoe OpenAI-compatible API",
+            version="1",
+            docs_url=None,
+            redoc_url=None,
+            middleware=[*guards, body],
+        )
+        install_error_handlers(app, on_invalid=lambda: self._reject(400))
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], responses=STREAMED)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], responses=STREAMED)
+        app.add_api_route("/v1/models", self.models, methods=["GET"], responses=ERRORS)
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"], responses=ERRORS)
+        app.add_api_route("/health", self.health, methods=["GET"], responses=ERRORS)
+        app.add_api_route(
+            "/metrics", self.prometheus, methods=["GET"], responses={**ERRORS, 200: {"content": {"text/plain": {}}}}
+        )
         return app
 
     # -- simple endpoints ------------------------------------------------------------------------
@@ -159,12 +103,12 @@ class OpenAIServer:
             "max_model_len": self.engine.engine.max_model_len,
         }
 
-    async def models(self, request):
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+    async def models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
 
-    async def model(self, request):
-        self._check_model(request.match_info["model_id"])
-        return web.json_response(self._model_card())
+    async def model(self, model_id: str) -> dict:
+        self._check_model(model_id)
+        return self._model_card()
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -176,43 +120,42 @@ class OpenAIServer:
                 "model",
             )
 
-    async def health(self, request):
+    async def health(self) -> JSONResponse:
         ok = self.ready() and self.engine.running
-        return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
-    async def prometheus(self, request):
+    async def prometheus(self) -> Response:
         if self.metrics is None:
-            raise web.HTTPNotFound()
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+            raise ApiError(404, "metrics are off", "invalid_request_error", "not_found")
+        return Response(self.metrics.render(), media_type="text/plain; charset=utf-8")
 
     # -- generation ------------------------------------------------------------------------------
-    async def completions(self, request):
-        return await self._generate(request, chat=False)
+    async def completions(self, body: protocol.CompletionRequest, request: Request) -> Response:
+        return await self._generate(request, body, chat=False)
 
-    async def chat_completions(self, request):
-        return await self._generate(request, chat=True)
+    async def chat_completions(self, body: protocol.ChatCompletionRequest, request: Request) -> Response:
+        return await self._generate(request, body, chat=True)
 
-    def _parse(self, body, chat: bool):
-        """(request model, prompts, SamplingParams); raises ApiError (400 naming the field, 404 model)."""
+    def _reject(self, status: int) -> None:
+        if self.metrics is not None:
+            self.metrics.reject({400: "invalid", 429: "overloaded"}.get(status, "unavailable"))
+
+    def _prepare(self, req, chat: bool):
+        """(prompts, SamplingParams); raises ApiError (400 naming the field, 404 model)."""
+        self._check_model(req.model)
         try:
             if chat:
-                req = protocol.parse(protocol.ChatCompletionRequest, body)
-                self._check_model(req.model)
                 sampling = req.to_sampling(self.engine.engine.max_model_len)
                 text = self.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True)
                 prompts = [self.tokenizer.encode(text)]
             else:
-                req = protocol.parse(protocol.CompletionRequest, body)
-                self._check_model(req.model)
                 sampling = req.to_sampling()
                 prompts = req.prompts()
-        except protocol.RequestError as e:
-            raise _bad(str(e), e.param) from None
         except SamplingParamsError as e:
-            raise _bad(str(e), e.param) from None
+            raise bad(str(e), e.param) from None
         except (ValueError, TemplateError) as e:  # chat template errors
-            raise _bad(str(e), "messages") from None
-        return req, prompts, sampling
+            raise bad(str(e), "messages") from None
+        return prompts, sampling
 
     async def _admit(self, prompts, sampling, priority, prefix: str) -> list:
         streams = []
@@ -222,7 +165,7 @@ class OpenAIServer:
                 try:
                     streams.append(await self.engine.add_async(prompt, sampling, priority, rid))
                 except ValueError as e:
-                    raise _bad(str(e), "prompt" if len(prompts) == 1 else f"prompt.{i}") from None
+                    raise bad(str(e), "prompt" if len(prompts) == 1 else f"prompt.{i}") from None
                 except OverloadedError as e:
                     raise ApiError(429, f"server overloaded: {e}", "rate_limit_error", "overloaded") from None
                 except EngineClosedError as e:
@@ -233,70 +176,90 @@ class OpenAIServer:
             raise
         return streams
 
-    async def _generate(self, request: web.Request, chat: bool):
+    def _abort(self, streams) -> None:
+        for st in streams:
+            self.engine.abort(st.request_id)
+
+    async def _generate(self, request: Request, req, chat: bool) -> Response:
         try:
-            body = await _read_json(request)
-            req, prompts, sampling = self._parse(body, chat)
+            prompts, sampling = self._prepare(req, chat)
             priority = _priority(request, req.priority)
             streams = await self._admit(prompts, sampling, priority, "chatcmpl-" if chat else "cmpl-")
         except ApiError as e:
-            if self.metrics is not None:
-                self.metrics.reject({400: "invalid", 429: "overloaded"}.get(e.status, "unavailable"))
+            self._reject(e.status)
             return error_response(e)
         rid = streams[0].request_id
         fmts = [
             ChatFormat(self, rid, i) if chat else CompletionFormat(self, rid, i, echo=req.echo)
             for i in range(len(streams))
         ]
-        finished = False
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._events(streams, fmts, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        finals = asyncio.ensure_future(asyncio.gather(*(_last(st) for st in streams)))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                resp = await self._stream(request, streams, fmts, include_usage)
-            else:
-                finals = await asyncio.gather(*(_last(st) for st in streams))
-                resp = web.json_response(merge_final(fmts, finals))
-            finished = True
-            return resp
+            await asyncio.wait({finals, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not finals.done():  # the client went away (or this handler was cancelled): free the slots
+                finals.cancel()
+                self._abort(streams)
+        if not finals.done() or finals.cancelled():
+            log.info("client disconnected from %s; aborted it", rid)
+            return Response(status_code=499)
+        try:
+            return JSONResponse(merge_final(fmts, finals.result()))
         except EngineStepError as e:
-            finished = True
             timeout = isinstance(e, RequestTimeoutError)
             return error_response(
                 ApiError(504 if timeout else 500, str(e), "server_error", "timeout" if timeout else "internal_error")
             )
-        finally:
-            if not finished:  # client went away (handler cancelled, write failed): free the slots
-                for st in streams:
-                    self.engine.abort(st.request_id)
 
-    async def _stream(self, request, streams, fmts, include_usage: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        try:
-            await self._stream_events(resp, streams, fmts, include_usage)
-        except ConnectionResetError:  # the client went away: stop generating for it
-            log.info("client disconnected from %s; aborting it", streams[0].request_id)
-            for st in streams:
-                self.engine.abort(st.request_id)
-        return resp
-
-    async def _stream_events(self, resp, streams, fmts, include_usage: bool) -> None:
+    async def _events(self, streams, fmts, include_usage: bool):
+        """The SSE body; if it stops early (the client went away) the requests are aborted."""
         last: dict[int, RequestOutput] = {}
+        done = False
         try:
-            for chunk in fmts[0].first_chunks():
-                await _sse(resp, chunk)
-            async for i, out in _merged(streams):
-                last[i] = out
-                if out.delta_text or out.finished or (out.logprobs and out.delta_token_ids):
-                    await _sse(resp, fmts[i].chunk(out))
-        except EngineStepError as e:
-            code = "timeout" if isinstance(e, RequestTimeoutError) else "internal_error"
-            await _sse(resp, {"error": {"message": str(e), "type": "server_error", "param": None, "code": code}})
-        else:
-            if include_usage and last:
-                await _sse(resp, fmts[0].usage_chunk(total_usage(last.values())))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            try:
+                for chunk in fmts[0].first_chunks():
+                    yield _sse(chunk)
+                async for i, out in _merged(streams):
+                    last[i] = out
+                    if (
+                        out.delta_text
+                        or out.finished
+                        or (out.logprobs and out.delta_token_ids)
+                        or _echo_ready(fmts[i], out)
+                    ):
+                        yield _sse(fmts[i].chunk(out))
+            except EngineStepError as e:
+                code = "timeout" if isinstance(e, RequestTimeoutError) else "internal_error"
+                yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": code}})
+            else:
+                if include_usage and last:
+                    yield _sse(fmts[0].usage_chunk(total_usage(last.values())))
+            yield b"data: [DONE]\n\n"
+            done = True
+        finally:
+            if not done:
+                log.info("client disconnected from %s; aborting it", streams[0].request_id)
+                self._abort(streams)
+
+
+def _echo_ready(fmt, out: RequestOutput) -> bool:
+    """A streamed echo waits for the first output that has tokens (and the prompt's logprobs)."""
+    return fmt.pending and (out.prompt_logprobs is not None or bool(out.token_ids))
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body was read already: what comes next is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _last(stream) -> RequestOutput:
@@ -340,5 +303,5 @@ async def _merged(streams):
             t.cancel()
 
 
-async def _sse(resp: web.StreamResponse, obj) -> None:
-    await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"

@@ -36,6 +36,7 @@ class CompletionFormat:
         self.tok = server.tokenizer
         self.offset = 0
         self.echo = echo
+        self.pending = echo  # streamed with echo: the prompt (and its logprobs) not sent yet
 
     def _base(self, choices, usage=None):
         obj = {
@@ -66,16 +67,44 @@ class CompletionFormat:
         return []
 
     def chunk(self, out: RequestOutput):
+        """A streamed chunk; with ``echo`` the first one starts with the prompt and its logprobs."""
+        text, logprobs = out.delta_text, None
+        if self.pending:  # the prompt first (offsets count from it)
+            self.pending = False
+            prompt_text, logprobs = self._echoed(out, out.logprobs is not None)
+            text = prompt_text + text
+        new = self._logprobs(out, True)
+        if logprobs is None:
+            logprobs = new
+        elif new:
+            for k in logprobs:
+                logprobs[k] += new[k]
         return self._base(
             [
                 {
                     "index": self.index,
-                    "text": out.delta_text,
-                    "logprobs": self._logprobs(out, True),
+                    "text": text,
+                    "logprobs": logprobs,
                     "finish_reason": out.finish_reason if out.finished else None,
                 }
             ]
         )
+
+    def _echoed(self, out: RequestOutput, want_logprobs: bool):
+        """(the prompt's text, its logprobs or None): the first prompt token has no logprob."""
+        prompt = out.prompt_token_ids
+        if not want_logprobs and out.prompt_logprobs is None:
+            return self.tok.decode(prompt), None
+        logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        scored = out.prompt_logprobs or [None] * len(prompt)
+        for token, lp in zip(prompt, scored):
+            piece = self.tok.decode([token])
+            logprobs["tokens"].append(piece)
+            logprobs["token_logprobs"].append(None if lp is None else lp.logprob)
+            logprobs["top_logprobs"].append(None if lp is None else {self.tok.decode([t]): v for t, v in lp.top})
+            logprobs["text_offset"].append(self.offset)
+            self.offset += len(piece)
+        return self.tok.decode(prompt), logprobs
 
     def usage_chunk(self, usage: dict):
         return self._base([], usage)
@@ -93,30 +122,28 @@ class CompletionFormat:
                 ],
                 out.usage,
             )
-        prompt = out.prompt_token_ids
-        text = self.tok.decode(prompt) + out.text
-        logprobs = None
-        if out.logprobs is not None or out.prompt_logprobs is not None:
-            logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            scored = out.prompt_logprobs or [None] * len(prompt)
-            for token, lp in zip(prompt, scored):  # the prompt first: its first token has no logprob
-                piece = self.tok.decode([token])
-                logprobs["tokens"].append(piece)
-                logprobs["token_logprobs"].append(None if lp is None else lp.logprob)
-                logprobs["top_logprobs"].append(None if lp is None else {self.tok.decode([t]): v for t, v in lp.top})
-                logprobs["text_offset"].append(self.offset)
-                self.offset += len(piece)
-            generated = self._logprobs(out, False)
-            if generated:
-                for k in logprobs:
-                    logprobs[k] += generated[k]
+        prompt_text, logprobs = self._echoed(out, out.logprobs is not None)
+        generated = self._logprobs(out, False)
+        if logprobs is not None and generated:
+            for k in logprobs:
+                logprobs[k] += generated[k]
         return self._base(
-            [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}], out.usage
+            [
+                {
+                    "index": self.index,
+                    "text": prompt_text + out.text,
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                }
+            ],
+            out.usage,
         )
 
 
 class ChatFormat:
     """``chat.completion`` / ``chat.completion.chunk`` objects."""
+
+    pending = False
 
     def __init__(self, server: OpenAIServer, rid: str, index: int = 0):
         self.server, self.rid, self.index, self.created = server, rid, index, int(time.time())

@@ -4,7 +4,7 @@
 Strict: a field of the wrong JSON type is refused, never coerced (``"stream": "false"``,
 ``"max_tokens": true``, ``"seed": 1.5`` are 400s naming the field). Fields the OpenAI API defines
 that jaxmoe does not implement are refused when set to a value that would change the output
-(``n`` > 1, penalties, ``logit_bias``, ``echo``); other unknown fields are ignored, as the OpenAI
+(``n`` > 1, penalties, ``logit_bias``, ``suffix``, ``best_of`` > 1); other unknown fields are ignored, as the OpenAI
 API and vLLM do. Defaults follow the OpenAI API (temperature 1.0, top_p 1.0, completions
 ``max_tokens`` 16).
 """
@@ -121,8 +121,6 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _completion_unsupported(self):
-        if self.echo and self.stream:
-            raise ValueError("echo: not supported with stream (send the request without streaming)")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 needs echo (prompt scoring); otherwise at least 1")
         if self.best_of not in (None, 1):
@@ -194,18 +192,23 @@ class RequestError(ValueError):
         self.param = param
 
 
+def request_error(errors: list[dict]) -> RequestError:
+    """A RequestError naming the first offending field of pydantic's ``errors()``."""
+    first = errors[0]
+    loc = [str(p) for p in first["loc"] if not _is_union_tag(p)]
+    param = ".".join(loc) or None
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "value_error" and ":" in msg and not loc:  # a model validator naming its field
+        param = msg.split(":", 1)[0]
+    return RequestError(f"{param}: {msg}" if param and not msg.startswith(param) else msg, param)
+
+
 def parse(model: type[BaseModel], body: Any) -> Any:
     """``model.model_validate(body)``, or a RequestError naming the first offending field."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = [str(p) for p in first["loc"] if not _is_union_tag(p)]
-        param = ".".join(loc) or None
-        msg = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "value_error" and ":" in msg and not loc:  # a model validator naming its field
-            param = msg.split(":", 1)[0]
-        return _raise(RequestError(f"{param}: {msg}" if param and not msg.startswith(param) else msg, param))
+        return _raise(request_error(e.errors()))
     except SamplingParamsError as e:
         return _raise(RequestError(str(e), e.param))
     except RecursionError:

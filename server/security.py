@@ -3,8 +3,8 @@
 cross-origin (browser) requests refused unless their origin is allowed.
 
 ``SecurityOptions`` is what ``jaxmoe serve`` configures (``--api-key`` / ``$JAXMOE_API_KEY``,
-``--allowed-origins``, ``--allowed-hosts``, ``--protect-health``); ``http_middleware`` and
-``grpc_interceptor`` apply it to each front end.
+``--allowed-origins``, ``--allowed-hosts``, ``--protect-health``); ``HttpGuard`` (ASGI middleware)
+and ``ApiKeyInterceptor`` apply it to each front end.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import dataclasses
 import hmac
 
 import grpc
-from aiohttp import web
+
+from jaxmoe.server.http_errors import ApiError, send_error
 
 OPEN_PATHS = ("/health", "/metrics")
 OPEN_GRPC_PREFIX = "/grpc.health.v1.Health/"
@@ -46,39 +47,50 @@ class SecurityOptions:
         return {n.lower() for n in names} | {f"{n}:{port}".lower() for n in names}
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}, status=status
-    )
+def _refused(status: int, message: str, code: str) -> ApiError:
+    return ApiError(status, message, "invalid_request_error", code)
 
 
-def http_middleware(opts: SecurityOptions, bind_host: str, port_of):
-    """aiohttp middleware; ``port_of()`` gives the bound port (known once the site started)."""
+class HttpGuard:
+    """ASGI middleware applying ``SecurityOptions`` before the app; ``port_of()`` gives the bound
+    port (known once the server listens)."""
 
-    @web.middleware
-    async def security(request: web.Request, handler):
-        hosts = opts.hosts_for(bind_host, port_of())
-        host = (request.headers.get("Host") or "").lower()
+    def __init__(self, app, opts: SecurityOptions, bind_host: str, port_of):
+        self.app, self.opts, self.bind_host, self.port_of = app, opts, bind_host, port_of
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        opts = self.opts
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        hosts = opts.hosts_for(self.bind_host, self.port_of())
+        host = headers.get("host", "").lower()
         if hosts is not None and host not in hosts:
-            return _error(421, f"Host {host!r} is not served here", "misdirected_request")
-        origin = request.headers.get("Origin")
+            return await send_error(send, _refused(421, f"Host {host!r} is not served here", "misdirected_request"))
+        origin = headers.get("origin")
         if origin is not None and "*" not in opts.allowed_origins and origin not in opts.allowed_origins:
-            return _error(
-                403,
-                f"cross-origin requests from {origin!r} are not allowed (see --allowed-origins)",
-                "origin_not_allowed",
+            return await send_error(
+                send,
+                _refused(
+                    403,
+                    f"cross-origin requests from {origin!r} are not allowed (see --allowed-origins)",
+                    "origin_not_allowed",
+                ),
             )
-        if (opts.protect_health or request.path not in OPEN_PATHS) and not opts.key_ok(
-            request.headers.get("Authorization")
-        ):
-            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
-        response = await handler(request)
-        if origin is not None:  # allowed: tell the browser
-            response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Vary"] = "Origin"
-        return response
+        if (opts.protect_health or scope["path"] not in OPEN_PATHS) and not opts.key_ok(headers.get("authorization")):
+            return await send_error(
+                send, _refused(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
+            )
+        if origin is None:
+            return await self.app(scope, receive, send)
 
-    return security
+        async def tell_the_browser(message):  # allowed: say so on the response
+            if message["type"] == "http.response.start":
+                extra = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+                message = dict(message, headers=list(message.get("headers", [])) + extra)
+            await send(message)
+
+        await self.app(scope, receive, tell_the_browser)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -145,7 +145,6 @@ BAD = [
     ({"prompt": "x" * 300}, "context"),
     ({"prompt": "hi", "priority": "urgent"}, "unknown priority"),
     ({"prompt": "hi", "n": 2}, "n=1"),
-    ({"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ({"prompt": ["a", 5]}, "prompt"),
     # each of these once passed validation and broke the step of every co-batched request
     ({"prompt": "hi", "seed": "1"}, "seed"),
@@ -290,6 +289,15 @@ def test_unparseable_bodies_are_json_4xx(server):
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
 
 
+def test_body_must_be_a_json_object(server):
+    for body, headers in [
+        (b"[1, 2]", {}),
+        (b'{"prompt": "hi"}', {"Content-Type": "application/x-www-form-urlencoded"}),
+    ]:
+        status, err = _post(server, "/v1/completions", body, headers)
+        assert status == 400 and "JSON object" in err["error"]["message"], err
+
+
 def test_unknown_model_is_404(server, oai):
     status, err = _post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
     assert status == 404 and err["error"]["code"] == "model_not_found" and err["error"]["param"] == "model"
@@ -417,6 +425,37 @@ def test_echo_with_prompt_logprobs_as_lm_eval_sends_it(server, llm):
     assert status == 200 and r["choices"][0]["text"].startswith("Hello")
     status, err = _post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 0})
     assert status == 400 and err["error"]["param"] == "max_tokens"
+
+
+def test_echo_with_stream(server):
+    """``echo`` with ``stream``: the first chunk starts with the prompt's text and its logprobs (the
+    first prompt token has none), then the generated tokens; the same as the non-streamed answer."""
+    body = {"prompt": [5, 17, 33, 2], "echo": True, "max_tokens": 3, "logprobs": 1, "temperature": 0}
+    status, whole = _post(server, "/v1/completions", body)
+    s_status, raw = _post(server, "/v1/completions", dict(body, stream=True))
+    assert status == 200 and s_status == 200
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    choices = [e["choices"][0] for e in events]
+    first = choices[0]["logprobs"]
+    assert len(first["tokens"]) >= 4 and first["token_logprobs"][0] is None
+    streamed = {k: [v for c in choices if c["logprobs"] for v in c["logprobs"][k]] for k in first}
+    assert streamed == whole["choices"][0]["logprobs"]
+    assert "".join(c["text"] for c in choices) == whole["choices"][0]["text"]
+    # echo without logprobs: the prompt's text first, no logprobs
+    status, raw = _post(server, "/v1/completions", {"prompt": "Hello", "echo": True, "max_tokens": 2, "stream": True})
+    first = json.loads(next(line[6:] for line in raw.splitlines() if line.startswith("data: {")))
+    assert first["choices"][0]["text"].startswith("Hello") and first["choices"][0]["logprobs"] is None
+
+
+def test_openapi_schema_is_served(server):
+    status, raw = _get(server, "/openapi.json")
+    schema = json.loads(raw)
+    assert status == 200 and {"/v1/completions", "/v1/chat/completions", "/v1/models/{model_id}"} <= set(
+        schema["paths"]
+    )
+    props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "max_tokens", "logprobs", "echo", "stream", "priority"} <= set(props)
+    assert "400" in schema["paths"]["/v1/completions"]["post"]["responses"]
 
 
 def test_every_block_free_at_the_end(server):

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 
 import grpc
 import pytest
 
 from jaxmoe.server.app import ServeOptions, ServerThread
 from jaxmoe.server.client import JaxmoeClient
+from jaxmoe.server.http_server import HttpLimits
 from jaxmoe.server.security import SecurityOptions
-from jaxmoe.server.testing import WARMUP, shared_demo_llm
+from jaxmoe.server.testing import WARMUP, shared_demo_llm, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 KEY = "s3cret-key"
@@ -96,7 +98,8 @@ def test_slow_body_is_refused_with_408():
     import socket
 
     llm = shared_demo_llm()
-    st = ServerThread(llm.engine, ServeOptions(model_name="m", body_read_timeout_s=0.5, **WARMUP))
+    limits = HttpLimits(header_timeout_s=0.5, max_connections=4, max_header_bytes=4096)
+    st = ServerThread(llm.engine, ServeOptions(model_name="m", body_read_timeout_s=0.5, http_limits=limits, **WARMUP))
     server = st.start()
     admitted = server.async_engine.call(lambda e: e.scheduler.stats()["admitted"])
     try:
@@ -117,5 +120,26 @@ def test_slow_body_is_refused_with_408():
         assert server.async_engine.call(lambda e: e.scheduler.stats()["admitted"]) == admitted  # nothing ran
         status, out, _ = _request(server, "POST", "/v1/completions", BODY)  # a normal request still works
         assert status == 200 and out["usage"]["completion_tokens"] == 2
+        # a connection that never finishes its request head is closed (slowloris), with no answer
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            t0 = time.monotonic()
+            assert sock.recv(4096) == b"" and time.monotonic() - t0 < 5
+        # a request head still incomplete past max_header_bytes: uvicorn's (plain-text) 400, closed
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 8000)
+            reply = b""
+            while chunk := sock.recv(4096):
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 400"), reply[:100]
+        # beyond the connection limit (uvicorn limit_concurrency) a connection gets 503
+        idle = [socket.create_connection(("127.0.0.1", server.http_port), timeout=30) for _ in range(4)]
+        try:
+            status, _, _ = _request(server, "GET", "/v1/models")
+            assert status == 503
+        finally:
+            for sock in idle:
+                sock.close()
+        assert wait_until(lambda: _request(server, "GET", "/v1/models")[0] == 200, timeout=5)
     finally:
         st.stop(abort_inflight=True)

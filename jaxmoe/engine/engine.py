@@ -339,6 +339,7 @@ class LLMEngine:
         elif text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
             text = state.text
         delta_text, state.text = text[len(state.text) :], text
+        first = state.sent_tokens == 0 and len(ids) > 0  # the prompt is fully scored by now
         delta_ids, state.sent_tokens = ids[state.sent_tokens :], len(ids)
         return RequestOutput(
             request_id=seq.request_id,
@@ -354,7 +355,7 @@ class LLMEngine:
             ttft=seq.ttft,
             tpot=seq.tpot,
             prompt_logprobs=list(state.prompt_logprobs)
-            if state.prompt_logprobs is not None and seq.is_finished
+            if state.prompt_logprobs is not None and (seq.is_finished or first)
             else None,
         )
 

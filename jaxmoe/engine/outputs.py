@@ -39,7 +39,9 @@ class RequestOutput:
     ttft: float | None = None
     tpot: float | None = None
     error: str | None = None  # set (with finish_reason "error") when this request failed in the engine
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None)
+    prompt_logprobs: list[TokenLogprob | None] | None = (
+        None  # per prompt token (the first: None); on the first output with tokens and the final one
+    )
 
     @property
     def usage(self) -> dict[str, int]:

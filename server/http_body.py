@@ -1,0 +1,133 @@
+"""``BodyGuard``: the ASGI middleware that reads an HTTP request body before the app sees it.
+
+It refuses an unknown ``Content-Encoding`` (415), a body over the size limit (413, counted on the
+bytes received and on the decompressed size, so a gzip bomb stops at the limit; the rest of a
+too-large body is read and dropped, within the read timeout and up to ``DRAIN_FACTOR`` times the
+limit, so that the client reads the answer rather than a reset), a body that does not arrive within the read timeout (408, and the connection is closed:
+a slow client cannot hold a handler) and a compressed body that does not decode (400), each as an
+OpenAI-style JSON error. The app then gets the decoded body in one piece; what the client sends
+later (its disconnect) still reaches the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import zlib
+
+from jaxmoe.server.http_errors import ApiError, bad, send_error
+
+ENCODINGS = ("identity", "gzip", "deflate")
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+DRAIN_FACTOR = 4  # a too-large body is read and dropped up to this many times the limit
+_NO_BODY = ("GET", "HEAD", "OPTIONS", "DELETE")
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Gone(Exception):
+    pass
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body larger than {limit} bytes", "invalid_request_error", "request_too_large")
+
+
+def _decode(raw: bytes, encoding: str, limit: int) -> bytes:
+    if encoding == "identity":
+        return raw
+    d = zlib.decompressobj(_WBITS[encoding])
+    try:
+        out = d.decompress(raw, limit + 1)
+    except zlib.error as e:
+        raise bad(f"the body could not be decoded ({encoding}): {e}") from None
+    if len(out) > limit:
+        raise _TooLarge()
+    if not d.eof:
+        raise bad(f"the body could not be decoded ({encoding}): truncated")
+    return out
+
+
+class BodyGuard:
+    def __init__(self, app, max_body_bytes: int, body_read_timeout_s: float):
+        self.app, self.limit, self.timeout = app, max_body_bytes, body_read_timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in _NO_BODY:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        encoding = headers.get("content-encoding", "identity").strip().lower() or "identity"
+        if encoding not in ENCODINGS:
+            return await send_error(
+                send,
+                ApiError(
+                    415,
+                    f"Content-Encoding {encoding!r} is not supported (one of {', '.join(ENCODINGS)})",
+                    "invalid_request_error",
+                    "unsupported_media_type",
+                    "Content-Encoding",
+                ),
+                {"Connection": "close"},
+            )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        try:
+            int(headers.get("content-length", "0"))
+            raw = await asyncio.wait_for(self._read(receive), self.timeout)
+            body = _decode(raw, encoding, self.limit)
+        except _TooLarge:
+            # read (and drop) what the client is still sending, so that it reads the answer instead of
+            # a reset connection: bounded by the read deadline and DRAIN_FACTOR times the limit
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._drain(receive), max(0.0, deadline - loop.time()))
+            return await send_error(send, _too_large(self.limit), {"Connection": "close"})
+        except TimeoutError:
+            err = ApiError(
+                408,
+                f"the request body did not arrive within {self.timeout:g} s",
+                "invalid_request_error",
+                "request_timeout",
+            )
+            return await send_error(send, err, {"Connection": "close"})
+        except ValueError:  # Content-Length not a number
+            return await send_error(send, bad("Content-Length is not a number", "Content-Length"))
+        except ApiError as e:
+            return await send_error(send, e)
+        except _Gone:
+            return
+        kept = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-encoding", b"content-length")]
+        scope = dict(scope, headers=kept + [(b"content-length", str(len(body)).encode())])
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # http.disconnect, when the client goes away
+
+        await self.app(scope, replay, send)
+
+    async def _drain(self, receive) -> None:
+        dropped = 0
+        while dropped < DRAIN_FACTOR * self.limit:
+            msg = await receive()
+            dropped += len(msg.get("body", b""))
+            if msg["type"] == "http.disconnect" or not msg.get("more_body", False):
+                return
+
+    async def _read(self, receive) -> bytes:
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise _Gone()
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                raise _TooLarge()
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(chunks)

@@ -1,0 +1,90 @@
+"""``HttpServer``: uvicorn serving an ASGI app on the caller's event loop (a task, no threads, no
+signal handlers: ``jaxmoe serve`` owns SIGTERM / SIGINT and stops it through ``JaxmoeServer``).
+
+uvicorn's own options set the connection limits: ``limit_concurrency`` (connections plus
+in-flight requests; beyond it uvicorn answers a plain-text 503), ``timeout_keep_alive`` (an idle
+kept-alive connection is closed), ``h11_max_incomplete_event_size`` (the largest request head),
+``timeout_graceful_shutdown``. uvicorn has no timeout for a new connection's request head, so the
+h11 protocol here adds one (``header_timeout_s``): a connection that has not sent a complete
+request head by then is closed (slowloris).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import socket
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpLimits:
+    max_connections: int = 1024  # uvicorn limit_concurrency: connections + in-flight requests (503 beyond)
+    keep_alive_timeout_s: int = 5  # uvicorn timeout_keep_alive
+    header_timeout_s: float = 10.0  # a new connection's request head must arrive within this
+    max_header_bytes: int = 64 << 10  # uvicorn h11_max_incomplete_event_size (the request head)
+    shutdown_timeout_s: int = 5  # uvicorn timeout_graceful_shutdown, after the engine drained
+
+
+class _HeaderTimeoutH11(H11Protocol):
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
+
+    def _head_late(self) -> None:
+        if self.cycle is None and not self.transport.is_closing():  # no complete request head yet
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        self._head_timer.cancel()
+        super().connection_lost(exc)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # the CLI owns SIGINT / SIGTERM
+
+
+class HttpServer:
+    def __init__(self, app, host: str, port: int, limits: HttpLimits = HttpLimits()):
+        protocol = type("H11", (_HeaderTimeoutH11,), {"header_timeout_s": limits.header_timeout_s})
+        config = uvicorn.Config(
+            app,
+            http=protocol,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            limit_concurrency=limits.max_connections,
+            timeout_keep_alive=limits.keep_alive_timeout_s,
+            h11_max_incomplete_event_size=limits.max_header_bytes,
+            timeout_graceful_shutdown=limits.shutdown_timeout_s,
+        )
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        self._sock = socket.socket(family, kind, proto)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(addr)
+        self.port = self._sock.getsockname()[1]
+        self._server = _Server(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # startup failed: raise it
+                raise RuntimeError("the HTTP server stopped during startup")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Stop listening, let open responses finish (up to ``shutdown_timeout_s``), close."""
+        if self._task is None:
+            self._sock.close()
+            return
+        self._server.should_exit = True
+        await self._task
