@@ -1,11 +1,7 @@
 """Admin operations, independent of the web framework: each takes the ``AsyncEngine`` and a JSON-like
 payload and returns a JSON-ready dict, raising ``AdminError`` (with the HTTP status and the gRPC
 status to answer) on bad input. The front ends only translate: the gRPC ``Rescale`` RPC
-(``grpc_service``) and, for HTTP, one line such as::
-
-    @app.post("/admin/rescale")        # behind the API key, like the other routes; AdminError ->
-    def admin_rescale(body: dict):     # its .http_status with {"error": str(e)}
-        return admin.rescale(engine, body)
+(``grpc_service``) and HTTP ``POST /admin/rescale`` (``http_service``).
 
 ``rescale`` blocks until the new layout serves (run it in a worker thread from async code).
 """

@@ -34,6 +34,7 @@ from jaxmoe.engine.outputs import RequestOutput
 from jaxmoe.engine.scheduler import OverloadedError
 from jaxmoe.engine.sequence import Priority
 from jaxmoe.sampling import SamplingParamsError
+from jaxmoe.server import admin
 from jaxmoe.server import openai_protocol as protocol
 from jaxmoe.server.http_body import BodyGuard
 from jaxmoe.server.http_errors import ApiError, ErrorResponse, bad, error_response, install_error_handlers
@@ -88,6 +89,7 @@ class OpenAIServer:
         app.add_api_route("/v1/models", self.models, methods=["GET"], responses=ERRORS)
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"], responses=ERRORS)
         app.add_api_route("/health", self.health, methods=["GET"], responses=ERRORS)
+        app.add_api_route("/admin/rescale", self.admin_rescale, methods=["POST"], responses=ERRORS)
         app.add_api_route(
             "/metrics", self.prometheus, methods=["GET"], responses={**ERRORS, 200: {"content": {"text/plain": {}}}}
         )
@@ -123,6 +125,16 @@ class OpenAIServer:
     async def health(self) -> JSONResponse:
         ok = self.ready() and self.engine.running
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    async def admin_rescale(self, body: admin.RescaleRequest) -> dict:
+        """Live re-scaling (``server.admin.rescale``): answers once the new layout serves, with the
+        stall it caused; behind the API key like every route."""
+        try:
+            return await asyncio.to_thread(admin.rescale, self.engine, body.model_dump(exclude_none=True))
+        except admin.AdminError as e:
+            kind = "invalid_request_error" if e.http_status < 500 else "server_error"
+            code = {409: "rescale_in_progress", 504: "timeout"}.get(e.http_status, "invalid_argument")
+            raise ApiError(e.http_status, str(e), kind, code) from None
 
     async def prometheus(self) -> Response:
         if self.metrics is None:

@@ -162,7 +162,8 @@ def test_admin_payload_errors_name_the_field(payload, names):
 
 def test_grpc_rescale_behind_the_api_key_while_streaming(llm):
     """``Rescale`` needs the API key; a bad one is INVALID_ARGUMENT naming the value; a good one
-    answers once 4a4e serves, while a streamed request goes on with its standalone tokens."""
+    answers once 4a4e serves, while a streamed request goes on with its standalone tokens. Then
+    HTTP ``POST /admin/rescale`` the same way (401 without the key, 400 naming the field) back to 2a6e."""
     import grpc
 
     from jaxmoe.server.app import ServeOptions, ServerThread
@@ -190,9 +191,27 @@ def test_grpc_rescale_behind_the_api_key_while_streaming(llm):
             assert (resp.attention, resp.experts, resp.previous) == (4, 4, "2a6e") and resp.swap_s > 0
             assert ids == want
             assert srv.async_engine.call(lambda e: e.runner.executor.num_attention) == 4
-            assert admin.rescale(2, 6).previous == "4a4e"
+        # the same over HTTP: POST /admin/rescale, behind the key, errors naming the field
+        assert _post(srv, {"attention": 2, "experts": 6})[0] == 401
+        status, body = _post(srv, {"attention": "two", "experts": 6}, key="k3y")
+        assert status == 400 and body["error"]["param"] == "attention", body
+        status, body = _post(srv, {"attention": 5, "experts": 4}, key="k3y")
+        assert status == 400 and "do not fit the 8 devices" in body["error"]["message"], body
+        status, body = _post(srv, {"attention": 2, "experts": 6}, key="k3y")
+        assert status == 200 and (body["attention"], body["experts"], body["previous"]) == (2, 6, "4a4e"), body
     finally:
         st.stop(abort_inflight=True)
+
+
+def _post(srv, payload: dict, key: str | None = None) -> tuple[int, dict]:
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=600)
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    conn.request("POST", "/admin/rescale", json.dumps(payload), headers)
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read())
 
 
 def test_placement_controller_follows_the_new_executor(llm):
