@@ -6,7 +6,8 @@ in-flight requests; beyond it uvicorn answers a plain-text 503), ``timeout_keep_
 kept-alive connection is closed), ``h11_max_incomplete_event_size`` (the largest request head),
 ``timeout_graceful_shutdown``. uvicorn has no timeout for a new connection's request head, so the
 h11 protocol here adds one (``header_timeout_s``): a connection that has not sent a complete
-request head by then is closed (slowloris).
+request head by then is closed (slowloris); and its answer to a request that is not valid HTTP
+is the OpenAI-style JSON error every other refusal has (uvicorn's own is plain text).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import socket
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -43,6 +46,15 @@ class _HeaderTimeoutH11(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._head_timer.cancel()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request that is not valid HTTP (or whose head outgrew the limit): a JSON 400, then close."""
+        error = {"message": msg, "type": "invalid_request_error", "param": None, "code": "invalid_http"}
+        body = json.dumps({"error": error}).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 class _Server(uvicorn.Server):

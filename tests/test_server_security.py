@@ -125,13 +125,22 @@ def test_slow_body_is_refused_with_408():
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             t0 = time.monotonic()
             assert sock.recv(4096) == b"" and time.monotonic() - t0 < 5
-        # a request head still incomplete past max_header_bytes: uvicorn's (plain-text) 400, closed
+        # a request head still incomplete past max_header_bytes: a JSON 400, closed
         with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
             sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 8000)
             reply = b""
             while chunk := sock.recv(4096):
                 reply += chunk
             assert reply.startswith(b"HTTP/1.1 400"), reply[:100]
+            assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_http"
+        # not HTTP at all: a JSON 400 too
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+            sock.sendall(b"\x16\x03\x01 this is not http\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(4096):
+                reply += chunk
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["type"] == "invalid_request_error"
         # beyond the connection limit (uvicorn limit_concurrency) a connection gets 503
         idle = [socket.create_connection(("127.0.0.1", server.http_port), timeout=30) for _ in range(4)]
         try:
