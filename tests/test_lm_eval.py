@@ -2,21 +2,18 @@
 ``lm_eval --model local-completions`` runs) scores loglikelihood requests through
 ``/v1/completions`` (echo + logprobs, the token ids lm-eval's tokenizer gives), and every item's
 loglikelihood and is-greedy flag equal what ``LLM``'s prompt logprobs give for the same checkpoint
-and the same token ids. Skipped when lm-eval is not installed (``pip install -e ".[eval]"``); no
-data set is downloaded: the requests are built here."""
+and the same token ids. lm-eval comes with the ``[test]`` extra; no data set is downloaded: the
+requests are built here."""
 
 from __future__ import annotations
 
 import pytest
+from lm_eval.api.instance import Instance
+from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-pytest.importorskip("lm_eval", reason='lm-evaluation-harness not installed (pip install -e ".[eval]")')
-
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
-
-from jaxmoe.llm import LLM  # noqa: E402
-from jaxmoe.sampling import SamplingParams  # noqa: E402
-from jaxmoe.server.app import ServeOptions, ServerThread  # noqa: E402
+from jaxmoe.llm import LLM
+from jaxmoe.sampling import SamplingParams
+from jaxmoe.server.app import ServeOptions, ServerThread
 
 pytestmark = pytest.mark.timeout(600)
 
