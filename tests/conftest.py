@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import gc
 import pathlib
 import sys
 
+import jax
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from tiny_checkpoints import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """XLA:CPU maps memory for every program it compiles, and one pytest process compiles thousands:
+    past the kernel's ``vm.max_map_count`` (65530 by default) the next compile aborts the process.
+    The programs of a finished test module are dropped (a later module that needs one compiles it
+    again, or loads it from the persistent compilation cache)."""
+    yield
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
