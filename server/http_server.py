@@ -6,7 +6,7 @@ in-flight requests; beyond it uvicorn answers a plain-text 503), ``timeout_keep_
 kept-alive connection is closed), ``h11_max_incomplete_event_size`` (the largest request head),
 ``timeout_graceful_shutdown``. uvicorn has no timeout for a new connection's request head, so the
 h11 protocol here adds one (``header_timeout_s``): a connection that has not sent a complete
-request head by then is closed (slowloris); and its answer to a request that is not valid HTTP
+request head by then (after it opened, or after its previous response) is closed (slowloris); and its answer to a request that is not valid HTTP
 is the OpenAI-style JSON error every other refusal has (uvicorn's own is plain text).
 """
 
@@ -33,15 +33,29 @@ class HttpLimits:
 
 
 class _HeaderTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol plus a request-head timeout: a connection whose next request head is
+    not complete ``header_timeout_s`` after it opened, or after its previous response, is closed."""
+
     header_timeout_s = 10.0
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._head_cycle = self.cycle  # a new request head replaces it
         self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
 
     def _head_late(self) -> None:
-        if self.cycle is None and not self.transport.is_closing():  # no complete request head yet
+        waiting = self.cycle is self._head_cycle and (self.cycle is None or self.cycle.response_complete)
+        if waiting and not self.transport.is_closing():  # no new complete request head in time
             self.transport.close()
+
+    def on_response_complete(self) -> None:
+        self._head_timer.cancel()
+        super().on_response_complete()
+        if not self.transport.is_closing():  # kept alive: the next request head is timed too
+            self._arm_head_timer()
 
     def connection_lost(self, exc) -> None:
         self._head_timer.cancel()

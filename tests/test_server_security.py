@@ -3,6 +3,7 @@ requests refused unless allowed; /health stays open."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import time
@@ -125,6 +126,25 @@ def test_slow_body_is_refused_with_408():
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             t0 = time.monotonic()
             assert sock.recv(4096) == b"" and time.monotonic() - t0 < 5
+        # the same for the next request head on a kept-alive connection (a trickle keeps no connection)
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().read() and conn.sock is not None  # kept alive
+        conn.sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        t0 = time.monotonic()
+        closed = False
+        for _ in range(40):  # a header line every 0.1 s, each before the keep-alive timeout, for up to 4 s
+            time.sleep(0.1)
+            try:
+                conn.sock.sendall(b"X-Slow: 1\r\n")
+            except OSError:  # the server closed the connection
+                closed = True
+                break
+        if not closed:
+            with contextlib.suppress(ConnectionResetError):
+                closed = conn.sock.recv(4096) == b""
+        assert closed and time.monotonic() - t0 < 4, time.monotonic() - t0
+        conn.close()
         # a request head still incomplete past max_header_bytes: a JSON 400, closed
         with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
             sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 8000)
