@@ -374,9 +374,12 @@ def _ratio(x, y) -> str:
 
 def _get_path(info: dict, *keys):
     for k in keys:
-        if not isinstance(info, dict) or info.get(k) is None:
+        if isinstance(info, dict):
+            info = info.get(k)
+        elif isinstance(info, (list, tuple)) and isinstance(k, int) and k < len(info):
+            info = info[k]
+        else:
             return None
-        info = info[k]
     return info
 
 
