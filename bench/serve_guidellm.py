@@ -252,11 +252,11 @@ def jaxmoe_metric(url: str, name: str) -> float | None:
 # guidellm
 # --------------------------------------------------------------------------------------------------
 def scenario(a, url: str, ckpt: pathlib.Path, phase: str, out_json: pathlib.Path) -> dict:
-    """guidellm's scenario ("spec") for one phase: ``throughput`` or ``rate``."""
-    if phase == "throughput":
+    """guidellm's scenario ("spec") for one phase: ``warmup``, ``throughput`` or ``rate``."""
+    if phase in ("warmup", "throughput"):
         profile = {"kind": "throughput", "max_concurrency": a.concurrency}
         constraints = [
-            {"kind": "max_requests", "count": a.throughput_requests},
+            {"kind": "max_requests", "count": a.warmup_requests if phase == "warmup" else a.throughput_requests},
             {"kind": "max_duration", "seconds": a.throughput_max_seconds},
         ]
     else:
@@ -338,7 +338,7 @@ def bench_server(a, name: str, dtype: str, ckpt: pathlib.Path, workdir: pathlib.
     try:
         info["ready_s"] = server.wait_ready(a.ready_timeout)
         print(f"[{name} {dtype}] /health 200 after {info['ready_s']:.1f}s", flush=True)
-        for phase in ("throughput", "rate"):
+        for phase in ("warmup", "throughput", "rate") if a.warmup_requests else ("throughput", "rate"):
             s = run_guidellm(a, server.url, ckpt, phase, workdir, tag)
             info[phase] = s
             ttft, itl = s["ttft_ms"], s["itl_ms"]
@@ -389,7 +389,9 @@ def render(a, results: list[dict], versions: dict, total_s: float) -> str:
         f"{a.output_tokens} output tokens (max_tokens {a.output_tokens}, ignore_eos); throughput profile "
         f"max_concurrency {a.concurrency}, {a.throughput_requests} requests; constant {a.rate:g} req/s for "
         f"{a.rate_seconds:g} s. Both servers: --max-num-seqs {a.max_num_seqs}, --max-model-len {a.max_model_len}, "
-        f"one at a time; compilation caches: {'fresh per start' if a.cold_cache else 'each server default'}. "
+        f"one at a time; compilation caches: {'fresh per start' if a.cold_cache else 'each server default'}; "
+        f"unmeasured warm-up after /health 200: "
+        f"{f'{a.warmup_requests} requests (throughput profile)' if a.warmup_requests else 'none'}. "
         f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}; "
         + ", ".join(f"{k} {v}" for k, v in versions.items())
         + f". Total {total_s / 60:.0f} min.",
@@ -459,6 +461,12 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=16, help="throughput profile's max_concurrency")
     p.add_argument("--throughput-requests", type=int, default=64)
     p.add_argument("--throughput-max-seconds", type=float, default=900, help="bound on the throughput phase")
+    p.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        help="unmeasured requests (throughput profile) after /health 200, before measuring (default 0: none)",
+    )
     p.add_argument("--rate", type=float, default=1.0, help="constant profile's requests/s")
     p.add_argument("--rate-seconds", type=float, default=60)
     p.add_argument("--prompt-tokens", type=int, default=256)
