@@ -36,13 +36,28 @@ The serving rows of the outside measurement in issue 17 ("Performance"), on one 
 jaxmoe's compiles after ready (``jaxmoe_compiles_after_warmup`` from ``/metrics``) are reported
 too: non-zero means serving traffic waited for XLA compiles.
 
-Run from the repository root (about 2 x (start-up + 64 requests + 60 s) per dtype and round; on 2
-busy cores expect 30-40 minutes for both dtypes)::
+Requests still running when the constant-rate window ends are "incomplete" in guidellm and are not
+in its ITL / TTFT statistics (so ``--rate-seconds`` must be well above one request's latency; the
+60 s default completes ~50 requests). No unmeasured warm-up load by default (``--warmup-requests``
+adds one): like the outside measurement, the first measured requests pay what each server did not
+prepare before /health answered 200.
+
+Run from the repository root (the project venv's interpreter; about 10-12 minutes per dtype and
+round on 2 busy cores: jaxmoe starts in ~250-320 s, vLLM in ~80 s, then 64 requests and 60 s each)::
 
     python bench/serve_guidellm.py --out /tmp/serve_guidellm.md
     python bench/serve_guidellm.py --dtypes bfloat16 --rounds 2 --out /tmp/serve_guidellm.md
-    # a smoke run: one dtype, 4 requests, 8 s at 1 req/s
+    # a smoke run: one dtype, 4 requests, 20 s at 1 req/s
+    python bench/serve_guidellm.py --dtypes float32 --throughput-requests 4 --rate-seconds 20
+
+Smoke run (2026-11-25, 2-core AMD EPYC shared with other jobs, load average 10-17; 4 requests and
+an 8 s window are far too few for numbers: it only shows the pipeline works)::
+
     python bench/serve_guidellm.py --dtypes float32 --throughput-requests 4 --rate-seconds 8
+    | 1 | float32 | jaxmoe | 247.6 | 134.7 | 128.0, 128 | 4 / 0 / 0 | 50.9 | 391 / 391 | 1 / 0 / 7 | 0 |
+    | 1 | float32 | vllm   |  78.8 |  62.3 | 128.0, 128 | 4 / 0 / 0 | -    | - / -     | 0 / 0 / 8 |   |
+
+(every request: 256 prompt tokens and exactly 128 completion tokens on both servers.)
 
 Needs: vLLM's CPU build in its own venv (``--vllm-python``, default /tmp/vllm-venv/bin/python; see
 ``bench/serve_vs_vllm.py`` for how it was installed) and guidellm 0.8.1 in another
