@@ -372,6 +372,7 @@ def bench_server(a, name: str, dtype: str, ckpt: pathlib.Path, workdir: pathlib.
         info["error"] = str(e)
         print(f"[{name} {dtype}] FAILED: {e}", flush=True)
     finally:
+        info["load"] = os.getloadavg()[0]
         server.stop()
     return info
 
@@ -407,14 +408,15 @@ def render(a, results: list[dict], versions: dict, total_s: float) -> str:
         f"one at a time; compilation caches: {'fresh per start' if a.cold_cache else 'each server default'}; "
         f"unmeasured warm-up after /health 200: "
         f"{f'{a.warmup_requests} requests (throughput profile)' if a.warmup_requests else 'none'}. "
-        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}; "
+        f"{os.cpu_count()} CPUs ({cpu_model()}), {time.strftime('%Y-%m-%d')}; "
         + ", ".join(f"{k} {v}" for k, v in versions.items())
         + f". Total {total_s / 60:.0f} min.",
         "",
         f"| round | dtype | server | start to /health 200 (s) | output tok/s @{a.concurrency} | completion tokens "
         f"(mean, min) @{a.concurrency} | ok / err / incomplete @{a.concurrency} | ITL P50 @{a.rate:g}/s (ms) "
-        f"| TTFT P50 / P90 @{a.rate:g}/s (ms) | ok / err / incomplete @{a.rate:g}/s | jaxmoe compiles after ready |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| TTFT P50 / P90 @{a.rate:g}/s (ms) | ok / err / incomplete @{a.rate:g}/s | jaxmoe compiles after ready "
+        "| load avg at end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         t, c = r.get("throughput") or {}, r.get("rate") or {}
@@ -425,7 +427,8 @@ def render(a, results: list[dict], versions: dict, total_s: float) -> str:
             f"| {t.get('requests', '-')} / {t.get('errored', '-')} / {t.get('incomplete', '-')} "
             f"| {_f(_get_path(c, 'itl_ms', 0))} | {_f(_get_path(c, 'ttft_ms', 0), '.0f')} / "
             f"{_f(_get_path(c, 'ttft_ms', 1), '.0f')} | {c.get('requests', '-')} / {c.get('errored', '-')} / "
-            f"{c.get('incomplete', '-')} | {_f(r.get('compiles_after_ready'), '.0f') if r['server'] == 'jaxmoe' else ''} |"
+            f"{c.get('incomplete', '-')} | {_f(r.get('compiles_after_ready'), '.0f') if r['server'] == 'jaxmoe' else ''} "
+            f"| {_f(r.get('load'))} |"
         )
     lines += [
         "",
@@ -446,6 +449,14 @@ def render(a, results: list[dict], versions: dict, total_s: float) -> str:
             f"| {_ratio(j.get('ready_s'), v.get('ready_s'))} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def versions(a) -> dict:
