@@ -36,9 +36,11 @@ The serving rows of the outside measurement in issue 17 ("Performance"), on one 
 jaxmoe's compiles after ready (``jaxmoe_compiles_after_warmup`` from ``/metrics``) are reported
 too: non-zero means serving traffic waited for XLA compiles.
 
-Requests still running when the constant-rate window ends are "incomplete" in guidellm and are not
-in its ITL / TTFT statistics (so ``--rate-seconds`` must be well above one request's latency; the
-60 s default completes ~50 requests). No unmeasured warm-up load by default (``--warmup-requests``
+The constant-rate phase sends ``--rate`` x ``--rate-seconds`` requests (60) and measures every one of
+them (guidellm ``max_requests``; bounded by ``--rate-drain-seconds`` after sending). With
+``--rate-window duration`` it is guidellm's time box instead: requests still running when
+``--rate-seconds`` ends are "incomplete" and not in the ITL / TTFT statistics, which favours the
+early requests of a server that falls behind. No unmeasured warm-up load by default (``--warmup-requests``
 adds one): like the outside measurement, the first measured requests pay what each server did not
 prepare before /health answered 200.
 
@@ -47,8 +49,8 @@ round on 2 busy cores: jaxmoe starts in ~250-320 s, vLLM in ~80 s, then 64 reque
 
     python bench/serve_guidellm.py --out /tmp/serve_guidellm.md
     python bench/serve_guidellm.py --dtypes bfloat16 --rounds 2 --out /tmp/serve_guidellm.md
-    # a smoke run: one dtype, 4 requests, 20 s at 1 req/s
-    python bench/serve_guidellm.py --dtypes float32 --throughput-requests 4 --rate-seconds 20
+    # a smoke run: one dtype, 4 requests at 16 concurrent, 5 requests at 1 req/s
+    python bench/serve_guidellm.py --dtypes float32 --throughput-requests 4 --rate-seconds 5
 
 Smoke run (2026-11-25, 2-core AMD EPYC shared with other jobs, load average 10-17; 4 requests and
 an 8 s window are far too few for numbers: it only shows the pipeline works)::
@@ -276,7 +278,13 @@ def scenario(a, url: str, ckpt: pathlib.Path, phase: str, out_json: pathlib.Path
         ]
     else:
         profile = {"kind": "constant", "rate": [a.rate]}
-        constraints = [{"kind": "max_duration", "seconds": a.rate_seconds}]
+        if a.rate_window == "duration":  # guidellm's time box: requests still running are "incomplete"
+            constraints = [{"kind": "max_duration", "seconds": a.rate_seconds}]
+        else:  # send for rate_seconds, then let every sent request finish (bounded)
+            constraints = [
+                {"kind": "max_requests", "count": rate_requests(a)},
+                {"kind": "max_duration", "seconds": a.rate_seconds + a.rate_drain_seconds},
+            ]
     return {
         "spec": {
             "backend": {
@@ -293,6 +301,10 @@ def scenario(a, url: str, ckpt: pathlib.Path, phase: str, out_json: pathlib.Path
             "outputs": [{"kind": "json", "path": str(out_json)}],
         }
     }
+
+
+def rate_requests(a) -> int:
+    return max(1, round(a.rate * a.rate_seconds))
 
 
 def _stat(metrics: dict, key: str, field: str = "p50") -> float | None:
@@ -404,7 +416,13 @@ def render(a, results: list[dict], versions: dict, total_s: float) -> str:
         f"guidellm against /v1/completions (streaming), synthetic text {a.prompt_tokens} prompt / "
         f"{a.output_tokens} output tokens (max_tokens {a.output_tokens}, ignore_eos); throughput profile "
         f"max_concurrency {a.concurrency}, {a.throughput_requests} requests; constant {a.rate:g} req/s for "
-        f"{a.rate_seconds:g} s. Both servers: --max-num-seqs {a.max_num_seqs}, --max-model-len {a.max_model_len}, "
+        f"{a.rate_seconds:g} s ("
+        + (
+            f"{rate_requests(a)} requests, all measured"
+            if a.rate_window == "requests"
+            else "time box: requests still running at the end are not measured"
+        )
+        + f"). Both servers: --max-num-seqs {a.max_num_seqs}, --max-model-len {a.max_model_len}, "
         f"one at a time; compilation caches: {'fresh per start' if a.cold_cache else 'each server default'}; "
         f"unmeasured warm-up after /health 200: "
         f"{f'{a.warmup_requests} requests (throughput profile)' if a.warmup_requests else 'none'}. "
@@ -494,7 +512,17 @@ def main(argv=None) -> int:
         help="unmeasured requests (throughput profile) after /health 200, before measuring (default 0: none)",
     )
     p.add_argument("--rate", type=float, default=1.0, help="constant profile's requests/s")
-    p.add_argument("--rate-seconds", type=float, default=60)
+    p.add_argument("--rate-seconds", type=float, default=60, help="seconds of sending at --rate")
+    p.add_argument(
+        "--rate-window",
+        choices=["requests", "duration"],
+        default="requests",
+        help="requests: send rate x seconds requests and measure them all (default); duration: stop at "
+        "--rate-seconds, requests still running are incomplete and not measured",
+    )
+    p.add_argument(
+        "--rate-drain-seconds", type=float, default=600, help="--rate-window requests: bound on the wait after sending"
+    )
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=16)
