@@ -52,14 +52,12 @@ round on 2 busy cores: jaxmoe starts in ~250-320 s, vLLM in ~80 s, then 64 reque
     # a smoke run: one dtype, 4 requests at 16 concurrent, 5 requests at 1 req/s
     python bench/serve_guidellm.py --dtypes float32 --throughput-requests 4 --rate-seconds 5
 
-Smoke run (2026-11-25, 2-core AMD EPYC shared with other jobs, load average 10-17; 4 requests and
-an 8 s window are far too few for numbers: it only shows the pipeline works)::
-
-    python bench/serve_guidellm.py --dtypes float32 --throughput-requests 4 --rate-seconds 8
-    | 1 | float32 | jaxmoe | 247.6 | 134.7 | 128.0, 128 | 4 / 0 / 0 | 50.9 | 391 / 391 | 1 / 0 / 7 | 0 |
-    | 1 | float32 | vllm   |  78.8 |  62.3 | 128.0, 128 | 4 / 0 / 0 | -    | - / -     | 0 / 0 / 8 |   |
-
-(every request: 256 prompt tokens and exactly 128 completion tokens on both servers.)
+Smoke runs (2026-11-25, 2-core AMD EPYC shared with other jobs, load average 10-17) went through end
+to end for float32 and bfloat16, both servers: every request had 256 prompt tokens and exactly 128
+completion tokens on both. Their numbers (2-4 requests per phase) say nothing about the servers:
+vLLM's first requests after /health 200 are several times slower than its later ones (ITL ~50 ms
+for the first 2 requests, 5.9 ms at 1 req/s right after), and OpenMP threads pinned to both cores
+suffer most from other jobs on the machine. Compare only full-size runs on a quiet machine.
 
 Needs: vLLM's CPU build in its own venv (``--vllm-python``, default /tmp/vllm-venv/bin/python; see
 ``bench/serve_vs_vllm.py`` for how it was installed) and guidellm 0.8.1 in another
