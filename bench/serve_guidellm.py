@@ -8,7 +8,7 @@ The serving rows of the outside measurement in issue 17 ("Performance"), on one 
   1024 entries (``tokenizers``, trained on this Python's standard-library sources; ids 0-2 are
   ``<unk>``, ``<s>``, ``</s>`` as in the model config), saved as ``tokenizer.json`` +
   ``tokenizer_config.json`` in the checkpoint directory, so both servers and guidellm
-  (``--processor``) tokenize alike;
+  (its scenario's ``tokenizer``: ``huggingface_auto`` on the checkpoint directory) tokenize alike;
 * servers, one at a time on a free 127.0.0.1 port (the other is not running), same checkpoint and
   ``--dtype`` (``--dtypes``: float32 and bfloat16), ``--max-num-seqs`` 16, ``--max-model-len`` 512:
 
