@@ -84,6 +84,9 @@ def test_the_brownout_section_is_read():
     assert off.brownout == BrownoutSettings(threshold=0.4, use_full_brownout=True)
     assert off.brownout.salc_config() is None and "(full brownout), SALC off" in off.describe()
     assert load_mesh(_mesh()).brownout is None
+    shipped = load_mesh("meshes/cpu-8-brownout.yaml")
+    assert shipped.brownout == BrownoutSettings(salc=True, slo_ttft_s=2.0, slo_tpot_s=0.15)
+    assert shipped == load_mesh("meshes/cpu-8.yaml")  # the same layout
     assert load_mesh(_mesh(SECTION)) == load_mesh(_mesh())  # a serving setting, not part of the layout
 
 
