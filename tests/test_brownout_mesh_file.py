@@ -86,7 +86,8 @@ def test_the_brownout_section_is_read():
     assert load_mesh(_mesh()).brownout is None
     shipped = load_mesh("meshes/cpu-8-brownout.yaml")
     assert shipped.brownout == BrownoutSettings(salc=True, slo_ttft_s=2.0, slo_tpot_s=0.15)
-    assert shipped == load_mesh("meshes/cpu-8.yaml")  # the same layout
+    layout = load_mesh("meshes/cpu-8.yaml")
+    assert (shipped.attention, shipped.experts, shipped.transfer) == (layout.attention, layout.experts, layout.transfer)
     assert load_mesh(_mesh(SECTION)) == load_mesh(_mesh())  # a serving setting, not part of the layout
 
 
