@@ -313,3 +313,18 @@ def test_the_placement_controller_replicates_hot_united_experts(united, llms):
     hot = E + int(np.argmax(counts[E:]))
     assert reps[hot] > max(reps[:E]) and reps[hot] >= 2
     assert _greedy(llm, 0.0) == want
+
+
+@pytest.mark.slow  # the rescale compiles the new layout's programs (tens of seconds on 2 cores)
+def test_live_rescale_keeps_brownout_and_the_united_experts(united, llms):
+    """Re-scaling 2a6e -> 2a4e moves originals and united experts alike (4 + ceil(4 / 4) slots per
+    instance on the new layout); the threshold SALC left is kept; the tokens stay the monolithic ones."""
+    small = dict(ENGINE, max_prefill_chunk=16, max_batch_tokens=32)  # few shapes for the rescale to warm up
+    llm = LLM(united, dtype="float32", mesh=LAYOUTS[0], brownout=BrownoutConfig(1.0), **small)
+    llm.executor.brownout_threshold = 0.5
+    result = llm.rescale(2, 4)
+    ex = llm.executor
+    assert (ex.num_expert_instances, ex.slots_per_instance, ex.brownout_threshold) == (4, 5, 0.5)
+    assert set(ex.placement()) - {-1} == set(range(ex.cfg.moe.num_experts + 4))
+    assert result is not None
+    assert _greedy(llm, 0.5) == _greedy(llms(None), 0.5)

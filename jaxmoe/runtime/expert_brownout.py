@@ -38,19 +38,19 @@ def check_mode(mode) -> None:
 
 
 def num_united(params: dict) -> int:
-    """U, the united experts per MoE layer of ``params`` (``jaxmoe.brownout.united.attach``); a
-    ``BrownoutError`` naming the first MoE layer without them."""
+    """U, the united experts per MoE layer of ``params`` (``jaxmoe.brownout.united.attach``, or the
+    expert side's placed parameters: both hold the expert -> united map ``united_groups``, whose
+    largest entry is U - 1); a ``BrownoutError`` naming the first MoE layer without them."""
     counts = set()
     for i, layer in enumerate(params["layers"]):
         if "moe" not in layer:
             continue
-        moe = layer["moe"]
-        if "united" not in moe or "united_groups" not in moe:
+        if "united_groups" not in layer["moe"]:
             raise BrownoutError(
                 f"MoE layer {i} has no united experts: brownout needs a model directory made by "
                 "`jaxmoe unite --model DIR --ways K --out DIR2`"
             )
-        counts.add(int(moe["united"]["w_gate"].shape[0]))
+        counts.add(int(np.max(np.asarray(layer["moe"]["united_groups"]))) + 1)
     if len(counts) != 1:
         raise BrownoutError(f"every MoE layer needs the same number of united experts, got {sorted(counts)}")
     return counts.pop()
