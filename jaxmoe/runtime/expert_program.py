@@ -17,8 +17,8 @@ metadata) and runs
 and returns partial[None] [1, B, T, D] -> [N, B, T, D] sharded P("expert"); E2A sums the
 partials into the attention side. The program also adds this step's co-activation counts
 (tokens per pair of logical experts, the diagonal: tokens per expert) to a replicated on-device
-[E, E] counter ([E + U, E + U] with brownout: originals and united experts, after the split), the statistics of the placement controller, and returns the activated replicas per
-instance.
+[E, E] counter ([E + U, E + U] with brownout: originals and united experts, after the split), the
+statistics of the placement controller, and returns the activated replicas per instance.
 
 Weights: routed experts as slot arrays [S, D, F] / [S, F, D] sharded P("expert") (S = N x C,
 see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias) replicated; shared experts
