@@ -125,8 +125,11 @@ class Rescaler:
         self.engine = engine
         self.executor_kwargs: dict = {}  # for the new executors (replica_policy, aebs_impl, interpret)
         ex = engine.runner.executor
-        # expert slots a device's memory holds: the launch layout's (CPU devices report no memory limit)
-        self.max_slots_per_instance = ex.slots_per_instance if isinstance(ex, DisaggregatedExecutor) else None
+        # expert slots a device's memory holds: the launch layout's mesh-file C (CPU devices report no memory
+        # limit; with brownout the united experts' ceil(U / N) slots per instance come on top)
+        self.max_slots_per_instance = (
+            ex.sub.spec.experts.slots_per_instance if isinstance(ex, DisaggregatedExecutor) else None
+        )
         self.job: RescaleJob | None = None
         self.history: list[RescaleResult] = []
         self._step_times: collections.deque[float] = collections.deque(maxlen=32)
@@ -150,7 +153,11 @@ class Rescaler:
                 f"experts={experts}: {E} experts need {math.ceil(E / experts)} slots per instance, "
                 f"memory holds {C} (experts x slots_per_instance = {experts * C} < {E})"
             )
-        if (attention, experts, C) == (ex.num_attention, ex.num_expert_instances, ex.slots_per_instance):
+        if (attention, experts, C) == (
+            ex.num_attention,
+            ex.num_expert_instances,
+            ex.sub.spec.experts.slots_per_instance,
+        ):
             raise RescaleError(f"the engine already runs {attention}a{experts}e with {C} slots per instance")
         self._check_fits(self._kv_layout(attention))
         with self._lock:

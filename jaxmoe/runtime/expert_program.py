@@ -17,8 +17,8 @@ metadata) and runs
 and returns partial[None] [1, B, T, D] -> [N, B, T, D] sharded P("expert"); E2A sums the
 partials into the attention side. The program also adds this step's co-activation counts
 (tokens per pair of logical experts, the diagonal: tokens per expert) to a replicated on-device
-[E, E] counter, the statistics of the placement controller, and returns the activated replicas per
-instance.
+[E, E] counter ([E + U, E + U] with brownout: originals and united experts, after the split), the
+statistics of the placement controller, and returns the activated replicas per instance.
 
 Weights: routed experts as slot arrays [S, D, F] / [S, F, D] sharded P("expert") (S = N x C,
 see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias) replicated; shared experts
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxmoe.brownout.config import BrownoutError
 from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import EXPERT_AXES, SubMeshes
 from jaxmoe.models.experts import shared_experts
@@ -56,11 +57,7 @@ AUTO_EXPERT_IMPL = {"cpu": "padded_einsum", "other": "ragged_dot"}
 
 def param_specs(moe: dict) -> dict:
     """PartitionSpecs of one layer's expert-side parameters (as laid out by ``place_layer``)."""
-    specs = {
-        k: (_SLOT_SPEC if k in ("w_gate", "w_up", "w_down") else P()) for k in moe if k not in ("shared", "united")
-    }
-    if "united" in moe:  # united-expert slots (brownout), sharded like the replica slots
-        specs["united"] = {k: _SLOT_SPEC for k in moe["united"]}
+    specs = {k: (_SLOT_SPEC if k in ("w_gate", "w_up", "w_down") else P()) for k in moe if k != "shared"}
     if "shared" in moe:
         specs["shared"] = {k: _SHARED_SPECS.get(k, P()) for k in moe["shared"]}
     return specs
@@ -89,8 +86,8 @@ def make_expert_program(
     brownout: str | None = None,
 ) -> ExpertProgram:
     """The jitted expert program (cached like ``make_attention_programs``). ``brownout``: None, or
-    "partial" / "full" (``runtime.expert_brownout``; the params hold united-expert slots, the
-    ``threshold`` argument is traced)."""
+    "partial" / "full" (``runtime.expert_brownout``: the slot arrays hold united experts as logical
+    experts E + u, the tables cover E + U logical experts, the ``threshold`` argument is traced)."""
     N, C, E = sub.spec.experts.count, slots_per_instance, cfg.moe.num_experts
     ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
     expert_brownout.check_mode(brownout)
@@ -101,10 +98,12 @@ def make_expert_program(
         # 1. gate (expert side)
         ids, weights = route(p, cfg.moe, x2)
         coact_ids = ids = jnp.where(valid.reshape(B * T, 1), ids, -1)
-        if brownout is not None:  # 1b. Algorithm 1: originals keep S1 (and the special case), S2 -> united
-            ids, united, u_weights, used = expert_brownout.split_choices(
-                p, coact_ids, weights, valid.reshape(B * T), threshold, brownout == "full"
+        if brownout is not None:  # 1b. Algorithm 1: originals keep S1 (and the special case), S2 -> united E + u
+            U = tables["replica_table"].shape[0] - E  # logical experts = E originals + U united
+            ids, weights, used = expert_brownout.split_choices(
+                p, coact_ids, weights, valid.reshape(B * T), threshold, brownout == "full", U
             )
+            coact_ids = ids  # the counters count what runs: originals and united experts
         else:
             used = jnp.stack([jnp.zeros((E,), bool).at[ids].set(True, mode="drop").sum(), 0]).astype(jnp.int32)
         # 2. AEBS: logical -> physical replica, identical on every instance
@@ -125,14 +124,10 @@ def make_expert_program(
             x2, local, weights, Stacked(p["w_gate"], p["w_up"], p["w_down"]), impl=ffn_impl, interpret=interpret
         )
         # 4. this instance's slice of the shared experts (shared_experts: experts)
-        if brownout is not None:  # 3b. the united experts this instance hosts
-            u_local, u_runs = expert_brownout.local_united(p, united, jax.lax.axis_index(EXP), N)
-            u_w = Stacked(*(p["united"][k] for k in ("w_gate", "w_up", "w_down")))
-            y = y + expert_ffn(x2, u_local, u_weights, u_w, impl=ffn_impl, interpret=interpret)
-            activated = activated + u_runs.astype(activated.dtype)
         if "shared" in p:
             y = y + shared_experts(p["shared"], x2).astype(y.dtype)
-        hit = jax.nn.one_hot(coact_ids, E, dtype=jnp.float32).sum(1)  # [B*T, E]: 1 where the token chose e
+        L = tables["replica_table"].shape[0]  # logical experts (E, or E + U with brownout)
+        hit = jax.nn.one_hot(coact_ids, L, dtype=jnp.float32).sum(1)  # [B*T, L]: 1 where the token chose e
         coact = jnp.round(jnp.matmul(hit.T, hit, precision="highest")).astype(jnp.int32)  # both e and f (diag: e)
         return y.reshape(1, B, T, D), coact, activated, used
 
@@ -163,17 +158,27 @@ def place_layer(
     ``layout.slot_to_expert[s]`` (zeros when -1). Each expert device receives only its own slots
     (built from a host copy, so no device ever holds all S slots). With ``shared_on_experts`` the
     layer's shared experts come along, their hidden width zero-padded to a multiple of N and
-    split over instances. With ``brownout`` the layer's united experts come along in their own
-    slots (``expert_brownout.place_united``; ``index``: the layer, for the error without them).
+    split over instances. With ``brownout`` the layout's logical experts are the E originals and
+    the layer's U united experts (E + u, ``expert_brownout.logical_weights``), placed alike, and the
+    expert -> united map ``united_groups`` comes along (``index``: the layer, for errors).
     """
     moe = layer["moe"]
     out = {k: v for k, v in moe.items() if k not in ("w_gate", "w_up", "w_down", "united", "united_groups")}
+    weights = {k: moe[k] for k in ("w_gate", "w_up", "w_down")}
     if brownout:
-        out.update(expert_brownout.place_united(moe, sub.spec.experts.count, index))
+        if "united" not in moe or "united_groups" not in moe:
+            raise BrownoutError(f"MoE layer {index} has no united experts")
+        weights = expert_brownout.logical_weights(moe)
+        out["united_groups"] = np.asarray(moe["united_groups"], np.int32)
+    if layout.num_experts != weights["w_gate"].shape[0]:
+        raise ValueError(
+            f"MoE layer {index}: the placement has {layout.num_experts} logical experts, "
+            f"the weights {weights['w_gate'].shape[0]}"
+        )
     idx, used = layout.gather_index(), layout.used()
     slot_sharding = NamedSharding(sub.experts, _SLOT_SPEC)
     for k in ("w_gate", "w_up", "w_down"):
-        host = np.asarray(moe[k])
+        host = np.asarray(weights[k])
         shape = (layout.num_slots,) + host.shape[1:]
 
         def shard(index, host=host):

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.mesh import ClusterSpec, Instances, MeshConfigError, SubMeshes
+from jaxmoe.runtime import expert_brownout
 from jaxmoe.runtime.replicas import ReplicaLayout
 
 _SLOT_KEYS = ("w_gate", "w_up", "w_down")
@@ -158,18 +159,18 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
     side = old.expert_side
     layouts, layers = dict(side.layouts), dict(side.layers)  # one snapshot (set_placement replaces both)
     first = side.moe_layers[0]
-    placement = [reuse_placement(layouts[i], old.sub.spec, spec) for i in side.moe_layers]
+    target = spec
+    if side.brownout is not None:  # united experts take ceil(U / N) more slots per instance on the new layout
+        U = layouts[first].num_experts - old.cfg.moe.num_experts
+        C = expert_brownout.slots_per_instance(spec.experts.slots_per_instance, U, spec.experts.count)
+        target = dataclasses.replace(spec, experts=Instances(spec.experts.devices, C))
+    placement = [reuse_placement(layouts[i], old.sub.spec, target) for i in side.moe_layers]
     new_layouts = {
-        i: ReplicaLayout(tuple(p), layouts[first].num_experts, spec.experts.count, spec.experts.slots_per_instance)
+        i: ReplicaLayout(tuple(p), layouts[first].num_experts, spec.experts.count, target.experts.slots_per_instance)
         for i, p in zip(side.moe_layers, placement)
     }
     stats = MoveStats()
-    if side.brownout is None:
-        placed = {
-            i: reshard_experts(layers[i], layouts[i], old.sub, new_layouts[i], sub, stats) for i in side.moe_layers
-        }
-    else:  # the united experts' slots depend on the instance count: place everything again from the weights
-        placed = None
+    placed = {i: reshard_experts(layers[i], layouts[i], old.sub, new_layouts[i], sub, stats) for i in side.moe_layers}
     ex = DisaggregatedExecutor(
         old.cfg,
         old.params,
