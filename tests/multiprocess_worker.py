@@ -26,6 +26,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The mixture of experts", "Hello, world"]
 ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=4)
 SAMPLE_SEED = 1234
+# --relayout: token rows for teacher-forced logits, and the placements the experts move through
+# (meshes/cpu-8-1a7e.yaml: 7 expert instances x 4 slots, instances 0-2 on process 0, 3-6 on
+# process 1). FORCED_1A7E: experts with 2-3 replicas and unused slots; SPLIT: experts 0-3 only on
+# process 0, 4-7 only on process 1; SWAPPED: the other way round (every moved slot crosses).
+LOGIT_ROWS = [[7, 21, 33, 5, 90, 17, 64, 12, 48, 101, 9], [11, 3, 77, 29, 54]]
+LOGIT_TABLES = [[40, 5], [9, 50]]
+FORCED_1A7E = [0, 1, 2, -1, 3, 4, 5, 6, 7, 0, 1, -1, 2, 3, 4, 5, 6, 7, 0, -1, 1, 2, 3, -1, 4, 5, 6, 7]
+SPLIT_1A7E = [0, 1, 2, 3] * 3 + [4, 5, 6, 7] * 4
+SWAPPED_1A7E = [4, 5, 6, 7] * 3 + [0, 1, 2, 3] * 4
 
 
 def main(argv=None) -> int:
@@ -50,6 +59,12 @@ def main(argv=None) -> int:
         default=0,
         help="with --probe: enable jax's experimental DCN cross-host device_put, this "
         "process listening on 127.0.0.1:DCN_PORT",
+    )
+    ap.add_argument(
+        "--relayout",
+        action="store_true",
+        help="greedy tokens and logits before and after set_placement moves replicas between the "
+        "processes (use with meshes/cpu-8-1a7e.yaml: the expert side spans both)",
     )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -76,6 +91,10 @@ def main(argv=None) -> int:
         jax.distributed.shutdown()
         return 0
     llm = LLM(args.model, dtype="float32", mesh=args.mesh, **ENGINE)
+    if args.relayout:
+        Path(args.out).write_text(json.dumps(relayout(jax, llm, args), indent=1))
+        jax.distributed.shutdown()
+        return 0
     ex = llm.executor
     t_built = time.perf_counter()
     prompts = json.loads(args.prompts)
@@ -120,6 +139,76 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=1))
     jax.distributed.shutdown()
     return 0
+
+
+def logits(llm) -> list[list[float]]:
+    """Prefill logits of LOGIT_ROWS at their last tokens (teacher-forced, no sampling)."""
+    from jaxmoe.engine.model_runner import Row
+
+    rows = [Row(p, 0, t) for p, t in zip(LOGIT_ROWS, LOGIT_TABLES)]
+    return [[float(v) for v in row] for row in llm.engine.runner.forward(rows)]
+
+
+def relayout(jax, llm, args) -> dict:
+    """Greedy tokens and logits before and after two ``set_placement`` calls that move replicas
+    between the processes (the expert sub-mesh spans both), the slots moved, the collective
+    rounds and rows, and a check of this process' slot shards against the logical weights."""
+    import numpy as np
+
+    from jaxmoe import SamplingParams
+    from jaxmoe.llm import load_model
+    from jaxmoe.runtime.expert_program import _mover
+
+    ex = llm.executor
+    prompts = json.loads(args.prompts)
+    greedy = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    ref = load_model(args.model, dtype="float32")[1]
+    mover = _mover(ex.sub)
+
+    def slots_ok() -> tuple[bool, int]:
+        """Every slot row this process holds == the logical weights of its expert (zeros if unused)."""
+        ok, checked = True, 0
+        for i in ex.moe_layers:
+            placement = ex.placement(i)
+            for k in ("w_gate", "w_up", "w_down"):
+                want = np.asarray(ref["layers"][i]["moe"][k])
+                for shard in ex.params["layers"][i]["moe"][k].addressable_shards:
+                    data, first = np.asarray(shard.data), shard.index[0].start or 0
+                    for r in range(data.shape[0]):
+                        e = placement[first + r]
+                        ok &= bool(np.array_equal(data[r], want[e] if e >= 0 else np.zeros_like(want[0])))
+                        checked += 1
+        return ok, checked
+
+    out: dict = {
+        "process_id": jax.process_index(),
+        "expert_processes": sorted({d.process_index for d in ex.sub.experts.devices.flat}),
+        "transfer": type(ex.transfer).__name__,
+        "phases": [],
+    }
+    placements = [("start", None), ("forced", FORCED_1A7E), ("split", SPLIT_1A7E), ("swapped", SWAPPED_1A7E)]
+    for name, placement in placements:
+        t = time.perf_counter()
+        moved = ex.set_placement(placement) if placement is not None else 0
+        seconds = time.perf_counter() - t
+        ok, checked = slots_ok()
+        outs = llm.generate(prompts, greedy)
+        out["phases"].append(
+            {
+                "name": name,
+                "placement": ex.placement(),
+                "moved": moved,
+                "seconds": seconds,
+                "rows_moved": mover.rows_moved,
+                "rows_across_processes": mover.rows_across_processes,
+                "collectives": mover.collectives,
+                "slots_ok": ok,
+                "slots_checked": checked,
+                "tokens": [list(o.token_ids) for o in outs],
+                "logits": logits(llm),
+            }
+        )
+    return out
 
 
 def probe(jax, mesh_file: str) -> dict:

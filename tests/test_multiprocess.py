@@ -39,6 +39,7 @@ from test_transfer import LAYOUTS, _inputs
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
 MESH = ROOT / "meshes" / "cpu-8-4a4e.yaml"
+MESH_1A7E = ROOT / "meshes" / "cpu-8-1a7e.yaml"  # expert instances on both processes
 TIMEOUT_S = 240
 MAX_TOKENS = 12
 
@@ -111,7 +112,7 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text[-lines:])
 
 
-def _run_workers(tmp_path: Path, *args: str, timeout: float = TIMEOUT_S) -> list[dict]:
+def _run_workers(tmp_path: Path, *args: str, timeout: float = TIMEOUT_S, mesh: Path = MESH) -> list[dict]:
     """Run the worker as processes 0 and 1; return their JSON outputs (fail with their logs)."""
     port = _free_port()
     env = {
@@ -138,7 +139,7 @@ def _run_workers(tmp_path: Path, *args: str, timeout: float = TIMEOUT_S) -> list
                             "--port",
                             str(port),
                             "--mesh",
-                            str(MESH),
+                            str(mesh),
                             "--out",
                             str(outs[i]),
                             *args,
@@ -234,3 +235,68 @@ def test_two_processes_generate_the_same_tokens_as_one(tmp_path):
         assert p0["cross_process"][direction]["cross"] == sum(s[direction]["cross"] for s in stats.values())
         assert p0["cross_process"][direction]["cross_bytes"] == sum(s[direction]["cross_bytes"] for s in stats.values())
     assert p0["cross_process"]["fetch"]["cross"] > 0  # logits: process 0 -> process 1, every step
+
+
+def _moved_slots(old: list[int], new: list[int], C: int) -> int:
+    """Slots of ``new`` that must be copied from another instance: a new expert in the slot and no
+    replica of it on the slot's instance in ``old``."""
+    return sum(
+        1
+        for s, e in enumerate(new)
+        if e >= 0 and old[s] != e and all(h // C != s // C for h, x in enumerate(old) if x == e)
+    )
+
+
+def test_set_placement_moves_replicas_between_processes(tmp_path):
+    """meshes/cpu-8-1a7e.yaml on 2 processes: expert instances 0-2 on process 0, 3-6 on process 1.
+    Two set_placement calls move replicas between the processes (ppermute rounds, ``slot_moves``);
+    greedy tokens and logits stay those before the move and those of the monolithic executor."""
+    from jaxmoe import LLM, SamplingParams
+    from multiprocess_worker import ENGINE, PROMPTS, logits
+
+    results = _run_workers(tmp_path, "--relayout", "--max-tokens", str(MAX_TOKENS), mesh=MESH_1A7E)
+    ref = LLM("tiny-random", dtype="float32", **ENGINE)
+    expected = [
+        list(o.token_ids) for o in ref.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    ]
+    ref_logits = np.asarray(logits(ref))
+
+    p0, p1 = results
+    assert p0["expert_processes"] == p1["expert_processes"] == [0, 1]
+    assert p0["transfer"] == "CrossProcessTransfer"
+    C, tp, layers = 4, 1, ref.cfg.num_moe_layers
+    for a, b in zip(p0["phases"], p1["phases"]):
+        assert a["name"] == b["name"] and a["placement"] == b["placement"] and a["moved"] == b["moved"]
+        assert a["tokens"] == b["tokens"] == expected, a["name"]
+        for got in (a["logits"], b["logits"]):
+            err = np.abs(np.asarray(got) - ref_logits).max() / np.abs(ref_logits).max()
+            assert err < 1e-5, (a["name"], err)
+        assert a["slots_ok"] and b["slots_ok"], a["name"]  # each process checked the rows it holds
+        assert a["slots_checked"] + b["slots_checked"] == layers * 3 * 28  # 3 arrays, 28 slots
+        assert a["rows_moved"] == b["rows_moved"] and a["collectives"] == b["collectives"]
+    phases = p0["phases"]
+    assert [p["name"] for p in phases] == ["start", "forced", "split", "swapped"]
+    start = phases[0]
+    for prev, cur in zip(phases, phases[1:]):
+        want = _moved_slots(prev["placement"], cur["placement"], C)
+        assert cur["moved"] == want * layers > 0  # the same placement in every MoE layer
+        # the collective path ran (the expert side spans processes) and copied only the moved slots
+        assert cur["rows_moved"] - prev["rows_moved"] == cur["moved"] * tp
+        assert cur["collectives"] > prev["collectives"]
+    assert start["rows_moved"] == start["collectives"] == 0
+    # copies between the processes: moved slots with no old replica on the slot's own process (the
+    # source rule prefers the same instance, then the same node); instances 0-2 are on process 0
+    node = [0 if j < 3 else 1 for j in range(7)]
+    crossed = []
+    for prev, cur in zip(phases, phases[1:]):
+        old, new = prev["placement"], cur["placement"]
+        want = sum(
+            1
+            for s, e in enumerate(new)
+            if e >= 0 and old[s] != e and all(node[h // C] != node[s // C] for h, x in enumerate(old) if x == e)
+        )
+        crossed.append(cur["rows_across_processes"] - prev["rows_across_processes"])
+        assert crossed[-1] == want * layers
+    # forced: 4 slots per layer need an expert only the other process has (e.g. expert 3 for slot 4);
+    # split: every expert is on both processes before, nothing crosses; swapped: all 28 slots cross
+    assert crossed == [4 * layers, 0, 28 * layers]

@@ -116,7 +116,8 @@ class SlotPlan:
 class SlotMover:
     """Runs ``SlotPlan``s on the devices of one cluster (``devices``: the cluster's jax devices in
     spec order, ``SubMeshes.devices``). Programs and meshes are cached per structure.
-    ``collectives``: ppermute rounds launched; ``rows_moved``: rows copied between devices."""
+    ``collectives``: ppermute rounds launched; ``rows_moved``: rows copied between devices
+    (``rows_across_processes`` of them between devices of different processes)."""
 
     def __init__(self, devices):
         self.devices = list(devices)
@@ -125,6 +126,7 @@ class SlotMover:
         self._zeros: dict = {}
         self.collectives = 0
         self.rows_moved = 0
+        self.rows_across_processes = 0
 
     def run(self, plan: SlotPlan, old: dict, sharding: NamedSharding, num_rows: int) -> dict:
         """``old``: name -> array whose shard on each old device is its [old_rows, ...] block;
@@ -150,6 +152,9 @@ class SlotMover:
         outs = self._programs[key](tuple(olds), tuple(tables))
         self.collectives += len(rounds)
         self.rows_moved += len(plan.copies)
+        self.rows_across_processes += sum(
+            1 for c in plan.copies if self.devices[c.src].process_index != self.devices[c.dst].process_index
+        )
         return {k: self._from_global(o, sharding, num_rows) for k, o in zip(names, outs)}
 
     # ------------------------------------------------------------------ the program
