@@ -157,13 +157,13 @@ def relayout(jax, llm, args) -> dict:
 
     from jaxmoe import SamplingParams
     from jaxmoe.llm import load_model
-    from jaxmoe.runtime.expert_program import _mover
+    from jaxmoe.runtime.slot_moves import mover_for
 
     ex = llm.executor
     prompts = json.loads(args.prompts)
     greedy = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     ref = load_model(args.model, dtype="float32")[1]
-    mover = _mover(ex.sub)
+    mover = mover_for(ex.sub)
 
     def slots_ok() -> tuple[bool, int]:
         """Every slot row this process holds == the logical weights of its expert (zeros if unused)."""

@@ -14,8 +14,9 @@ import pytest
 
 from jaxmoe.mesh import build_meshes, load_mesh
 from jaxmoe.runtime import slot_moves
-from jaxmoe.runtime.expert_program import _mover, place_layer, relayout_layer
+from jaxmoe.runtime.expert_program import place_layer, relayout_layer
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
+from jaxmoe.runtime.rescale import MoveStats, reshard_experts, rescaled_spec, reuse_placement
 from test_transfer import CPU8, MESHES
 
 E, D, F = 8, 6, 5
@@ -58,7 +59,7 @@ def test_collective_relayout_equals_device_put_and_fresh_placement(name):
     rng = np.random.default_rng(1)
     old = ReplicaLayout(tuple(default_placement(E, N, C)), E, N, C)
     placed = place_layer(layer, old, sub, False)
-    mover = _mover(sub)
+    mover = slot_moves.mover_for(sub)
     for trial in range(3):
         new = ReplicaLayout(tuple(_random_placement(rng, N, C)), E, N, C)
         rounds0, rows0 = mover.collectives, mover.rows_moved
@@ -112,3 +113,39 @@ def test_rounds_pack_the_copies():
     assert [r.k for r in rounds] == [2, 1, 1]
     with pytest.raises(ValueError, match="writes a row twice"):
         slot_moves.SlotPlan((0, 1), 4, 4, {1: (0, -1, -1, -1)}, (slot_moves.RowCopy(0, 0, 1, 0),)).check()
+
+
+@pytest.mark.parametrize(
+    "mesh, target", [("cpu-8-1a7e", (2, 6)), ("cpu-8-1a7e", (4, 4)), ("cpu-8", (1, 7)), ("cpu-8", (3, 2))]
+)
+def test_collective_reshard_equals_device_put_and_fresh_placement(mesh, target):
+    """Live re-scaling's expert re-shard (mesh -> target): the collective path == the device_put path
+    == placing the new layout from the logical weights, router included; the same stats. cpu-8 (2a6e)
+    -> 1a7e: device 1 becomes an expert device (it gets the router)."""
+    spec = load_mesh(MESHES / f"{mesh}.yaml")
+    sub = build_meshes(spec)
+    N, C = spec.experts.count, spec.experts.slots_per_instance
+    layer = _layer(2)
+    old = ReplicaLayout(tuple(default_placement(E, N, C)), E, N, C)
+    placed = place_layer(layer, old, sub, False)
+    new_spec = rescaled_spec(spec, *target)
+    new_sub = build_meshes(new_spec)
+    n2 = new_spec.experts.count
+    new = ReplicaLayout(tuple(reuse_placement(old, spec, new_spec)), E, n2, C)
+    mover = slot_moves.mover_for(new_sub)
+    rows0 = mover.rows_moved
+    stats_c, stats_d = MoveStats(), MoveStats()
+    by_collective = reshard_experts(placed, old, sub, new, new_sub, stats_c, collective=True)
+    by_device_put = reshard_experts(placed, old, sub, new, new_sub, stats_d, collective=False)
+    fresh = place_layer(layer, new, new_sub, False)
+    assert stats_c == stats_d and stats_c.expert_slots_local + stats_c.expert_slots_copied == new.used().sum()
+    assert stats_c.expert_slots_local > 0
+    assert set(by_collective) == set(fresh)
+    for k in fresh:
+        assert by_collective[k].sharding == fresh[k].sharding, k
+        np.testing.assert_array_equal(np.asarray(by_collective[k]), np.asarray(fresh[k]))
+        np.testing.assert_array_equal(np.asarray(by_device_put[k]), np.asarray(fresh[k]))
+    # rows that crossed devices: the copied slots, plus the router for each new expert device that
+    # was no expert device before
+    gained = len({i[0] for i in new_spec.experts.devices} - {i[0] for i in spec.experts.devices})
+    assert mover.rows_moved - rows0 == stats_c.expert_slots_copied + gained * D

@@ -235,7 +235,7 @@ def relayout_layer(
                 keep[d] = tuple(rows)
         moves = slot_moves.SlotPlan(tuple(sorted(spec.experts.flat)), C, C, keep, tuple(copies))
         names = ("w_gate", "w_up", "w_down")
-        out.update(_mover(sub).run(moves, {k: placed[k] for k in names}, sharding, new.num_slots))
+        out.update(slot_moves.mover_for(sub).run(moves, {k: placed[k] for k in names}, sharding, new.num_slots))
         return out, moved
     for k in ("w_gate", "w_up", "w_down"):
         arr = placed[k]
@@ -278,12 +278,6 @@ def _source_slots(old: ReplicaLayout, new: ReplicaLayout, spec) -> list[int]:
             same_node = [h for h in hosts if spec.node_of(insts[h // C_old][0]) == node]
             plan.append((same_inst or same_node or hosts)[0])
     return plan
-
-
-@functools.lru_cache(maxsize=8)
-def _mover(sub: SubMeshes) -> slot_moves.SlotMover:
-    """One ``SlotMover`` (and its compiled programs) per cluster."""
-    return slot_moves.SlotMover(sub.devices)
 
 
 def place_tables(layout: ReplicaLayout, sub: SubMeshes) -> dict:

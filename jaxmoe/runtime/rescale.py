@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.mesh import ClusterSpec, Instances, MeshConfigError, SubMeshes
+from jaxmoe.runtime import slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
 
 _SLOT_KEYS = ("w_gate", "w_up", "w_down")
@@ -108,42 +109,117 @@ class MoveStats:
 
 
 def reshard_experts(
-    placed: dict, old: ReplicaLayout, old_sub: SubMeshes, new: ReplicaLayout, new_sub: SubMeshes, stats: MoveStats
+    placed: dict,
+    old: ReplicaLayout,
+    old_sub: SubMeshes,
+    new: ReplicaLayout,
+    new_sub: SubMeshes,
+    stats: MoveStats,
+    collective: bool | None = None,
 ) -> dict:
     """One MoE layer's expert-side parameters (as ``expert_program.place_layer`` lays them out) moved
     from layout ``old`` on ``old_sub`` to ``new`` on ``new_sub``: the router and other replicated
     arrays go to the new expert mesh; a slot array's new slot is a slice of the same device's old
-    shard when that device held the expert, else one ``device_put`` from a device that does."""
+    shard when that device held the expert, else a copy from a device that does (preferring one on
+    the same node).
+
+    Two ways to copy, with the same result: ``jax.device_put`` (one expert's weights per copy) when
+    this process addresses every device involved, and collectives (``slot_moves.SlotMover``:
+    ppermute rounds carrying only the copied slots, and the replicated arrays to the new expert
+    devices that lack them; every process calls it) when the old and new expert devices span
+    processes. ``collective``: force one way (None: pick as just said)."""
+    C_old, C = old.slots_per_instance, new.slots_per_instance
+    spec = new_sub.spec
+    old_idx = [inst[0] for inst in old_sub.spec.experts.devices]  # spec device index per old instance
+    new_idx = [inst[0] for inst in spec.experts.devices]
+    involved = sorted(set(old_idx) | set(new_idx))
+    if collective is None:
+        collective = len({new_sub.devices[d].process_index for d in involved}) > 1
+    # per new slot: (old slot it comes from, or -1 for unused)
+    sources = []
+    for s, e in enumerate(new.slot_to_expert):
+        if e < 0:
+            sources.append(-1)
+            continue
+        hosts = old.replicas(e)
+        d = new_idx[s // C]
+        same_dev = [h for h in hosts if old_idx[h // C_old] == d]
+        same_node = [h for h in hosts if spec.node_of(old_idx[h // C_old]) == spec.node_of(d)]
+        sources.append((same_dev or same_node or hosts)[0])
+    slot_bytes = {k: placed[k].nbytes // placed[k].shape[0] for k in _SLOT_KEYS}
+    for s, src in enumerate(sources):
+        if src < 0:
+            continue
+        if old_idx[src // C_old] == new_idx[s // C]:
+            stats.expert_slots_local += 1
+        else:
+            stats.expert_slots_copied += 1
+            stats.expert_bytes_copied += sum(slot_bytes.values())
+    if collective:
+        return _reshard_collective(placed, sources, old_idx, new_idx, C_old, C, new_sub)
     rep = NamedSharding(new_sub.experts, P())
     out = {k: jax.device_put(v, rep) for k, v in placed.items() if k not in _SLOT_KEYS}
-    C_old, C = old.slots_per_instance, new.slots_per_instance
-    old_dev = [old_sub.devices[inst[0]] for inst in old_sub.spec.experts.devices]
-    new_dev = [new_sub.devices[inst[0]] for inst in new_sub.spec.experts.devices]
     sharding = NamedSharding(new_sub.experts, P("expert"))
     for k in _SLOT_KEYS:
         arr = placed[k]
         shards = {sh.device: sh.data for sh in arr.addressable_shards}
         per_device = []
-        for j, dev in enumerate(new_dev):
+        for j, d in enumerate(new_idx):
+            dev = new_sub.devices[d]
             pieces = []
             for s in range(j * C, (j + 1) * C):
-                e = new.slot_to_expert[s]
-                if e < 0:
+                src = sources[s]
+                if src < 0:
                     pieces.append(jax.device_put(np.zeros((1,) + arr.shape[1:], arr.dtype), dev))
                     continue
-                hosts = old.replicas(e)
-                src = ([h for h in hosts if old_dev[h // C_old] == dev] or hosts)[0]
-                piece = shards[old_dev[src // C_old]][src % C_old : src % C_old + 1]
-                if old_dev[src // C_old] == dev:
-                    stats.expert_slots_local += 1
-                else:
-                    piece = jax.device_put(piece, dev)
-                    stats.expert_slots_copied += 1
-                    stats.expert_bytes_copied += piece.nbytes
-                pieces.append(piece)
+                src_dev = new_sub.devices[old_idx[src // C_old]]
+                piece = shards[src_dev][src % C_old : src % C_old + 1]
+                pieces.append(piece if src_dev == dev else jax.device_put(piece, dev))
             per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         shape = (new.num_slots,) + arr.shape[1:]
         out[k] = jax.make_array_from_single_device_arrays(shape, sharding, per_device, dtype=arr.dtype)
+    return out
+
+
+def _reshard_collective(placed, sources, old_idx, new_idx, C_old, C, new_sub) -> dict:
+    """``reshard_experts`` with ``slot_moves`` collectives (one device per instance on both sides)."""
+    mover = slot_moves.mover_for(new_sub)
+    involved = tuple(sorted(set(old_idx) | set(new_idx)))
+    keep: dict[int, tuple[int, ...]] = {}
+    copies = []
+    for j, d in enumerate(new_idx):
+        rows = []
+        for c in range(C):
+            src = sources[j * C + c]
+            src_dev = old_idx[src // C_old] if src >= 0 else -1
+            rows.append(src % C_old if src_dev == d else -1)
+            if src >= 0 and src_dev != d:
+                copies.append(slot_moves.RowCopy(src_dev, src % C_old, d, c))
+        keep[d] = tuple(rows)
+    plan = slot_moves.SlotPlan(involved, C_old, C, keep, tuple(copies))
+    sharding = NamedSharding(new_sub.experts, P("expert"))
+    out = mover.run(plan, {k: placed[k] for k in _SLOT_KEYS}, sharding, len(new_idx) * C)
+    # replicated arrays (router, score bias): kept where an old expert device is a new one, else
+    # all rows from an old expert device (the same node first, round robin)
+    rep = NamedSharding(new_sub.experts, P())
+    spec = new_sub.spec
+    for k, v in placed.items():
+        if k in _SLOT_KEYS:
+            continue
+        if v.ndim == 0:
+            raise ValueError(f"reshard_experts: replicated parameter {k!r} is a scalar; expected at least one axis")
+        rows = v.shape[0]
+        keep, copies = {}, []
+        for n, d in enumerate(new_idx):
+            if d in old_idx:
+                keep[d] = tuple(range(rows))
+                continue
+            near = [o for o in old_idx if spec.node_of(o) == spec.node_of(d)] or old_idx
+            src = near[n % len(near)]
+            keep[d] = (-1,) * rows
+            copies += [slot_moves.RowCopy(src, r, d, r) for r in range(rows)]
+        plan = slot_moves.SlotPlan(involved, rows, rows, keep, tuple(copies))
+        out[k] = mover.run(plan, {k: v}, rep, rows)[k]
     return out
 
 

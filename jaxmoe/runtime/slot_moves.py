@@ -28,6 +28,7 @@ spec, which every process has. In one process the same program is a plain in-pro
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 
 import jax
@@ -244,3 +245,9 @@ def _round_tables(r: SlotRound, pos: dict[int, int], D: int) -> list[np.ndarray]
         recv[pos[d]] = dst_rows
         receives[pos[d]] = 1
     return [send, recv, receives]
+
+
+@functools.lru_cache(maxsize=8)
+def mover_for(sub) -> SlotMover:
+    """One ``SlotMover`` (and its compiled programs) per cluster (``SubMeshes``)."""
+    return SlotMover(sub.devices)
