@@ -35,6 +35,21 @@ LOGIT_TABLES = [[40, 5], [9, 50]]
 FORCED_1A7E = [0, 1, 2, -1, 3, 4, 5, 6, 7, 0, 1, -1, 2, 3, 4, 5, 6, 7, 0, -1, 1, 2, 3, -1, 4, 5, 6, 7]
 SPLIT_1A7E = [0, 1, 2, 3] * 3 + [4, 5, 6, 7] * 4
 SWAPPED_1A7E = [4, 5, 6, 7] * 3 + [0, 1, 2, 3] * 4
+# --rescale: from meshes/cpu-8-1a7e.yaml through these layouts (attention stays on process 0; the
+# expert side, on both processes in 1a7e, moves inside process 1 (4a4e: experts the devices of
+# process 0 held are copied over), then back onto both). Few serving shapes: each change compiles
+# them all before the swap.
+RESCALES = [(4, 4), (1, 7)]
+RESCALE_ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=2, max_prefill_chunk=16, max_batch_tokens=32)
+RESCALE_REQUESTS = 6
+
+
+def rescale_request(i: int):
+    """Request i of the --rescale load: (prompt token ids, max_tokens), both from the seed i."""
+    import numpy as np
+
+    rng = np.random.default_rng(i)
+    return [int(t) for t in rng.integers(3, 250, size=int(rng.integers(3, 30)))], 6 + (i * 7) % 17
 
 
 def main(argv=None) -> int:
@@ -66,6 +81,12 @@ def main(argv=None) -> int:
         help="greedy tokens and logits before and after set_placement moves replicas between the "
         "processes (use with meshes/cpu-8-1a7e.yaml: the expert side spans both)",
     )
+    ap.add_argument(
+        "--rescale",
+        action="store_true",
+        help="live re-scaling under a bounded load: the layout changes RESCALES times while requests "
+        "run (use with meshes/cpu-8-1a7e.yaml)",
+    )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -88,6 +109,11 @@ def main(argv=None) -> int:
 
     if args.probe:
         Path(args.out).write_text(json.dumps(probe(jax, args.mesh), indent=1))
+        jax.distributed.shutdown()
+        return 0
+    if args.rescale:
+        llm = LLM(args.model, dtype="float32", mesh=args.mesh, **RESCALE_ENGINE)
+        Path(args.out).write_text(json.dumps(rescale(jax, llm), indent=1))
         jax.distributed.shutdown()
         return 0
     llm = LLM(args.model, dtype="float32", mesh=args.mesh, **ENGINE)
@@ -209,6 +235,67 @@ def relayout(jax, llm, args) -> dict:
             }
         )
     return out
+
+
+def rescale(jax, llm) -> dict:
+    """The engine re-scaled RESCALES times while requests run (every process calls ``rescale`` at
+    the same step: the build runs inline, then the swap at the next step boundary). Returns the
+    final tokens per request, each change's ``RescaleResult``, the layouts and the free KV blocks."""
+    from jaxmoe import SamplingParams
+    from jaxmoe.runtime.slot_moves import mover_for
+
+    engine = llm.engine
+    final, added, results, layouts, crossed = {}, [], [], [], []
+
+    def add(i):
+        prompt, max_tokens = rescale_request(i)
+        added.append(engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), "be", f"r{i}"))
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+
+    for i in range(3):
+        add(i)
+    for attention, experts in RESCALES:
+        for _ in range(2):
+            step()
+        if len(added) < RESCALE_REQUESTS:
+            add(len(added))
+        t = time.perf_counter()
+        print(f"rescale to {attention}a{experts}e: building", flush=True)
+        job = engine.rescale(attention, experts)
+        print(f"rescale to {attention}a{experts}e: built in {time.perf_counter() - t:.1f} s", flush=True)
+        for _ in range(100):  # bounded: the swap happens before the next step
+            if job.done():
+                break
+            step() if engine.has_work() else engine.apply_rescale()
+        results.append(job.result(timeout=0).as_dict())
+        print(f"rescale to {attention}a{experts}e: serving", flush=True)
+        ex = llm.executor
+        layouts.append(
+            [ex.num_attention, ex.num_expert_instances, sorted({d.process_index for d in ex.sub.experts.devices.flat})]
+        )
+        crossed.append(mover_for(ex.sub).rows_across_processes)
+        if len(added) < RESCALE_REQUESTS:
+            add(len(added))
+    for _ in range(2000):  # bounded
+        if not engine.has_work():
+            break
+        step()
+    bm = engine.block_manager
+    return {
+        "process_id": jax.process_index(),
+        "added": added,
+        "tokens": {rid: list(o.token_ids) for rid, o in final.items()},
+        "errors": {rid: o.error for rid, o in final.items() if o.error is not None},
+        "finish": {rid: o.finish_reason for rid, o in final.items()},
+        "results": results,
+        "layouts": layouts,
+        "rows_across_processes": crossed,
+        "blocks_free": [bm.num_free, bm.num_blocks],
+    }
 
 
 def probe(jax, mesh_file: str) -> dict:

@@ -8,11 +8,15 @@ another number of attention and expert instances on the same devices, built from
   redundant replicas in the spare slots.
 * ``reshard_experts``: the new slot arrays, one device at a time: a slot whose expert is already on
   that device is a local slice; only the others are copied (one ``jax.device_put`` of one expert's
-  weights from a device that holds it).
+  weights from a device that holds it, or, across processes, ``slot_moves`` ppermute rounds).
 * ``build_rescaled``: the new ``DisaggregatedExecutor`` from the running one's parameters (attention
   side: one ``device_put`` to the new attention mesh; expert side: ``reshard_experts``).
 * ``move_kv``: copies the KV blocks of live sequences from the old cache to their new blocks in the
   new executor's cache (through host memory: the old cache is read, the moved blocks written).
+
+Under ``jax.distributed`` (``check_processes``): the expert side may span processes (the re-shard
+then runs as ``slot_moves`` collectives: every process calls ``build_rescaled`` at the same point);
+the attention side, before and after, must be inside one process.
 
 The engine side (background build and compile, the swap at a step boundary, the stall) is
 ``jaxmoe.engine.rescale``.
@@ -223,15 +227,38 @@ def _reshard_collective(placed, sources, old_idx, new_idx, C_old, C, new_sub) ->
     return out
 
 
+def check_processes(old_sub: SubMeshes, spec: ClusterSpec, brownout: bool) -> None:
+    """Under ``jax.distributed``: what live re-scaling from ``old_sub`` to layout ``spec`` (same
+    devices) cannot do across processes yet raises ``MeshConfigError``. The expert side may span
+    processes (``slot_moves`` collectives); the attention side, old and new, must be inside one
+    process (its parameters are copied with ``jax.device_put`` and ``move_kv`` goes through that
+    process' host memory); brownout's united experts are placed again from host weights, so not
+    with an expert side spanning processes."""
+    devices = old_sub.devices
+    old_attn = {d.process_index for d in old_sub.attention.devices.flat}
+    attention = old_attn | {devices[d].process_index for d in spec.attention.flat}
+    if len(attention) > 1:
+        raise MeshConfigError(
+            f"{spec.source}: live re-scaling across processes needs the attention side, before and "
+            f"after, inside one process; these attention devices are on processes {sorted(attention)}"
+        )
+    old_exp = {d.process_index for d in old_sub.experts.devices.flat}
+    experts = old_exp | {devices[d].process_index for d in spec.experts.flat}
+    if brownout and len(experts) > 1:
+        raise MeshConfigError(
+            f"{spec.source}: live re-scaling with brownout places the united experts from host "
+            f"weights, which an expert side on processes {sorted(experts)} does not have"
+        )
+
+
 def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
     """A ``DisaggregatedExecutor`` on layout ``spec`` built from the running executor ``old`` (read
     only: ``old`` keeps serving meanwhile). Returns (executor, MoveStats of the expert re-shard)."""
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor, _sub_meshes
 
-    if len({d.process_index for d in jax.devices()}) > 1:
-        raise MeshConfigError("live re-scaling runs in one process (the sub-meshes span processes)")
     sub = _sub_meshes(spec)  # cached by spec: a layout seen before reuses its meshes and programs
     side = old.expert_side
+    check_processes(old.sub, spec, side.brownout is not None)
     layouts, layers = dict(side.layouts), dict(side.layers)  # one snapshot (set_placement replaces both)
     first = side.moe_layers[0]
     placement = [reuse_placement(layouts[i], old.sub.spec, spec) for i in side.moe_layers]
@@ -246,9 +273,15 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
         }
     else:  # the united experts' slots depend on the instance count: place everything again from the weights
         placed = None
+    params = old.params
+    attn = NamedSharding(sub.attention, P())  # the new attention side (inside one process: check_processes)
+    params = {k: (v if k == "layers" else _onto(v, attn)) for k, v in params.items()}
+    params["layers"] = [
+        {k: (v if k == "moe" else _onto(v, attn)) for k, v in layer.items()} for layer in old.params["layers"]
+    ]
     ex = DisaggregatedExecutor(
         old.cfg,
-        old.params,
+        params,
         num_slots,
         old.block_size,
         sub,
@@ -267,6 +300,21 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
     return ex, stats
 
 
+def _onto(tree, sharding: NamedSharding):
+    """Attention-side parameters moved to the new attention mesh: ``jax.device_put`` in the process
+    that holds both meshes; a process holding neither (under ``jax.distributed``) only builds the
+    arrays' metadata (jax refuses a ``device_put`` it takes no part in)."""
+    mine = jax.process_index()
+    here = any(d.process_index == mine for d in sharding.device_set)
+
+    def one(x):
+        if here or x.addressable_shards:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, [], dtype=x.dtype)
+
+    return jax.tree.map(one, tree)
+
+
 def move_kv(old, new, moves: list[tuple[list[int], list[int]]], stats: MoveStats) -> None:
     """Copy the KV of blocks ``old_blocks`` of executor ``old``'s cache into blocks ``new_blocks`` of
     ``new``'s cache, for each (old_blocks, new_blocks) of ``moves``; the other blocks of the new cache
@@ -283,7 +331,8 @@ def move_kv(old, new, moves: list[tuple[list[int], list[int]]], stats: MoveStats
         for key, leaf in old_layer.items():
             target = new_layer[key]
             host = np.zeros(target.shape, target.dtype)
-            if len(src_slots):
+            # under jax.distributed a process without attention devices holds no shard (and gets none)
+            if len(src_slots) and leaf.is_fully_addressable and leaf.addressable_shards:
                 host[dst_slots] = np.asarray(leaf)[src_slots]
             layer[key] = jax.device_put(host, target.sharding)
         cache.append(layer)
