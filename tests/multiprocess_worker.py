@@ -256,6 +256,13 @@ def rescale(jax, llm) -> dict:
             if out.finished:
                 final[out.request_id] = out
 
+    from jaxmoe.engine.rescale import RescaleError
+
+    try:  # 5a3e: attention devices 0-4 would span both processes: refused, nothing changes
+        engine.rescale(5, 3)
+        refused = None
+    except RescaleError as e:
+        refused = str(e)
     for i in range(3):
         add(i)
     for attention, experts in RESCALES:
@@ -295,6 +302,7 @@ def rescale(jax, llm) -> dict:
         "layouts": layouts,
         "rows_across_processes": crossed,
         "blocks_free": [bm.num_free, bm.num_blocks],
+        "refused": refused,
     }
 
 
