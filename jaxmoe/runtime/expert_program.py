@@ -262,9 +262,12 @@ def relayout_layer(
 
 def _source_slots(old: ReplicaLayout, new: ReplicaLayout, spec) -> list[int]:
     """Per new slot, the old slot it copies (-1: unused): itself when it hosts the same expert,
-    else a replica on the same instance, else one on the same node, else the first replica."""
+    else a replica on the same instance, else one on the same node, else any replica; among
+    remote candidates the instance that sends least so far (copies spread over sources, so fewer
+    collective rounds), the first on ties."""
     C_old, C = old.slots_per_instance, new.slots_per_instance
     insts = spec.experts.devices
+    sends: dict[int, int] = {}  # old instance -> copies it sends
     plan: list[int] = []
     for s, e in enumerate(new.slot_to_expert):
         if e < 0:
@@ -275,8 +278,13 @@ def _source_slots(old: ReplicaLayout, new: ReplicaLayout, spec) -> list[int]:
             hosts = old.replicas(e)
             node = spec.node_of(insts[s // C][0])
             same_inst = [h for h in hosts if h // C_old == s // C]
+            if same_inst:
+                plan.append(same_inst[0])
+                continue
             same_node = [h for h in hosts if spec.node_of(insts[h // C_old][0]) == node]
-            plan.append((same_inst or same_node or hosts)[0])
+            src = min(same_node or hosts, key=lambda h: sends.get(h // C_old, 0))
+            sends[src // C_old] = sends.get(src // C_old, 0) + 1
+            plan.append(src)
     return plan
 
 

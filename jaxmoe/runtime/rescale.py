@@ -139,8 +139,8 @@ def reshard_experts(
     involved = sorted(set(old_idx) | set(new_idx))
     if collective is None:
         collective = len({new_sub.devices[d].process_index for d in involved}) > 1
-    # per new slot: (old slot it comes from, or -1 for unused)
-    sources = []
+    # per new slot: (old slot it comes from, or -1 for unused); remote copies spread over sources
+    sources, sends = [], {}
     for s, e in enumerate(new.slot_to_expert):
         if e < 0:
             sources.append(-1)
@@ -148,8 +148,13 @@ def reshard_experts(
         hosts = old.replicas(e)
         d = new_idx[s // C]
         same_dev = [h for h in hosts if old_idx[h // C_old] == d]
+        if same_dev:
+            sources.append(same_dev[0])
+            continue
         same_node = [h for h in hosts if spec.node_of(old_idx[h // C_old]) == spec.node_of(d)]
-        sources.append((same_dev or same_node or hosts)[0])
+        src = min(same_node or hosts, key=lambda h: sends.get(h // C_old, 0))
+        sends[src // C_old] = sends.get(src // C_old, 0) + 1
+        sources.append(src)
     slot_bytes = {k: placed[k].nbytes // placed[k].shape[0] for k in _SLOT_KEYS}
     for s, src in enumerate(sources):
         if src < 0:

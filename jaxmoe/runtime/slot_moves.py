@@ -141,7 +141,7 @@ class SlotMover:
         pos = {d: i for i, d in enumerate(plan.devices)}
         tables = [_keep_table(plan, D)]
         for r in rounds:
-            tables.extend(_round_tables(r, pos, D))
+            tables.extend(_round_tables(r, pos, D, plan.new_rows))
         table_sharding = NamedSharding(mesh, P(XFER))
         tables = [jax.device_put(t.reshape((-1,) + t.shape[2:]), table_sharding) for t in tables]
         names = sorted(old)
@@ -170,16 +170,16 @@ class SlotMover:
                 mask = (keep >= 0).reshape((-1,) + (1,) * (old.ndim - 1))
                 new = jnp.where(mask, jnp.take(old, jnp.maximum(keep, 0), axis=0), jnp.zeros((), old.dtype))
                 for r, perm in enumerate(perms):
-                    send, recv, receives = rest[3 * r : 3 * r + 3]
+                    send, recv = rest[2 * r : 2 * r + 2]
                     got = jax.lax.ppermute(jnp.take(old, send, axis=0), XFER, perm)
-                    new = jnp.where(receives[0] > 0, new.at[recv].set(got), new)
+                    new = new.at[recv].set(got, mode="drop")
                 outs.append(new)
             return tuple(outs)
 
         mapped = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(tuple([P(XFER)] * n_arrays), tuple([P(XFER)] * (1 + 3 * len(rounds)))),
+            in_specs=(tuple([P(XFER)] * n_arrays), tuple([P(XFER)] * (1 + 2 * len(rounds)))),
             out_specs=tuple([P(XFER)] * n_arrays),
             check_vma=False,
         )
@@ -236,15 +236,15 @@ def _keep_table(plan: SlotPlan, D: int) -> np.ndarray:
     return keep
 
 
-def _round_tables(r: SlotRound, pos: dict[int, int], D: int) -> list[np.ndarray]:
+def _round_tables(r: SlotRound, pos: dict[int, int], D: int, new_rows: int) -> list[np.ndarray]:
+    """Rows each device sends, and where it writes what arrives (``new_rows``, out of range, on
+    devices that receive nothing: the write is dropped)."""
     send = np.zeros((D, r.k), np.int32)
-    recv = np.zeros((D, r.k), np.int32)
-    receives = np.zeros((D, 1), np.int32)
+    recv = np.full((D, r.k), new_rows, np.int32)
     for (s, d), (src_rows, dst_rows) in zip(r.pairs, r.rows):
         send[pos[s]] = src_rows
         recv[pos[d]] = dst_rows
-        receives[pos[d]] = 1
-    return [send, recv, receives]
+    return [send, recv]
 
 
 @functools.lru_cache(maxsize=8)
