@@ -234,6 +234,20 @@ def relayout(jax, llm, args) -> dict:
                 "logits": logits(llm),
             }
         )
+    # the placement controller (JANUS Algorithm 2) as a step hook: it reads the co-activation
+    # counters (a collective) and calls set_placement every 3 steps, on every process alike
+    from jaxmoe.runtime.controller import PlacementController
+
+    controller = PlacementController.attach(llm.engine, 3)
+    outs = llm.generate(prompts, greedy)
+    llm.engine.step_hooks.remove(controller)
+    out["controller"] = {
+        "tokens": [list(o.token_ids) for o in outs],
+        "rebalances": len(controller.history),
+        "slots_moved": sum(r.slots_moved for r in controller.history),
+        "placements": [ex.placement(i) for i in ex.moe_layers],
+        "rows_across_processes": mover.rows_across_processes,
+    }
     return out
 
 

@@ -249,8 +249,9 @@ def _moved_slots(old: list[int], new: list[int], C: int) -> int:
 
 def test_set_placement_moves_replicas_between_processes(tmp_path):
     """meshes/cpu-8-1a7e.yaml on 2 processes: expert instances 0-2 on process 0, 3-6 on process 1.
-    Two set_placement calls move replicas between the processes (ppermute rounds, ``slot_moves``);
-    greedy tokens and logits stay those before the move and those of the monolithic executor."""
+    Three set_placement calls move replicas between the processes (ppermute rounds, ``slot_moves``);
+    greedy tokens and logits stay those before the move and those of the monolithic executor; then
+    the placement controller re-places replicas between steps on both processes alike."""
     from jaxmoe import LLM, SamplingParams
     from multiprocess_worker import ENGINE, PROMPTS, logits
 
@@ -300,6 +301,10 @@ def test_set_placement_moves_replicas_between_processes(tmp_path):
     # forced: 4 slots per layer need an expert only the other process has (e.g. expert 3 for slot 4);
     # split: every expert is on both processes before, nothing crosses; swapped: all 28 slots cross
     assert crossed == [4 * layers, 0, 28 * layers]
+    # the placement controller re-placed replicas between steps on both processes alike
+    c0, c1 = p0["controller"], p1["controller"]
+    assert c0 == c1 and c0["tokens"] == expected
+    assert c0["rebalances"] >= 2 and c0["slots_moved"] > 0
 
 
 @pytest.mark.slow
