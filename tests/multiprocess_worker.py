@@ -5,7 +5,9 @@ Every process runs this same script (multi-controller SPMD): it joins ``jax.dist
 meshes/cpu-8-4a4e.yaml and 4 CPU devices per process, attention on process 0 and experts on
 process 1; the executor picks ``cross_process.CrossProcessTransfer`` itself), generates for the
 prompts (greedy; sampled, seeded and unseeded; greedy again after moving expert replicas) and
-writes the tokens, expert activation counts and transfer counters as JSON.
+writes the tokens, expert activation counts and transfer counters as JSON. ``--relayout`` (with
+meshes/cpu-8-1a7e.yaml) moves replicas between the processes with ``set_placement`` and records
+tokens and logits; ``--rescale`` re-scales the engine while requests run.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
       python tests/multiprocess_worker.py --process-id 0 --num-processes 2 --port 23456 --out out0.json &

@@ -10,6 +10,9 @@
   on both processes: greedy tokens equal to the single-process monolithic ``LLM("tiny-random")``'s,
   sampled tokens (seeded and unseeded) equal on both processes, expert activation counts
   identical on both, and the same greedy tokens after ``set_placement`` moves replicas.
+* meshes/cpu-8-1a7e.yaml on two processes (expert instances on both): ``set_placement`` moves
+  replicas between the processes (``runtime.slot_moves``) with tokens and logits unchanged, and live
+  re-scaling (1a7e -> 4a4e -> 1a7e) under a bounded load re-shards the experts across them.
 
 Each subprocess pair runs under a deadline and is killed (SIGKILL: jax's preemption notifier
 catches SIGTERM) on timeout or as soon as one of them fails (the other would wait on it).
