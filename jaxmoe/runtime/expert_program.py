@@ -41,7 +41,7 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import EXPERT_AXES, SubMeshes
 from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.router import route
-from jaxmoe.runtime import expert_brownout
+from jaxmoe.runtime import expert_brownout, slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
@@ -202,38 +202,46 @@ def place_layer(
     }
 
 
-def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: SubMeshes) -> tuple[dict, int]:
+def relayout_layer(
+    placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: SubMeshes, collective: bool | None = None
+) -> tuple[dict, int]:
     """Move one layer's slot arrays from placement ``old`` to ``new`` (the controller's hook).
 
     Slot s of the new layout keeps its data when it hosts the same expert as before; otherwise it
     copies a slot of the old layout hosting that expert, preferring one on the same instance
-    (a local copy) over a remote one (one ``jax.device_put`` of one expert's weights to each
-    device of the instance). Unused slots become zeros. Returns (new params, slots moved across
-    instances).
+    (a local copy), then one on the same node, over any other. Unused slots become zeros.
+    Returns (new params, slots moved across instances).
 
-    Under ``jax.distributed`` it works when the expert sub-mesh is inside one process (the
-    others, holding no expert device, just build the new array's metadata); an expert side
-    spanning processes raises NotImplementedError (moves would need ``cross_process`` collectives).
+    Two ways to copy, with the same result: one ``jax.device_put`` of one expert's weights to each
+    device of the instance, when this process addresses every expert device (or none); and, when
+    the expert sub-mesh spans processes (``jax.distributed``), collectives
+    (``slot_moves.SlotMover``: ppermute rounds carrying only the moved slots; every process
+    calls it). ``collective``: force one way (None: pick as just said).
     """
-    if len({dev.process_index for dev in sub.experts.devices.flat}) > 1:
-        raise NotImplementedError(
-            "set_placement: the expert sub-mesh spans processes; moving expert "
-            "replicas between processes is not implemented (docs/multi_host.md)"
-        )
     C = new.slots_per_instance
-    insts = sub.spec.experts.devices
-    plan: list[int] = []  # source slot per new slot (-1: zeros)
-    for s, e in enumerate(new.slot_to_expert):
-        if e < 0:
-            plan.append(-1)
-        elif old.slot_to_expert[s] == e:
-            plan.append(s)
-        else:
-            hosts = old.replicas(e)
-            plan.append(([h for h in hosts if h // C == s // C] or hosts)[0])
+    spec = sub.spec
+    insts = spec.experts.devices
+    plan = _source_slots(old, new, spec)
     moved = sum(1 for s, src in enumerate(plan) if src >= 0 and src // C != s // C)
+    if collective is None:
+        collective = len({dev.process_index for dev in sub.experts.devices.flat}) > 1
     sharding = NamedSharding(sub.experts, _SLOT_SPEC)
     out = dict(placed)
+    if collective:
+        keep, copies = {}, []
+        for j, inst in enumerate(insts):
+            for t, d in enumerate(inst):
+                rows = []
+                for c, src in enumerate(plan[j * C : (j + 1) * C]):
+                    src_dev = insts[src // C][t] if src >= 0 else -1
+                    rows.append(src % C if src_dev == d else -1)
+                    if src >= 0 and src_dev != d:
+                        copies.append(slot_moves.RowCopy(src_dev, src % C, d, c))
+                keep[d] = tuple(rows)
+        moves = slot_moves.SlotPlan(tuple(sorted(spec.experts.flat)), C, C, keep, tuple(copies))
+        names = ("w_gate", "w_up", "w_down")
+        out.update(slot_moves.mover_for(sub).run(moves, {k: placed[k] for k in names}, sharding, new.num_slots))
+        return out, moved
     for k in ("w_gate", "w_up", "w_down"):
         arr = placed[k]
         shards = {sh.device: sh.data for sh in arr.addressable_shards}
@@ -255,6 +263,34 @@ def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: Su
                 per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         out[k] = jax.make_array_from_single_device_arrays(arr.shape, sharding, per_device, dtype=arr.dtype)
     return out, moved
+
+
+def _source_slots(old: ReplicaLayout, new: ReplicaLayout, spec) -> list[int]:
+    """Per new slot, the old slot it copies (-1: unused): itself when it hosts the same expert,
+    else a replica on the same instance, else one on the same node, else any replica; among
+    remote candidates the instance that sends least so far (copies spread over sources, so fewer
+    collective rounds), the first on ties."""
+    C_old, C = old.slots_per_instance, new.slots_per_instance
+    insts = spec.experts.devices
+    sends: dict[int, int] = {}  # old instance -> copies it sends
+    plan: list[int] = []
+    for s, e in enumerate(new.slot_to_expert):
+        if e < 0:
+            plan.append(-1)
+        elif old.slot_to_expert[s] == e:
+            plan.append(s)
+        else:
+            hosts = old.replicas(e)
+            node = spec.node_of(insts[s // C][0])
+            same_inst = [h for h in hosts if h // C_old == s // C]
+            if same_inst:
+                plan.append(same_inst[0])
+                continue
+            same_node = [h for h in hosts if spec.node_of(insts[h // C_old][0]) == node]
+            src = min(same_node or hosts, key=lambda h: sends.get(h // C_old, 0))
+            sends[src // C_old] = sends.get(src // C_old, 0) + 1
+            plan.append(src)
+    return plan
 
 
 def place_tables(layout: ReplicaLayout, sub: SubMeshes) -> dict:

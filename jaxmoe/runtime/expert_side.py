@@ -120,10 +120,10 @@ class ExpertSide:
         """Re-lay out the expert replicas between steps (the host-side controller's hook).
 
         ``slot_to_expert``: one list [S] for every MoE layer, or one per MoE layer. Moves weights
-        with ``jax.device_put`` (``expert_program.relayout_layer``) and installs the new replica
-        tables; AEBS uses them from the next step. Returns the slots copied across instances.
-        Under ``jax.distributed``: every process calls it; NotImplementedError when the expert
-        sub-mesh spans processes.
+        (``expert_program.relayout_layer``: ``jax.device_put``, or ``slot_moves`` collectives when
+        the expert sub-mesh spans processes) and installs the new replica tables; AEBS uses them
+        from the next step. Returns the slots copied across instances. Under ``jax.distributed``
+        every process calls it, at the same point.
         """
         new = self._layouts(slot_to_expert)
         moved = 0
