@@ -154,7 +154,7 @@ class DisaggregatedExecutor:
         rep = self.attention.replicated
         self._embed = jax.device_put(params["embed"], rep)
         self._head = jax.device_put(head_params(params, cfg), rep)
-        self._attn_layers = [jax.device_put(attention_side_params(layer), rep) for layer in params["layers"]]
+        self._attn_layers = [self.attention.place_layer(attention_side_params(layer)) for layer in params["layers"]]
         self._shared_layers = (
             {}
             if self.shared_on_experts
@@ -175,7 +175,8 @@ class DisaggregatedExecutor:
         self.num_cache_slots = self.kv_layout.num_slots
         dtype = cache_dtype or params["embed"].dtype
         self._new_layer_cache = jax.jit(
-            lambda: init_layer_cache(cfg, self.num_cache_slots, dtype), out_shardings=self.attention.cache
+            lambda: init_layer_cache(self.attention.tp.cfg, self.num_cache_slots, dtype),
+            out_shardings=self.attention.cache,
         )  # each instance: only its slots
         self.reset_cache()
 
