@@ -20,6 +20,7 @@ from test_disaggregated import ENGINE, _greedy, _logits, _rel_err
 
 TP2 = "meshes/cpu-8-tp2.yaml"  # 2 attention instances x 2 devices + 4 experts
 TP4 = "meshes/cpu-8-tp4.yaml"  # 1 attention instance x 4 devices + 4 experts
+TP2X2 = "meshes/cpu-8-tp2x2.yaml"  # 2 attention x 2 devices + 2 expert instances x 2 devices
 # TP2's expert side, with 2 attention instances of one device each (devices 0 and 2)
 ONE_DEVICE = {
     "platform": "cpu",
@@ -134,3 +135,39 @@ def test_expand_kv_keeps_the_groups():
     heads = w.reshape(2, 2, 3)
     for j in range(4):
         np.testing.assert_array_equal(out[:, j], heads[:, j // 2])
+
+
+def test_expert_ffn_columns_split(llms):
+    """2 attention x 2 devices + 2 expert instances x 2 devices (DeepSeek-V3: 16 experts, shared
+    experts): each expert device holds its instance's 8 slots with half of the FFN columns; same
+    logits and tokens as monolithic, also after ``set_placement`` moves replicas."""
+    tp = llms("deepseek_v3", TP2X2)
+    ex, F = tp.executor, tp.cfg.moe.intermediate_size
+    moe = ex.params["layers"][ex.moe_layers[0]]["moe"]
+    D = tp.cfg.hidden_size
+    assert _shard_shapes(moe["w_gate"]) == {(8, D, F // 2)}
+    assert _shard_shapes(moe["w_down"]) == {(8, F // 2, D)}
+    assert_same(tp, llms("deepseek_v3"))
+    old = ex.placement()
+    swapped = old[8:] + old[:8]  # every expert to the other instance
+    try:
+        assert ex.set_placement(swapped) == 16 * len(ex.moe_layers)  # every slot of every MoE layer moved
+        assert _shard_shapes(ex.params["layers"][ex.moe_layers[0]]["moe"]["w_up"]) == {(8, D, F // 2)}
+        assert_same(tp, llms("deepseek_v3"))
+    finally:
+        ex.set_placement(old)
+
+
+def test_expert_columns_that_do_not_split(checkpoint_dir):
+    cfg, params, _ = load_model(checkpoint_dir("mixtral"), dtype="float32")
+    F = cfg.moe.intermediate_size
+    k = next(k for k in range(3, 8) if F % k)
+    mesh = {
+        "platform": "cpu",
+        "nodes": 1,
+        "devices_per_node": 8,
+        "attention": {"instances": 1},
+        "experts": {"instances": 1, "devices_per_instance": k, "slots_per_instance": 8},
+    }
+    with pytest.raises(MeshConfigError, match=rf"experts\.devices_per_instance: {k} devices .* intermediate size {F}"):
+        DisaggregatedExecutor(cfg, params, 64, 8, mesh)
