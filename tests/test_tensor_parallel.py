@@ -7,12 +7,16 @@ and the same layout with one device per attention instance.
 from __future__ import annotations
 
 import dataclasses
+import re
+
+import jax
 
 import numpy as np
 import pytest
 
 from jaxmoe.llm import load_model
 from jaxmoe.mesh import MeshConfigError, load_mesh
+from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.runtime import attention_tp
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 from jaxmoe import LLM
@@ -45,6 +49,9 @@ def llms(checkpoint_dir):
     return get
 
 
+COLLECTIVE = re.compile(r"(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(-start)?\(")
+
+
 def _shard_shapes(arr) -> set[tuple[int, ...]]:
     return {tuple(s.data.shape) for s in arr.addressable_shards}
 
@@ -70,6 +77,21 @@ def test_gqa_heads_split_2x2(llms):
     assert _shard_shapes(ex.cache[0]["k"]) == {(slots // 2, 1, hd)}  # slots over instances, heads over devices
     assert_same(tp, llms("mixtral", ONE_DEVICE))
     assert_same(tp, llms("mixtral"))
+
+
+def test_local_tp_layer_only_sums_inside_the_instance(llms):
+    """The per-instance attention program of a 2 x 2 layout: its only collective is the all-reduce
+    of the partial output projections between the two devices of each instance (no gathering of
+    weights or KV heads), so each device really computes only its own heads."""
+    ex = llms("mixtral", TP2).executor
+    B, T, NB = 4, 4, 4
+    rows = ex.attention.rows
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)  # noqa: E731
+    x = spec((B, T, ex.cfg.hidden_size), np.float32)
+    batch = AttentionBatch(spec((B, T), np.int32), spec((B, T), np.int32), spec((B, NB), np.int32))
+    hlo = ex.attention.layer.lower(ex._attn_layers[0], x, x, batch, ex.cache[0], True).compile().as_text()
+    found = [line for line in hlo.splitlines() if COLLECTIVE.search(line)]
+    assert len(found) == 1 and "all-reduce" in found[0] and "replica_groups={{0,1},{2,3}}" in found[0]
 
 
 def test_gqa_kv_heads_replicated_1x4(llms):
