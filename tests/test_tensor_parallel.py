@@ -19,7 +19,8 @@ from jaxmoe.mesh import MeshConfigError, load_mesh
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.runtime import attention_tp
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
-from jaxmoe import LLM
+from jaxmoe import LLM, SamplingParams
+from jaxmoe.engine.rescale import RescaleError
 from test_disaggregated import ENGINE, _greedy, _logits, _rel_err
 
 TP2 = "meshes/cpu-8-tp2.yaml"  # 2 attention instances x 2 devices + 4 experts
@@ -193,3 +194,24 @@ def test_expert_columns_that_do_not_split(checkpoint_dir):
     }
     with pytest.raises(MeshConfigError, match=rf"experts\.devices_per_instance: {k} devices .* intermediate size {F}"):
         DisaggregatedExecutor(cfg, params, 64, 8, mesh)
+
+
+def test_tp_with_micro_batches(checkpoint_dir, llms):
+    """FinDEP micro-batches (r1 = 2, ASAS, expert work in r2 = 2 chunks) over tensor-parallel
+    instances on both sides: the same greedy tokens as monolithic."""
+    path = checkpoint_dir("mixtral")
+    llm = LLM(path, dtype="float32", mesh=TP2X2, pipeline={"order": "ASAS", "r1": 2, "r2": 2}, **ENGINE)
+    prompts = [[7, 21, 33, 5], [11, 3, 77], [9, 8, 1, 2, 60], [4, 4]]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert llm.executor.last_pipeline.r1 == 2
+    assert got == [o.token_ids for o in llms("mixtral").generate(prompts, greedy)]
+
+
+def test_live_rescale_refuses_tp_instances(llms):
+    """Live re-scaling builds one-device instances only: a tensor-parallel layout is refused with
+    the field named, and nothing changes."""
+    llm = llms("mixtral", TP2)
+    with pytest.raises(RescaleError, match="devices_per_instance: 1 on both sides"):
+        llm.engine.rescale(4, 4)
+    assert llm.engine.rescaler.job is None and llm.executor.sub.spec == load_mesh(TP2)
