@@ -13,6 +13,7 @@ import jax
 
 import numpy as np
 import pytest
+import yaml
 
 from jaxmoe.llm import load_model
 from jaxmoe.mesh import MeshConfigError, load_mesh
@@ -196,16 +197,19 @@ def test_expert_columns_that_do_not_split(checkpoint_dir):
         DisaggregatedExecutor(cfg, params, 64, 8, mesh)
 
 
-def test_tp_with_micro_batches(checkpoint_dir, llms):
+def test_tp_with_micro_batches_and_shared_experts_on_the_expert_side(checkpoint_dir, llms):
     """FinDEP micro-batches (r1 = 2, ASAS, expert work in r2 = 2 chunks) over tensor-parallel
-    instances on both sides: the same greedy tokens as monolithic."""
-    path = checkpoint_dir("mixtral")
-    llm = LLM(path, dtype="float32", mesh=TP2X2, pipeline={"order": "ASAS", "r1": 2, "r2": 2}, **ENGINE)
+    instances on both sides, Qwen2-MoE's shared experts on the expert side (not split over
+    expert_tp, added once after the instance's sum): the same greedy tokens as monolithic."""
+    mesh = dict(yaml.safe_load(open(TP2X2)), shared_experts="experts")
+    pipeline = {"order": "ASAS", "r1": 2, "r2": 2}
+    llm = LLM(checkpoint_dir("qwen2_moe"), dtype="float32", mesh=mesh, pipeline=pipeline, **ENGINE)
+    assert llm.executor.shared_on_experts and not llm.executor.shared_layers
     prompts = [[7, 21, 33, 5], [11, 3, 77], [9, 8, 1, 2, 60], [4, 4]]
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(prompts, greedy)]
     assert llm.executor.last_pipeline.r1 == 2
-    assert got == [o.token_ids for o in llms("mixtral").generate(prompts, greedy)]
+    assert got == [o.token_ids for o in llms("qwen2_moe").generate(prompts, greedy)]
 
 
 def test_live_rescale_refuses_tp_instances(llms):
