@@ -1,7 +1,9 @@
 """The attention side of the disaggregated runtime: jitted programs on the attention sub-mesh.
 
 Three programs, all with the batch split over attention instances (P("attn") on the row axis)
-and the parameters replicated on every attention device:
+and the parameters replicated on every attention device (but for tensor-parallel instances,
+``attention.devices_per_instance`` > 1: the attention heads' weights and KV cache split over the
+instance's devices, mesh axis "attn_tp", ``attention_tp``):
 
   embed   tokens [B, T] -> (x [B, T, D], zeros [B, T, D])
   layer   (layer params, x, y_prev, batch, layer cache, local) -> (h, xn, layer cache)
@@ -32,6 +34,10 @@ has two forms (the static ``local`` argument):
                blocks lie in its own instance's range (block-to-instance affinity: the engine's
                partitioned ``BlockManager`` + ``ModelRunner`` row placement); the executor checks
                that on the host (``DisaggregatedExecutor.is_local``) and falls back to local=False.
+
+With tensor-parallel instances both forms are a ``shard_map`` that is manual over "attn_tp" (each
+device its heads, the output projection summed over the instance: one all-reduce per layer);
+local=True is manual over "attn" too, local=False leaves the instances' rows and slots to XLA.
 """
 
 from __future__ import annotations
