@@ -219,3 +219,13 @@ def test_live_rescale_refuses_tp_instances(llms):
     with pytest.raises(RescaleError, match="devices_per_instance: 1 on both sides"):
         llm.engine.rescale(4, 4)
     assert llm.engine.rescaler.job is None and llm.executor.sub.spec == load_mesh(TP2)
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "pallas"])
+def test_expert_columns_split_with_each_expert_ffn(checkpoint_dir, llms, impl):
+    """The split FFN columns through the other expert-FFN implementations (Pallas: interpret mode on CPU)."""
+    llm = LLM(checkpoint_dir("mixtral"), dtype="float32", mesh=TP2X2, expert_impl=impl, **ENGINE)
+    assert llm.executor.expert_impl == impl
+    prompts, greedy = [[7, 21, 33, 5, 90], [11, 3, 77]], SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in llms("mixtral").generate(prompts, greedy)]
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
