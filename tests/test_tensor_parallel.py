@@ -229,3 +229,10 @@ def test_expert_columns_split_with_each_expert_ffn(checkpoint_dir, llms, impl):
     prompts, greedy = [[7, 21, 33, 5, 90], [11, 3, 77]], SamplingParams(max_tokens=6, ignore_eos=True)
     want = [o.token_ids for o in llms("mixtral").generate(prompts, greedy)]
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+
+
+def test_mesh_show_says_what_is_split():
+    text = load_mesh(TP2X2).describe()
+    assert "2 instances x 2 devices (mesh axes 'attn' x 'attn_tp'); tensor parallel: attention heads split" in text
+    assert "tensor parallel: expert FFN columns split over 'expert_tp'" in text
+    assert "tensor parallel" not in load_mesh("meshes/cpu-8.yaml").describe()
