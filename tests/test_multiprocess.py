@@ -111,7 +111,7 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text[-lines:])
 
 
-def _run_workers(tmp_path: Path, *args: str, timeout: float = TIMEOUT_S) -> list[dict]:
+def _run_workers(tmp_path: Path, *args: str, timeout: float = TIMEOUT_S, mesh: Path = MESH) -> list[dict]:
     """Run the worker as processes 0 and 1; return their JSON outputs (fail with their logs)."""
     port = _free_port()
     env = {
@@ -138,7 +138,7 @@ def _run_workers(tmp_path: Path, *args: str, timeout: float = TIMEOUT_S) -> list
                             "--port",
                             str(port),
                             "--mesh",
-                            str(MESH),
+                            str(mesh),
                             "--out",
                             str(outs[i]),
                             *args,
@@ -234,3 +234,18 @@ def test_two_processes_generate_the_same_tokens_as_one(tmp_path):
         assert p0["cross_process"][direction]["cross"] == sum(s[direction]["cross"] for s in stats.values())
         assert p0["cross_process"][direction]["cross_bytes"] == sum(s[direction]["cross_bytes"] for s in stats.values())
     assert p0["cross_process"]["fetch"]["cross"] > 0  # logits: process 0 -> process 1, every step
+
+
+def test_two_processes_with_tensor_parallel_instances(tmp_path):
+    """meshes/cpu-8-tp2x2.yaml across 2 processes: 2 attention instances x 2 devices (heads split) on
+    process 0, 2 expert instances x 2 devices (FFN columns split) on process 1; the same greedy
+    tokens as the single-process monolithic LLM, before and after ``set_placement``."""
+    from jaxmoe import LLM, SamplingParams
+    from multiprocess_worker import ENGINE, PROMPTS
+
+    p0, p1 = _run_workers(tmp_path, "--max-tokens", "6", mesh=ROOT / "meshes" / "cpu-8-tp2x2.yaml")
+    ref = LLM("tiny-random", dtype="float32", **ENGINE)
+    expected = [list(o.token_ids) for o in ref.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))]
+    assert p0["transfer"] == "CrossProcessTransfer" and (p0["attention_devices"], p0["expert_devices"]) == ([0], [1])
+    assert p0["tokens"] == p1["tokens"] == expected
+    assert p0["relaid_tokens"] == p1["relaid_tokens"] == expected
