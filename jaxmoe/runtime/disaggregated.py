@@ -349,8 +349,9 @@ class DisaggregatedExecutor:
 
     @property
     def params(self) -> dict:
-        """The parameters as laid out: attention-side ones, and per MoE layer the router and the
-        slot arrays [S, ...] (not the logical [E, ...] ones) under ``layers[i]["moe"]``."""
+        """The parameters as laid out: attention-side ones (with KV heads repeated when a tensor-parallel
+        instance has more devices than KV heads), and per MoE layer the router and the slot arrays
+        [S, ...] (not the logical [E, ...] ones) under ``layers[i]["moe"]``."""
         layers = []
         for i, layer in enumerate(self._attn_layers):
             layer = dict(layer)
