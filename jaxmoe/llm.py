@@ -125,6 +125,8 @@ class LLM:
         every that many steps (``runtime.controller.PlacementController``, JANUS Algorithm 2).
         ``brownout``: a ``BrownoutConfig`` (BrownoutServe); the model directory must hold united
         experts (``jaxmoe unite``); ``llm.executor.brownout_threshold`` may change between steps.
+        Without it, a mesh file's ``brownout:`` section turns brownout on (its start threshold and
+        mode) and, with ``salc: true``, attaches SALC (``llm.brownout_controller``).
         ``pipeline`` / ``pipeline_profile`` (with a mesh): the step's schedule, "sequential" (default),
         "pppipe", "findep" or {"order": "ASAS", "r1": 2, "r2": 4}, and the profile the solver uses
         (``build_executor``, ``jaxmoe.planning.online``).
@@ -132,6 +134,13 @@ class LLM:
         enable_persistent_cache()
         self.model = model
         self.cfg, params, self.tokenizer = load_model(model, dtype)
+        salc = None
+        if brownout is None and mesh is not None:
+            from jaxmoe.mesh import mesh_brownout
+
+            settings = mesh_brownout(mesh)
+            if settings is not None:
+                brownout, salc = settings.brownout(), settings.salc_config()
         if brownout is not None:
             from jaxmoe.brownout.united import attach
 
@@ -143,6 +152,11 @@ class LLM:
         self.engine = LLMEngine(self.cfg, executor, self.tokenizer, self.engine_config)
         keep = ("replica_policy", "aebs_impl", "interpret")  # what a rescaled executor is built with too
         self.engine.rescaler.executor_kwargs = {k: v for k, v in (executor_kwargs or {}).items() if k in keep}
+        self.brownout_controller = None
+        if salc is not None:
+            from jaxmoe.brownout.controller import BrownoutController
+
+            self.brownout_controller = BrownoutController.attach(self.engine, salc)
         self.controller = None
         if rebalance_every:
             from jaxmoe.runtime.controller import PlacementController

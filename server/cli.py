@@ -18,6 +18,7 @@ import signal
 import sys
 
 from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
+from jaxmoe.server.brownout_flags import add_brownout_args, serve_brownout
 
 
 def register(sub, add_model_args) -> None:
@@ -136,18 +137,7 @@ def register(sub, add_model_args) -> None:
         default=64 << 10,
         help="largest HTTP request head (uvicorn h11_max_incomplete_event_size; 400 above)",
     )
-    serve.add_argument(
-        "--brownout-threshold",
-        type=float,
-        default=None,
-        help="BrownoutServe: start threshold in [0, 1] (the model needs united experts: jaxmoe unite)",
-    )
-    serve.add_argument(
-        "--full-brownout", action="store_true", help="drop browned-out assignments (else united experts)"
-    )
-    serve.add_argument("--salc", action="store_true", help="SLO-aware latency control of the brownout threshold")
-    serve.add_argument("--slo-ttft-ms", type=float, default=None, help="SALC: TTFT SLO (P90)")
-    serve.add_argument("--slo-tpot-ms", type=float, default=None, help="SALC and --autoscale: TPOT SLO (P90)")
+    add_brownout_args(serve)
     serve.add_argument(
         "--autoscale",
         action="store_true",
@@ -155,13 +145,6 @@ def register(sub, add_model_args) -> None:
         "instances live (docs/scaling.md)",
     )
     serve.add_argument("--autoscale-interval", type=float, default=30.0, help="--autoscale: seconds between decisions")
-    serve.add_argument("--salc-window", type=float, default=10.0, help="SALC: seconds of the P90 window (tw)")
-    serve.add_argument("--salc-warning-factor", type=float, default=0.8)
-    serve.add_argument("--salc-increment", type=float, default=0.1)
-    serve.add_argument("--salc-shrink-ratio", type=float, default=0.8)
-    serve.add_argument(
-        "--salc-period", type=float, default=0.0, help="SALC: seconds between threshold updates (0: every step)"
-    )
     serve.add_argument(
         "--api-key",
         default=os.environ.get("JAXMOE_API_KEY"),
@@ -206,14 +189,13 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
-def cmd_serve(args) -> int:
+def build_engine(args):
+    """(the engine, the mesh description) ``jaxmoe serve`` runs with these parsed arguments: the
+    model, the mesh file, brownout and SALC (``serve_brownout``), the pipeline and the autoscaler."""
     from jaxmoe.engine.engine import EngineConfig
     from jaxmoe.engine.policies import make_policy
-    from jaxmoe.server.app import ServeOptions, load_engine
-    from jaxmoe.server.http_server import HttpLimits
-    from jaxmoe.server.security import SecurityOptions
+    from jaxmoe.server.app import load_engine
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if os.getcwd() not in sys.path:  # --policy module:Class may name a module here (as uvicorn's app dir)
         sys.path.insert(0, os.getcwd())
     policy = make_policy(args.policy)  # a bad name or module:Class fails now, before the model loads
@@ -233,32 +215,16 @@ def cmd_serve(args) -> int:
         expert_impl=args.expert_impl,
     )
     mesh_description = "monolithic: one device (no mesh file)"
+    spec = None
     if args.mesh:
         from jaxmoe.mesh import load_mesh
 
-        mesh_description = load_mesh(args.mesh).describe()
+        spec = load_mesh(args.mesh)
+        mesh_description = spec.describe()
+    settings = serve_brownout(args, spec)
     brownout = salc = None
-    if args.brownout_threshold is not None or args.full_brownout or args.salc:
-        from jaxmoe.brownout import BrownoutConfig
-        from jaxmoe.brownout.controller import SALCConfig
-
-        brownout = BrownoutConfig(
-            1.0 if args.brownout_threshold is None else args.brownout_threshold, args.full_brownout
-        )
-        if args.salc:
-            ms = lambda v: None if v is None else v / 1e3  # noqa: E731
-            salc = SALCConfig(
-                ms(args.slo_ttft_ms),
-                ms(args.slo_tpot_ms),
-                args.salc_window,
-                args.salc_warning_factor,
-                args.salc_increment,
-                args.salc_shrink_ratio,
-                args.salc_period,
-            )
-    if args.autoscale and not (args.mesh and args.slo_tpot_ms):
-        print("jaxmoe: --autoscale needs --mesh and --slo-tpot-ms", file=sys.stderr)
-        return 2
+    if settings is not None:
+        brownout, salc = settings.brownout(), settings.salc_config()
     pipeline = None
     if args.pipeline is not None:
         from jaxmoe.planning.online import parse_pipeline
@@ -279,6 +245,19 @@ def cmd_serve(args) -> int:
         from jaxmoe.scaling.autoscale import attach
 
         attach(engine, args.slo_tpot_ms / 1e3, args.autoscale_interval)
+    return engine, mesh_description
+
+
+def cmd_serve(args) -> int:
+    from jaxmoe.server.app import ServeOptions
+    from jaxmoe.server.http_server import HttpLimits
+    from jaxmoe.server.security import SecurityOptions
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.autoscale and not (args.mesh and args.slo_tpot_ms):
+        print("jaxmoe: --autoscale needs --mesh and --slo-tpot-ms", file=sys.stderr)
+        return 2
+    engine, mesh_description = build_engine(args)
     opts = ServeOptions(
         host=args.host,
         grpc_port=args.grpc_port,

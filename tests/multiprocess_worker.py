@@ -5,7 +5,9 @@ Every process runs this same script (multi-controller SPMD): it joins ``jax.dist
 meshes/cpu-8-4a4e.yaml and 4 CPU devices per process, attention on process 0 and experts on
 process 1; the executor picks ``cross_process.CrossProcessTransfer`` itself), generates for the
 prompts (greedy; sampled, seeded and unseeded; greedy again after moving expert replicas) and
-writes the tokens, expert activation counts and transfer counters as JSON.
+writes the tokens, expert activation counts and transfer counters as JSON. ``--relayout`` (with
+meshes/cpu-8-1a7e.yaml) moves replicas between the processes with ``set_placement`` and records
+tokens and logits; ``--rescale`` re-scales the engine while requests run.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
       python tests/multiprocess_worker.py --process-id 0 --num-processes 2 --port 23456 --out out0.json &
@@ -26,6 +28,30 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The mixture of experts", "Hello, world"]
 ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=4)
 SAMPLE_SEED = 1234
+# --relayout: token rows for teacher-forced logits, and the placements the experts move through
+# (meshes/cpu-8-1a7e.yaml: 7 expert instances x 4 slots, instances 0-2 on process 0, 3-6 on
+# process 1). FORCED_1A7E: experts with 2-3 replicas and unused slots; SPLIT: experts 0-3 only on
+# process 0, 4-7 only on process 1; SWAPPED: the other way round (every moved slot crosses).
+LOGIT_ROWS = [[7, 21, 33, 5, 90, 17, 64, 12, 48, 101, 9], [11, 3, 77, 29, 54]]
+LOGIT_TABLES = [[40, 5], [9, 50]]
+FORCED_1A7E = [0, 1, 2, -1, 3, 4, 5, 6, 7, 0, 1, -1, 2, 3, 4, 5, 6, 7, 0, -1, 1, 2, 3, -1, 4, 5, 6, 7]
+SPLIT_1A7E = [0, 1, 2, 3] * 3 + [4, 5, 6, 7] * 4
+SWAPPED_1A7E = [4, 5, 6, 7] * 3 + [0, 1, 2, 3] * 4
+# --rescale: from meshes/cpu-8-1a7e.yaml through these layouts (attention stays on process 0; the
+# expert side, on both processes in 1a7e, moves inside process 1 (4a4e: experts the devices of
+# process 0 held are copied over), then back onto both). Few serving shapes: each change compiles
+# them all before the swap.
+RESCALES = [(4, 4), (1, 7)]
+RESCALE_ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=2, max_prefill_chunk=16, max_batch_tokens=32)
+RESCALE_REQUESTS = 6
+
+
+def rescale_request(i: int):
+    """Request i of the --rescale load: (prompt token ids, max_tokens), both from the seed i."""
+    import numpy as np
+
+    rng = np.random.default_rng(i)
+    return [int(t) for t in rng.integers(3, 250, size=int(rng.integers(3, 30)))], 6 + (i * 7) % 17
 
 
 def main(argv=None) -> int:
@@ -51,6 +77,18 @@ def main(argv=None) -> int:
         help="with --probe: enable jax's experimental DCN cross-host device_put, this "
         "process listening on 127.0.0.1:DCN_PORT",
     )
+    ap.add_argument(
+        "--relayout",
+        action="store_true",
+        help="greedy tokens and logits before and after set_placement moves replicas between the "
+        "processes (use with meshes/cpu-8-1a7e.yaml: the expert side spans both)",
+    )
+    ap.add_argument(
+        "--rescale",
+        action="store_true",
+        help="live re-scaling under a bounded load: the layout changes RESCALES times while requests "
+        "run (use with meshes/cpu-8-1a7e.yaml)",
+    )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -75,7 +113,16 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps(probe(jax, args.mesh), indent=1))
         jax.distributed.shutdown()
         return 0
+    if args.rescale:
+        llm = LLM(args.model, dtype="float32", mesh=args.mesh, **RESCALE_ENGINE)
+        Path(args.out).write_text(json.dumps(rescale(jax, llm), indent=1))
+        jax.distributed.shutdown()
+        return 0
     llm = LLM(args.model, dtype="float32", mesh=args.mesh, **ENGINE)
+    if args.relayout:
+        Path(args.out).write_text(json.dumps(relayout(jax, llm, args), indent=1))
+        jax.distributed.shutdown()
+        return 0
     ex = llm.executor
     t_built = time.perf_counter()
     prompts = json.loads(args.prompts)
@@ -120,6 +167,159 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=1))
     jax.distributed.shutdown()
     return 0
+
+
+def logits(llm) -> list[list[float]]:
+    """Prefill logits of LOGIT_ROWS at their last tokens (teacher-forced, no sampling)."""
+    from jaxmoe.engine.model_runner import Row
+
+    rows = [Row(p, 0, t) for p, t in zip(LOGIT_ROWS, LOGIT_TABLES)]
+    return [[float(v) for v in row] for row in llm.engine.runner.forward(rows)]
+
+
+def relayout(jax, llm, args) -> dict:
+    """Greedy tokens and logits before and after two ``set_placement`` calls that move replicas
+    between the processes (the expert sub-mesh spans both), the slots moved, the collective
+    rounds and rows, and a check of this process' slot shards against the logical weights."""
+    import numpy as np
+
+    from jaxmoe import SamplingParams
+    from jaxmoe.llm import load_model
+    from jaxmoe.runtime.slot_moves import mover_for
+
+    ex = llm.executor
+    prompts = json.loads(args.prompts)
+    greedy = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    ref = load_model(args.model, dtype="float32")[1]
+    mover = mover_for(ex.sub)
+
+    def slots_ok() -> tuple[bool, int]:
+        """Every slot row this process holds == the logical weights of its expert (zeros if unused)."""
+        ok, checked = True, 0
+        for i in ex.moe_layers:
+            placement = ex.placement(i)
+            for k in ("w_gate", "w_up", "w_down"):
+                want = np.asarray(ref["layers"][i]["moe"][k])
+                for shard in ex.params["layers"][i]["moe"][k].addressable_shards:
+                    data, first = np.asarray(shard.data), shard.index[0].start or 0
+                    for r in range(data.shape[0]):
+                        e = placement[first + r]
+                        ok &= bool(np.array_equal(data[r], want[e] if e >= 0 else np.zeros_like(want[0])))
+                        checked += 1
+        return ok, checked
+
+    out: dict = {
+        "process_id": jax.process_index(),
+        "expert_processes": sorted({d.process_index for d in ex.sub.experts.devices.flat}),
+        "transfer": type(ex.transfer).__name__,
+        "phases": [],
+    }
+    placements = [("start", None), ("forced", FORCED_1A7E), ("split", SPLIT_1A7E), ("swapped", SWAPPED_1A7E)]
+    for name, placement in placements:
+        t = time.perf_counter()
+        moved = ex.set_placement(placement) if placement is not None else 0
+        seconds = time.perf_counter() - t
+        ok, checked = slots_ok()
+        outs = llm.generate(prompts, greedy)
+        out["phases"].append(
+            {
+                "name": name,
+                "placement": ex.placement(),
+                "moved": moved,
+                "seconds": seconds,
+                "rows_moved": mover.rows_moved,
+                "rows_across_processes": mover.rows_across_processes,
+                "collectives": mover.collectives,
+                "slots_ok": ok,
+                "slots_checked": checked,
+                "tokens": [list(o.token_ids) for o in outs],
+                "logits": logits(llm),
+            }
+        )
+    # the placement controller (JANUS Algorithm 2) as a step hook: it reads the co-activation
+    # counters (a collective) and calls set_placement every 3 steps, on every process alike
+    from jaxmoe.runtime.controller import PlacementController
+
+    controller = PlacementController.attach(llm.engine, 3)
+    outs = llm.generate(prompts, greedy)
+    llm.engine.step_hooks.remove(controller)
+    out["controller"] = {
+        "tokens": [list(o.token_ids) for o in outs],
+        "rebalances": len(controller.history),
+        "slots_moved": sum(r.slots_moved for r in controller.history),
+        "placements": [ex.placement(i) for i in ex.moe_layers],
+        "rows_across_processes": mover.rows_across_processes,
+    }
+    return out
+
+
+def rescale(jax, llm) -> dict:
+    """The engine re-scaled RESCALES times while requests run (every process calls ``rescale`` at
+    the same step: the build runs inline, then the swap at the next step boundary). Returns the
+    final tokens per request, each change's ``RescaleResult``, the layouts and the free KV blocks."""
+    from jaxmoe import SamplingParams
+    from jaxmoe.runtime.slot_moves import mover_for
+
+    engine = llm.engine
+    final, added, results, layouts, crossed = {}, [], [], [], []
+
+    def add(i):
+        prompt, max_tokens = rescale_request(i)
+        added.append(engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), "be", f"r{i}"))
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+
+    from jaxmoe.engine.rescale import RescaleError
+
+    try:  # 5a3e: attention devices 0-4 would span both processes: refused, nothing changes
+        engine.rescale(5, 3)
+        refused = None
+    except RescaleError as e:
+        refused = str(e)
+    for i in range(3):
+        add(i)
+    for attention, experts in RESCALES:
+        for _ in range(2):
+            step()
+        if len(added) < RESCALE_REQUESTS:
+            add(len(added))
+        t = time.perf_counter()
+        print(f"rescale to {attention}a{experts}e: building", flush=True)
+        job = engine.rescale(attention, experts)
+        print(f"rescale to {attention}a{experts}e: built in {time.perf_counter() - t:.1f} s", flush=True)
+        for _ in range(100):  # bounded: the swap happens before the next step
+            if job.done():
+                break
+            step() if engine.has_work() else engine.apply_rescale()
+        results.append(job.result(timeout=0).as_dict())
+        print(f"rescale to {attention}a{experts}e: serving", flush=True)
+        ex = llm.executor
+        layouts.append(
+            [ex.num_attention, ex.num_expert_instances, sorted({d.process_index for d in ex.sub.experts.devices.flat})]
+        )
+        crossed.append(mover_for(ex.sub).rows_across_processes)
+        if len(added) < RESCALE_REQUESTS:
+            add(len(added))
+    for _ in range(2000):  # bounded
+        if not engine.has_work():
+            break
+        step()
+    bm = engine.block_manager
+    return {
+        "process_id": jax.process_index(),
+        "added": added,
+        "tokens": {rid: list(o.token_ids) for rid, o in final.items()},
+        "errors": {rid: o.error for rid, o in final.items() if o.error is not None},
+        "finish": {rid: o.finish_reason for rid, o in final.items()},
+        "results": results,
+        "layouts": layouts,
+        "rows_across_processes": crossed,
+        "blocks_free": [bm.num_free, bm.num_blocks],
+        "refused": refused,
+    }
 
 
 def probe(jax, mesh_file: str) -> dict:

@@ -163,3 +163,168 @@ def test_activated_experts_are_exported(llms):
     united = sum(u for _, u in used.values())
     assert united > 0 and f'jaxmoe_activated_experts{{kind="united"}} {float(united)}' in text
     assert f'jaxmoe_activated_experts{{kind="original"}} {float(sum(o for o, _ in used.values()))}' in text
+
+
+# United experts in the replica placement: logical experts E + u on the 2a6e layout (6 instances x
+# (4 + ceil(4 / 6)) = 30 slots for 8 originals + 4 united experts). United expert 8 has 4 replicas,
+# 9 has 3; slots -1 are unused.
+REPLICATED_UNITED = [
+    *[0, 1, 8, 9, -1],
+    *[2, 3, 8, 10, -1],
+    *[4, 5, 8, 11, -1],
+    *[6, 7, 9, 10, 11],
+    *[0, 2, 4, 6, 8],
+    *[1, 3, 5, 7, 9],
+]
+
+
+@pytest.fixture(scope="module")
+def replicated(united):
+    """full -> LLM on 2a6e whose placement replicates united experts (REPLICATED_UNITED)."""
+    made = {}
+
+    def get(full=False):
+        if full not in made:
+            made[full] = LLM(
+                united,
+                dtype="float32",
+                mesh=LAYOUTS[0],
+                brownout=BrownoutConfig(1.0, use_full_brownout=full),
+                executor_kwargs={"placement": REPLICATED_UNITED},
+                **ENGINE,
+            )
+        return made[full]
+
+    return get
+
+
+def test_united_experts_are_logical_experts_of_the_placement(llms):
+    """The default placement over E + U logical experts: every united expert has a slot, spare slots
+    hold replicas of originals and united experts alike."""
+    ex = llms(LAYOUTS[0]).executor
+    E = ex.cfg.moe.num_experts
+    assert ex.slots_per_instance == 4 + 1  # the mesh file's 4, + ceil(4 united / 6 instances)
+    placement = ex.placement()
+    assert len(placement) == 6 * 5 and set(placement) == set(range(E + 4))
+    assert [placement.count(E + u) for u in range(4)] == [2, 2, 2, 2]  # default_placement's spare slots
+
+
+@pytest.mark.parametrize("threshold,full", [(0.0, True), (0.5, False), (0.0, False)])
+def test_replicated_united_experts_give_the_monolithic_tokens(llms, replicated, threshold, full):
+    ex = replicated(full).executor
+    E = ex.cfg.moe.num_experts
+    assert ex.placement() == REPLICATED_UNITED
+    assert len(ex.expert_side.layouts[ex.moe_layers[0]].replicas(E)) == 4  # united expert 0 (E + 0): 4 replicas
+    assert _greedy(replicated(full), threshold) == _greedy(llms(None, full), threshold)
+
+
+def _observed_step(llm, threshold):
+    """One forward of PROMPTS at ``threshold``: (what A2E delivered per layer, the batch)."""
+    ex = llm.executor
+    ex.brownout_threshold = threshold
+    sent = {}
+
+    def observe(phase, layer, out):
+        if phase == "a2e":
+            sent[layer] = np.asarray(out)
+
+    rows = [Row(p, 0, [i]) for i, p in enumerate(PROMPTS)]
+    tokens, batch, last, _ = llm.engine.runner.prepare(rows)
+    ex.observer = observe
+    try:
+        ex.forward(tokens, batch, last)
+    finally:
+        ex.observer = None
+    return sent, batch
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.4])
+def test_aebs_chooses_among_the_united_replicas(replicated, threshold):
+    """The activated replicas per instance equal AEBS (the jnp reference) run on a direct reading of
+    Algorithm 1: the kept originals, then the united experts E + u (one choice per token and united
+    expert), over the placement's replica table."""
+    import jax.numpy as jnp
+
+    from jaxmoe.pallas_kernels.aebs.api import schedule
+
+    llm = replicated()
+    ex = llm.executor
+    sent, batch = _observed_step(llm, threshold)
+    got = ex.expert_side.activated_per_instance()
+    E = ex.cfg.moe.num_experts
+    for i in ex.moe_layers:
+        moe = ex.params["layers"][i]["moe"]
+        xe = sent[i]
+        ids = np.asarray(route(moe, ex.cfg.moe, xe.reshape(-1, xe.shape[-1]))[0])
+        valid = np.zeros(xe.shape[:2], bool)
+        valid[: batch.slots.shape[0]] = batch.slots >= 0
+        valid = valid.reshape(-1)
+        orig, uni = split_reference(ids, valid, np.asarray(moe["united_groups"]), threshold, False)
+        orig, uni = np.where(valid[:, None], orig, -1), np.where(valid[:, None], uni, -1)
+        for t in range(len(uni)):  # two choices of one group: one united-expert choice
+            for j in range(uni.shape[1]):
+                if uni[t, j] >= 0 and uni[t, j] in uni[t, :j]:
+                    uni[t, j] = -1
+        logical = np.concatenate([orig, np.where(uni >= 0, uni + E, -1)], axis=1)
+        layout = ex.expert_side.layouts[i]
+        phys, want = schedule(
+            jnp.asarray(logical), layout.replica_table(), layout.replica_instance(), 6, policy="aebs", impl="reference"
+        )
+        assert got[i] == [int(v) for v in want]
+        assert sum(got[i]) == sum(ex.activated_experts()[i])  # each logical expert runs on one replica
+        on_united = {int(s) for s in np.asarray(phys).ravel() if s >= 0 and REPLICATED_UNITED[s] >= E}
+        assert on_united and all(REPLICATED_UNITED[s] >= E for s in on_united)
+    ex.brownout_threshold = 1.0
+
+
+def test_brownout_lowers_the_activated_experts_per_instance(replicated):
+    """Distinct experts (original + united) and the replicas the instances run, summed over layers,
+    fall as the threshold goes down."""
+    ex = replicated().executor
+    totals, per_instance, busiest = [], [], []
+    for threshold in (1.0, 0.6, 0.3, 0.0):
+        _observed_step(replicated(), threshold)
+        totals.append(sum(o + u for o, u in ex.activated_experts().values()))
+        loads = ex.expert_side.activated_per_instance().values()
+        per_instance.append(sum(sum(v) for v in loads))
+        busiest.append(max(max(v) for v in loads))
+    ex.brownout_threshold = 1.0
+    assert totals == per_instance
+    assert all(a >= b for a, b in zip(totals, totals[1:])) and totals[-1] < totals[0]
+    assert busiest[-1] < busiest[0]  # the busiest instance runs fewer replicas (this model: 2 -> 1)
+
+
+def test_the_placement_controller_replicates_hot_united_experts(united, llms):
+    """At threshold 0 the united experts carry the load: a rebalance from the measured counts gives
+    the busiest united expert more replicas than any original, and the tokens stay the monolithic ones."""
+    from jaxmoe.runtime.controller import PlacementController
+
+    llm = LLM(united, dtype="float32", mesh=LAYOUTS[0], brownout=BrownoutConfig(0.0), **ENGINE)
+    ex = llm.executor
+    E = ex.cfg.moe.num_experts
+    controller = PlacementController(ex)
+    want = _greedy(llms(None), 0.0)
+    assert _greedy(llm, 0.0) == want
+    counts = np.diagonal(ex.expert_coactivation()[0])
+    assert counts.shape == (E + 4,) and counts[E:].sum() > 0
+    assert controller.rebalance() is not None
+    placement = ex.placement()
+    reps = [placement.count(e) for e in range(E + 4)]
+    hot = E + int(np.argmax(counts[E:]))
+    assert reps[hot] > max(reps[:E]) and reps[hot] >= 2
+    assert _greedy(llm, 0.0) == want
+
+
+@pytest.mark.slow  # the rescale compiles the new layout's programs (tens of seconds on 2 cores)
+def test_live_rescale_keeps_brownout_and_the_united_experts(united, llms):
+    """Re-scaling 2a6e -> 2a4e moves originals and united experts alike (4 + ceil(4 / 4) slots per
+    instance on the new layout); the threshold SALC left is kept; the tokens stay the monolithic ones."""
+    small = dict(ENGINE, max_prefill_chunk=16, max_batch_tokens=32)  # few shapes for the rescale to warm up
+    llm = LLM(united, dtype="float32", mesh=LAYOUTS[0], brownout=BrownoutConfig(1.0), **small)
+    llm.executor.brownout_threshold = 0.5
+    result = llm.rescale(2, 4)
+    ex = llm.executor
+    assert (ex.num_expert_instances, ex.slots_per_instance, ex.brownout_threshold) == (4, 5, 0.5)
+    assert set(ex.placement()) - {-1} == set(range(ex.cfg.moe.num_experts + 4))
+    assert result is not None
+    assert _greedy(llm, 0.5) == _greedy(llms(None), 0.5)

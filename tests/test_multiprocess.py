@@ -10,6 +10,9 @@
   on both processes: greedy tokens equal to the single-process monolithic ``LLM("tiny-random")``'s,
   sampled tokens (seeded and unseeded) equal on both processes, expert activation counts
   identical on both, and the same greedy tokens after ``set_placement`` moves replicas.
+* meshes/cpu-8-1a7e.yaml on two processes (expert instances on both): ``set_placement`` moves
+  replicas between the processes (``runtime.slot_moves``) with tokens and logits unchanged, and live
+  re-scaling (1a7e -> 4a4e -> 1a7e) under a bounded load re-shards the experts across them.
 
 Each subprocess pair runs under a deadline and is killed (SIGKILL: jax's preemption notifier
 catches SIGTERM) on timeout or as soon as one of them fails (the other would wait on it).
@@ -39,6 +42,7 @@ from test_transfer import LAYOUTS, _inputs
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
 MESH = ROOT / "meshes" / "cpu-8-4a4e.yaml"
+MESH_1A7E = ROOT / "meshes" / "cpu-8-1a7e.yaml"  # expert instances on both processes
 TIMEOUT_S = 240
 MAX_TOKENS = 12
 
@@ -234,6 +238,119 @@ def test_two_processes_generate_the_same_tokens_as_one(tmp_path):
         assert p0["cross_process"][direction]["cross"] == sum(s[direction]["cross"] for s in stats.values())
         assert p0["cross_process"][direction]["cross_bytes"] == sum(s[direction]["cross_bytes"] for s in stats.values())
     assert p0["cross_process"]["fetch"]["cross"] > 0  # logits: process 0 -> process 1, every step
+
+
+def _moved_slots(old: list[int], new: list[int], C: int) -> int:
+    """Slots of ``new`` that must be copied from another instance: a new expert in the slot and no
+    replica of it on the slot's instance in ``old``."""
+    return sum(
+        1
+        for s, e in enumerate(new)
+        if e >= 0 and old[s] != e and all(h // C != s // C for h, x in enumerate(old) if x == e)
+    )
+
+
+def test_set_placement_moves_replicas_between_processes(tmp_path):
+    """meshes/cpu-8-1a7e.yaml on 2 processes: expert instances 0-2 on process 0, 3-6 on process 1.
+    Three set_placement calls move replicas between the processes (ppermute rounds, ``slot_moves``);
+    greedy tokens and logits stay those before the move and those of the monolithic executor; then
+    the placement controller re-places replicas between steps on both processes alike."""
+    from jaxmoe import LLM, SamplingParams
+    from multiprocess_worker import ENGINE, PROMPTS, logits
+
+    results = _run_workers(tmp_path, "--relayout", "--max-tokens", str(MAX_TOKENS), mesh=MESH_1A7E)
+    ref = LLM("tiny-random", dtype="float32", **ENGINE)
+    expected = [
+        list(o.token_ids) for o in ref.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    ]
+    ref_logits = np.asarray(logits(ref))
+
+    p0, p1 = results
+    assert p0["expert_processes"] == p1["expert_processes"] == [0, 1]
+    assert p0["transfer"] == "CrossProcessTransfer"
+    C, tp, layers = 4, 1, ref.cfg.num_moe_layers
+    for a, b in zip(p0["phases"], p1["phases"]):
+        assert a["name"] == b["name"] and a["placement"] == b["placement"] and a["moved"] == b["moved"]
+        assert a["tokens"] == b["tokens"] == expected, a["name"]
+        for got in (a["logits"], b["logits"]):
+            err = np.abs(np.asarray(got) - ref_logits).max() / np.abs(ref_logits).max()
+            assert err < 1e-5, (a["name"], err)
+        assert a["slots_ok"] and b["slots_ok"], a["name"]  # each process checked the rows it holds
+        assert a["slots_checked"] + b["slots_checked"] == layers * 3 * 28  # 3 arrays, 28 slots
+        assert a["rows_moved"] == b["rows_moved"] and a["collectives"] == b["collectives"]
+    phases = p0["phases"]
+    assert [p["name"] for p in phases] == ["start", "forced", "split", "swapped"]
+    start = phases[0]
+    for prev, cur in zip(phases, phases[1:]):
+        want = _moved_slots(prev["placement"], cur["placement"], C)
+        assert cur["moved"] == want * layers > 0  # the same placement in every MoE layer
+        # the collective path ran (the expert side spans processes) and copied only the moved slots
+        assert cur["rows_moved"] - prev["rows_moved"] == cur["moved"] * tp
+        assert cur["collectives"] > prev["collectives"]
+    assert start["rows_moved"] == start["collectives"] == 0
+    # copies between the processes: moved slots with no old replica on the slot's own process (the
+    # source rule prefers the same instance, then the same node); instances 0-2 are on process 0
+    node = [0 if j < 3 else 1 for j in range(7)]
+    crossed = []
+    for prev, cur in zip(phases, phases[1:]):
+        old, new = prev["placement"], cur["placement"]
+        want = sum(
+            1
+            for s, e in enumerate(new)
+            if e >= 0 and old[s] != e and all(node[h // C] != node[s // C] for h, x in enumerate(old) if x == e)
+        )
+        crossed.append(cur["rows_across_processes"] - prev["rows_across_processes"])
+        assert crossed[-1] == want * layers
+    # forced: 4 slots per layer need an expert only the other process has (e.g. expert 3 for slot 4);
+    # split: every expert is on both processes before, nothing crosses; swapped: all 28 slots cross
+    assert crossed == [4 * layers, 0, 28 * layers]
+    # the placement controller re-placed replicas between steps on both processes alike
+    c0, c1 = p0["controller"], p1["controller"]
+    assert c0 == c1 and c0["tokens"] == expected
+    assert c0["rebalances"] >= 2 and c0["slots_moved"] > 0
+
+
+@pytest.mark.slow
+def test_live_rescale_across_processes(tmp_path):
+    """meshes/cpu-8-1a7e.yaml on 2 processes, re-scaled 1a7e -> 4a4e -> 1a7e while requests run: the
+    expert re-shard moves replicas between the processes (``slot_moves``), the attention side stays
+    on process 0. No request fails, every greedy output equals its standalone output on the
+    single-process monolithic executor, all KV blocks are free at the end. (2-3 minutes on 2 busy
+    cores: each change compiles the new layout's step programs before the swap.)"""
+    from jaxmoe import LLM, SamplingParams
+    from multiprocess_worker import RESCALE_ENGINE, RESCALES, rescale_request
+
+    p0, p1 = _run_workers(tmp_path, "--rescale", mesh=MESH_1A7E)
+    assert p0["added"] == p1["added"] and len(p0["added"]) >= 5
+    for p in (p0, p1):  # attention on devices 0-4 would span the processes: a clear error first
+        assert "needs the attention side, before and after, inside one process" in p["refused"]
+        assert "processes [0, 1]" in p["refused"]
+    assert p0["tokens"] == p1["tokens"] and sorted(p0["tokens"]) == sorted(p0["added"])
+    assert p0["errors"] == p1["errors"] == {} and set(p0["finish"].values()) == {"length"}
+    mono = LLM("tiny-random", dtype="float32", **RESCALE_ENGINE)
+    for rid in p0["added"]:
+        prompt, max_tokens = rescale_request(int(rid[1:]))
+        want = mono.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+        assert p0["tokens"][rid] == list(want), rid
+    for p in (p0, p1):
+        assert p["blocks_free"][0] == p["blocks_free"][1]
+        assert [lay[:2] for lay in p["layouts"]] == [list(c) for c in RESCALES]
+    assert [lay[2] for lay in p0["layouts"]] == [[1], [0, 1]]  # the expert side's processes
+    for a, b in zip(p0["results"], p1["results"]):
+        for key in ("attention", "experts", "kv_blocks_moved", "expert_slots_local", "expert_slots_copied"):
+            assert a[key] == b[key], key
+        assert a["expert_slots_local"] > 0 and a["expert_slots_copied"] > 0
+        assert a["build_s"] > 0 and a["swap_s"] > 0
+    assert any(r["kv_blocks_moved"] > 0 for r in p0["results"])
+    # 1a7e -> 4a4e: experts only devices 1-3 (process 0) held go to process 1; 4a4e -> 1a7e: devices
+    # 1-3 get experts (and the router) only process 1 holds
+    assert all(n > 0 for n in p0["rows_across_processes"])
+    print(
+        [
+            {k: r[k] for k in ("previous", "build_s", "swap_s", "stall_ratio", "expert_slots_copied")}
+            for r in p0["results"]
+        ]
+    )
 
 
 def test_two_processes_with_tensor_parallel_instances(tmp_path):

@@ -1,4 +1,6 @@
-"""What brownout does, as the user sets it: ``BrownoutConfig(threshold, use_full_brownout)``."""
+"""What brownout does, as the user sets it: ``BrownoutConfig(threshold, use_full_brownout)``, the SALC
+parameters (``SALCConfig``) with their ranges (``check_salc``), and ``BrownoutSettings``: both as a
+server runs them, from the mesh file's ``brownout:`` section and ``jaxmoe serve`` flags."""
 
 from __future__ import annotations
 
@@ -34,3 +36,109 @@ def check_threshold(value) -> float:
     ):
         raise BrownoutError(f"brownout threshold must be a number in [0, 1], got {value!r}")
     return float(value)
+
+
+RANGES = {
+    "slo": ("> 0", lambda v: v > 0),
+    "slo_ttft_s": ("> 0 seconds", lambda v: v > 0),
+    "slo_tpot_s": ("> 0 seconds", lambda v: v > 0),
+    "slo_ttft_ms": ("> 0 milliseconds", lambda v: v > 0),
+    "slo_tpot_ms": ("> 0 milliseconds", lambda v: v > 0),
+    "window": ("> 0 seconds", lambda v: v > 0),
+    "period": (">= 0 seconds", lambda v: v >= 0),
+    "warning_factor": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "increment": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "shrink_ratio": ("in (0, 1)", lambda v: 0 < v < 1),
+}
+
+
+def check_salc(**values) -> None:
+    """Each SALC parameter (``RANGES``) a finite number in its range, else a ``BrownoutError``
+    naming the parameter, its range and the value."""
+    for name, value in values.items():
+        what, ok = RANGES[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            raise BrownoutError(f"SALC {name} must be {what}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SALCConfig:
+    """SALC (Algorithm 2) per phase: an SLO (P90 seconds) for TTFT and / or TPOT, the P90 window
+    ``tw`` and the paper's warning factor, increment and shrink ratio."""
+
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    window_s: float = 10.0  # tw
+    warning_factor: float = 0.8
+    increment: float = 0.1
+    shrink_ratio: float = 0.8
+    period_s: float = 0.0  # run Algorithm 2 at most this often (0: after every step); samples every step
+
+    def __post_init__(self):
+        if self.slo_ttft_s is None and self.slo_tpot_s is None:
+            raise BrownoutError("SALC needs an SLO: slo_ttft_s and/or slo_tpot_s")
+        for name, value in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
+            if value is not None:
+                check_salc(**{name: value})
+        check_salc(
+            window=self.window_s,
+            warning_factor=self.warning_factor,
+            increment=self.increment,
+            shrink_ratio=self.shrink_ratio,
+            period=self.period_s,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BrownoutSettings:
+    """Brownout as a server runs it: the executor's start threshold and mode, and whether SALC moves
+    the threshold (with its parameters). The mesh file's ``brownout:`` section gives one
+    (``jaxmoe.mesh_file``); ``jaxmoe serve`` flags override its fields (``replace``)."""
+
+    threshold: float = 1.0
+    use_full_brownout: bool = False
+    salc: bool = False
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    window_s: float = 10.0
+    warning_factor: float = 0.8
+    increment: float = 0.1
+    shrink_ratio: float = 0.8
+    period_s: float = 0.0
+
+    def __post_init__(self):
+        self.brownout()
+        if not isinstance(self.salc, bool):
+            raise BrownoutError(f"salc must be true or false, got {self.salc!r}")
+        for name, value in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
+            if value is not None:
+                check_salc(**{name: value})
+        check_salc(
+            window=self.window_s,
+            warning_factor=self.warning_factor,
+            increment=self.increment,
+            shrink_ratio=self.shrink_ratio,
+            period=self.period_s,
+        )
+        self.salc_config()  # with salc on: an SLO is needed
+
+    def brownout(self) -> BrownoutConfig:
+        return BrownoutConfig(self.threshold, self.use_full_brownout)
+
+    def salc_config(self) -> SALCConfig | None:
+        """The SALC parameters when ``salc`` is on, else None."""
+        if not self.salc:
+            return None
+        return SALCConfig(
+            self.slo_ttft_s,
+            self.slo_tpot_s,
+            self.window_s,
+            self.warning_factor,
+            self.increment,
+            self.shrink_ratio,
+            self.period_s,
+        )
+
+    def replace(self, **overrides) -> BrownoutSettings:
+        """These settings with the fields of ``overrides`` that are not None replaced (flags given)."""
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})

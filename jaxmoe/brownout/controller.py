@@ -9,37 +9,11 @@ export (``jaxmoe_brownout_threshold``, the P90s).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
-from jaxmoe.brownout.config import BrownoutError
-from jaxmoe.brownout.salc import SALC, SLOAnalyzer, check_salc
+from jaxmoe.brownout.config import BrownoutError, SALCConfig
+from jaxmoe.brownout.salc import SALC, SLOAnalyzer
 from jaxmoe.runtime.executor import BrownoutCapable
-
-
-@dataclasses.dataclass(frozen=True)
-class SALCConfig:
-    slo_ttft_s: float | None = None
-    slo_tpot_s: float | None = None
-    window_s: float = 10.0  # tw
-    warning_factor: float = 0.8
-    increment: float = 0.1
-    shrink_ratio: float = 0.8
-    period_s: float = 0.0  # run Algorithm 2 at most this often (0: after every step); samples every step
-
-    def __post_init__(self):
-        if self.slo_ttft_s is None and self.slo_tpot_s is None:
-            raise BrownoutError("SALC needs an SLO: slo_ttft_s and/or slo_tpot_s")
-        for name, value in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
-            if value is not None:
-                check_salc(**{name: value})
-        check_salc(
-            window=self.window_s,
-            warning_factor=self.warning_factor,
-            increment=self.increment,
-            shrink_ratio=self.shrink_ratio,
-            period=self.period_s,
-        )
 
 
 class BrownoutController:

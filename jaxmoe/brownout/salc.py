@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 
 import numpy as np
 
-from jaxmoe.brownout.config import BrownoutError, check_threshold
+from jaxmoe.brownout.config import BrownoutError, check_salc, check_threshold
 
 PHASES = ("ttft", "tpot")
 
@@ -40,27 +39,6 @@ class SLOAnalyzer:
         while q and q[0][0] < now - self.window_s:
             q.popleft()
         return float(np.percentile([v for _, v in q], 90)) if q else None
-
-
-RANGES = {
-    "slo": ("> 0", lambda v: v > 0),
-    "slo_ttft_s": ("> 0 seconds", lambda v: v > 0),
-    "slo_tpot_s": ("> 0 seconds", lambda v: v > 0),
-    "window": ("> 0 seconds", lambda v: v > 0),
-    "period": (">= 0 seconds", lambda v: v >= 0),
-    "warning_factor": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "increment": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "shrink_ratio": ("in (0, 1)", lambda v: 0 < v < 1),
-}
-
-
-def check_salc(**values) -> None:
-    """Each SALC parameter (``RANGES``) a finite number in its range, else a ``BrownoutError``
-    naming the parameter, its range and the value."""
-    for name, value in values.items():
-        what, ok = RANGES[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
-            raise BrownoutError(f"SALC {name} must be {what}, got {value!r}")
 
 
 @dataclasses.dataclass

@@ -17,6 +17,13 @@ the value; nothing changes) and returns a ``RescaleJob``. Then:
 3. **Measured**: the swap time plus the first step on the new layout against a normal step (the
    median of the recent steps that ran the model before the rescale started) is the stall (``RescaleResult``); the job is
    done when the new layout has served a step (at once when idle).
+
+Under ``jax.distributed`` (one process per host) every process must call ``rescale`` at the same
+point of the same request stream: the build then runs in the calling thread, between steps (a
+background build's collectives would interleave with the steps' differently on each process), so it
+is a stop-the-world pause that the stall includes; the swap follows at the next step boundary on
+every process. The expert side may span processes; the attention side must stay inside one
+(``runtime.rescale.check_processes``).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from jaxmoe.engine.model_runner import ModelRunner
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import MeshConfigError
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
-from jaxmoe.runtime.rescale import MoveStats, build_rescaled, move_kv, rescaled_spec
+from jaxmoe.runtime.rescale import MoveStats, build_rescaled, check_processes, move_kv, rescaled_spec
 
 
 class RescaleError(ValueError):
@@ -64,7 +71,7 @@ class RescaleResult:
     swap_s: float  # at the step boundary: KV blocks moved, executor swapped
     first_step_s: float | None  # the first step on the new layout (None: the engine was idle)
     normal_step_s: float | None  # median of the recent steps before the rescale started (None: none ran)
-    stall_ratio: float | None  # (swap_s + first_step_s) / normal_step_s
+    stall_ratio: float | None  # (swap_s + first_step_s) / normal_step_s (+ build_s under jax.distributed)
     kv_blocks_moved: int
     sequences_recomputed: int
     expert_slots_local: int  # new slots whose expert the device already held (no copy)
@@ -91,6 +98,7 @@ class RescaleJob:
         self.recomputed = 0
         self.normal_step_s: float | None = None
         self.previous = ""
+        self.inline = False  # built in the caller's thread, between steps (jax.distributed)
 
     @property
     def target(self) -> str:
@@ -125,8 +133,11 @@ class Rescaler:
         self.engine = engine
         self.executor_kwargs: dict = {}  # for the new executors (replica_policy, aebs_impl, interpret)
         ex = engine.runner.executor
-        # expert slots a device's memory holds: the launch layout's (CPU devices report no memory limit)
-        self.max_slots_per_instance = ex.slots_per_instance if isinstance(ex, DisaggregatedExecutor) else None
+        # expert slots a device's memory holds: the launch layout's mesh-file C (CPU devices report no memory
+        # limit; with brownout the united experts' ceil(U / N) slots per instance come on top)
+        self.max_slots_per_instance = (
+            ex.sub.spec.experts.slots_per_instance if isinstance(ex, DisaggregatedExecutor) else None
+        )
         self.job: RescaleJob | None = None
         self.history: list[RescaleResult] = []
         self._step_times: collections.deque[float] = collections.deque(maxlen=32)
@@ -139,6 +150,7 @@ class Rescaler:
             raise RescaleError("rescale needs the disaggregated executor (start the engine with a mesh file)")
         try:
             spec = rescaled_spec(ex.sub.spec, attention, experts, slots_per_instance)
+            check_processes(ex.sub, spec, ex.expert_side.brownout is not None)
         except MeshConfigError as e:
             raise RescaleError(str(e)) from None
         C, E = spec.experts.slots_per_instance, ex.cfg.moe.num_experts
@@ -150,7 +162,11 @@ class Rescaler:
                 f"experts={experts}: {E} experts need {math.ceil(E / experts)} slots per instance, "
                 f"memory holds {C} (experts x slots_per_instance = {experts * C} < {E})"
             )
-        if (attention, experts, C) == (ex.num_attention, ex.num_expert_instances, ex.slots_per_instance):
+        if (attention, experts, C) == (
+            ex.num_attention,
+            ex.num_expert_instances,
+            ex.sub.spec.experts.slots_per_instance,
+        ):
             raise RescaleError(f"the engine already runs {attention}a{experts}e with {C} slots per instance")
         self._check_fits(self._kv_layout(attention))
         with self._lock:
@@ -163,7 +179,13 @@ class Rescaler:
         job.previous = f"{ex.num_attention}a{ex.num_expert_instances}e"
         # the baseline: steps before the build (those during it compete with it for the host)
         job.normal_step_s = statistics.median(self._step_times) if self._step_times else None
-        threading.Thread(target=self._build, args=(job, ex, spec), name="jaxmoe-rescale", daemon=True).start()
+        if jax.process_count() > 1:
+            # multi-controller: every process must launch the same collectives in the same order, so
+            # the build runs here, between steps (stop-the-world), not beside the steps in a thread
+            job.inline = True
+            self._build(job, ex, spec)
+        else:
+            threading.Thread(target=self._build, args=(job, ex, spec), name="jaxmoe-rescale", daemon=True).start()
         return job
 
     def _kv_layout(self, attention: int) -> KVLayout:
@@ -253,7 +275,8 @@ class Rescaler:
 
     def _finish(self, job: RescaleJob, first_step_s: float | None) -> None:
         normal = job.normal_step_s
-        stall = None if first_step_s is None or not normal else (job.swap_s + first_step_s) / normal
+        paused = job.swap_s + (job.build_s if job.inline else 0.0)  # an inline build also stopped serving
+        stall = None if first_step_s is None or not normal else (paused + first_step_s) / normal
         s = job.stats
         job._result = RescaleResult(
             job.attention,

@@ -59,7 +59,7 @@ from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
-from jaxmoe.runtime import chunks
+from jaxmoe.runtime import chunks, expert_brownout
 from jaxmoe.runtime.pipeline import Pipeline, PipelineChooser, split_rows
 from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
@@ -139,6 +139,10 @@ class DisaggregatedExecutor:
 
         self.attention = make_attention_programs(cfg, block_size, self.sub)
         self.expert_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
+        if brownout is not None:  # united experts are placed in slots beside the originals
+            self.slots_per_instance = expert_brownout.slots_per_instance(
+                self.slots_per_instance, expert_brownout.num_united(params), self.num_expert_instances
+            )
         self.experts = make_expert_program(
             cfg,
             self.sub,
@@ -169,6 +173,7 @@ class DisaggregatedExecutor:
             cfg, params, self.sub, self.experts, self.transfer, placement, brownout, placed_experts
         )
         self.moe_layers = self.expert_side.moe_layers
+        self.slots_per_instance = self.expert_side.slots_per_instance  # + room for united experts (brownout)
 
         # KV cache: slots padded to whole blocks per attention instance, sharded P("attn").
         self.kv_layout = KVLayout.for_slots(num_slots, block_size, self.num_attention)
@@ -177,7 +182,7 @@ class DisaggregatedExecutor:
         self._new_layer_cache = jax.jit(
             lambda: init_layer_cache(self.attention.tp.cfg, self.num_cache_slots, dtype),
             out_shardings=self.attention.cache,
-        )  # each instance: only its slots
+        )  # each instance: only its slots (and heads: tensor parallel)
         self.reset_cache()
 
         self._transfers = {i: LayerTransferStats() for i in self.moe_layers}
@@ -349,9 +354,8 @@ class DisaggregatedExecutor:
 
     @property
     def params(self) -> dict:
-        """The parameters as laid out: attention-side ones (with KV heads repeated when a tensor-parallel
-        instance has more devices than KV heads), and per MoE layer the router and the slot arrays
-        [S, ...] (not the logical [E, ...] ones) under ``layers[i]["moe"]``."""
+        """The parameters as laid out: attention-side ones (KV heads repeated for tensor-parallel instances
+        with more devices than them), per MoE layer the router and slot arrays [S, ...] under "moe"."""
         layers = []
         for i, layer in enumerate(self._attn_layers):
             layer = dict(layer)

@@ -1,18 +1,22 @@
 """Brownout on the expert sub-mesh (BrownoutServe, arXiv:2507.17133, Algorithm 1) for the
 disaggregated executor's expert program (``runtime.expert_program``).
 
+United experts are logical experts of the expert side like the originals: with E original and U
+united experts per layer, united expert u is logical expert ``E + u``, and the replica layout
+(``runtime.replicas``) places E + U logical experts over N instances x C' slots, C' = C + ceil(U / N)
+(the mesh file's C slots per instance for the originals, plus room for the united experts). So a
+united expert gets redundant replicas like a hot original expert (``default_placement``, or the
+placement controller from measured load), and AEBS chooses among its replicas.
+
 After gating, every expert instance computes the same split of the step's choices
 (``jaxmoe.brownout.routing.split``: the inputs are replicated, the split is deterministic, so no
-instance needs to talk to another): choices kept by their original experts go through AEBS to a
-replica slot as before; choices browned out go to their group's united expert. United experts live
-in their own slot array on the expert mesh, ``[N x Cu, ...]`` sharded like the replica slots
-(Cu = ceil(U / N) per instance), united expert u in slot ``(u % N) * Cu + u // N`` (round robin
-over instances; slots past U hold zeros and get no token). The threshold is a traced value: moving
-it does not recompile.
+instance needs to talk to another): choices kept by their original experts stay, choices browned out
+go to their group's united expert (id E + u). Both go through AEBS together ([T, 2K] choices) to a
+replica slot. The threshold is a traced value: moving it does not recompile.
 
 Two choices of one token may name two experts of one group, hence one united expert: they are
 merged into one choice with the summed combine weight (g1 + g2) x FFN_u(x), what the monolithic
-executor's combine computes, and what keeps every united slot at most one row per token (the padded
+executor's combine computes, and what keeps every slot at most one row per token (the padded
 einsum's capacity).
 """
 
@@ -33,30 +37,34 @@ def check_mode(mode) -> None:
         raise BrownoutError(f"expert-side brownout must be None or one of {MODES}, got {mode!r}")
 
 
-def united_slots(num_united: int, num_instances: int) -> tuple[int, np.ndarray]:
-    """(Cu, slot of each united expert [U]): round robin over instances, Cu slots per instance."""
-    per_instance = -(-num_united // num_instances)
-    u = np.arange(num_united)
-    return per_instance, ((u % num_instances) * per_instance + u // num_instances).astype(np.int32)
+def num_united(params: dict) -> int:
+    """U, the united experts per MoE layer of ``params`` (``jaxmoe.brownout.united.attach``, or the
+    expert side's placed parameters: both hold the expert -> united map ``united_groups``, whose
+    largest entry is U - 1); a ``BrownoutError`` naming the first MoE layer without them."""
+    counts = set()
+    for i, layer in enumerate(params["layers"]):
+        if "moe" not in layer:
+            continue
+        if "united_groups" not in layer["moe"]:
+            raise BrownoutError(
+                f"MoE layer {i} has no united experts: brownout needs a model directory made by "
+                "`jaxmoe unite --model DIR --ways K --out DIR2`"
+            )
+        counts.add(int(np.max(np.asarray(layer["moe"]["united_groups"]))) + 1)
+    if len(counts) != 1:
+        raise BrownoutError(f"every MoE layer needs the same number of united experts, got {sorted(counts)}")
+    return counts.pop()
 
 
-def place_united(moe: dict, num_instances: int, layer: int) -> dict:
-    """The host arrays of one layer's united experts laid out in slots: ``united`` {name: [N x Cu,
-    ...]} (zeros in unused slots), ``united_slot`` [U] and ``united_groups`` [E] (expert -> united)."""
-    if "united" not in moe or "united_groups" not in moe:
-        raise BrownoutError(
-            f"MoE layer {layer} has no united experts: brownout needs a model directory made by "
-            "`jaxmoe unite --model DIR --ways K --out DIR2`"
-        )
-    host = {k: np.asarray(moe["united"][k]) for k in NAMES}
-    U = host["w_gate"].shape[0]
-    per_instance, slot = united_slots(U, num_instances)
-    united = {}
-    for k, w in host.items():
-        out = np.zeros((num_instances * per_instance,) + w.shape[1:], w.dtype)
-        out[slot] = w
-        united[k] = out
-    return {"united": united, "united_slot": slot, "united_groups": np.asarray(moe["united_groups"], np.int32)}
+def slots_per_instance(slots: int, num_united: int, num_instances: int) -> int:
+    """C': the mesh file's ``slots`` per instance plus ceil(U / N) for the united experts."""
+    return slots + -(-num_united // num_instances)
+
+
+def logical_weights(moe: dict) -> dict:
+    """One layer's expert weights as E + U logical experts {name: [E + U, ...]} (host arrays):
+    the originals, then the united experts."""
+    return {k: np.concatenate([np.asarray(moe[k]), np.asarray(moe["united"][k])]) for k in NAMES}
 
 
 def merge_same(ids, weights):
@@ -70,30 +78,21 @@ def merge_same(ids, weights):
     return jnp.where(dup, -1, ids), jnp.where(dup, 0, merged)
 
 
-def split_choices(p: dict, ids, weights, valid, threshold, full: bool):
-    """Algorithm 1 on the gate's output: (original ids [T, K] for AEBS, united ids and weights [T, K]
-    with duplicates merged, distinct experts used [2] = (original, united)). ``ids`` the router's
-    (not masked); ``valid`` [T] real tokens (padding neither counts nor activates anything)."""
+def split_choices(p: dict, ids, weights, valid, threshold, full: bool, num_united: int):
+    """Algorithm 1 on the gate's output: (logical ids [T, 2K] for AEBS: the kept originals, then the
+    united experts as E + u with duplicates merged; their combine weights [T, 2K]; distinct experts
+    used [2] = (original, united)). ``ids`` the router's (not masked); ``valid`` [T] real tokens
+    (padding neither counts nor activates anything)."""
     original, united = split(ids, valid, p["united_groups"], threshold, full)
     keep = valid[:, None]
     original = jnp.where(keep, original, -1)
     united, u_weights = merge_same(jnp.where(keep, united, -1), weights)
-    E, U = p["united_groups"].shape[0], p["united_slot"].shape[0]
+    E = p["united_groups"].shape[0]
 
     def distinct(a, n):
         return jnp.zeros((n,), bool).at[jnp.where(a >= 0, a, n)].set(True, mode="drop").sum()
 
-    used = jnp.stack([distinct(original, E), distinct(united, U)]).astype(jnp.int32)
-    return original, united, u_weights, used
-
-
-def local_united(p: dict, united, instance, num_instances: int):
-    """United ids [T, K] -> this instance's united slot indices (-1: elsewhere or none), and the
-    distinct united slots every instance runs [N] (the same on every instance)."""
-    per_instance = p["united"]["w_gate"].shape[0]  # inside shard_map: this instance's Cu slots
-    slot = jnp.where(united >= 0, p["united_slot"][jnp.maximum(united, 0)], -1)
-    first = instance * per_instance
-    local = jnp.where((slot >= first) & (slot < first + per_instance), slot - first, -1)
-    total = num_instances * per_instance
-    runs = jnp.zeros((total,), bool).at[jnp.where(slot >= 0, slot, total)].set(True, mode="drop")
-    return local, runs.reshape(num_instances, per_instance).sum(1).astype(jnp.int32)
+    used = jnp.stack([distinct(original, E), distinct(united, num_united)]).astype(jnp.int32)
+    ids_all = jnp.concatenate([original, jnp.where(united >= 0, united + E, -1)], axis=1)
+    weights_all = jnp.concatenate([jnp.where(original >= 0, weights, 0), u_weights.astype(weights.dtype)], axis=1)
+    return ids_all, weights_all, used

@@ -17,8 +17,8 @@ metadata) and runs
 and returns partial[None] [1, B, T, D] -> [N, B, T, D] sharded P("expert"); E2A sums the
 partials into the attention side. The program also adds this step's co-activation counts
 (tokens per pair of logical experts, the diagonal: tokens per expert) to a replicated on-device
-[E, E] counter, the statistics of the placement controller, and returns the activated replicas per
-instance.
+[E, E] counter ([E + U, E + U] with brownout: originals and united experts, after the split), the
+statistics of the placement controller, and returns the activated replicas per instance.
 
 Weights: routed experts as slot arrays [S, D, F] / [S, F, D] sharded P("expert") (S = N x C,
 see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias) replicated; shared experts
@@ -36,11 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxmoe.brownout.config import BrownoutError
 from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import EXPERT_AXES, MeshConfigError, SubMeshes
 from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.router import route
-from jaxmoe.runtime import expert_brownout
+from jaxmoe.runtime import expert_brownout, slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
@@ -78,13 +79,7 @@ def check_tp(cfg: ModelConfig, spec) -> bool:
 def param_specs(moe: dict, tp: bool = False) -> dict:
     """PartitionSpecs of one layer's expert-side parameters (as laid out by ``place_layer``);
     ``tp``: FFN columns split over each instance's devices (``expert_tp``)."""
-    specs = {
-        k: (slot_spec(k, tp) if k in ("w_gate", "w_up", "w_down") else P())
-        for k in moe
-        if k not in ("shared", "united")
-    }
-    if "united" in moe:  # united-expert slots (brownout), sharded like the replica slots
-        specs["united"] = {k: _SLOT_SPEC for k in moe["united"]}
+    specs = {k: (slot_spec(k, tp) if k in ("w_gate", "w_up", "w_down") else P()) for k in moe if k != "shared"}
     if "shared" in moe:
         specs["shared"] = {k: _SHARED_SPECS.get(k, P()) for k in moe["shared"]}
     return specs
@@ -113,8 +108,8 @@ def make_expert_program(
     brownout: str | None = None,
 ) -> ExpertProgram:
     """The jitted expert program (cached like ``make_attention_programs``). ``brownout``: None, or
-    "partial" / "full" (``runtime.expert_brownout``; the params hold united-expert slots, the
-    ``threshold`` argument is traced)."""
+    "partial" / "full" (``runtime.expert_brownout``: the slot arrays hold united experts as logical
+    experts E + u, the tables cover E + U logical experts, the ``threshold`` argument is traced)."""
     N, C, E = sub.spec.experts.count, slots_per_instance, cfg.moe.num_experts
     tp = check_tp(cfg, sub.spec)
     ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
@@ -126,10 +121,12 @@ def make_expert_program(
         # 1. gate (expert side)
         ids, weights = route(p, cfg.moe, x2)
         coact_ids = ids = jnp.where(valid.reshape(B * T, 1), ids, -1)
-        if brownout is not None:  # 1b. Algorithm 1: originals keep S1 (and the special case), S2 -> united
-            ids, united, u_weights, used = expert_brownout.split_choices(
-                p, coact_ids, weights, valid.reshape(B * T), threshold, brownout == "full"
+        if brownout is not None:  # 1b. Algorithm 1: originals keep S1 (and the special case), S2 -> united E + u
+            U = tables["replica_table"].shape[0] - E  # logical experts = E originals + U united
+            ids, weights, used = expert_brownout.split_choices(
+                p, coact_ids, weights, valid.reshape(B * T), threshold, brownout == "full", U
             )
+            coact_ids = ids  # the counters count what runs: originals and united experts
         else:
             used = jnp.stack([jnp.zeros((E,), bool).at[ids].set(True, mode="drop").sum(), 0]).astype(jnp.int32)
         # 2. AEBS: logical -> physical replica, identical on every instance
@@ -152,14 +149,10 @@ def make_expert_program(
         if tp:  # this device computed its slice of the FFN columns: sum the instance's slices
             y = jax.lax.psum(y, ETP)
         # 4. this instance's slice of the shared experts (shared_experts: experts)
-        if brownout is not None:  # 3b. the united experts this instance hosts
-            u_local, u_runs = expert_brownout.local_united(p, united, jax.lax.axis_index(EXP), N)
-            u_w = Stacked(*(p["united"][k] for k in ("w_gate", "w_up", "w_down")))
-            y = y + expert_ffn(x2, u_local, u_weights, u_w, impl=ffn_impl, interpret=interpret)
-            activated = activated + u_runs.astype(activated.dtype)
         if "shared" in p:
             y = y + shared_experts(p["shared"], x2).astype(y.dtype)
-        hit = jax.nn.one_hot(coact_ids, E, dtype=jnp.float32).sum(1)  # [B*T, E]: 1 where the token chose e
+        L = tables["replica_table"].shape[0]  # logical experts (E, or E + U with brownout)
+        hit = jax.nn.one_hot(coact_ids, L, dtype=jnp.float32).sum(1)  # [B*T, L]: 1 where the token chose e
         coact = jnp.round(jnp.matmul(hit.T, hit, precision="highest")).astype(jnp.int32)  # both e and f (diag: e)
         return y.reshape(1, B, T, D), coact, activated, used
 
@@ -190,17 +183,27 @@ def place_layer(
     ``layout.slot_to_expert[s]`` (zeros when -1). Each expert device receives only its own slots
     (built from a host copy, so no device ever holds all S slots). With ``shared_on_experts`` the
     layer's shared experts come along, their hidden width zero-padded to a multiple of N and
-    split over instances. With ``brownout`` the layer's united experts come along in their own
-    slots (``expert_brownout.place_united``; ``index``: the layer, for the error without them).
+    split over instances. With ``brownout`` the layout's logical experts are the E originals and
+    the layer's U united experts (E + u, ``expert_brownout.logical_weights``), placed alike, and the
+    expert -> united map ``united_groups`` comes along (``index``: the layer, for errors).
     """
     moe = layer["moe"]
     out = {k: v for k, v in moe.items() if k not in ("w_gate", "w_up", "w_down", "united", "united_groups")}
+    weights = {k: moe[k] for k in ("w_gate", "w_up", "w_down")}
     if brownout:
-        out.update(expert_brownout.place_united(moe, sub.spec.experts.count, index))
+        if "united" not in moe or "united_groups" not in moe:
+            raise BrownoutError(f"MoE layer {index} has no united experts")
+        weights = expert_brownout.logical_weights(moe)
+        out["united_groups"] = np.asarray(moe["united_groups"], np.int32)
+    if layout.num_experts != weights["w_gate"].shape[0]:
+        raise ValueError(
+            f"MoE layer {index}: the placement has {layout.num_experts} logical experts, "
+            f"the weights {weights['w_gate'].shape[0]}"
+        )
     idx, used = layout.gather_index(), layout.used()
     tp = sub.spec.experts.devices_per_instance > 1
     for k in ("w_gate", "w_up", "w_down"):
-        host = np.asarray(moe[k])
+        host = np.asarray(weights[k])
         shape = (layout.num_slots,) + host.shape[1:]
 
         def shard(index, host=host):
@@ -226,38 +229,53 @@ def place_layer(
     }
 
 
-def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: SubMeshes) -> tuple[dict, int]:
+def relayout_layer(
+    placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: SubMeshes, collective: bool | None = None
+) -> tuple[dict, int]:
     """Move one layer's slot arrays from placement ``old`` to ``new`` (the controller's hook).
 
     Slot s of the new layout keeps its data when it hosts the same expert as before; otherwise it
     copies a slot of the old layout hosting that expert, preferring one on the same instance
-    (a local copy) over a remote one (one ``jax.device_put`` of one expert's weights to each
-    device of the instance). Unused slots become zeros. Returns (new params, slots moved across
-    instances).
+    (a local copy), then one on the same node, over any other. Unused slots become zeros.
+    Returns (new params, slots moved across instances).
 
-    Under ``jax.distributed`` it works when the expert sub-mesh is inside one process (the
-    others, holding no expert device, just build the new array's metadata); an expert side
-    spanning processes raises NotImplementedError (moves would need ``cross_process`` collectives).
+    Two ways to copy, with the same result: one ``jax.device_put`` of one expert's weights to each
+    device of the instance, when this process addresses every expert device (or none); and, when
+    the expert sub-mesh spans processes (``jax.distributed``), collectives
+    (``slot_moves.SlotMover``: ppermute rounds carrying only the moved slots; every process
+    calls it). ``collective``: force one way (None: pick as just said).
     """
-    if len({dev.process_index for dev in sub.experts.devices.flat}) > 1:
-        raise NotImplementedError(
-            "set_placement: the expert sub-mesh spans processes; moving expert "
-            "replicas between processes is not implemented (docs/multi_host.md)"
-        )
     C = new.slots_per_instance
-    insts = sub.spec.experts.devices
-    plan: list[int] = []  # source slot per new slot (-1: zeros)
-    for s, e in enumerate(new.slot_to_expert):
-        if e < 0:
-            plan.append(-1)
-        elif old.slot_to_expert[s] == e:
-            plan.append(s)
-        else:
-            hosts = old.replicas(e)
-            plan.append(([h for h in hosts if h // C == s // C] or hosts)[0])
+    spec = sub.spec
+    insts = spec.experts.devices
+    plan = _source_slots(old, new, spec)
     moved = sum(1 for s, src in enumerate(plan) if src >= 0 and src // C != s // C)
     tp = sub.spec.experts.devices_per_instance > 1
+    if collective is None:
+        collective = len({dev.process_index for dev in sub.experts.devices.flat}) > 1
+    if collective and tp:
+        raise NotImplementedError(
+            f"set_placement: {sub.spec.source}: experts.devices_per_instance: {sub.spec.experts.devices_per_instance}"
+            " (FFN columns split) with the expert sub-mesh spanning processes: collective slot moves"
+            " carry whole slots only (not built)"
+        )
+    sharding = NamedSharding(sub.experts, _SLOT_SPEC)
     out = dict(placed)
+    if collective:
+        keep, copies = {}, []
+        for j, inst in enumerate(insts):
+            for t, d in enumerate(inst):
+                rows = []
+                for c, src in enumerate(plan[j * C : (j + 1) * C]):
+                    src_dev = insts[src // C][t] if src >= 0 else -1
+                    rows.append(src % C if src_dev == d else -1)
+                    if src >= 0 and src_dev != d:
+                        copies.append(slot_moves.RowCopy(src_dev, src % C, d, c))
+                keep[d] = tuple(rows)
+        moves = slot_moves.SlotPlan(tuple(sorted(spec.experts.flat)), C, C, keep, tuple(copies))
+        names = ("w_gate", "w_up", "w_down")
+        out.update(slot_moves.mover_for(sub).run(moves, {k: placed[k] for k in names}, sharding, new.num_slots))
+        return out, moved
     for k in ("w_gate", "w_up", "w_down"):
         arr = placed[k]
         sharding = NamedSharding(sub.experts, slot_spec(k, tp))
@@ -281,6 +299,34 @@ def relayout_layer(placed: dict, old: ReplicaLayout, new: ReplicaLayout, sub: Su
                 per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         out[k] = jax.make_array_from_single_device_arrays(arr.shape, sharding, per_device, dtype=arr.dtype)
     return out, moved
+
+
+def _source_slots(old: ReplicaLayout, new: ReplicaLayout, spec) -> list[int]:
+    """Per new slot, the old slot it copies (-1: unused): itself when it hosts the same expert,
+    else a replica on the same instance, else one on the same node, else any replica; among
+    remote candidates the instance that sends least so far (copies spread over sources, so fewer
+    collective rounds), the first on ties."""
+    C_old, C = old.slots_per_instance, new.slots_per_instance
+    insts = spec.experts.devices
+    sends: dict[int, int] = {}  # old instance -> copies it sends
+    plan: list[int] = []
+    for s, e in enumerate(new.slot_to_expert):
+        if e < 0:
+            plan.append(-1)
+        elif old.slot_to_expert[s] == e:
+            plan.append(s)
+        else:
+            hosts = old.replicas(e)
+            node = spec.node_of(insts[s // C][0])
+            same_inst = [h for h in hosts if h // C_old == s // C]
+            if same_inst:
+                plan.append(same_inst[0])
+                continue
+            same_node = [h for h in hosts if spec.node_of(insts[h // C_old][0]) == node]
+            src = min(same_node or hosts, key=lambda h: sends.get(h // C_old, 0))
+            sends[src // C_old] = sends.get(src // C_old, 0) + 1
+            plan.append(src)
+    return plan
 
 
 def place_tables(layout: ReplicaLayout, sub: SubMeshes) -> dict:

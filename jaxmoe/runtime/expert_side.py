@@ -2,9 +2,11 @@
 (router + routed-expert replica slots [S, ...], + shared experts when they live there), the replica
 layout and the AEBS tables, and the device-side counters the placement controller reads
 (co-activations, activated replicas per instance, distinct experts used per step). ``set_placement``
-re-lays the replicas out between steps (JANUS 3.4). With brownout (BrownoutServe) it also holds the
-united-expert slots and the run-time threshold (``brownout_threshold``: a traced input of the
-expert program, so moving it does not recompile)."""
+re-lays the replicas out between steps (JANUS 3.4). With brownout (BrownoutServe) the layout's
+logical experts are the E originals and the U united experts (E + u, ``runtime.expert_brownout``)
+over C + ceil(U / N) slots per instance, so united experts are replicated, balanced by AEBS and
+re-placed like the originals; it also holds the run-time threshold (``brownout_threshold``: a traced
+input of the expert program, so moving it does not recompile)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import SubMeshes
+from jaxmoe.runtime import expert_brownout
 from jaxmoe.runtime.expert_program import ExpertProgram, place_layer, place_tables, relayout_layer
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 
@@ -40,6 +43,11 @@ class ExpertSide:
         self.cfg, self.sub, self.program, self.transfer = cfg, sub, program, transfer
         spec = sub.spec
         self.num_instances, self.slots_per_instance = spec.experts.count, spec.experts.slots_per_instance
+        self.num_logical = cfg.moe.num_experts  # logical experts placed: E, or E + U with brownout
+        if brownout is not None:
+            U = expert_brownout.num_united(params)
+            self.num_logical += U
+            self.slots_per_instance = expert_brownout.slots_per_instance(self.slots_per_instance, U, self.num_instances)
         self.shared_here = spec.shared_experts == "experts"
         self.moe_layers = [i for i, layer in enumerate(params["layers"]) if "moe" in layer]
         self.layouts = self._layouts(placement)
@@ -53,9 +61,9 @@ class ExpertSide:
             for i in self.moe_layers
         }
         self._tables = {i: place_tables(self.layouts[i], sub) for i in self.moe_layers}
-        E = cfg.moe.num_experts
-        self._coact = {i: jax.device_put(np.zeros((E, E), np.int32), program.replicated) for i in self.moe_layers}
-        self._coact_host = {i: np.zeros((E, E), np.int64) for i in self.moe_layers}
+        L = self.num_logical
+        self._coact = {i: jax.device_put(np.zeros((L, L), np.int32), program.replicated) for i in self.moe_layers}
+        self._coact_host = {i: np.zeros((L, L), np.int64) for i in self.moe_layers}
         self._activated = {}
         self._used = {}
 
@@ -80,7 +88,8 @@ class ExpertSide:
 
     def coactivation(self) -> list[np.ndarray]:
         """Per MoE layer: cumulative co-activation counts [E, E] int64 (tokens that chose both e
-        and f; the diagonal: tokens that chose e), the placement controller's statistics.
+        and f; the diagonal: tokens that chose e), the placement controller's statistics. With
+        brownout [E + U, E + U] over what ran after the split (united expert u is E + u).
 
         Counted on device (int32, per step inside the expert program); a read folds the device
         counters into host int64 totals and resets them, so they never overflow. Across
@@ -97,8 +106,8 @@ class ExpertSide:
         return {i: tuple(int(v) for v in self.transfer.fetch(u)) for i, u in self._used.items()}
 
     def activated_per_instance(self) -> dict[int, list[int]]:
-        """Per MoE layer: distinct replicas (and united-expert slots, with brownout) each expert
-        instance ran in the last step (AEBS's load)."""
+        """Per MoE layer: distinct replicas (of original and, with brownout, united experts) each
+        expert instance ran in the last step (AEBS's load)."""
         return {i: [int(v) for v in self.transfer.fetch(a)] for i, a in self._activated.items()}
 
     # ------------------------------------------------------------------ replicas
@@ -111,10 +120,10 @@ class ExpertSide:
         """Re-lay out the expert replicas between steps (the host-side controller's hook).
 
         ``slot_to_expert``: one list [S] for every MoE layer, or one per MoE layer. Moves weights
-        with ``jax.device_put`` (``expert_program.relayout_layer``) and installs the new replica
-        tables; AEBS uses them from the next step. Returns the slots copied across instances.
-        Under ``jax.distributed``: every process calls it; NotImplementedError when the expert
-        sub-mesh spans processes.
+        (``expert_program.relayout_layer``: ``jax.device_put``, or ``slot_moves`` collectives when
+        the expert sub-mesh spans processes) and installs the new replica tables; AEBS uses them
+        from the next step. Returns the slots copied across instances. Under ``jax.distributed``
+        every process calls it, at the same point.
         """
         new = self._layouts(slot_to_expert)
         moved = 0
@@ -128,7 +137,7 @@ class ExpertSide:
         return moved
 
     def _layouts(self, placement) -> dict[int, ReplicaLayout]:
-        E, N, C = self.cfg.moe.num_experts, self.num_instances, self.slots_per_instance
+        E, N, C = self.num_logical, self.num_instances, self.slots_per_instance
         if placement is None:
             placement = default_placement(E, N, C)
         placement = list(placement)

@@ -8,11 +8,15 @@ another number of attention and expert instances on the same devices, built from
   redundant replicas in the spare slots.
 * ``reshard_experts``: the new slot arrays, one device at a time: a slot whose expert is already on
   that device is a local slice; only the others are copied (one ``jax.device_put`` of one expert's
-  weights from a device that holds it).
+  weights from a device that holds it, or, across processes, ``slot_moves`` ppermute rounds).
 * ``build_rescaled``: the new ``DisaggregatedExecutor`` from the running one's parameters (attention
   side: one ``device_put`` to the new attention mesh; expert side: ``reshard_experts``).
 * ``move_kv``: copies the KV blocks of live sequences from the old cache to their new blocks in the
   new executor's cache (through host memory: the old cache is read, the moved blocks written).
+
+Under ``jax.distributed`` (``check_processes``): the expert side may span processes (the re-shard
+then runs as ``slot_moves`` collectives: every process calls ``build_rescaled`` at the same point);
+the attention side, before and after, must be inside one process.
 
 The engine side (background build and compile, the swap at a step boundary, the stall) is
 ``jaxmoe.engine.rescale``.
@@ -28,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.mesh import ClusterSpec, Instances, MeshConfigError, SubMeshes
+from jaxmoe.runtime import expert_brownout, slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
 
 _SLOT_KEYS = ("w_gate", "w_up", "w_down")
@@ -108,43 +113,147 @@ class MoveStats:
 
 
 def reshard_experts(
-    placed: dict, old: ReplicaLayout, old_sub: SubMeshes, new: ReplicaLayout, new_sub: SubMeshes, stats: MoveStats
+    placed: dict,
+    old: ReplicaLayout,
+    old_sub: SubMeshes,
+    new: ReplicaLayout,
+    new_sub: SubMeshes,
+    stats: MoveStats,
+    collective: bool | None = None,
 ) -> dict:
     """One MoE layer's expert-side parameters (as ``expert_program.place_layer`` lays them out) moved
     from layout ``old`` on ``old_sub`` to ``new`` on ``new_sub``: the router and other replicated
     arrays go to the new expert mesh; a slot array's new slot is a slice of the same device's old
-    shard when that device held the expert, else one ``device_put`` from a device that does."""
+    shard when that device held the expert, else a copy from a device that does (preferring one on
+    the same node).
+
+    Two ways to copy, with the same result: ``jax.device_put`` (one expert's weights per copy) when
+    this process addresses every device involved, and collectives (``slot_moves.SlotMover``:
+    ppermute rounds carrying only the copied slots, and the replicated arrays to the new expert
+    devices that lack them; every process calls it) when the old and new expert devices span
+    processes. ``collective``: force one way (None: pick as just said)."""
+    C_old, C = old.slots_per_instance, new.slots_per_instance
+    spec = new_sub.spec
+    old_idx = [inst[0] for inst in old_sub.spec.experts.devices]  # spec device index per old instance
+    new_idx = [inst[0] for inst in spec.experts.devices]
+    involved = sorted(set(old_idx) | set(new_idx))
+    if collective is None:
+        collective = len({new_sub.devices[d].process_index for d in involved}) > 1
+    # per new slot: (old slot it comes from, or -1 for unused); remote copies spread over sources
+    sources, sends = [], {}
+    for s, e in enumerate(new.slot_to_expert):
+        if e < 0:
+            sources.append(-1)
+            continue
+        hosts = old.replicas(e)
+        d = new_idx[s // C]
+        same_dev = [h for h in hosts if old_idx[h // C_old] == d]
+        if same_dev:
+            sources.append(same_dev[0])
+            continue
+        same_node = [h for h in hosts if spec.node_of(old_idx[h // C_old]) == spec.node_of(d)]
+        src = min(same_node or hosts, key=lambda h: sends.get(h // C_old, 0))
+        sends[src // C_old] = sends.get(src // C_old, 0) + 1
+        sources.append(src)
+    slot_bytes = {k: placed[k].nbytes // placed[k].shape[0] for k in _SLOT_KEYS}
+    for s, src in enumerate(sources):
+        if src < 0:
+            continue
+        if old_idx[src // C_old] == new_idx[s // C]:
+            stats.expert_slots_local += 1
+        else:
+            stats.expert_slots_copied += 1
+            stats.expert_bytes_copied += sum(slot_bytes.values())
+    if collective:
+        return _reshard_collective(placed, sources, old_idx, new_idx, C_old, C, new_sub)
     rep = NamedSharding(new_sub.experts, P())
     out = {k: jax.device_put(v, rep) for k, v in placed.items() if k not in _SLOT_KEYS}
-    C_old, C = old.slots_per_instance, new.slots_per_instance
-    old_dev = [old_sub.devices[inst[0]] for inst in old_sub.spec.experts.devices]
-    new_dev = [new_sub.devices[inst[0]] for inst in new_sub.spec.experts.devices]
     sharding = NamedSharding(new_sub.experts, P("expert"))
     for k in _SLOT_KEYS:
         arr = placed[k]
         shards = {sh.device: sh.data for sh in arr.addressable_shards}
         per_device = []
-        for j, dev in enumerate(new_dev):
+        for j, d in enumerate(new_idx):
+            dev = new_sub.devices[d]
             pieces = []
             for s in range(j * C, (j + 1) * C):
-                e = new.slot_to_expert[s]
-                if e < 0:
+                src = sources[s]
+                if src < 0:
                     pieces.append(jax.device_put(np.zeros((1,) + arr.shape[1:], arr.dtype), dev))
                     continue
-                hosts = old.replicas(e)
-                src = ([h for h in hosts if old_dev[h // C_old] == dev] or hosts)[0]
-                piece = shards[old_dev[src // C_old]][src % C_old : src % C_old + 1]
-                if old_dev[src // C_old] == dev:
-                    stats.expert_slots_local += 1
-                else:
-                    piece = jax.device_put(piece, dev)
-                    stats.expert_slots_copied += 1
-                    stats.expert_bytes_copied += piece.nbytes
-                pieces.append(piece)
+                src_dev = new_sub.devices[old_idx[src // C_old]]
+                piece = shards[src_dev][src % C_old : src % C_old + 1]
+                pieces.append(piece if src_dev == dev else jax.device_put(piece, dev))
             per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         shape = (new.num_slots,) + arr.shape[1:]
         out[k] = jax.make_array_from_single_device_arrays(shape, sharding, per_device, dtype=arr.dtype)
     return out
+
+
+def _reshard_collective(placed, sources, old_idx, new_idx, C_old, C, new_sub) -> dict:
+    """``reshard_experts`` with ``slot_moves`` collectives (one device per instance on both sides)."""
+    mover = slot_moves.mover_for(new_sub)
+    involved = tuple(sorted(set(old_idx) | set(new_idx)))
+    keep: dict[int, tuple[int, ...]] = {}
+    copies = []
+    for j, d in enumerate(new_idx):
+        rows = []
+        for c in range(C):
+            src = sources[j * C + c]
+            src_dev = old_idx[src // C_old] if src >= 0 else -1
+            rows.append(src % C_old if src_dev == d else -1)
+            if src >= 0 and src_dev != d:
+                copies.append(slot_moves.RowCopy(src_dev, src % C_old, d, c))
+        keep[d] = tuple(rows)
+    plan = slot_moves.SlotPlan(involved, C_old, C, keep, tuple(copies))
+    sharding = NamedSharding(new_sub.experts, P("expert"))
+    out = mover.run(plan, {k: placed[k] for k in _SLOT_KEYS}, sharding, len(new_idx) * C)
+    # replicated arrays (router, score bias): kept where an old expert device is a new one, else
+    # all rows from an old expert device (the same node first, round robin)
+    rep = NamedSharding(new_sub.experts, P())
+    spec = new_sub.spec
+    for k, v in placed.items():
+        if k in _SLOT_KEYS:
+            continue
+        if v.ndim == 0:
+            raise ValueError(f"reshard_experts: replicated parameter {k!r} is a scalar; expected at least one axis")
+        rows = v.shape[0]
+        keep, copies = {}, []
+        for n, d in enumerate(new_idx):
+            if d in old_idx:
+                keep[d] = tuple(range(rows))
+                continue
+            near = [o for o in old_idx if spec.node_of(o) == spec.node_of(d)] or old_idx
+            src = near[n % len(near)]
+            keep[d] = (-1,) * rows
+            copies += [slot_moves.RowCopy(src, r, d, r) for r in range(rows)]
+        plan = slot_moves.SlotPlan(involved, rows, rows, keep, tuple(copies))
+        out[k] = mover.run(plan, {k: v}, rep, rows)[k]
+    return out
+
+
+def check_processes(old_sub: SubMeshes, spec: ClusterSpec, brownout: bool) -> None:
+    """Under ``jax.distributed``: what live re-scaling from ``old_sub`` to layout ``spec`` (same
+    devices) cannot do across processes yet raises ``MeshConfigError``. The expert side may span
+    processes (``slot_moves`` collectives); the attention side, old and new, must be inside one
+    process (its parameters are copied with ``jax.device_put`` and ``move_kv`` goes through that
+    process' host memory); brownout's united experts are placed again from host weights, so not
+    with an expert side spanning processes."""
+    devices = old_sub.devices
+    old_attn = {d.process_index for d in old_sub.attention.devices.flat}
+    attention = old_attn | {devices[d].process_index for d in spec.attention.flat}
+    if len(attention) > 1:
+        raise MeshConfigError(
+            f"{spec.source}: live re-scaling across processes needs the attention side, before and "
+            f"after, inside one process; these attention devices are on processes {sorted(attention)}"
+        )
+    old_exp = {d.process_index for d in old_sub.experts.devices.flat}
+    experts = old_exp | {devices[d].process_index for d in spec.experts.flat}
+    if brownout and len(experts) > 1:
+        raise MeshConfigError(
+            f"{spec.source}: live re-scaling with brownout places the united experts from host "
+            f"weights, which an expert side on processes {sorted(experts)} does not have"
+        )
 
 
 def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
@@ -152,27 +261,31 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
     only: ``old`` keeps serving meanwhile). Returns (executor, MoveStats of the expert re-shard)."""
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor, _sub_meshes
 
-    if len({d.process_index for d in jax.devices()}) > 1:
-        raise MeshConfigError("live re-scaling runs in one process (the sub-meshes span processes)")
     sub = _sub_meshes(spec)  # cached by spec: a layout seen before reuses its meshes and programs
     side = old.expert_side
+    check_processes(old.sub, spec, side.brownout is not None)
     layouts, layers = dict(side.layouts), dict(side.layers)  # one snapshot (set_placement replaces both)
     first = side.moe_layers[0]
-    placement = [reuse_placement(layouts[i], old.sub.spec, spec) for i in side.moe_layers]
+    target = spec
+    if side.brownout is not None:  # united experts take ceil(U / N) more slots per instance on the new layout
+        U = layouts[first].num_experts - old.cfg.moe.num_experts
+        C = expert_brownout.slots_per_instance(spec.experts.slots_per_instance, U, spec.experts.count)
+        target = dataclasses.replace(spec, experts=Instances(spec.experts.devices, C))
+    placement = [reuse_placement(layouts[i], old.sub.spec, target) for i in side.moe_layers]
     new_layouts = {
-        i: ReplicaLayout(tuple(p), layouts[first].num_experts, spec.experts.count, spec.experts.slots_per_instance)
+        i: ReplicaLayout(tuple(p), layouts[first].num_experts, spec.experts.count, target.experts.slots_per_instance)
         for i, p in zip(side.moe_layers, placement)
     }
     stats = MoveStats()
-    if side.brownout is None:
-        placed = {
-            i: reshard_experts(layers[i], layouts[i], old.sub, new_layouts[i], sub, stats) for i in side.moe_layers
-        }
-    else:  # the united experts' slots depend on the instance count: place everything again from the weights
-        placed = None
+    placed = {i: reshard_experts(layers[i], layouts[i], old.sub, new_layouts[i], sub, stats) for i in side.moe_layers}
+    attn = NamedSharding(sub.attention, P())  # the new attention side (inside one process: check_processes)
+    params = {k: (v if k == "layers" else _onto(v, attn)) for k, v in old.params.items()}
+    params["layers"] = [
+        {k: (v if k == "moe" else _onto(v, attn)) for k, v in layer.items()} for layer in params["layers"]
+    ]
     ex = DisaggregatedExecutor(
         old.cfg,
-        old.params,
+        params,
         num_slots,
         old.block_size,
         sub,
@@ -191,6 +304,21 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
     return ex, stats
 
 
+def _onto(tree, sharding: NamedSharding):
+    """Attention-side parameters moved to the new attention mesh: ``jax.device_put`` in the process
+    that holds both meshes; a process holding neither (under ``jax.distributed``) only builds the
+    arrays' metadata (jax refuses a ``device_put`` it takes no part in)."""
+    mine = jax.process_index()
+    here = any(d.process_index == mine for d in sharding.device_set)
+
+    def one(x):
+        if here or x.addressable_shards:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, [], dtype=x.dtype)
+
+    return jax.tree.map(one, tree)
+
+
 def move_kv(old, new, moves: list[tuple[list[int], list[int]]], stats: MoveStats) -> None:
     """Copy the KV of blocks ``old_blocks`` of executor ``old``'s cache into blocks ``new_blocks`` of
     ``new``'s cache, for each (old_blocks, new_blocks) of ``moves``; the other blocks of the new cache
@@ -207,7 +335,8 @@ def move_kv(old, new, moves: list[tuple[list[int], list[int]]], stats: MoveStats
         for key, leaf in old_layer.items():
             target = new_layer[key]
             host = np.zeros(target.shape, target.dtype)
-            if len(src_slots):
+            # under jax.distributed a process without attention devices holds no shard (and gets none)
+            if len(src_slots) and leaf.is_fully_addressable and leaf.addressable_shards:
                 host[dst_slots] = np.asarray(leaf)[src_slots]
             layer[key] = jax.device_put(host, target.sharding)
         cache.append(layer)

@@ -1,0 +1,362 @@
+"""Offline greedy decode: jaxmoe vs vLLM (CPU build) vs transformers on one checkpoint, fp32 and bf16.
+
+The setting of the outside measurement in issue 17 ("Performance"), on one command:
+
+* checkpoint: Mixtral architecture, hidden 512, 8 layers, 8 heads / 2 KV heads, 8 experts top-2,
+  expert width 1024, vocab 1024, untied head, 107 M parameters, random weights written by
+  transformers and stored bf16 (``bench/startup.py``'s ``bench-107m``; fp32 runs upcast on load);
+* prompts: 32 random token ids each (seed 0), sent as token ids to every engine;
+* exactly 128 new tokens (EOS ignored), greedy, batch 1 and 16; one warm-up generation per batch
+  size, then the median of ``--repeats`` (3) timed generations; tok/s = batch x 128 / wall time of
+  one whole generation (prefill included);
+* every engine on both CPU cores, one engine process at a time (the others are not running);
+  ``--rounds`` (2) rounds, the engine order reversed in every other round, so load from other jobs
+  on the machine hits every engine alike; the table gives every round and the ratios per round.
+
+Engines (each in its own process):
+
+* jaxmoe: ``LLM(ckpt, dtype=...).generate(prompt_ids, SamplingParams(max_tokens=128,
+  ignore_eos=True))`` with this interpreter (the project venv);
+* vLLM: ``vllm.LLM(ckpt, dtype=..., skip_tokenizer_init=True, enable_prefix_caching=False,
+  max_num_seqs=16, max_model_len=512)`` with ``--vllm-python`` (its own venv; see BENCHMARKS.md
+  "How vLLM was installed"), ``VLLM_CPU_OMP_THREADS_BIND`` = both cores, ``VLLM_CPU_KVCACHE_SPACE=1``,
+  and tcmalloc + the venv's Intel OpenMP preloaded when present (vLLM's CPU guide);
+* transformers: ``generate(do_sample=False, min_new_tokens=128)`` with sdpa attention and the
+  fastest of its expert implementations (``eager``, ``grouped_mm``; each timed, best reported),
+  ``torch.set_num_threads(2)``.
+
+Also reported: greedy agreement of every engine with jaxmoe (rows whose 128 tokens are all equal),
+the machine's read bandwidth (a jitted sum over 400 MB, both threads) and the share of the
+weight-read roofline that batch 16 reaches (every expert is hit at batch 16, so a decode step reads
+all non-embedding weights once), and each engine's "start": process start to the end of its first
+(warm-up) generation, compiles included (jaxmoe: persistent compilation cache as configured).
+
+    python bench/vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python
+    python bench/vs_vllm.py ... --dtypes float32 --batches 16 --rounds 1      # a quick look
+    python bench/vs_vllm.py ... --benchmarks BENCHMARKS.md                    # write the table there
+
+Imports here are the standard library only: vLLM's interpreter runs this file as its worker
+(``--worker vllm``) without the project installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+T0 = time.perf_counter()
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ENGINES = ("jaxmoe", "vllm", "transformers")
+MARK_BEGIN, MARK_END = "<!-- bench/vs_vllm.py: begin -->", "<!-- bench/vs_vllm.py: end -->"
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def timed(run, batches, args) -> dict:
+    """Per batch: warm-up, then the median of ``args.repeats`` runs. ``run(ids) -> token lists``."""
+    out, start_s = {}, None
+    for b in batches:
+        ids = prompts(b, args.prompt_len, args.vocab)
+        run(ids)
+        if start_s is None:
+            start_s = time.perf_counter() - T0
+        times, tokens = [], None
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            tokens = run(ids)
+            times.append(time.perf_counter() - t)
+        if any(len(t) != args.new_tokens for t in tokens):
+            raise SystemExit(f"an engine stopped early: lengths {[len(t) for t in tokens]}")
+        out[str(b)] = {"tok_s": b * args.new_tokens / statistics.median(times), "times": times, "tokens": tokens}
+    return {"batches": out, "start_s": start_s}
+
+
+def worker_jaxmoe(args) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from jaxmoe import LLM, SamplingParams
+
+    llm = LLM(args.ckpt, dtype=args.dtype)
+    sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    result = timed(lambda ids: [list(o.token_ids) for o in llm.generate(ids, sp)], args.batches, args)
+    result["bandwidth_gbs"] = read_bandwidth()
+    return result
+
+
+def read_bandwidth() -> float:
+    """GB/s of a jitted sum over a 400 MB float32 array (both threads), best of 10."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((100_000_000,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(10):
+        t = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best / 1e9
+
+
+def worker_vllm(args) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        args.ckpt,
+        dtype=args.dtype,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        max_num_seqs=16,
+        max_model_len=512,
+        seed=0,
+    )
+    sp = SamplingParams(
+        max_tokens=args.new_tokens, min_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False
+    )
+
+    def run(ids):
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return timed(run, args.batches, args)
+
+
+def worker_transformers(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    best = None
+    for experts in ("eager", "grouped_mm"):
+        model = AutoModelForCausalLM.from_pretrained(
+            args.ckpt, dtype=dtype, attn_implementation="sdpa", experts_implementation=experts
+        ).eval()
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+
+        def run(ids, model=model):
+            x = torch.tensor(ids, dtype=torch.long)
+            with torch.inference_mode():
+                out = model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=args.new_tokens,
+                    min_new_tokens=args.new_tokens,
+                    do_sample=False,
+                )
+            return out[:, x.shape[1] :].tolist()
+
+        result = timed(run, args.batches, args)
+        result["experts_impl"] = {b: experts for b in result["batches"]}
+        if best is None:
+            best = result
+            continue
+        for b, r in result["batches"].items():  # keep the faster implementation per batch size
+            if r["tok_s"] > best["batches"][b]["tok_s"]:
+                best["batches"][b], best["experts_impl"][b] = r, experts
+    return best
+
+
+WORKERS = {"jaxmoe": worker_jaxmoe, "vllm": worker_vllm, "transformers": worker_transformers}
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def write_checkpoint(path: pathlib.Path) -> pathlib.Path:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import startup
+
+    return startup.write_checkpoint(path, **startup.SHAPES["bench-107m"])
+
+
+def weight_bytes(ckpt: pathlib.Path, dtype: str) -> int:
+    """Bytes a batch-16 decode step reads: every parameter but the embedding table, in ``dtype``."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    D, F, E, L, V = (
+        cfg[k] for k in ("hidden_size", "intermediate_size", "num_local_experts", "num_hidden_layers", "vocab_size")
+    )
+    hd = D // cfg["num_attention_heads"]
+    attn = D * D * 2 + 2 * D * cfg["num_key_value_heads"] * hd
+    per_layer = attn + E * 3 * D * F + D * E + 2 * D
+    params = L * per_layer + V * D + D  # + LM head + final norm
+    return params * {"float32": 4, "bfloat16": 2}[dtype]
+
+
+def run_engine(engine: str, dtype: str, args) -> dict:
+    cmd = [args.vllm_python if engine == "vllm" else sys.executable, str(pathlib.Path(__file__).resolve())]
+    cmd += ["--worker", engine, "--dtype", dtype, "--ckpt", str(args.ckpt_dir)]
+    cmd += ["--batches", ",".join(map(str, args.batches)), "--repeats", str(args.repeats)]
+    cmd += ["--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--vocab", str(args.vocab)]
+    env = dict(os.environ)
+    if engine == "vllm":
+        cores = sorted(os.sched_getaffinity(0))
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}", VLLM_CPU_KVCACHE_SPACE="1")
+        preload = [
+            p
+            for p in (args.tcmalloc, str(pathlib.Path(args.vllm_python).parent.parent / "lib" / "libiomp5.so"))
+            if p and os.path.exists(p)
+        ]
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload)
+    load = os.getloadavg()[0]
+    print(f"  {engine} {dtype} (load {load:.2f}) ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{engine} {dtype} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = json.loads(lines[-1][len("RESULT ") :])
+    result["load"] = (load, os.getloadavg()[0])
+    return result
+
+
+def agree(a: list, b: list) -> str:
+    """Rows whose tokens are all equal / rows, and the mean length of the common prefix."""
+    prefix = [next((i for i, (x, y) in enumerate(zip(r, s)) if x != y), len(r)) for r, s in zip(a, b)]
+    return f"{sum(x == y for x, y in zip(a, b))}/{len(a)} ({sum(prefix) / len(prefix):.0f})"
+
+
+def table(results: dict, args) -> str:
+    """results[(round, dtype, engine)] -> markdown."""
+    bw = max(r["bandwidth_gbs"] for (_, _, e), r in results.items() if e == "jaxmoe")
+    rows = [
+        "| dtype | batch | round | jaxmoe tok/s | vLLM tok/s | transformers tok/s | jaxmoe / vLLM | jaxmoe / transformers"
+        " | greedy = jaxmoe: rows (mean common prefix), vLLM; HF | load avg (jaxmoe, vLLM, HF) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ratios = {}
+    for dtype in args.dtypes:
+        for b in map(str, args.batches):
+            for rnd in range(args.rounds):
+                r = {e: results[(rnd, dtype, e)] for e in args.engines}
+                tok = {e: r[e]["batches"][b]["tok_s"] for e in args.engines}
+                ref = r["jaxmoe"]["batches"][b]["tokens"]
+                cell = lambda e: f"{tok[e]:.1f}" if e in tok else "-"  # noqa: E731
+                ratio = lambda e: f"{tok['jaxmoe'] / tok[e]:.2f}x" if e in tok else "-"  # noqa: E731
+                same = "; ".join(agree(ref, r[e]["batches"][b]["tokens"]) for e in args.engines if e != "jaxmoe")
+                loads = ", ".join(f"{r[e]['load'][0]:.1f}" for e in args.engines)
+                ratios.setdefault((dtype, b), []).append(tok["jaxmoe"] / tok["vllm"] if "vllm" in tok else None)
+                rows.append(
+                    f"| {dtype} | {b} | {rnd + 1} | {cell('jaxmoe')} | {cell('vllm')} | {cell('transformers')} "
+                    f"| {ratio('vllm')} | {ratio('transformers')} | {same} | {loads} |"
+                )
+    roof = ["", f"Read bandwidth (jitted sum over 400 MB, 2 threads, best of 10): **{bw:.1f} GB/s**.", ""]
+    roof += [
+        "| dtype | weights read per batch-16 step | floor (ms/step) | engine | ms/token-step at batch 16 (best round) | share of roofline |",
+        "|---|---|---|---|---|---|",
+    ]
+    for dtype in args.dtypes:
+        nbytes = weight_bytes(args.ckpt_dir, dtype)
+        floor = nbytes / (bw * 1e9) * 1e3
+        for e in args.engines:
+            if "16" not in map(str, args.batches):
+                continue
+            best = max(results[(rnd, dtype, e)]["batches"]["16"]["tok_s"] for rnd in range(args.rounds))
+            step = 16 / best * 1e3
+            roof.append(f"| {dtype} | {nbytes / 1e6:.0f} MB | {floor:.1f} | {e} | {step:.1f} | {floor / step:.0%} |")
+    starts = ["", "Start (process start to the end of the first warm-up generation, s), per round:", ""]
+    for dtype in args.dtypes:
+        for e in args.engines:
+            s = ", ".join(f"{results[(rnd, dtype, e)]['start_s']:.1f}" for rnd in range(args.rounds))
+            starts.append(f"- {dtype} {e}: {s}")
+    hf = {
+        (dtype, b): results[(rnd, dtype, "transformers")]["experts_impl"][b]
+        for rnd in range(args.rounds)
+        for dtype in args.dtypes
+        for b in map(str, args.batches)
+        if "transformers" in args.engines
+    }
+    notes = (
+        [
+            "",
+            "transformers' fastest expert implementation per (dtype, batch): "
+            + ", ".join(f"{k[0]} b{k[1]}: {v}" for k, v in hf.items()),
+        ]
+        if hf
+        else []
+    )
+    return "\n".join(rows + roof + starts + notes) + "\n"
+
+
+def header(args) -> str:
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    versions = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.__version__)"], capture_output=True, text=True
+    ).stdout.strip()
+    return (
+        f"- **Date:** {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. **Machine:** {os.cpu_count()}-core {cpu}, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU. jax {versions}.\n"
+        f"- **Command:** `python bench/vs_vllm.py --vllm-python {args.vllm_python}"
+        f" --dtypes {','.join(args.dtypes)} --batches {','.join(map(str, args.batches))} --rounds {args.rounds}`\n\n"
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", help=argparse.SUPPRESS)
+    p.add_argument("--dtype", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt-dir", type=pathlib.Path, default=pathlib.Path("/tmp/jaxmoe-bench-107m"))
+    p.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    p.add_argument("--tcmalloc", default="/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--out", type=pathlib.Path, help="also write the markdown here")
+    p.add_argument(
+        "--benchmarks", type=pathlib.Path, help=f"replace the text between {MARK_BEGIN!r} and {MARK_END!r} here"
+    )
+    args = p.parse_args(argv)
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    if args.worker:
+        print("RESULT " + json.dumps(WORKERS[args.worker](args)), flush=True)
+        return 0
+    args.engines = args.engines.split(",")
+    args.dtypes = args.dtypes.split(",")
+    if args.engines[0] != "jaxmoe" or any(e not in ENGINES for e in args.engines):
+        raise SystemExit(f"--engines: jaxmoe first, then any of {ENGINES}; got {args.engines}")
+    write_checkpoint(args.ckpt_dir)
+    results = {}
+    for rnd in range(args.rounds):
+        order = args.engines if rnd % 2 == 0 else args.engines[::-1]
+        for dtype in args.dtypes:
+            for engine in order:
+                results[(rnd, dtype, engine)] = run_engine(engine, dtype, args)
+                tok = {b: round(r["tok_s"], 1) for b, r in results[(rnd, dtype, engine)]["batches"].items()}
+                print(f"round {rnd + 1} {dtype} {engine}: tok/s {tok}", file=sys.stderr, flush=True)
+    md = header(args) + table(results, args)
+    print(md)
+    if args.out:
+        args.out.write_text(md)
+    if args.benchmarks:
+        text = args.benchmarks.read_text()
+        a, b = text.index(MARK_BEGIN) + len(MARK_BEGIN), text.index(MARK_END)
+        args.benchmarks.write_text(text[:a] + "\n" + md + text[b:])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
