@@ -20,6 +20,7 @@ from jaxmoe.mesh import MeshConfigError, load_mesh
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.runtime import attention_tp
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
+from jaxmoe.runtime.expert_program import relayout_layer
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.engine.rescale import RescaleError
 from test_disaggregated import ENGINE, _greedy, _logits, _rel_err
@@ -236,3 +237,14 @@ def test_mesh_show_says_what_is_split():
     assert "2 instances x 2 devices (mesh axes 'attn' x 'attn_tp'); tensor parallel: attention heads split" in text
     assert "tensor parallel: expert FFN columns split over 'expert_tp'" in text
     assert "tensor parallel" not in load_mesh("meshes/cpu-8.yaml").describe()
+
+
+def test_collective_slot_moves_refuse_split_columns(llms):
+    """Cross-process slot moves (``slot_moves``: ppermute rounds of whole slots) do not carry split
+    FFN columns: forced on a tensor-parallel expert side they raise, naming the field, and change nothing."""
+    ex = llms("deepseek_v3", TP2X2).executor
+    i = ex.moe_layers[0]
+    layout, before = ex.layouts[i], ex.placement()
+    with pytest.raises(NotImplementedError, match=r"experts\.devices_per_instance: 2 \(FFN columns split\)"):
+        relayout_layer(ex.expert_side.layers[i], layout, layout, ex.sub, collective=True)
+    assert ex.placement() == before
