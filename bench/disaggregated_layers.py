@@ -8,6 +8,7 @@ whole step) and the disaggregated executor with ``monolithic: true`` on one devi
 (both sub-meshes on it, no transfers: the cost of splitting the step into per-layer programs).
 
   .venv/bin/python bench/disaggregated_layers.py                 # prints a markdown table
+  .venv/bin/python bench/disaggregated_layers.py --layouts cpu-8-4a4e.yaml cpu-8-tp2.yaml  # other layouts
   .venv/bin/python bench/disaggregated_layers.py --gpu           # one DeepSeek-V2-Lite layer, 1 GPU
   .venv/bin/python bench/disaggregated_layers.py --gpu --scale 8 # the same, dims / 8 (dry run on CPU)
 
@@ -183,7 +184,7 @@ def cpu_mode(args):
         "monolithic": True,
         "experts": {"instances": 1, "slots_per_instance": cfg.moe.num_experts},
     }
-    for layout in ["1 device"] + CPU_LAYOUTS:
+    for layout in ["1 device"] + (args.layouts or CPU_LAYOUTS):
         mesh = one_device if layout == "1 device" else str(ROOT / "meshes" / layout)
         ex = DisaggregatedExecutor(cfg, params, num_blocks * bs, bs, mesh, expert_impl=args.expert_impl)
         rec, asy, tim, before = run_decode(ex, rows_for(ex.num_attention), bs, args.steps)
@@ -321,6 +322,7 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--expert-impl", default="auto")
+    ap.add_argument("--layouts", nargs="*", default=None, help=f"CPU: mesh files in meshes/ (default {CPU_LAYOUTS})")
     ap.add_argument("--dtype", default="bfloat16", help="--gpu only")
     ap.add_argument("--redundant", type=int, default=16, help="--gpu: redundant expert slots")
     args = ap.parse_args()

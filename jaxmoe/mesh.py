@@ -128,9 +128,11 @@ class ClusterSpec:
             ("experts", e, EXPERT_AXES, f", {e.slots_per_instance} slots each = {e.total_slots} slots"),
         ):
             shared = "; shared experts run here" if self.shared_experts == title else ""
+            split = "attention heads" if title == "attention" else "expert FFN columns"
+            tp = f"; tensor parallel: {split} split over {axes[1]!r}" if side.devices_per_instance > 1 else ""
             lines.append(
                 f"  {title}: {_plural(side.count, 'instance')} x {_plural(side.devices_per_instance, 'device')}"
-                f" (mesh axes {axes[0]!r} x {axes[1]!r}){extra}{shared}"
+                f" (mesh axes {axes[0]!r} x {axes[1]!r}){extra}{tp}{shared}"
             )
             name = "attn" if title == "attention" else "expert"
             lines += [

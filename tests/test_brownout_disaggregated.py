@@ -328,3 +328,11 @@ def test_live_rescale_keeps_brownout_and_the_united_experts(united, llms):
     assert set(ex.placement()) - {-1} == set(range(ex.cfg.moe.num_experts + 4))
     assert result is not None
     assert _greedy(llm, 0.5) == _greedy(llms(None), 0.5)
+
+
+@pytest.mark.parametrize("threshold,full", [(0.0, True), (0.5, False)])
+def test_brownout_on_tensor_parallel_instances(llms, threshold, full):
+    """meshes/cpu-8-tp2x2.yaml: heads split over 2 devices per attention instance, the slots' FFN
+    columns (united experts' too) over 2 devices per expert instance: the monolithic brownout tokens."""
+    want = _greedy(llms(None, full), threshold)
+    assert _greedy(llms("meshes/cpu-8-tp2x2.yaml", full), threshold) == want

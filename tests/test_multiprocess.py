@@ -351,3 +351,17 @@ def test_live_rescale_across_processes(tmp_path):
             for r in p0["results"]
         ]
     )
+
+
+def test_two_processes_with_tensor_parallel_instances(tmp_path):
+    """meshes/cpu-8-tp2x2.yaml across 2 processes: 2 attention instances x 2 devices (heads split) on
+    process 0, 2 expert instances x 2 devices (FFN columns split) on process 1; the same greedy
+    tokens as the single-process monolithic LLM."""
+    from jaxmoe import LLM, SamplingParams
+    from multiprocess_worker import ENGINE, PROMPTS
+
+    p0, p1 = _run_workers(tmp_path, "--max-tokens", "6", mesh=ROOT / "meshes" / "cpu-8-tp2x2.yaml")
+    ref = LLM("tiny-random", dtype="float32", **ENGINE)
+    expected = [list(o.token_ids) for o in ref.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))]
+    assert p0["transfer"] == "CrossProcessTransfer" and (p0["attention_devices"], p0["expert_devices"]) == ([0], [1])
+    assert p0["tokens"] == p1["tokens"] == expected

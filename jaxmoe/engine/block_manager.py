@@ -5,9 +5,10 @@ position is in and which attention instance a block is on). Blocks are handed ou
 lists and returned on ``free``. No prefix sharing (each block has exactly one owner).
 
 Partitions (block-to-instance affinity): one free list per attention instance of the layout
-(``num_partitions``). A sequence gets its partition with its first block (the partition with the
-most free blocks, ties: the lowest id) and all its blocks come from it until it is freed, so its
-KV lives on one instance.
+(``num_partitions``). A sequence gets its partition with its first block (the one the caller names,
+``allocate(..., partition=)``: the scheduler's least-loaded instance, ``engine.dispatch``; else the
+partition with the most free blocks, ties: the lowest id) and all its blocks come from it until it
+is freed, so its KV lives on one instance.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ class BlockManager:
             p = max(range(self.num_partitions), key=lambda i: (len(self._free[i]), -i))
         return p
 
+    def num_free_in(self, partition: int) -> int:
+        """Free blocks of one partition."""
+        return len(self._free[partition])
+
     def num_free_for(self, seq: Sequence | None = None) -> int:
         """Free blocks ``seq`` (or a new sequence) can get: those of its partition."""
         return len(self._free[self._partition_for(seq)])
@@ -91,14 +96,18 @@ class BlockManager:
         return need <= self.num_free_for(seq)
 
     # -- allocation --------------------------------------------------------
-    def allocate(self, seq: Sequence, n_tokens_needed: int) -> list[int]:
+    def allocate(self, seq: Sequence, n_tokens_needed: int, partition: int | None = None) -> list[int]:
         """Grow ``seq.block_table`` to cover ``n_tokens_needed`` tokens.
 
-        Returns the newly added block ids. Raises ``MemoryError`` (and
-        allocates nothing) when its partition has not enough free blocks.
+        ``partition``: where a sequence without blocks goes (ignored once it has some; None: the
+        partition with the most free blocks). Returns the newly added block ids. Raises
+        ``MemoryError`` (and allocates nothing) when its partition has not enough free blocks.
         """
         need = self.num_blocks_needed(seq, n_tokens_needed)
-        free = self._free[self._partition_for(seq)]
+        if partition is not None and not 0 <= partition < self.num_partitions:
+            raise ValueError(f"partition {partition} does not exist (0..{self.num_partitions - 1})")
+        p = partition if partition is not None and not seq.block_table else self._partition_for(seq)
+        free = self._free[p]
         if need > len(free):
             raise MemoryError(f"KV cache exhausted: {seq.request_id} needs {need} blocks, {len(free)} free")
         new = [free.popleft() for _ in range(need)]

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from jaxmoe.engine.block_manager import BlockManager
+from jaxmoe.engine.dispatch import choose_instance
 from jaxmoe.engine.policies import Budget, GuardedPolicy, Queues, QLLMPolicy, SchedulingPolicy
 from jaxmoe.engine.sequence import Priority, Sequence, SequenceStatus
 
@@ -185,6 +186,11 @@ class Scheduler:
         chunk may shrink to what fits; 0 = cannot run this step)."""
         bm, my_rank = self.bm, rank[seq.request_id]
         part = bm.partition_of(seq)  # None: a new one takes any partition, so any victim may help
+        if part is None:  # a new sequence: the least-loaded attention instance with room (dispatch)
+            choice = choose_instance(bm, self._seqs.values(), bm.blocks_for(seq.num_computed + want))
+            if choice is not None:
+                bm.allocate(seq, seq.num_computed + want, partition=choice)
+                return want
         while not bm.can_allocate(seq.num_computed + want, seq):
             victims = [
                 s

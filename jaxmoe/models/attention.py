@@ -110,7 +110,18 @@ def paged_attention(block_tables, positions, block_size: int, chunk_scores, mix)
     return acc / l[..., None]
 
 
-def gqa_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int):
+def _out_proj(p: dict, out: jnp.ndarray, tp_axis: str | None) -> jnp.ndarray:
+    """The output projection. ``tp_axis``: inside a ``shard_map`` where this device holds some heads
+    (the rows of ``o`` of its heads): the partial products are summed over that mesh axis before the
+    bias is added (once)."""
+    y = out @ p["o"]
+    if tp_axis is not None:
+        y = jax.lax.psum(y, tp_axis)
+    bias = p.get("o_bias")
+    return y if bias is None else y + bias
+
+
+def gqa_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, tp_axis=None):
     a = cfg.attn
     B, T, _ = x.shape
     q = _linear(p, "q", x).reshape(B, T, a.num_heads, a.head_dim)
@@ -136,10 +147,10 @@ def gqa_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
 
     out = paged_attention(batch.block_tables, batch.positions, block_size, chunk_scores, mix)  # [B, KVH, G, T, hd]
     out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, a.num_heads * a.head_dim).astype(x.dtype)
-    return _linear(p, "o", out), cache
+    return _out_proj(p, out, tp_axis), cache
 
 
-def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int):
+def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, tp_axis=None):
     """DeepSeek multi-head latent attention, caching the compressed KV (absorbed form)."""
     a = cfg.attn
     B, T, _ = x.shape
@@ -179,12 +190,15 @@ def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
     out_latent = paged_attention(batch.block_tables, batch.positions, block_size, chunk_scores, mix)
     out_latent = out_latent.astype(x.dtype)  # [B, H, T, C]
     out = jnp.einsum("bhtc,chv->bthv", out_latent, w_uv).reshape(B, T, H * a.v_head_dim)
-    return _linear(p, "o", out), cache
+    return _out_proj(p, out, tp_axis), cache
 
 
-def attention_layer(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int):
-    """Residual attention block.  Returns (h, xn, cache): h = x + attn(norm(x)), xn = post_norm(h)."""
+def attention_layer(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, tp_axis=None):
+    """Residual attention block.  Returns (h, xn, cache): h = x + attn(norm(x)), xn = post_norm(h).
+    ``tp_axis``: tensor parallelism inside a ``shard_map`` (``runtime.attention_tp``): ``cfg`` counts
+    this device's heads, ``p`` holds their columns of q/k/v and rows of o, and the output projection
+    is summed over that mesh axis."""
     attend = mla_attention if cfg.attn.kind == "mla" else gqa_attention
-    out, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), batch, cache, block_size)
+    out, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), batch, cache, block_size, tp_axis)
     h = x + out.astype(x.dtype)
     return h, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), cache

@@ -1,7 +1,9 @@
 """The attention side of the disaggregated runtime: jitted programs on the attention sub-mesh.
 
 Three programs, all with the batch split over attention instances (P("attn") on the row axis)
-and the parameters replicated on every attention device:
+and the parameters replicated on every attention device (but for tensor-parallel instances,
+``attention.devices_per_instance`` > 1: the attention heads' weights and KV cache split over the
+instance's devices, mesh axis "attn_tp", ``attention_tp``):
 
   embed   tokens [B, T] -> (x [B, T, D], zeros [B, T, D])
   layer   (layer params, x, y_prev, batch, layer cache, local) -> (h, xn, layer cache)
@@ -32,6 +34,10 @@ has two forms (the static ``local`` argument):
                blocks lie in its own instance's range (block-to-instance affinity: the engine's
                partitioned ``BlockManager`` + ``ModelRunner`` row placement); the executor checks
                that on the host (``DisaggregatedExecutor.is_local``) and falls back to local=False.
+
+With tensor-parallel instances both forms are a ``shard_map`` that is manual over "attn_tp" (each
+device its heads, the output projection summed over the instance: one all-reduce per layer);
+local=True is manual over "attn" too, local=False leaves the instances' rows and slots to XLA.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from jaxmoe.mesh import ATTN_AXES, SubMeshes
 from jaxmoe.models.attention import AttentionBatch, attention_layer
 from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.transformer import attention_side_ffn, embed, lm_head
+from jaxmoe.runtime import attention_tp
+from jaxmoe.runtime.attention_tp import AttentionTP, expand_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,23 +67,43 @@ class AttentionPrograms:
     head: Callable
     rows: NamedSharding  # P("attn"): batch rows split over attention instances
     replicated: NamedSharding  # P(): on every attention device
-    cache: NamedSharding  # P("attn") on the slot axis
+    cache: dict  # one layer's cache key -> NamedSharding: P("attn") on the slot axis (+ heads: attention_tp)
+    tp: AttentionTP  # heads over each instance's devices (size 1: none)
+
+    def place_layer(self, layer: dict):
+        """A layer's attention-side parameters (``attention_side_params``) on the attention mesh:
+        replicated, but for tensor parallelism the attention heads split over ``attn_tp``
+        (``attention_tp``; GQA KV heads repeated first when fewer than the devices)."""
+        if self.tp.size == 1:
+            return jax.device_put(layer, self.replicated)
+        mesh = self.replicated.mesh
+        attn = expand_kv(layer["attn"], self.tp.cfg, self.tp.kv_repeat)
+        shardings = {k: NamedSharding(mesh, s) for k, s in attention_tp.param_specs(attn).items()}
+        out = {k: jax.device_put(v, self.replicated) for k, v in layer.items() if k != "attn"}
+        return {**out, "attn": {k: jax.device_put(v, shardings[k]) for k, v in attn.items()}}
 
 
 @functools.lru_cache(maxsize=32)
 def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -> AttentionPrograms:
     """The jitted programs (cached: executors with the same model, block size and sub-meshes
-    share them, and so share their compiled executables)."""
-    attn = ATTN_AXES[0]
+    share them, and so share their compiled executables). Raises ``MeshConfigError`` when the
+    attention heads do not split over ``attention.devices_per_instance`` (``attention_tp.plan``)."""
+    attn, tp_axis = ATTN_AXES
+    tp = attention_tp.plan(cfg, sub.spec)
+    cfg, local_cfg = tp.cfg, tp.local_cfg  # all heads (KV heads repeated) / one device's heads
     rows = NamedSharding(sub.attention, P(attn))
     replicated = NamedSharding(sub.attention, P())
-    cache = NamedSharding(sub.attention, P(attn))
+    cache_specs = attention_tp.cache_specs(cfg, tp.size)
+    cache = {k: NamedSharding(sub.attention, s) for k, s in cache_specs.items()}
+    split = tp.size > 1
 
     def embed_step(table, tokens):
         x = embed({"embed": table}, tokens)
         return x, jnp.zeros_like(x)
 
     def attend(p, x, batch: AttentionBatch, layer_cache):
+        if split:  # this device's heads (manual over attn_tp; the rows as the caller has them)
+            return attention_layer(p, local_cfg, x, batch, layer_cache, block_size, tp_axis=tp_axis)
         return attention_layer(p, cfg, x, batch, layer_cache, block_size)
 
     def attend_on_instance(p, x, batch: AttentionBatch, layer_cache):
@@ -86,13 +114,36 @@ def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -
         tables = jnp.clip(batch.block_tables - first // block_size, 0, n // block_size - 1)
         return attend(p, x, AttentionBatch(batch.positions, slots, tables), layer_cache)
 
+    def attend_split(p, x, batch, layer_cache, local: bool):
+        """Attention with the heads split over attn_tp: manual over both axes (local) or over
+        attn_tp only, the instances' rows and cache slots left to XLA (not local)."""
+        specs = attention_tp.param_specs(p)
+        if local:
+            return jax.shard_map(
+                attend_on_instance,
+                mesh=sub.attention,
+                in_specs=(specs, P(attn), P(attn), cache_specs),
+                out_specs=(P(attn), P(attn), cache_specs),
+            )(p, x, batch, layer_cache)
+        heads = {k: P(None, *s[1:]) for k, s in cache_specs.items()}  # the same, slots left to XLA
+        return jax.shard_map(
+            attend,
+            mesh=sub.attention,
+            in_specs=(specs, P(), P(), heads),
+            out_specs=(P(), P(), heads),
+            axis_names={tp_axis},
+        )(p, x, batch, layer_cache)
+
     attend_local = jax.shard_map(
         attend_on_instance, mesh=sub.attention, in_specs=(P(), P(attn), P(attn), P(attn)), out_specs=P(attn)
     )
 
     def layer_step(layer, x, y_prev, batch: AttentionBatch, layer_cache, local: bool = False):
         x = x + y_prev
-        h, xn, layer_cache = (attend_local if local else attend)(layer["attn"], x, batch, layer_cache)
+        if split:
+            h, xn, layer_cache = attend_split(layer["attn"], x, batch, layer_cache, local)
+        else:
+            h, xn, layer_cache = (attend_local if local else attend)(layer["attn"], x, batch, layer_cache)
         out = attention_side_ffn(layer, xn)
         return (h if out is None else h + out), xn, layer_cache
 
@@ -113,6 +164,7 @@ def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -
         rows=rows,
         replicated=replicated,
         cache=cache,
+        tp=tp,
     )
 
 

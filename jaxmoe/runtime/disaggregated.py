@@ -158,7 +158,7 @@ class DisaggregatedExecutor:
         rep = self.attention.replicated
         self._embed = jax.device_put(params["embed"], rep)
         self._head = jax.device_put(head_params(params, cfg), rep)
-        self._attn_layers = [jax.device_put(attention_side_params(layer), rep) for layer in params["layers"]]
+        self._attn_layers = [self.attention.place_layer(attention_side_params(layer)) for layer in params["layers"]]
         self._shared_layers = (
             {}
             if self.shared_on_experts
@@ -180,8 +180,9 @@ class DisaggregatedExecutor:
         self.num_cache_slots = self.kv_layout.num_slots
         dtype = cache_dtype or params["embed"].dtype
         self._new_layer_cache = jax.jit(
-            lambda: init_layer_cache(cfg, self.num_cache_slots, dtype), out_shardings=self.attention.cache
-        )  # each instance: only its slots
+            lambda: init_layer_cache(self.attention.tp.cfg, self.num_cache_slots, dtype),
+            out_shardings=self.attention.cache,
+        )  # each instance: only its slots (and heads: tensor parallel)
         self.reset_cache()
 
         self._transfers = {i: LayerTransferStats() for i in self.moe_layers}
@@ -353,8 +354,8 @@ class DisaggregatedExecutor:
 
     @property
     def params(self) -> dict:
-        """The parameters as laid out: attention-side ones, and per MoE layer the router and the
-        slot arrays [S, ...] (not the logical [E, ...] ones) under ``layers[i]["moe"]``."""
+        """The parameters as laid out: attention-side ones (KV heads repeated for tensor-parallel instances
+        with more devices than them), per MoE layer the router and slot arrays [S, ...] under "moe"."""
         layers = []
         for i, layer in enumerate(self._attn_layers):
             layer = dict(layer)

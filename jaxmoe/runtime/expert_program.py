@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.brownout.config import BrownoutError
 from jaxmoe.config import ModelConfig
-from jaxmoe.mesh import EXPERT_AXES, SubMeshes
+from jaxmoe.mesh import EXPERT_AXES, MeshConfigError, SubMeshes
 from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.router import route
 from jaxmoe.runtime import expert_brownout, slot_moves
@@ -46,8 +46,12 @@ from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
 
-EXP = EXPERT_AXES[0]
+EXP, ETP = EXPERT_AXES
 _SLOT_SPEC = P(EXP)
+# expert_tp > 1 (experts.devices_per_instance): each device of an instance holds a slice of every
+# slot's FFN columns (w_gate / w_up: hidden columns, w_down: the matching rows); the partial outputs
+# are summed over the instance's devices.
+_TP_SLOT_SPECS = {"w_gate": P(EXP, None, ETP), "w_up": P(EXP, None, ETP), "w_down": P(EXP, ETP, None)}
 _SHARED_SPECS = {"w_gate": P(None, EXP), "w_up": P(None, EXP), "w_down": P(EXP, None)}
 # "auto": the fastest expert-FFN form over replica slots on this backend. The padded einsum runs with
 # capacity B*T rows per slot, which is exact: a token selects an expert at most once and AEBS sends
@@ -55,9 +59,27 @@ _SHARED_SPECS = {"w_gate": P(None, EXP), "w_up": P(None, EXP), "w_down": P(EXP, 
 AUTO_EXPERT_IMPL = {"cpu": "padded_einsum", "other": "ragged_dot"}
 
 
-def param_specs(moe: dict) -> dict:
-    """PartitionSpecs of one layer's expert-side parameters (as laid out by ``place_layer``)."""
-    specs = {k: (_SLOT_SPEC if k in ("w_gate", "w_up", "w_down") else P()) for k in moe if k != "shared"}
+def slot_spec(name: str, tp: bool = False) -> P:
+    """PartitionSpec of a routed-expert slot array (``w_gate`` / ``w_up`` / ``w_down``)."""
+    return _TP_SLOT_SPECS[name] if tp else _SLOT_SPEC
+
+
+def check_tp(cfg: ModelConfig, spec) -> bool:
+    """Whether ``spec``'s expert instances split the FFN columns (devices_per_instance > 1); raises
+    ``MeshConfigError`` naming the field when they do not divide the experts' intermediate size."""
+    k, F = spec.experts.devices_per_instance, cfg.moe.intermediate_size
+    if k > 1 and F % k:
+        raise MeshConfigError(
+            f"{spec.source}: experts.devices_per_instance: {k} devices per instance must divide the "
+            f"experts' intermediate size {F} (tensor parallelism splits the FFN columns)"
+        )
+    return k > 1
+
+
+def param_specs(moe: dict, tp: bool = False) -> dict:
+    """PartitionSpecs of one layer's expert-side parameters (as laid out by ``place_layer``);
+    ``tp``: FFN columns split over each instance's devices (``expert_tp``)."""
+    specs = {k: (slot_spec(k, tp) if k in ("w_gate", "w_up", "w_down") else P()) for k in moe if k != "shared"}
     if "shared" in moe:
         specs["shared"] = {k: _SHARED_SPECS.get(k, P()) for k in moe["shared"]}
     return specs
@@ -89,6 +111,7 @@ def make_expert_program(
     "partial" / "full" (``runtime.expert_brownout``: the slot arrays hold united experts as logical
     experts E + u, the tables cover E + U logical experts, the ``threshold`` argument is traced)."""
     N, C, E = sub.spec.experts.count, slots_per_instance, cfg.moe.num_experts
+    tp = check_tp(cfg, sub.spec)
     ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
     expert_brownout.check_mode(brownout)
 
@@ -123,6 +146,8 @@ def make_expert_program(
         y = expert_ffn(
             x2, local, weights, Stacked(p["w_gate"], p["w_up"], p["w_down"]), impl=ffn_impl, interpret=interpret
         )
+        if tp:  # this device computed its slice of the FFN columns: sum the instance's slices
+            y = jax.lax.psum(y, ETP)
         # 4. this instance's slice of the shared experts (shared_experts: experts)
         if "shared" in p:
             y = y + shared_experts(p["shared"], x2).astype(y.dtype)
@@ -135,7 +160,7 @@ def make_expert_program(
         mapped = jax.shard_map(
             per_instance,
             mesh=sub.experts,
-            in_specs=(param_specs(p), P(), P(), P(), P(), P()),
+            in_specs=(param_specs(p, tp), P(), P(), P(), P(), P()),
             out_specs=(P(EXP), P(), P(), P()),
             check_vma=False,  # coact/used are replicated by construction (same inputs everywhere)
         )
@@ -176,16 +201,18 @@ def place_layer(
             f"the weights {weights['w_gate'].shape[0]}"
         )
     idx, used = layout.gather_index(), layout.used()
-    slot_sharding = NamedSharding(sub.experts, _SLOT_SPEC)
+    tp = sub.spec.experts.devices_per_instance > 1
     for k in ("w_gate", "w_up", "w_down"):
         host = np.asarray(weights[k])
         shape = (layout.num_slots,) + host.shape[1:]
 
         def shard(index, host=host):
             rows = np.arange(layout.num_slots)[index[0]]
-            return np.where(used[rows].reshape((-1,) + (1,) * (host.ndim - 1)), host[idx[rows]], 0).astype(host.dtype)
+            part = host[(idx[rows],) + tuple(index[1:])]  # this device's slots (and columns: expert_tp)
+            return np.where(used[rows].reshape((-1,) + (1,) * (host.ndim - 1)), part, 0).astype(host.dtype)
 
-        out[k] = jax.make_array_from_callback(shape, slot_sharding, shard, dtype=host.dtype)
+        sharding = NamedSharding(sub.experts, slot_spec(k, tp))
+        out[k] = jax.make_array_from_callback(shape, sharding, shard, dtype=host.dtype)
     if shared_on_experts and "shared" in layer:
         n = sub.spec.experts.count
         shared = dict(layer["shared"])
@@ -195,7 +222,7 @@ def place_layer(
             shared["w_up"] = jnp.pad(shared["w_up"], ((0, 0), (0, pad)))
             shared["w_down"] = jnp.pad(shared["w_down"], ((0, pad), (0, 0)))
         out["shared"] = shared
-    specs = param_specs(out)
+    specs = param_specs(out, tp)
     return {
         k: (v if k in ("w_gate", "w_up", "w_down") else jax.device_put(v, _shardings(sub.experts, specs[k])))
         for k, v in out.items()
@@ -223,8 +250,15 @@ def relayout_layer(
     insts = spec.experts.devices
     plan = _source_slots(old, new, spec)
     moved = sum(1 for s, src in enumerate(plan) if src >= 0 and src // C != s // C)
+    tp = sub.spec.experts.devices_per_instance > 1
     if collective is None:
         collective = len({dev.process_index for dev in sub.experts.devices.flat}) > 1
+    if collective and tp:
+        raise NotImplementedError(
+            f"set_placement: {sub.spec.source}: experts.devices_per_instance: {sub.spec.experts.devices_per_instance}"
+            " (FFN columns split) with the expert sub-mesh spanning processes: collective slot moves"
+            " carry whole slots only (not built)"
+        )
     sharding = NamedSharding(sub.experts, _SLOT_SPEC)
     out = dict(placed)
     if collective:
@@ -244,7 +278,9 @@ def relayout_layer(
         return out, moved
     for k in ("w_gate", "w_up", "w_down"):
         arr = placed[k]
+        sharding = NamedSharding(sub.experts, slot_spec(k, tp))
         shards = {sh.device: sh.data for sh in arr.addressable_shards}
+        local_shape = arr.sharding.shard_shape(arr.shape)[1:]  # one slot on one device
         per_device = []
         for j, inst in enumerate(insts):
             for t, d in enumerate(inst):
@@ -255,7 +291,7 @@ def relayout_layer(
                 for s in range(j * C, (j + 1) * C):
                     src = plan[s]
                     if src < 0:
-                        pieces.append(jax.device_put(np.zeros((1,) + arr.shape[1:], arr.dtype), dev))
+                        pieces.append(jax.device_put(np.zeros((1,) + local_shape, arr.dtype), dev))
                         continue
                     src_dev = sub.devices[insts[src // C][t]]
                     piece = shards[src_dev][src % C : src % C + 1]
