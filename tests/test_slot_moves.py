@@ -3,7 +3,9 @@
 The collective path of ``set_placement`` (``relayout_layer(..., collective=True)``: ppermute rounds
 over the expert devices, the path taken when the expert sub-mesh spans processes) gives exactly the
 arrays of the ``device_put`` path and of placing the new layout from the logical weights, on
-layouts with one- and two-device expert instances; the rounds carry only the moved slots.
+layouts whose expert instances span both nodes; the rounds carry only the moved slots. (Expert
+instances of several devices split their FFN columns, and the collective path refuses them:
+tests/test_tensor_parallel.py.)
 The two-process run is in tests/test_multiprocess.py.
 """
 
@@ -17,16 +19,12 @@ from jaxmoe.runtime import slot_moves
 from jaxmoe.runtime.expert_program import place_layer, relayout_layer
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 from jaxmoe.runtime.rescale import MoveStats, reshard_experts, rescaled_spec, reuse_placement
-from test_transfer import CPU8, MESHES
+from test_transfer import MESHES
 
 E, D, F = 8, 6, 5
 LAYOUTS = {
     "1a7e": MESHES / "cpu-8-1a7e.yaml",  # 7 expert instances on both nodes
-    "tp2": {  # 2-device expert instances (each device of an instance holds the instance's slots)
-        **CPU8,
-        "attention": {"devices": [[0, 1], [4, 5]]},
-        "experts": {"devices": [[2, 3], [6, 7]], "slots_per_instance": 4},
-    },
+    "2a6e": MESHES / "cpu-8.yaml",  # 6 expert instances on both nodes
 }
 
 
