@@ -88,7 +88,7 @@ def test_moe_layer_with_brownout_equals_a_plain_reference(checkpoint_dir):
     valid = jnp.asarray(rng.random(37) > 0.1)
     plain = moe_layer(p, cfg, x)
     for threshold, full in ((1.0, False), (0.55, False), (0.0, False), (0.4, True)):
-        got = moe_layer(p, cfg, x, Brownout(jnp.float32(threshold), valid, full))
+        got = moe_layer(p, cfg, x, None, Brownout(jnp.float32(threshold), valid, full))
         ids, weights = route(p, cfg.moe, x)
         orig, united = split_reference(
             np.asarray(ids), np.asarray(valid), np.asarray(p["united_groups"]), threshold, full

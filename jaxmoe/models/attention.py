@@ -51,19 +51,23 @@ def _linear(p: dict, name: str, x: jnp.ndarray) -> jnp.ndarray:
 KV_CHUNK_TOKENS = 128  # keys per step of the attention loop (rounded to whole blocks)
 
 
-def _write(cache: jnp.ndarray, slots: jnp.ndarray, values: jnp.ndarray) -> jnp.ndarray:
-    """Scatter values [B, T, ...] into cache slots; slot -1 (padding) is dropped. A uint16 cache
-    holds 16-bit floats as bits (``common.pack16``)."""
+def _write(cache: jnp.ndarray, slots: jnp.ndarray, values: jnp.ndarray, layer=None) -> jnp.ndarray:
+    """Scatter values [B, T, ...] into cache slots; slot -1 (padding) is dropped. ``layer``: the
+    cache is stacked [L, slots, ...] (the monolithic scan) and this layer's slice is written in place.
+    A uint16 cache holds 16-bit floats as bits (``common.pack16``, as the scan's stacked weights)."""
+    num_slots = cache.shape[0 if layer is None else 1]
     flat = slots.reshape(-1)
-    flat = jnp.where(flat < 0, cache.shape[0], flat)
+    flat = jnp.where(flat < 0, num_slots, flat)
     values = values.reshape((-1,) + values.shape[2:])
     values = pack16(values) if cache.dtype == jnp.uint16 else values.astype(cache.dtype)
-    return cache.at[flat].set(values, mode="drop")
+    if layer is None:
+        return cache.at[flat].set(values, mode="drop")
+    return cache.at[layer, flat].set(values, mode="drop")
 
 
-def _read(cache: jnp.ndarray, idx: jnp.ndarray, dtype) -> jnp.ndarray:
-    """Cache rows ``idx`` as ``dtype`` (unpacked when the cache is packed)."""
-    return unpack16(cache[idx], dtype)
+def _read(cache: jnp.ndarray, idx: jnp.ndarray, layer, dtype) -> jnp.ndarray:
+    """Cache rows ``idx`` (of layer ``layer`` of a stacked cache) as ``dtype`` if packed."""
+    return unpack16(cache[idx] if layer is None else cache[layer, idx], dtype)
 
 
 def paged_attention(block_tables, positions, block_size: int, chunk_scores, mix) -> jnp.ndarray:
@@ -121,7 +125,9 @@ def _out_proj(p: dict, out: jnp.ndarray, tp_axis: str | None) -> jnp.ndarray:
     return y if bias is None else y + bias
 
 
-def gqa_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, tp_axis=None):
+def gqa_attention(
+    p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, layer=None, tp_axis=None
+):
     a = cfg.attn
     B, T, _ = x.shape
     q = _linear(p, "q", x).reshape(B, T, a.num_heads, a.head_dim)
@@ -133,12 +139,12 @@ def gqa_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
     cos, sin = rope_cos_sin(cfg.rope, cfg.max_position, batch.positions)
     q = apply_rope(q, cos, sin, cfg.rope.interleaved)
     k = apply_rope(k, cos, sin, cfg.rope.interleaved)
-    cache = {"k": _write(cache["k"], batch.slots, k), "v": _write(cache["v"], batch.slots, v)}
+    cache = {"k": _write(cache["k"], batch.slots, k, layer), "v": _write(cache["v"], batch.slots, v, layer)}
     group = a.num_heads // a.num_kv_heads
     q = q.reshape(B, T, a.num_kv_heads, group, a.head_dim)
 
     def chunk_scores(idx, key_pos):
-        keys, values = _read(cache["k"], idx, k.dtype), _read(cache["v"], idx, v.dtype)  # [B, W, KVH, hd]
+        keys, values = _read(cache["k"], idx, layer, k.dtype), _read(cache["v"], idx, layer, v.dtype)  # [B, W, KVH, hd]
         scores = jnp.einsum("btkgd,bwkd->bkgtw", q, keys, preferred_element_type=jnp.float32)
         return scores * a.softmax_scale, values
 
@@ -150,7 +156,9 @@ def gqa_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
     return _out_proj(p, out, tp_axis), cache
 
 
-def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, tp_axis=None):
+def mla_attention(
+    p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, layer=None, tp_axis=None
+):
     """DeepSeek multi-head latent attention, caching the compressed KV (absorbed form)."""
     a = cfg.attn
     B, T, _ = x.shape
@@ -168,8 +176,8 @@ def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
     q_pe = apply_rope(q_pe, cos, sin, cfg.rope.interleaved)
     k_pe = apply_rope(k_pe, cos, sin, cfg.rope.interleaved)[:, :, 0]
     cache = {
-        "ckv": _write(cache["ckv"], batch.slots, ckv),
-        "kpe": _write(cache["kpe"], batch.slots, k_pe),
+        "ckv": _write(cache["ckv"], batch.slots, ckv, layer),
+        "kpe": _write(cache["kpe"], batch.slots, k_pe, layer),
     }
     w_kv_b = p["kv_b"].reshape(a.kv_lora_rank, H, nope + a.v_head_dim)
     w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
@@ -177,8 +185,8 @@ def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
     q_pe = q_pe.transpose(0, 2, 1, 3)  # [B, H, T, R]
 
     def chunk_scores(idx, key_pos):
-        ckv_c = _read(cache["ckv"], idx, ckv.dtype)  # [B, W, C]
-        kpe_c = _read(cache["kpe"], idx, k_pe.dtype)  # [B, W, R]
+        ckv_c = _read(cache["ckv"], idx, layer, ckv.dtype)  # [B, W, C]
+        kpe_c = _read(cache["kpe"], idx, layer, k_pe.dtype)  # [B, W, R]
         scores = jnp.einsum("bhtc,bwc->bhtw", q_latent, ckv_c, preferred_element_type=jnp.float32) + jnp.einsum(
             "bhtr,bwr->bhtw", q_pe, kpe_c, preferred_element_type=jnp.float32
         )
@@ -193,12 +201,17 @@ def mla_attention(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: di
     return _out_proj(p, out, tp_axis), cache
 
 
-def attention_layer(p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, tp_axis=None):
+def attention_layer(
+    p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, layer=None, tp_axis=None
+):
     """Residual attention block.  Returns (h, xn, cache): h = x + attn(norm(x)), xn = post_norm(h).
+    ``layer``: index into a cache stacked over layers (see ``_write``); None: a one-layer cache.
     ``tp_axis``: tensor parallelism inside a ``shard_map`` (``runtime.attention_tp``): ``cfg`` counts
     this device's heads, ``p`` holds their columns of q/k/v and rows of o, and the output projection
     is summed over that mesh axis."""
     attend = mla_attention if cfg.attn.kind == "mla" else gqa_attention
-    out, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), batch, cache, block_size, tp_axis)
+    out, cache = attend(
+        p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), batch, cache, block_size, layer, tp_axis
+    )
     h = x + out.astype(x.dtype)
     return h, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), cache

@@ -1,5 +1,5 @@
 """Small building blocks shared by both sides of a layer: RMSNorm, the SwiGLU MLP, and the bit-packing
-of 16-bit float arrays that a loop reads (the monolithic executor's KV cache)."""
+of 16-bit float weights stacked over layers."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def swiglu_mlp(p: dict, x: jnp.ndarray) -> jnp.ndarray:
 
 def pack16(a: jnp.ndarray) -> jnp.ndarray:
     """A bf16 / fp16 array as its uint16 bits (other dtypes unchanged). XLA:CPU has no 16-bit float
-    dot: it converts a loop's loop-invariant bf16 operand to fp32 *whole*, outside the loop, so the
-    attention loop over a bf16 KV cache would convert the whole cache on every step. Bits are not
-    floats: only the rows a loop iteration reads are turned back into bf16 (``unpack16``)."""
+    dot: it converts a loop's loop-invariant bf16 operand to fp32 *whole*, outside the loop, so a
+    scan over stacked bf16 weights would convert every layer's weights on every step. Bits are not
+    floats: only the slice a layer uses is turned back into bf16 (``unpack16``) and converted."""
     return (
         jax.lax.bitcast_convert_type(a, jnp.uint16)
         if a.dtype.itemsize == 2 and jnp.issubdtype(a.dtype, jnp.floating)

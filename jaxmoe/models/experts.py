@@ -1,13 +1,13 @@
 """The MoE part of a layer: routed experts (expert side) and shared experts (attention side).
 
 Routed expert weights are stacked per expert: ``w_gate``/``w_up`` [E, D, F], ``w_down`` [E, F, D].
-The monolithic executor may keep them one buffer per expert instead (tuples, ``PerExpert``).
 ``routed_experts`` runs the expert-FFN op (``jaxmoe.pallas_kernels.expert_ffn``) with the
-implementation the caller names (``EngineConfig.expert_impl``). ``AUTO_EXPERT_IMPL`` is what "auto"
-means in the disaggregated expert program, which runs the op over physical replica slots
-(``jaxmoe.runtime.expert_program``): on XLA:CPU ``bucketed_loop``, which reads only the routed
-experts' weights, and ``dense`` elsewhere, which has no data-dependent control flow. The monolithic
-executor's "auto" is ``runtime.monolithic.AUTO_EXPERT_IMPL``.
+implementation the caller names (``EngineConfig.expert_impl``; "auto" resolves with
+``AUTO_EXPERT_IMPL``: on XLA:CPU ``bucketed_loop``, which reads only the routed experts' weights --
+whole greedy decodes of a 114M-parameter Mixtral-style model are 4.7x (batch 1) and 2.6x (batch 16)
+faster with it than with ``dense`` (``bench/decode_throughput.py``; BENCHMARKS.md) -- and ``dense``
+elsewhere, which has no data-dependent control flow).  The disaggregated runtime runs the same op
+over physical replica slots (``jaxmoe.runtime.expert_program``).
 """
 
 from __future__ import annotations
@@ -19,25 +19,44 @@ import jax.numpy as jnp
 
 from jaxmoe.brownout.routing import split
 from jaxmoe.config import ModelConfig
-from jaxmoe.models.common import swiglu_mlp
+from jaxmoe.models.common import swiglu_mlp, unpack16
 from jaxmoe.models.router import route
-from jaxmoe.pallas_kernels.expert_ffn import PerExpert, Stacked, expert_ffn, resolve
+from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
 
 AUTO_EXPERT_IMPL = {"cpu": "bucketed_loop", "other": "dense"}
 _NAMES = ("w_gate", "w_up", "w_down")
 
 
-def expert_weights(p: dict) -> Stacked | PerExpert:
-    """The routed experts of ``p``: stacked [E, ...] arrays (as loaded), or tuples of one buffer per
-    expert (the monolithic executor's CPU layout, ``PerExpert``)."""
-    weights = tuple(p[k] for k in _NAMES)
-    return PerExpert(*weights) if isinstance(weights[0], tuple) else Stacked(*weights)
+class LayerWeights(NamedTuple):
+    """``ExpertWeights`` of one layer inside the monolithic scan: the weights are stacked [L, E, ...]
+    (16-bit floats packed, ``common.pack16``) and sliced at their use: a slice taken before an inner
+    loop or switch would be copied whole (every expert of the layer) on every step."""
+
+    p: dict
+    layer: jax.Array
+
+    @property
+    def num_experts(self) -> int:
+        return self.p["w_gate"].shape[1]
+
+    def stacked(self, dtype):
+        return tuple(
+            unpack16(jax.lax.dynamic_index_in_dim(self.p[k], self.layer, keepdims=False), dtype) for k in _NAMES
+        )
+
+    def expert(self, e, dtype):
+        return tuple(
+            unpack16(jax.lax.dynamic_slice(self.p[k], (self.layer, e, 0, 0), (1, 1) + self.p[k].shape[2:])[0, 0], dtype)
+            for k in _NAMES
+        )
 
 
-def routed_experts(p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray, impl: str = "auto") -> jnp.ndarray:
-    """sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]) for x [T, D]; ``impl``: an expert-FFN
-    implementation or "auto"."""
-    experts = expert_weights(p)
+def routed_experts(
+    p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray, layer=None, impl: str = "auto"
+) -> jnp.ndarray:
+    """sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]) for x [T, D]; ``layer``: the weights are stacked
+    over layers (``LayerWeights``); ``impl``: an expert-FFN implementation or "auto"."""
+    experts = Stacked(*(p[k] for k in _NAMES)) if layer is None else LayerWeights(p, layer)
     return expert_ffn(x, ids, weights, experts, impl=resolve(impl, AUTO_EXPERT_IMPL))
 
 
@@ -51,19 +70,22 @@ class Brownout(NamedTuple):
 
 
 def moe_layer(
-    p: dict, cfg: ModelConfig, x: jnp.ndarray, brownout: Brownout | None = None, impl: str = "auto"
+    p: dict, cfg: ModelConfig, x: jnp.ndarray, layer=None, brownout: Brownout | None = None, impl: str = "auto"
 ) -> jnp.ndarray:
     """Routed-experts output for normed activations x [..., D] (gate + top-k + experts + combine).
-    ``impl``: the expert-FFN implementation (``routed_experts``).
+    ``layer``: the expert weights in ``p`` are stacked over layers (``LayerWeights``); ``impl``: the
+    expert-FFN implementation (``routed_experts``).
     ``brownout`` (with united experts ``p["united"]`` and their groups ``p["united_groups"]``): each
     choice goes to its original expert or its group's united expert (Algorithm 1, eq. 5)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     ids, weights = route(p, cfg.moe, x)
     if brownout is None or "united" not in p:
-        return routed_experts(p, x, ids, weights, impl).reshape(shape)
+        return routed_experts(p, x, ids, weights, layer, impl).reshape(shape)
     original, united = split(ids, brownout.valid, p["united_groups"], brownout.threshold, brownout.full)
-    y = routed_experts(p, x, original, weights, impl) + routed_experts(p["united"], x, united, weights, impl)
+    y = routed_experts(p, x, original, weights, layer, impl) + routed_experts(
+        p["united"], x, united, weights, layer, impl
+    )
     return y.reshape(shape)
 
 

@@ -1,20 +1,66 @@
-"""Embeddings, one whole layer and the LM head.
+"""Embeddings, the monolithic layer loop and the LM head.
 
 A layer's parameters are split the way the runtime splits the work:
 ``{"attn": ..., "mlp": ...}`` for a dense layer and ``{"attn": ..., "moe": ..., "shared": ...}``
 for an MoE layer ("shared" only when the family has shared experts).  ``attn``, ``mlp`` and
 ``shared`` run on the attention side, ``moe`` (router + routed experts) on the expert side.
-The monolithic executor (``jaxmoe.runtime.monolithic``) runs ``layer_step`` as one program per layer.
+
+The monolithic forward runs the layers as ``lax.scan`` over *groups*: maximal runs of consecutive
+layers with the same structure (DeepSeek: the dense first layers, then the MoE layers), their
+parameters and KV caches stacked on a leading layer axis (``stack_layers``). A compiled step then
+holds one layer body per group, not one per layer: compile time and the JIT's memory mappings do
+not grow with depth.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import ModelConfig
-from jaxmoe.models.attention import AttentionBatch, attention_layer
-from jaxmoe.models.common import rms_norm, swiglu_mlp
+from jaxmoe.models.attention import AttentionBatch, attention_layer, init_layer_cache
+from jaxmoe.models.common import pack16, rms_norm, swiglu_mlp, unpack16
 from jaxmoe.models.experts import Brownout, moe_layer, shared_experts
+
+
+def layer_groups(layers: list[dict]) -> list[tuple[int, int]]:
+    """(start, stop) of each maximal run of layers with the same parameter structure and shapes."""
+
+    def signature(layer):
+        return jax.tree.structure(layer), tuple((a.shape, a.dtype) for a in jax.tree.leaves(layer))
+
+    groups, start = [], 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or signature(layers[i]) != signature(layers[start]):
+            groups.append((start, i))
+            start = i
+    return groups
+
+
+def stack_layers(params: dict) -> dict:
+    """``params`` with ``layers`` replaced by ``groups``: per group, the layers' parameters stacked
+    (16-bit floats as their bits, ``common.pack16``; the model's float dtype is ``params["embed"]``'s)."""
+    layers = params["layers"]
+    groups = [jax.tree.map(lambda *xs: pack16(jnp.stack(xs)), *layers[a:b]) for a, b in layer_groups(layers)]
+    return {**{k: v for k, v in params.items() if k != "layers"}, "groups": groups}
+
+
+def unstack_layers(stacked: dict) -> dict:
+    """The inverse of ``stack_layers``: per-layer parameters."""
+    dtype = stacked["embed"].dtype
+    layers = []
+    for group in stacked["groups"]:
+        n = jax.tree.leaves(group)[0].shape[0]
+        layers += [jax.tree.map(lambda a, i=i: unpack16(a[i], dtype), group) for i in range(n)]
+    return {**{k: v for k, v in stacked.items() if k != "groups"}, "layers": layers}
+
+
+def init_stacked_cache(cfg: ModelConfig, stacked: dict, num_slots: int, dtype) -> list[dict]:
+    """Per group, a KV cache stacked over its layers: [L_group, num_slots, ...] (16-bit floats packed
+    as in ``stack_layers``; attention reads it back as the activations' dtype)."""
+    one = init_layer_cache(cfg, num_slots, dtype)
+    sizes = [jax.tree.leaves(g)[0].shape[0] for g in stacked["groups"]]
+    return [jax.tree.map(lambda a, n=n: pack16(jnp.zeros((n,) + a.shape, a.dtype)), one) for n in sizes]
 
 
 def embed(params: dict, tokens: jnp.ndarray) -> jnp.ndarray:
@@ -36,10 +82,24 @@ def lm_head(params: dict, cfg: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
     return (x @ w).astype(jnp.float32)
 
 
-def attention_side(layer: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int):
+ROUTED = ("w_gate", "w_up", "w_down")  # routed expert weights: sliced per layer at their use (experts.py)
+
+
+def layer_view(group: dict, index, dtype) -> dict:
+    """Layer ``index`` of a stacked group, except the routed expert weights, which stay stacked (and
+    packed: the expert code slices and unpacks them)."""
+
+    def take(path, a):
+        routed = len(path) >= 2 and getattr(path[0], "key", None) == "moe" and getattr(path[-1], "key", None) in ROUTED
+        return a if routed else unpack16(jax.lax.dynamic_index_in_dim(a, index, keepdims=False), dtype)
+
+    return jax.tree_util.tree_map_with_path(take, group)
+
+
+def attention_side(layer: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, index=None):
     """The attention side of a layer: (residual stream with attention and the attention-side FFN
     added, the normed input of the routed experts, the new cache)."""
-    h, xn, cache = attention_layer(layer["attn"], cfg, x, batch, cache, block_size)
+    h, xn, cache = attention_layer(layer["attn"], cfg, x, batch, cache, block_size, index)
     out = attention_side_ffn(layer, xn)
     return (h if out is None else h + out), xn, cache
 
@@ -51,12 +111,54 @@ def layer_step(
     batch: AttentionBatch,
     cache: dict,
     block_size: int,
+    index=None,
     brownout: Brownout | None = None,
     expert_impl: str = "auto",
 ):
-    """One whole layer (attention side, then the routed experts); ``expert_impl``: the expert-FFN
-    implementation (``moe_layer``)."""
-    x, xn, cache = attention_side(layer, cfg, x, batch, cache, block_size)
+    """One whole layer (attention side, then the routed experts); ``index`` as ``attention_layer``'s
+    (and, for the routed expert weights of a ``layer_view``, ``moe_layer``'s); ``expert_impl``: the
+    expert-FFN implementation (``moe_layer``)."""
+    x, xn, cache = attention_side(layer, cfg, x, batch, cache, block_size, index)
     if "moe" in layer:
-        x = x + moe_layer(layer["moe"], cfg, xn, brownout, expert_impl)
+        x = x + moe_layer(layer["moe"], cfg, xn, index, brownout, expert_impl)
     return x, cache
+
+
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    tokens,
+    batch: AttentionBatch,
+    cache: list,
+    block_size: int,
+    logits_index=None,
+    brownout_threshold=None,
+    full_brownout: bool = False,
+    expert_impl: str = "auto",
+):
+    """Monolithic forward over tokens [B, T] with stacked parameters and caches (``stack_layers``,
+    ``init_stacked_cache``): one ``lax.scan`` per layer group.
+
+    Returns (logits, cache): logits [B, V] at ``logits_index`` [B] (the last real token of each
+    row), or [B, T, V] when ``logits_index`` is None.
+    """
+    x = embed(params, tokens)
+    brownout = (
+        None
+        if brownout_threshold is None
+        else Brownout(brownout_threshold, (batch.slots >= 0).reshape(-1), full_brownout)
+    )
+    new_cache = []
+    for group, group_cache in zip(params["groups"], cache):
+
+        def body(carry, index, group=group):
+            x, group_cache = carry
+            layer = layer_view(group, index, params["embed"].dtype)
+            return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout, expert_impl), None
+
+        n = jax.tree.leaves(group)[0].shape[0]
+        (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), jnp.arange(n))
+        new_cache.append(group_cache)
+    if logits_index is not None:
+        x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
+    return lm_head(params, cfg, x), new_cache

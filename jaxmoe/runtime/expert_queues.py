@@ -31,12 +31,12 @@ def expert_bounds(num_experts: int, rounds: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
-def serve_round(p: dict, xn, ids, weights, partial, lo, hi, impl: str = "auto"):
+def serve_round(p: dict, xn, ids, weights, partial, lo, hi, layer=None, impl: str = "auto"):
     """``partial`` plus the output of the assignments queued at experts [lo, hi) (``lo``/``hi``
     traced: one program serves every round). ``xn`` [T, D] the routed experts' input, ``ids`` /
     ``weights`` [T, k] the gating result, ``partial`` [T, D] in float32."""
     mine = (ids >= lo) & (ids < hi)
-    out = routed_experts(p, xn, jnp.where(mine, ids, -1), weights, impl)
+    out = routed_experts(p, xn, jnp.where(mine, ids, -1), weights, layer, impl)
     return partial + out.astype(jnp.float32)
 
 

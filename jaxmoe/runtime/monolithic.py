@@ -1,17 +1,9 @@
-"""The monolithic executor: every layer's attention and experts on one device set, the baseline the
-disaggregated runtime is checked against and the single-device default.
-
-A step is one program per layer (compiled once per layer structure and shape: DeepSeek's dense first
-layers and its MoE layers are two programs, whatever the depth), called over each layer's own
-parameter and KV-cache buffers, between an embedding and an LM-head program. No weight is sliced out
-of a bigger array at run time: XLA:CPU copies a dynamically sliced matmul operand before the matmul,
-and in the earlier form (one ``lax.scan`` over weights stacked by layer) those copies cost more than
-the matmuls (BENCHMARKS.md, issue 17). On CPU the routed experts are also kept one buffer per expert
-(``PerExpert``) for the ``expert_loop`` implementation.
+"""The monolithic executor: every layer's attention and experts in one jitted program on one device
+set.  It is the baseline the disaggregated runtime is checked against, and the single-GPU default.
 
 ``forward`` returns logits that stay on device; ``ModelRunner`` samples them with the sampler's own
-program. Called with ``between_layers``, it calls it at the pause points (every ``pause_every``
-layers, and between expert rounds with per-expert queues): QLLM's layer-level preemption.
+program (one per batch size, shared by every token bucket: the sampler is not compiled again into
+each step program).
 """
 
 from __future__ import annotations
@@ -23,19 +15,23 @@ import numpy as np
 from jaxmoe.brownout.config import check_threshold
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
-from jaxmoe.models.attention import AttentionBatch, init_layer_cache
-from jaxmoe.models.common import pack16
-from jaxmoe.models.experts import Brownout
+from jaxmoe.models.attention import AttentionBatch
+from jaxmoe.models.experts import AUTO_EXPERT_IMPL, Brownout
 from jaxmoe.models.router import route
-from jaxmoe.models.transformer import attention_side, embed, layer_step, lm_head
-from jaxmoe.pallas_kernels.expert_ffn import PerExpert, resolve
+from jaxmoe.models.transformer import (
+    attention_side,
+    embed,
+    forward,
+    init_stacked_cache,
+    layer_step,
+    layer_view,
+    lm_head,
+    stack_layers,
+    unstack_layers,
+)
+from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime.expert_queues import expert_bounds, queue_depth, serve_round
 from jaxmoe.runtime.pause_points import PausePoints
-
-# The expert-FFN implementation "auto" resolves to (``models.experts.AUTO_EXPERT_IMPL`` is the
-# disaggregated expert program's): on XLA:CPU a loop over experts with one buffer per expert.
-AUTO_EXPERT_IMPL = {"cpu": "expert_loop", "other": "dense"}
-ROUTED = ("w_gate", "w_up", "w_down")
 
 
 def _int32(a):
@@ -46,32 +42,11 @@ def _int32(a):
     return np.asarray(a, np.int32)
 
 
-def _per_expert(p: dict) -> dict:
-    """A routed-experts dict with its stacked [E, ...] weights split into one buffer per expert
-    (16-bit floats as bits: ``PerExpert``)."""
-    split = PerExpert.split(*(p[k] for k in ROUTED), packed=True)
-    return {**p, **dict(zip(ROUTED, split))}
-
-
-def _stacked(p: dict, dtype) -> dict:
-    """The inverse of ``_per_expert``."""
-    if not isinstance(p["w_gate"], tuple):
-        return p
-    return {**p, **dict(zip(ROUTED, PerExpert(*(p[k] for k in ROUTED)).stacked(dtype)))}
-
-
-def _expert_layout(layer: dict, convert) -> dict:
-    """``layer`` with ``convert`` applied to its routed experts (and their united experts)."""
-    if "moe" not in layer:
-        return layer
-    moe = convert(layer["moe"])
-    if "united" in moe:
-        moe = {**moe, "united": convert(moe["united"])}
-    return {**layer, "moe": moe}
-
-
 class MonolithicExecutor:
-    """Owns the per-layer parameters and KV caches; ``forward`` runs one step over all layers."""
+    """Owns the parameters and the paged KV cache; ``forward`` runs one step over all layers.
+
+    Parameters and caches are stacked per layer group (``models.transformer.stack_layers``): the
+    jitted step scans over layers."""
 
     def __init__(
         self,
@@ -86,27 +61,24 @@ class MonolithicExecutor:
         pause_every: int = 1,
     ):
         """``expert_impl``: the expert-FFN implementation (``jaxmoe.pallas_kernels.expert_ffn``; "auto":
-        ``AUTO_EXPERT_IMPL``). ``brownout``: a ``BrownoutConfig`` (the params must hold united experts,
+        ``models.experts.AUTO_EXPERT_IMPL``). ``brownout``: a ``BrownoutConfig`` (the params must hold united experts,
         ``jaxmoe.brownout.united.attach``); its threshold is ``brownout_threshold``, which may
-        change between steps (SALC) without recompiling. ``expert_queues``: with ``between_layers``,
-        serve each MoE layer's expert queues in this many rounds with a pause point between
+        change between steps (SALC) without recompiling. ``expert_queues``: in the layer-by-layer
+        mode, serve each MoE layer's expert queues in this many rounds with a pause point between
         them (QLLM per-expert queues, ``runtime.expert_queues``; 0: one expert program per layer).
-        ``pause_every``: with ``between_layers``, layers between pause points."""
+        ``pause_every``: in the layer-by-layer mode, layers per program (pause points every that many
+        layers: fewer dispatches and host checks, a longer wait for latency-sensitive work)."""
         self.cfg, self.block_size = cfg, block_size
         self.kv_layout = KVLayout.for_slots(num_slots, block_size)
         self.num_attention, self.num_cache_slots = 1, self.kv_layout.num_slots
-        self.expert_impl = impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
-        layout = _per_expert if impl == "expert_loop" else (lambda p: p)
-        self.globals = {k: v for k, v in params.items() if k != "layers"}
-        self.layers = [_expert_layout(layer, layout) for layer in params["layers"]]
+        self.stacked = stack_layers(params)
         dtype = cache_dtype or params["embed"].dtype
-        self._new_cache = lambda: [  # 16-bit floats as bits: see common.pack16
-            jax.tree.map(pack16, init_layer_cache(cfg, self.num_cache_slots, dtype)) for _ in self.layers
-        ]
+        self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, self.num_cache_slots, dtype)
         self.cache = self._new_cache()
         self.brownout = brownout
         self._brownout_threshold = None if brownout is None else brownout.threshold
         full = brownout is not None and brownout.use_full_brownout
+        self.expert_impl = impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
         self.expert_queues = expert_queues
         if not isinstance(pause_every, int) or isinstance(pause_every, bool) or pause_every < 1:
             raise ValueError(
@@ -117,20 +89,34 @@ class MonolithicExecutor:
         if self._rounds and brownout is not None:
             raise ValueError("expert_queues and brownout cannot be combined (per-expert queues serve original experts)")
         self._queued = None  # (ids, first expert not yet served) while a step waits between expert rounds
+        dtype = self.stacked["embed"].dtype
 
-        def layer(layer, x, batch, cache, threshold):
+        def step(params, tokens, batch, cache, logits_index, threshold):
+            return forward(params, cfg, tokens, batch, cache, block_size, logits_index, threshold, full, impl)
+
+        def some_layers(group, x, batch, group_cache, start, threshold, n):  # the layer-by-layer mode
             brownout = None if threshold is None else Brownout(threshold, (batch.slots >= 0).reshape(-1), full)
-            return layer_step(layer, cfg, x, batch, cache, block_size, brownout, impl)
 
-        def gate(layer, x, batch, cache):  # expert queues: attention side + gating
-            h, xn, cache = attention_side(layer, cfg, x, batch, cache, block_size)
+            def body(carry, index):
+                x, group_cache = carry
+                layer = layer_view(group, index, dtype)
+                return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout, impl), None
+
+            (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), start + jnp.arange(n))
+            return x, group_cache
+
+        def gate(group, x, batch, group_cache, index):  # expert queues: attention side + gating
+            layer = layer_view(group, index, dtype)
+            h, xn, group_cache = attention_side(layer, cfg, x, batch, group_cache, block_size, index)
             xn = xn.reshape(-1, xn.shape[-1])
             ids, weights = route(layer["moe"], cfg.moe, xn)
             ids = jnp.where((batch.slots >= 0).reshape(-1, 1), ids, -1)  # padding queues nowhere
-            return h, xn, ids, weights, jnp.zeros(xn.shape, jnp.float32), cache
+            return h, xn, ids, weights, jnp.zeros(xn.shape, jnp.float32), group_cache
 
-        def expert_round(moe, h, xn, ids, weights, partial, lo, hi):
-            partial = serve_round(moe, xn, ids, weights, partial, lo, hi, impl)
+        def expert_round(group, h, xn, ids, weights, partial, index, lo, hi):
+            partial = serve_round(
+                layer_view(group, index, dtype)["moe"], xn, ids, weights, partial, lo, hi, index, impl
+            )
             return partial, h + partial.reshape(h.shape).astype(h.dtype)
 
         def head(params, x, logits_index):
@@ -138,8 +124,9 @@ class MonolithicExecutor:
                 x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
             return lm_head(params, cfg, x)
 
+        self._step = jax.jit(step, donate_argnums=(3,))
         self._embed = jax.jit(embed)
-        self._layer = jax.jit(layer, donate_argnums=(3,))
+        self._layers = jax.jit(some_layers, donate_argnums=(3,), static_argnums=(6,))
         self._head = jax.jit(head)
         self._gate = jax.jit(gate, donate_argnums=(3,))
         self._expert_round = jax.jit(expert_round)
@@ -158,15 +145,11 @@ class MonolithicExecutor:
 
     @property
     def params(self) -> dict:
-        """Per-layer parameters, routed experts stacked [E, ...] (as loaded)."""
-        dtype = self.globals["embed"].dtype
-        return {
-            **self.globals,
-            "layers": [_expert_layout(layer, lambda p: _stacked(p, dtype)) for layer in self.layers],
-        }
+        """Per-layer parameters (views of the stacked arrays)."""
+        return unstack_layers(self.stacked)
 
     def expert_activation_counts(self) -> None:
-        """The monolithic programs do not count expert activations."""
+        """The fused program does not count expert activations."""
         return None
 
     def expert_queue_depth(self):
@@ -189,33 +172,44 @@ class MonolithicExecutor:
     def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
         """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None); updates the KV cache.
 
-        ``between_layers(n)``: called at each pause point (``n``: the layers done), every
-        ``pause_every`` layers and, with ``expert_queues``, between the expert rounds of a MoE
-        layer; what it runs on this executor meanwhile (another batch, on other KV slots) does not
-        change this step's result."""
+        ``between_layers(n)``: run layer by layer (one program per ``pause_every`` layers of a layer
+        group, the first layer's index a traced value) and call it after each program but the
+        last (``n``: the layers done); what it runs on this
+        executor meanwhile (another batch, on other KV slots) does not change this step's result.
+        With ``expert_queues``, ``between_layers(n)`` is also called between the expert rounds of a
+        MoE layer (``n``: the layers done so far).
+        Without it: the whole model as one fused program (the fast path)."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
         threshold = None if self.brownout_threshold is None else np.float32(self.brownout_threshold)
-        pause = None if between_layers is None else PausePoints(between_layers)
-        x = self._embed(self.globals, tokens)
-        total = len(self.layers)
-        for i, layer in enumerate(self.layers):
-            if pause is not None and self._rounds and "moe" in layer:
-                x = self._queued_layer(i, x, batch, lambda partial, done=i: pause(done, partial))
-            else:
-                x, self.cache[i] = self._layer(layer, x, batch, self.cache[i], threshold)
-            done = i + 1
-            if pause is not None and done < total and done % self.pause_every == 0:
-                pause(done, x)
-        return self._head(self.globals, x, index)
+        if between_layers is None:
+            logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index, threshold)
+            return logits
+        x = self._embed(self.stacked, tokens)
+        pause = PausePoints(between_layers)
+        done, total = 0, self.cfg.num_layers
+        for g, group in enumerate(self.stacked["groups"]):
+            size, j = jax.tree.leaves(group)[0].shape[0], 0
+            while j < size:
+                if self._rounds and "moe" in group:
+                    x, n = self._queued_layer(g, j, x, batch, lambda partial: pause(done, partial)), 1
+                else:
+                    n = min(self.pause_every, size - j)
+                    x, self.cache[g] = self._layers(group, x, batch, self.cache[g], np.int32(j), threshold, n)
+                j, done = j + n, done + n
+                if done < total:
+                    pause(done, x)
+        return self._head(self.stacked, x, index)
 
-    def _queued_layer(self, i: int, x, batch: AttentionBatch, pause_point):
-        """Layer ``i`` with per-expert queues: attention and gating, then the expert rounds with
-        ``pause_point(partial)`` between them; the tokens' outputs join the residual stream after the
-        last round."""
-        layer = self.layers[i]
-        h, xn, ids, weights, partial, self.cache[i] = self._gate(layer, x, batch, self.cache[i])
+    def _queued_layer(self, g: int, j: int, x, batch: AttentionBatch, pause_point):
+        """Layer ``j`` of group ``g`` with per-expert queues: attention and gating, then the expert
+        rounds with ``pause_point(partial)`` between them; the tokens' outputs join the residual stream
+        after the last round."""
+        group = self.stacked["groups"][g]
+        h, xn, ids, weights, partial, self.cache[g] = self._gate(group, x, batch, self.cache[g], np.int32(j))
         for r, (lo, hi) in enumerate(self._rounds):
-            partial, x = self._expert_round(layer["moe"], h, xn, ids, weights, partial, np.int32(lo), np.int32(hi))
+            partial, x = self._expert_round(
+                group, h, xn, ids, weights, partial, np.int32(j), np.int32(lo), np.int32(hi)
+            )
             if r + 1 < len(self._rounds):
                 self._queued = (ids, hi)
                 try:

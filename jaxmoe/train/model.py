@@ -120,7 +120,7 @@ def forward(
         if "mlp" in layer:
             x = h + swiglu_mlp(layer["mlp"], xn)
         elif brownout is not None:
-            x = h + moe_layer(layer["moe"], cfg, xn, brownout)
+            x = h + moe_layer(layer["moe"], cfg, xn, None, brownout)
         else:
             y, layer_stats = moe_ffn(layer["moe"], cfg, xn.reshape(B * T, -1), capacity_factor)
             x = h + y.reshape(B, T, -1)

@@ -13,9 +13,6 @@ in x.dtype with fp32 accumulation.  ``experts`` gives the stacked weights (``Exp
   data-dependent control flow (what GPU/TPU prefer).
 * ``"bucketed_loop"``: a loop over experts, each on only its routed tokens in a power-of-two
   capacity bucket; reads only the routed experts' weights (fast on XLA:CPU at batch 1 and prefill).
-* ``"expert_loop"``: the same per expert, unrolled over the experts (static indices): with
-  ``PerExpert`` weights every matmul reads its expert's own buffer, with no slice copied first
-  (XLA:CPU copies a dynamically sliced matmul operand: BENCHMARKS.md, issue 17).
 * ``"grouped"``: tokens dispatched into an [E, C, D] buffer, one batched matmul per projection.
 * ``"ragged_dot"``: sort by expert, ``jax.lax.ragged_dot`` (XLA's grouped matmul), un-sort.
 * ``"padded_einsum"``: sort by expert, padded [E, T, D] einsum, un-sort.
@@ -68,47 +65,6 @@ class Stacked(NamedTuple):
         return tuple(jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in self)
 
 
-class PerExpert(NamedTuple):
-    """``ExpertWeights`` as one buffer per expert and projection: tuples of E gate / up [D, F] and
-    down [F, D] arrays. ``expert(e)`` with a Python int is that expert's own buffers (no slice);
-    ``stacked`` builds the [E, ...] arrays (a copy) for the forms that need them. A buffer may hold
-    16-bit floats as their uint16 bits (``packed``): XLA:CPU converts a bf16 matmul operand to fp32,
-    and hoists that conversion out of the ``lax.switch`` that skips an unrouted expert, converting
-    every expert on every step; bits are converted only where the expert runs."""
-
-    w_gate: tuple
-    w_up: tuple
-    w_down: tuple
-
-    @classmethod
-    def split(cls, w_gate, w_up, w_down, packed: bool = False) -> "PerExpert":
-        """Per-expert buffers from stacked [E, ...] arrays (``packed``: 16-bit floats as bits)."""
-        pack = _pack16 if packed else (lambda a: a)
-        return cls(*(tuple(pack(w[e]) for e in range(w.shape[0])) for w in (w_gate, w_up, w_down)))
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.w_gate)
-
-    def stacked(self, dtype):
-        return tuple(_unpack16(jax.numpy.stack(w), dtype) for w in self)
-
-    def expert(self, e, dtype):
-        if isinstance(e, int):
-            return tuple(_unpack16(w[e], dtype) for w in self)
-        return tuple(jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in self.stacked(dtype))
-
-
-def _pack16(a: jax.Array) -> jax.Array:
-    """A bf16 / fp16 array as its uint16 bits (other dtypes unchanged)."""
-    floating16 = a.dtype.itemsize == 2 and jax.numpy.issubdtype(a.dtype, jax.numpy.floating)
-    return jax.lax.bitcast_convert_type(a, jax.numpy.uint16) if floating16 else a
-
-
-def _unpack16(a: jax.Array, dtype) -> jax.Array:
-    return jax.lax.bitcast_convert_type(a, dtype) if a.dtype == jax.numpy.uint16 else a
-
-
 def _sorted(grouped_impl: str) -> Callable:
     def run(x, ids, weights, experts, interpret=None):
         return xla.sorted_by_expert(x, ids, weights, experts, grouped_impl, interpret)
@@ -120,7 +76,6 @@ IMPLS: dict[str, Callable] = {
     "reference": reference.expert_ffn_reference,
     "dense": xla.dense,
     "bucketed_loop": xla.bucketed_loop,
-    "expert_loop": xla.expert_loop,
     "grouped": xla.grouped,
     "ragged_dot": _sorted("ragged_dot"),
     "padded_einsum": _sorted("einsum"),

@@ -1,5 +1,5 @@
 """XLA implementations of the expert FFN (``api.py`` names them): ``dense``, ``bucketed_loop``,
-``expert_loop``, ``grouped``, and the sorted-by-expert forms that run a grouped matmul (``ragged_dot``,
+``grouped``, and the sorted-by-expert forms that run a grouped matmul (``ragged_dot``,
 ``padded_einsum``, ``pallas``) from ``jaxmoe.pallas_kernels.grouped_matmul``.
 
 The loop bodies / switch branches are compiled once, so compile time stays close to the dense form's.
@@ -45,53 +45,34 @@ def dense(x, ids, weights, experts):
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), mix).astype(x.dtype)
 
 
-def _routed_rows(x, w, ffn, caps: list[int], acc):
-    """``acc`` plus one expert's output on the rows it is routed to (combine weights ``w`` [T], 0:
-    not routed), gathered into the smallest capacity bucket of ``caps`` that holds them (``lax.switch``;
-    no rows: skipped). ``ffn(rows) -> out`` runs that expert's SwiGLU."""
-    T = x.shape[0]
-    routed = w != 0
-
-    def run(acc, cap):
-        if cap == T:  # every row: no gather / scatter
-            return acc + ffn(x).astype(jnp.float32) * w[:, None]
-        (rows,) = jnp.nonzero(routed, size=cap, fill_value=T)  # T (out of range) pads
-        xs = jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
-        ws = jnp.take(w, rows, mode="fill", fill_value=0)
-        return acc.at[rows].add(ffn(xs).astype(jnp.float32) * ws[:, None], mode="drop")
-
-    branches = [lambda acc: acc] + [lambda acc, cap=cap: run(acc, cap) for cap in caps]
-    n = routed.sum()
-    branch = jnp.where(n == 0, 0, 1 + jnp.searchsorted(jnp.asarray(caps), n))
-    return jax.lax.switch(branch, branches, acc)
-
-
 def bucketed_loop(x, ids, weights, experts):
     """A ``fori_loop`` over experts. An expert no token is routed to is skipped; a routed one gathers
     its tokens into the smallest power-of-two capacity bucket that holds them (``lax.switch`` over a
     few static sizes), runs its FFN as 2-D matmuls and scatter-adds the weighted rows: reads only the
     routed experts' weights and computes about the routed rows."""
-    caps = capacity_buckets(x.shape[0])
+    T = x.shape[0]
+    caps = capacity_buckets(T)
     mix = combine_weights(ids, weights, experts.num_experts)
 
     def body(e, acc):
         w = jax.lax.dynamic_index_in_dim(mix, e, axis=1, keepdims=False)  # [T]
-        return _routed_rows(x, w, lambda rows: _swiglu(rows, *experts.expert(e, x.dtype)), caps, acc)
+        routed = w != 0
+
+        def run(acc, cap):
+            if cap == T:  # every row: no gather / scatter
+                return acc + _swiglu(x, *experts.expert(e, x.dtype)).astype(jnp.float32) * w[:, None]
+            (rows,) = jnp.nonzero(routed, size=cap, fill_value=T)  # T (out of range) pads
+            xs = jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
+            ws = jnp.take(w, rows, mode="fill", fill_value=0)
+            y = _swiglu(xs, *experts.expert(e, x.dtype)).astype(jnp.float32) * ws[:, None]
+            return acc.at[rows].add(y, mode="drop")
+
+        branches = [lambda acc: acc] + [lambda acc, cap=cap: run(acc, cap) for cap in caps]
+        n = routed.sum()
+        branch = jnp.where(n == 0, 0, 1 + jnp.searchsorted(jnp.asarray(caps), n))
+        return jax.lax.switch(branch, branches, acc)
 
     acc = jax.lax.fori_loop(0, experts.num_experts, body, jnp.zeros(x.shape, jnp.float32))
-    return acc.astype(x.dtype)
-
-
-def expert_loop(x, ids, weights, experts):
-    """``bucketed_loop`` unrolled over the experts: expert e is a Python int, so with ``PerExpert``
-    weights its matmuls read its own buffers in place. XLA:CPU copies a dynamically sliced matmul
-    operand first (``fori_loop`` over stacked weights: every routed expert's weights read twice and
-    written once per step), which made the copies cost more than the matmuls (issue 17's profile)."""
-    caps = capacity_buckets(x.shape[0])
-    mix = combine_weights(ids, weights, experts.num_experts)
-    acc = jnp.zeros(x.shape, jnp.float32)
-    for e in range(experts.num_experts):
-        acc = _routed_rows(x, mix[:, e], lambda rows, e=e: _swiglu(rows, *experts.expert(e, x.dtype)), caps, acc)
     return acc.astype(x.dtype)
 
 

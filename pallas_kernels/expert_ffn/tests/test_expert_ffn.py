@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.pallas_kernels.expert_ffn import IMPLS, PerExpert, Stacked, expert_ffn, expert_ffn_reference, resolve
+from jaxmoe.pallas_kernels.expert_ffn import IMPLS, Stacked, expert_ffn, expert_ffn_reference, resolve
 
 CASES = {  # tokens, top_k, experts, hidden, ffn, how ids are drawn
     "decode_b1": (1, 2, 8, 32, 64, "random"),
@@ -89,14 +89,3 @@ def test_names_are_checked():
         resolve("nope", {"other": "dense"})
     assert resolve("auto", {"cpu": "bucketed_loop", "other": "dense"}) in ("bucketed_loop", "dense")
     assert resolve("grouped", {"other": "dense"}) == "grouped"
-
-
-@pytest.mark.parametrize("case", ["decode_b1", "decode_b16", "unrouted_slots"])
-@pytest.mark.parametrize("impl", sorted(set(IMPLS) - {"pallas"}))
-def test_per_expert_weights_match_the_reference(impl, case):
-    """The same op over ``PerExpert`` weights (one buffer per expert, the monolithic CPU layout)."""
-    seed = int.from_bytes(os.urandom(3), "little")
-    x, ids, weights, experts = _inputs(case, jnp.float32, seed)
-    want = _f32(expert_ffn_reference(x, ids, weights, experts))
-    got = jax.jit(functools.partial(expert_ffn, impl=impl))(x, ids, weights, PerExpert.split(*experts))
-    np.testing.assert_allclose(_f32(got), want, err_msg=f"{impl} {case} seed={seed}", **_tolerance(jnp.float32, want))
