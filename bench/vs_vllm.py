@@ -302,7 +302,7 @@ def header(args) -> str:
     return (
         f"- **Date:** {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. **Machine:** {os.cpu_count()}-core {cpu}, "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU. jax {versions}.\n"
-        f"- **Command:** `python bench/vs_vllm.py --vllm-python {args.vllm_python}"
+        f"- **Command:** `python bench/vs_vllm.py --vllm-python {args.vllm_python} --engines {','.join(args.engines)}"
         f" --dtypes {','.join(args.dtypes)} --batches {','.join(map(str, args.batches))} --rounds {args.rounds}`\n\n"
     )
 
