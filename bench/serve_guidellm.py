@@ -73,8 +73,6 @@ import json
 import os
 import pathlib
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -82,6 +80,8 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from serve_vs_vllm import Server, cpu_list, free_port  # noqa: E402 (the same server harness)
 
 SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 = the checkpoint's (unk), bos_token_id, eos_token_id
 SERVERS = ("jaxmoe", "vllm")
@@ -160,65 +160,12 @@ def make_checkpoint(path: pathlib.Path, corpus_mb: float) -> dict:
 # --------------------------------------------------------------------------------------------------
 # servers
 # --------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status, r.read().decode(errors="replace")
     except Exception:  # noqa: BLE001 - not up yet / gone: the caller polls or reports
         return 0, ""
-
-
-class Server:
-    """A server subprocess in its own process group, its output in ``log_path``."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict, log_path: pathlib.Path, port: int):
-        self.name, self.log_path, self.url = name, log_path, f"http://127.0.0.1:{port}"
-        shown = " ".join(
-            f"{k}={env[k]}" for k in sorted(env) if k.startswith(("VLLM_", "JAXMOE_")) or k == "LD_PRELOAD"
-        )
-        print(f"[{name}] $ {shown} {' '.join(cmd)}", flush=True)
-        self.log = open(log_path, "wb")
-        self.t_start = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-
-    def tail(self, n: int = 25) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def wait_ready(self, timeout: float) -> float:
-        """Poll ``GET /health`` every 0.5 s until 200 (bounded); seconds from process start."""
-        while time.monotonic() - self.t_start < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with {self.proc.returncode} before /health was 200:\n{self.tail()}")
-            if _get(self.url + "/health", timeout=2.0)[0] == 200:
-                return time.monotonic() - self.t_start
-            time.sleep(0.5)
-        raise RuntimeError(f"/health not 200 after {timeout:.0f}s:\n{self.tail()}")
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the process group, SIGKILL what is left after ``timeout`` s."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            print(f"[{self.name}] did not stop in {timeout:.0f}s: SIGKILL", flush=True)
-        with contextlib.suppress(ProcessLookupError):  # stragglers of the group (vLLM's engine process)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-        self.log.close()
-
-
-def cpu_list() -> str:
-    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
 def vllm_ld_preload(vllm_python: str) -> str:
@@ -252,7 +199,7 @@ def start_server(a, name: str, dtype: str, ckpt: pathlib.Path, workdir: pathlib.
         if a.cold_cache:
             env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-", dir=workdir)
         env["PATH"] = str(pathlib.Path(a.vllm_python).parent) + os.pathsep + env.get("PATH", "")
-    return Server(name, cmd, env, workdir / f"{name}.log", port)
+    return Server(name, cmd, env, port, workdir / f"{name}.log")
 
 
 def jaxmoe_metric(url: str, name: str) -> float | None:
@@ -383,7 +330,7 @@ def bench_server(a, name: str, dtype: str, ckpt: pathlib.Path, workdir: pathlib.
         print(f"[{name} {dtype}] FAILED: {e}", flush=True)
     finally:
         info["load"] = os.getloadavg()[0]
-        server.stop()
+        server.stop(30.0)
     return info
 
 

@@ -77,16 +77,21 @@ class SALCConfig:
     def __post_init__(self):
         if self.slo_ttft_s is None and self.slo_tpot_s is None:
             raise BrownoutError("SALC needs an SLO: slo_ttft_s and/or slo_tpot_s")
-        for name, value in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
-            if value is not None:
-                check_salc(**{name: value})
-        check_salc(
-            window=self.window_s,
-            warning_factor=self.warning_factor,
-            increment=self.increment,
-            shrink_ratio=self.shrink_ratio,
-            period=self.period_s,
-        )
+        _check_salc_fields(self)
+
+
+def _check_salc_fields(c) -> None:
+    """The SALC parameter fields shared by ``SALCConfig`` and ``BrownoutSettings``, each checked."""
+    for name, value in (("slo_ttft_s", c.slo_ttft_s), ("slo_tpot_s", c.slo_tpot_s)):
+        if value is not None:
+            check_salc(**{name: value})
+    check_salc(
+        window=c.window_s,
+        warning_factor=c.warning_factor,
+        increment=c.increment,
+        shrink_ratio=c.shrink_ratio,
+        period=c.period_s,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +115,7 @@ class BrownoutSettings:
         self.brownout()
         if not isinstance(self.salc, bool):
             raise BrownoutError(f"salc must be true or false, got {self.salc!r}")
-        for name, value in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
-            if value is not None:
-                check_salc(**{name: value})
-        check_salc(
-            window=self.window_s,
-            warning_factor=self.warning_factor,
-            increment=self.increment,
-            shrink_ratio=self.shrink_ratio,
-            period=self.period_s,
-        )
+        _check_salc_fields(self)
         self.salc_config()  # with salc on: an SLO is needed
 
     def brownout(self) -> BrownoutConfig:
