@@ -19,6 +19,10 @@ programs, plus the GEMM / attention / communication base models of eq. 7-9 for t
 derived from base models alone (``derive_stages``: the paper's eq. 10-11 and the shared-expert,
 expert and A2E models built on eq. 7-9 -- how the GPU-shaped profile from the paper's Fig. 7
 parameters is made).
+
+``host`` says what the hardware can overlap (``schedule.Host``): ``None`` (the GPU-shaped profile,
+and the paper's model) means every resource is separate hardware; a measured profile carries the
+host's concurrency and per-program dispatch time, fitted by ``measure.measure_host``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxmoe.planning.linear import LinearModel
+from jaxmoe.planning.schedule import Host
 
 PROFILE_KIND = "jaxmoe-findep-profile"
 
@@ -82,6 +87,23 @@ class StageModels(BaseModel):
     e2a: LinearModel  # (bytes)
 
 
+class HostModel(BaseModel):
+    """How much of a step's work the hardware overlaps, measured (``measure.measure_host``).
+
+    ``concurrency``: (sum of the programs' times alone) / (their time dispatched together), over
+    programs on the attention and expert sub-meshes; 1: one at a time, 2: a pair fully overlaps.
+    ``dispatch``: host seconds per program the executor dispatches (asynchronously)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    concurrency: float = Field(ge=1.0)
+    dispatch: float = Field(ge=0.0)
+    samples: dict[str, list[list[float]]] = Field(default_factory=dict)  # measurement -> raw points
+
+    def host(self) -> Host:
+        return Host(concurrency=self.concurrency, dispatch=self.dispatch)
+
+
 class Profile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -95,6 +117,7 @@ class Profile(BaseModel):
     dims: Dims
     stages: StageModels
     base: BaseModels | None = None
+    host: HostModel | None = None  # None: separate hardware per resource (the paper's model)
     samples: dict[str, list[list[float]]] = Field(default_factory=dict)  # fit -> [[x..., t], ...]
 
     def check(self, *, mesh: str | None = None, model: str | None = None, dtype: str | None = None) -> None:

@@ -14,7 +14,9 @@ predicted throughput. Two readings of "the batch":
 
 For each frontier point and order (ASAS, AASS) the step time is convex in 1/r2 (Theorem 4), so r2
 is found by an integer ternary search; m_e = m_a * ag * q * top_k / (r2 * E) follows. Times come
-from ``schedule.estimate``, which equals the event model ``schedule.simulate``.
+from ``schedule.estimate``, which equals the event model ``schedule.simulate``, with the profile's
+``host`` bounds when it has one (a measured CPU profile: step >= work / concurrency and >= programs x
+dispatch; both are linear in r2, so still convex in 1/r2).
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class _Objective:
             raise PlanError(f"mode must be 'batch' or 'max', got {mode!r}")
         self.profile, self.shape, self.mode = profile, shape, mode
         self.layers = (profile.dims.moe_layers, profile.dims.dense_layers)
+        self.host = None if profile.host is None else profile.host.host()
         self._per_m_a: dict[int, tuple] = {}
 
     def _terms(self, m_a: int) -> tuple:
@@ -139,7 +142,7 @@ class _Objective:
     def time(self, order: str, m_a: int, r1: int, r2: int) -> tuple[float, StageTimes]:
         a, sh, dense, a0, a1, e0, e1, b0, b1 = self._terms(m_a)
         times = StageTimes(a, sh, a0 + a1 / r2, e0 + e1 / r2, b0 + b1 / r2, dense)
-        return estimate(times, order, r1, r2, *self.layers), times
+        return estimate(times, order, r1, r2, *self.layers, host=self.host), times
 
     def lower_bound(self, m_a: int, r1: int) -> float:
         """A step time no order or r2 beats: the attention group's busy time."""
