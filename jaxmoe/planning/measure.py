@@ -16,6 +16,17 @@ a2e, e2a   bytes one attention instance sends           ``a2e`` / ``e2a``
 expert     tokens of the step, all attention instances  ``expert`` (gate, AEBS, grouped matmul)
 ========== ============================================ =========================================
 
+With ``Sweep.chunks`` the points also run with the expert side cut into r2 chunks (the sequential
+schedule with r2 > 1), so the A2E / expert / E2A models see the small chunks FinDEP's r2 makes
+(a sample's work and time are per chunk).
+
+The host (``profile.HostModel``, ``schedule.Host``): what the hardware overlaps. ``measure_host``
+times two busy programs (a loop of matmuls), one on the attention and one on the expert sub-mesh,
+each alone and both dispatched together; ``concurrency`` = (alone + alone) / together (the CPU
+mesh's 8 host devices share the same cores: about 1). Every sweep point also runs one step
+asynchronously, as in serving, and notes how long the host takes to dispatch its programs
+(``dispatch`` = that time / the programs dispatched). ``fit_host`` turns both into a HostModel.
+
 The synthetic batches read and write real KV blocks of the instance that owns each row, so the
 attention program does the same work as in serving; token ids and KV contents do not change the
 time of any program.
@@ -25,14 +36,26 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.planning.linear import LinearModel
-from jaxmoe.planning.profile import Profile, ProfileError, StageModels, dims_of, mesh_identity, model_identity
+from jaxmoe.planning.profile import (
+    HostModel,
+    Profile,
+    ProfileError,
+    StageModels,
+    dims_of,
+    mesh_identity,
+    model_identity,
+)
+from jaxmoe.runtime.pipeline import Pipeline
 
 STAGES = ("attention", "a2e", "expert", "e2a")
 
@@ -45,9 +68,11 @@ class Sweep:
     contexts: tuple[int, ...] = (16, 128)
     tokens: int = 1  # new tokens per row (1: decode)
     repeats: int = 5
+    chunks: tuple[int, ...] = (1,)  # expert-side chunks r2 each point also runs with
+    host: bool = True  # measure the host's concurrency and dispatch time
 
     def __post_init__(self):
-        for name in ("rows", "contexts"):
+        for name in ("rows", "contexts", "chunks"):
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
                 raise ProfileError(f"{name} must be positive integers, got {values!r}")
@@ -86,10 +111,11 @@ def synthetic_batch(executor, rows: int, context: int, tokens: int = 1):
 def measure_samples(
     executor, sweep: Sweep = Sweep(), progress: Callable[[str], None] | None = None
 ) -> dict[str, list[list[float]]]:
-    """Samples ``{stage: [[work terms..., seconds], ...]}`` of the executor's programs over the sweep.
+    """Samples ``{stage: [[work terms..., seconds], ...]}`` of the executor's programs over the sweep,
+    and ``dispatch``: [[programs, host seconds to dispatch them]] per point.
 
-    Each point runs once to compile, then ``repeats`` timed steps; the executor's timing mode is
-    restored afterwards."""
+    Each point runs once to compile, then ``repeats`` timed steps; the executor's timing mode and
+    pipeline are restored afterwards."""
     cfg = executor.cfg
     moe = list(executor.moe_layers)
     if not moe:
@@ -98,39 +124,127 @@ def measure_samples(
     ag = executor.num_attention
     samples: dict[str, list[list[float]]] = {s: [] for s in STAGES}
     shared_layers = [i for i in moe if i in executor.shared_layers]
-    was = executor.timing
+    was, was_pipeline = executor.timing, executor.pipeline
     try:
         for context in sweep.contexts:
             for rows in sweep.rows:
                 args = synthetic_batch(executor, rows, context, sweep.tokens)
-                executor.timing = False
-                jax.block_until_ready(executor.forward(*args))  # compile
-                executor.timing = True
-                records = []
-                for _ in range(sweep.repeats):
-                    executor.forward(*args)
-                    records.append(executor.timings[-1])
-                t = {s: statistics.median(statistics.fmean(r[s][i] for i in moe) for r in records) for s in STAGES}
-                tok = rows * sweep.tokens  # per attention instance
-                samples["attention"].append([tok, tok * context, t["attention"]])
-                samples["a2e"].append([tok * hidden_bytes, t["a2e"]])
-                samples["expert"].append([tok * ag, t["expert"]])
-                samples["e2a"].append([tok * hidden_bytes, t["e2a"]])
-                if shared_layers:
-                    shared = statistics.median(statistics.fmean(r["shared"][i] for i in shared_layers) for r in records)
-                    samples.setdefault("shared", []).append([tok, shared])
-                if progress is not None:
-                    ms = ", ".join(f"{s} {t[s] * 1e3:.3f}" for s in STAGES)
-                    progress(f"rows {rows:>4} context {context:>5}: {ms} ms")
+                for r2 in sweep.chunks:
+                    executor.pipeline = Pipeline(1, "PP", r2)
+                    executor.timing = False
+                    jax.block_until_ready(executor.forward(*args))  # compile
+                    r2 = executor.last_pipeline.r2  # a divisor of the tokens per instance
+                    if sweep.host:
+                        samples.setdefault("dispatch", []).append(_dispatch(executor, args))
+                    executor.timing = True
+                    records = []
+                    for _ in range(sweep.repeats):
+                        executor.forward(*args)
+                        records.append(executor.timings[-1])
+                    t = {
+                        s: statistics.median(statistics.fmean(r[s][i] for i in moe) for r in records) / r2
+                        for s in STAGES
+                    }
+                    tok = rows * sweep.tokens  # per attention instance
+                    chunk = tok / r2
+                    if r2 == 1 or 1 not in sweep.chunks:
+                        t_att = t["attention"] * r2  # (not per chunk)
+                        samples["attention"].append([tok, tok * context, t_att])
+                        if shared_layers:
+                            shared = statistics.median(
+                                statistics.fmean(r["shared"][i] for i in shared_layers) for r in records
+                            )
+                            samples.setdefault("shared", []).append([tok, shared])
+                    samples["a2e"].append([chunk * hidden_bytes, t["a2e"]])
+                    samples["expert"].append([chunk * ag, t["expert"]])
+                    samples["e2a"].append([chunk * hidden_bytes, t["e2a"]])
+                    if progress is not None:
+                        ms = ", ".join(f"{s} {t[s] * 1e3:.3f}" for s in STAGES[1:])
+                        progress(
+                            f"rows {rows:>4} context {context:>5} r2 {r2:>3}: attention "
+                            f"{t['attention'] * r2 * 1e3:.3f}, per chunk {ms} ms"
+                        )
     finally:
-        executor.timing = was
+        executor.timing, executor.pipeline = was, was_pipeline
     return samples
+
+
+def _dispatch(executor, args) -> list[float]:
+    """[programs, seconds]: one asynchronous step's dispatch time on the host (forward returns once
+    everything is dispatched) and how many programs it dispatched."""
+    count = []
+    executor.observer = lambda phase, layer, out: count.append(phase)
+    try:
+        jax.block_until_ready(executor.forward(*args))
+    finally:
+        executor.observer = None
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out = executor.forward(*args)
+        times.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    return [float(len(count)), statistics.median(times)]
+
+
+def _busy_program(mesh, work: int, iters: int):
+    """A loop of matmuls over all the devices of a mesh (rows sharded), ready to call."""
+    axes = tuple(mesh.axis_names)
+    n = 256
+    x = jax.device_put(jnp.full((mesh.devices.size * work, n), 0.01, jnp.float32), NamedSharding(mesh, P(axes)))
+    w = jax.device_put(jnp.eye(n, dtype=jnp.float32), NamedSharding(mesh, P()))
+    f = jax.jit(lambda x, w: jax.lax.fori_loop(0, iters, lambda i, y: jnp.tanh(y @ w), x))
+    jax.block_until_ready(f(x, w))
+    return lambda: f(x, w)
+
+
+def measure_host(executor, repeats: int = 7, sizes: tuple[int, ...] = (64, 256)) -> list[list[float]]:
+    """Concurrency samples [[alone on the attention mesh, alone on the expert mesh, both together], ...]
+    (seconds, medians of ``repeats``): busy programs of ``sizes`` rows per device (see the module
+    docstring)."""
+
+    def timed(fs):
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready([f() for f in fs])
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    out = []
+    for work in sizes:
+        a = _busy_program(executor.sub.attention, work, 16)
+        b = _busy_program(executor.sub.experts, work, 16)
+        out.append([timed([a]), timed([b]), timed([a, b])])
+    return out
+
+
+def fit_host(concurrency: list[list[float]], dispatch: list[list[float]], full: float = 0.9) -> HostModel:
+    """A HostModel from ``measure_host``'s samples and the sweep's ``dispatch`` samples.
+
+    Per pair, c = (a + b) / together, against the most a pair can overlap, (a + b) / max(a, b). When
+    the median pair reaches ``full`` of that, the sub-meshes are separate hardware: concurrency
+    None (no work bound; the paper's model); otherwise the median c (at least 1). dispatch: the
+    median of seconds / programs."""
+    if not concurrency:
+        raise ProfileError("fit_host needs at least one concurrency sample [alone, alone, together]")
+    for p in concurrency:
+        if len(p) != 3 or min(p) <= 0:
+            raise ProfileError(f"a concurrency sample is [alone, alone, together] seconds > 0, got {p!r}")
+    c = statistics.median((a + b) / ab for a, b, ab in concurrency)
+    share = statistics.median(((a + b) / ab) / ((a + b) / max(a, b)) for a, b, ab in concurrency)
+    d = statistics.median(t / n for n, t in dispatch) if dispatch else 0.0
+    return HostModel(
+        concurrency=None if share >= full else max(1.0, c),
+        dispatch=d,
+        samples={"concurrency": [list(map(float, p)) for p in concurrency], "dispatch": dispatch},
+    )
 
 
 def fit_stages(samples: dict[str, list[list[float]]]) -> StageModels:
     """Alpha-beta models of every stage from ``measure_samples``' points."""
     models = {}
-    for stage in STAGES + ("shared",):
+    for stage in STAGES + ("shared",):  # (not "dispatch": the host's, fit_host)
         if samples.get(stage):
             pts = np.asarray(samples[stage], np.float64)
             models[stage] = LinearModel.fit(pts[:, :-1], pts[:, -1])
@@ -141,6 +255,12 @@ def profile_executor(executor, sweep: Sweep = Sweep(), progress=None) -> Profile
     """Measure and fit a Profile for a DisaggregatedExecutor's (mesh, model, dtype)."""
     spec = executor.sub.spec
     samples = measure_samples(executor, sweep, progress)
+    host = None
+    if sweep.host:
+        host = fit_host(measure_host(executor), samples.pop("dispatch", []))
+        if progress is not None:
+            c = "unlimited" if host.concurrency is None else f"{host.concurrency:.2f}"
+            progress(f"host: concurrency {c}, dispatch {host.dispatch * 1e3:.3f} ms per program")
     devices = executor.sub.attention.devices.flat[0]
     return Profile(
         mesh=mesh_identity(spec),
@@ -148,9 +268,10 @@ def profile_executor(executor, sweep: Sweep = Sweep(), progress=None) -> Profile
         dtype=_dtype_name(executor),
         device=f"{devices.platform}: {devices.device_kind}",
         source=f"measured by jaxmoe profile (rows {list(sweep.rows)}, contexts {list(sweep.contexts)}, "
-        f"tokens {sweep.tokens}, median of {sweep.repeats})",
+        f"chunks {list(sweep.chunks)}, tokens {sweep.tokens}, median of {sweep.repeats})",
         dims=dims_of(executor.cfg, spec, _dtype_bytes(executor)),
         stages=fit_stages(samples),
+        host=host,
         samples=samples,
     )
 

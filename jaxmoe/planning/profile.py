@@ -28,6 +28,7 @@ host's concurrency and per-program dispatch time, fitted by ``measure.measure_ho
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 from pathlib import Path
 from typing import Literal
@@ -90,18 +91,19 @@ class StageModels(BaseModel):
 class HostModel(BaseModel):
     """How much of a step's work the hardware overlaps, measured (``measure.measure_host``).
 
-    ``concurrency``: (sum of the programs' times alone) / (their time dispatched together), over
-    programs on the attention and expert sub-meshes; 1: one at a time, 2: a pair fully overlaps.
-    ``dispatch``: host seconds per program the executor dispatches (asynchronously)."""
+    ``concurrency``: (sum of two programs' times alone) / (their time dispatched together), for
+    programs on the attention and the expert sub-mesh; 1: one at a time; None: the pair overlaps
+    fully (separate hardware: no work bound). ``dispatch``: host seconds per program the executor
+    dispatches (asynchronously)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    concurrency: float = Field(ge=1.0)
-    dispatch: float = Field(ge=0.0)
+    concurrency: float | None = Field(default=None, ge=1.0)
+    dispatch: float = Field(default=0.0, ge=0.0)
     samples: dict[str, list[list[float]]] = Field(default_factory=dict)  # measurement -> raw points
 
     def host(self) -> Host:
-        return Host(concurrency=self.concurrency, dispatch=self.dispatch)
+        return Host(concurrency=math.inf if self.concurrency is None else self.concurrency, dispatch=self.dispatch)
 
 
 class Profile(BaseModel):
