@@ -23,9 +23,11 @@ schedule with r2 > 1), so the A2E / expert / E2A models see the small chunks Fin
 The host (``profile.HostModel``, ``schedule.Host``): what the hardware overlaps. ``measure_host``
 times two busy programs (a loop of matmuls), one on the attention and one on the expert sub-mesh,
 each alone and both dispatched together; ``concurrency`` = (alone + alone) / together (the CPU
-mesh's 8 host devices share the same cores: about 1). Every sweep point also runs one step
-asynchronously, as in serving, and notes how long the host takes to dispatch its programs
-(``dispatch`` = that time / the programs dispatched). ``fit_host`` turns both into a HostModel.
+mesh's 8 host devices share the same cores: about 1). ``measure_dispatch`` dispatches a tiny program
+on the expert sub-mesh many times back to back (``dispatch`` = host seconds per program: the floor
+of any program's host cost; the executor's heavier host work, such as the per-device copies of
+A2E / E2A, is part of the stage times, which are timed from dispatch to ready). ``fit_host`` turns
+both into a HostModel.
 
 The synthetic batches read and write real KV blocks of the instance that owns each row, so the
 attention program does the same work as in serving; token ids and KV contents do not change the
@@ -111,8 +113,7 @@ def synthetic_batch(executor, rows: int, context: int, tokens: int = 1):
 def measure_samples(
     executor, sweep: Sweep = Sweep(), progress: Callable[[str], None] | None = None
 ) -> dict[str, list[list[float]]]:
-    """Samples ``{stage: [[work terms..., seconds], ...]}`` of the executor's programs over the sweep,
-    and ``dispatch``: [[programs, host seconds to dispatch them]] per point.
+    """Samples ``{stage: [[work terms..., seconds], ...]}`` of the executor's programs over the sweep.
 
     Each point runs once to compile, then ``repeats`` timed steps; the executor's timing mode and
     pipeline are restored afterwards."""
@@ -134,8 +135,6 @@ def measure_samples(
                     executor.timing = False
                     jax.block_until_ready(executor.forward(*args))  # compile
                     r2 = executor.last_pipeline.r2  # a divisor of the tokens per instance
-                    if sweep.host:
-                        samples.setdefault("dispatch", []).append(_dispatch(executor, args))
                     executor.timing = True
                     records = []
                     for _ in range(sweep.repeats):
@@ -169,22 +168,25 @@ def measure_samples(
     return samples
 
 
-def _dispatch(executor, args) -> list[float]:
-    """[programs, seconds]: one asynchronous step's dispatch time on the host (forward returns once
-    everything is dispatched) and how many programs it dispatched."""
-    count = []
-    executor.observer = lambda phase, layer, out: count.append(phase)
-    try:
-        jax.block_until_ready(executor.forward(*args))
-    finally:
-        executor.observer = None
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        out = executor.forward(*args)
-        times.append(time.perf_counter() - t0)
-        jax.block_until_ready(out)
-    return [float(len(count)), statistics.median(times)]
+def measure_dispatch(executor, counts: tuple[int, ...] = (50, 100, 200), repeats: int = 3) -> list[list[float]]:
+    """Dispatch samples [[programs, host seconds], ...]: a tiny program on the expert sub-mesh
+    dispatched ``programs`` times back to back (asynchronously; each waits for the one before), the
+    host's time until the last one is dispatched (median of ``repeats``)."""
+    x = jax.device_put(jnp.zeros((executor.sub.experts.devices.size,), jnp.float32), executor.sub.replicated_sharding)
+    f = jax.jit(lambda v: v + 1.0)
+    jax.block_until_ready(f(x))
+    out = []
+    for n in counts:
+        ts = []
+        for _ in range(repeats):
+            y = x
+            t0 = time.perf_counter()
+            for _ in range(n):
+                y = f(y)
+            ts.append(time.perf_counter() - t0)
+            jax.block_until_ready(y)
+        out.append([float(n), statistics.median(ts)])
+    return out
 
 
 def _busy_program(mesh, work: int, iters: int):
@@ -220,7 +222,7 @@ def measure_host(executor, repeats: int = 7, sizes: tuple[int, ...] = (64, 256))
 
 
 def fit_host(concurrency: list[list[float]], dispatch: list[list[float]], full: float = 0.9) -> HostModel:
-    """A HostModel from ``measure_host``'s samples and the sweep's ``dispatch`` samples.
+    """A HostModel from ``measure_host``'s and ``measure_dispatch``'s samples.
 
     Per pair, c = (a + b) / together, against the most a pair can overlap, (a + b) / max(a, b). When
     the median pair reaches ``full`` of that, the sub-meshes are separate hardware: concurrency
@@ -257,7 +259,7 @@ def profile_executor(executor, sweep: Sweep = Sweep(), progress=None) -> Profile
     samples = measure_samples(executor, sweep, progress)
     host = None
     if sweep.host:
-        host = fit_host(measure_host(executor), samples.pop("dispatch", []))
+        host = fit_host(measure_host(executor), measure_dispatch(executor))
         if progress is not None:
             c = "unlimited" if host.concurrency is None else f"{host.concurrency:.2f}"
             progress(f"host: concurrency {c}, dispatch {host.dispatch * 1e3:.3f} ms per program")
