@@ -9,7 +9,7 @@ import pytest
 
 from jaxmoe.planning.linear import LinearModel
 from jaxmoe.planning.paper_profile import paper_profile
-from jaxmoe.planning.measure import fit_host
+from jaxmoe.planning.measure import fit_host, fit_stages, sync_overhead
 from jaxmoe.planning.profile import Dims, HostModel, Profile, ProfileError, StageModels
 from jaxmoe.planning.schedule import Host, StageTimes, estimate, layer_kinds, programs, simulate, work
 from jaxmoe.planning.solver import BatchShape, Limits, PlanError, brute_force, pppipe, solve
@@ -187,6 +187,21 @@ def test_fit_host_from_synthetic_timings():
     assert fit_host([[0.01, 0.01, 0.025]], []).concurrency == 1.0
     with pytest.raises(ProfileError, match="alone, alone, together"):
         fit_host([[0.01, 0.0, 0.02]], [])
+
+
+def test_timing_overhead_is_taken_off_the_stage_fits():
+    """Timing each program on its own adds sync seconds per program; the sequential steps' blocked
+    totals minus their asynchronous times give it, and the fits are of the samples less it."""
+    sync = 2e-3
+    xs = [128, 256, 512, 1024]
+    samples = {s: [[x, sync + 1e-3 + 1e-6 * x] for x in xs] for s in ("a2e", "expert", "e2a")}
+    samples["attention"] = [[x, 8 * x, sync + 5e-4 + 1e-6 * x + 1e-9 * 8 * x] for x in xs]
+    samples["sync"] = [[22.0, 22 * sync * 1.1], [44.0, 44 * sync], [22.0, 22 * sync * 0.8]]
+    assert sync_overhead(samples) == pytest.approx(sync)
+    stages = fit_stages({k: v for k, v in samples.items() if k != "sync"}, sync_overhead(samples))
+    assert stages.expert.alpha == pytest.approx(1e-3, rel=1e-6) and stages.expert.betas[0] == pytest.approx(1e-6)
+    assert stages.attention.alpha == pytest.approx(5e-4, rel=1e-6)
+    assert sync_overhead({"sync": [[10.0, -0.01]]}) == 0.0  # asynchronous slower: nothing to take off
 
 
 def host_profile(dims: Dims, concurrency: float | None, dispatch: float) -> Profile:
@@ -384,6 +399,7 @@ def test_profile_and_plan_cli(checkpoint_dir, tmp_path, capsys):
     assert prof.host is not None and prof.host.dispatch > 0
     assert prof.host.concurrency is None or prof.host.concurrency >= 1.0
     assert len(prof.host.samples["concurrency"]) == 2 and len(prof.host.samples["dispatch"]) == 3
+    assert len(prof.host.samples["sync"]) == 6 and prof.host.sync >= 0
     assert prof.dims.attention_instances == 2 and prof.dims.expert_instances == 6
     assert prof.source.startswith("measured by jaxmoe profile")
     for stage in ("attention", "a2e", "expert", "e2a"):

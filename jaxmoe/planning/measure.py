@@ -154,6 +154,8 @@ def measure_samples(
                                 statistics.fmean(r["shared"][i] for i in shared_layers) for r in records
                             )
                             samples.setdefault("shared", []).append([tok, shared])
+                    if sweep.host and r2 == 1:  # what blocking after every program adds (a chain)
+                        samples.setdefault("sync", []).append(_sync(executor, args, records, sweep.repeats))
                     samples["a2e"].append([chunk * hidden_bytes, t["a2e"]])
                     samples["expert"].append([chunk * ag, t["expert"]])
                     samples["e2a"].append([chunk * hidden_bytes, t["e2a"]])
@@ -166,6 +168,35 @@ def measure_samples(
     finally:
         executor.timing, executor.pipeline = was, was_pipeline
     return samples
+
+
+def _sync(executor, args, records, repeats: int) -> list[float]:
+    """[programs, blocked - asynchronous seconds] of one step: the timing-mode records' total (every
+    phase timed from dispatch to ready) minus the same step run asynchronously, as in serving."""
+    count = []
+    executor.timing = False
+    executor.observer = lambda phase, layer, out: count.append(phase)
+    try:
+        jax.block_until_ready(executor.forward(*args))
+    finally:
+        executor.observer = None
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(executor.forward(*args))
+        times.append(time.perf_counter() - t0)
+    executor.timing = True
+    total = statistics.median(sum(v if isinstance(v, float) else sum(v.values()) for v in r.values()) for r in records)
+    return [float(len(count)), total - statistics.median(times)]
+
+
+def sync_overhead(samples: dict[str, list[list[float]]]) -> float:
+    """Seconds per program that timing each program on its own adds (its dispatch, then waiting for
+    it and waking up), from the sequential steps' ``sync`` samples: the median of (blocked total -
+    asynchronous step) / programs, at least 0. In the sequential schedule every program waits for
+    the one before, so on any hardware the asynchronous step is the chain of the programs' own times."""
+    pts = samples.get("sync") or []
+    return max(0.0, statistics.median(d / n for n, d in pts)) if pts else 0.0
 
 
 def measure_dispatch(executor, counts: tuple[int, ...] = (50, 100, 200), repeats: int = 3) -> list[list[float]]:
@@ -221,7 +252,13 @@ def measure_host(executor, repeats: int = 7, sizes: tuple[int, ...] = (64, 256))
     return out
 
 
-def fit_host(concurrency: list[list[float]], dispatch: list[list[float]], full: float = 0.9) -> HostModel:
+def fit_host(
+    concurrency: list[list[float]],
+    dispatch: list[list[float]],
+    full: float = 0.9,
+    sync: float = 0.0,
+    sync_samples: list[list[float]] | None = None,
+) -> HostModel:
     """A HostModel from ``measure_host``'s and ``measure_dispatch``'s samples.
 
     Per pair, c = (a + b) / together, against the most a pair can overlap, (a + b) / max(a, b). When
@@ -239,17 +276,23 @@ def fit_host(concurrency: list[list[float]], dispatch: list[list[float]], full: 
     return HostModel(
         concurrency=None if share >= full else max(1.0, c),
         dispatch=d,
-        samples={"concurrency": [list(map(float, p)) for p in concurrency], "dispatch": dispatch},
+        sync=sync,
+        samples={
+            "concurrency": [list(map(float, p)) for p in concurrency],
+            "dispatch": dispatch,
+            "sync": sync_samples or [],
+        },
     )
 
 
-def fit_stages(samples: dict[str, list[list[float]]]) -> StageModels:
-    """Alpha-beta models of every stage from ``measure_samples``' points."""
+def fit_stages(samples: dict[str, list[list[float]]], sync: float = 0.0) -> StageModels:
+    """Alpha-beta models of every stage from ``measure_samples``' points, each sample (one program)
+    less ``sync`` seconds (``sync_overhead``; at least 0)."""
     models = {}
-    for stage in STAGES + ("shared",):  # (not "dispatch": the host's, fit_host)
+    for stage in STAGES + ("shared",):
         if samples.get(stage):
             pts = np.asarray(samples[stage], np.float64)
-            models[stage] = LinearModel.fit(pts[:, :-1], pts[:, -1])
+            models[stage] = LinearModel.fit(pts[:, :-1], np.maximum(pts[:, -1] - sync, 0.0))
     return StageModels(**models)
 
 
@@ -257,12 +300,15 @@ def profile_executor(executor, sweep: Sweep = Sweep(), progress=None) -> Profile
     """Measure and fit a Profile for a DisaggregatedExecutor's (mesh, model, dtype)."""
     spec = executor.sub.spec
     samples = measure_samples(executor, sweep, progress)
-    host = None
+    host, sync = None, sync_overhead(samples)
     if sweep.host:
-        host = fit_host(measure_host(executor), measure_dispatch(executor))
+        host = fit_host(measure_host(executor), measure_dispatch(executor), sync=sync, sync_samples=samples["sync"])
         if progress is not None:
             c = "unlimited" if host.concurrency is None else f"{host.concurrency:.2f}"
-            progress(f"host: concurrency {c}, dispatch {host.dispatch * 1e3:.3f} ms per program")
+            progress(
+                f"host: concurrency {c}, dispatch {host.dispatch * 1e3:.3f} ms per program, timing adds "
+                f"{sync * 1e3:.3f} ms per program"
+            )
     devices = executor.sub.attention.devices.flat[0]
     return Profile(
         mesh=mesh_identity(spec),
@@ -272,7 +318,7 @@ def profile_executor(executor, sweep: Sweep = Sweep(), progress=None) -> Profile
         source=f"measured by jaxmoe profile (rows {list(sweep.rows)}, contexts {list(sweep.contexts)}, "
         f"chunks {list(sweep.chunks)}, tokens {sweep.tokens}, median of {sweep.repeats})",
         dims=dims_of(executor.cfg, spec, _dtype_bytes(executor)),
-        stages=fit_stages(samples),
+        stages=fit_stages({k: v for k, v in samples.items() if k != "sync"}, sync),
         host=host,
         samples=samples,
     )
