@@ -139,7 +139,8 @@ def cpu_part(args):
     c = "unlimited" if host.concurrency is None else f"{host.concurrency:.2f}"
     pairs = ", ".join(f"{a * 1e3:.1f} + {b * 1e3:.1f} -> {ab * 1e3:.1f} ms" for a, b, ab in host.samples["concurrency"])
     print(
-        f"\nhost: concurrency {c} (busy pairs alone + alone -> together: {pairs}), dispatch {host.dispatch * 1e3:.3f} ms/program"
+        f"\nhost: concurrency {c} (busy pairs alone + alone -> together: {pairs}), dispatch "
+        f"{host.dispatch * 1e3:.3f} ms/program, timing mode added {host.sync * 1e3:.3f} ms/program (taken off the stages)"
     )
     print(f"load average (1, 5, 15 min) after profiling: {_load()}")
     if args.profile_plot:
