@@ -204,6 +204,44 @@ def test_timing_overhead_is_taken_off_the_stage_fits():
     assert sync_overhead({"sync": [[10.0, -0.01]]}) == 0.0  # asynchronous slower: nothing to take off
 
 
+def test_convex_expert_term_is_fitted_only_when_the_samples_need_it():
+    xs = [32, 64, 128, 256, 512, 1024, 2048]
+    convex = {"a2e": [[x, 1e-4 + 1e-8 * x] for x in xs], "e2a": [[x, 1e-4] for x in xs]}
+    convex["attention"] = [[x, 4 * x, 1e-4 + 1e-6 * x] for x in xs]
+    convex["expert"] = [[x, 1e-3 + 2e-6 * x + 3e-9 * x * x] for x in xs]
+    stages = fit_stages(convex)
+    assert stages.expert.betas == pytest.approx((2e-6, 3e-9), rel=1e-6)
+    assert stages.expert_time(1000) == pytest.approx(1e-3 + 2e-3 + 3e-3, rel=1e-6)
+    assert len(stages.a2e.betas) == 1  # only the expert stage gets the convex term
+    linear = dict(convex, expert=[[x, 1e-3 + 2e-6 * x] for x in xs])
+    stages = fit_stages(linear)
+    assert len(stages.expert.betas) == 1 and stages.expert_time(1000) == pytest.approx(3e-3, rel=1e-6)
+    # on a convex expert, one big chunk costs more than two halves: the solver chunks even on 1 core
+    dims = deepseek_dims(3, 5, moe_layers=4, dense_layers=0)
+    profile = host_profile(dims, 1.0, 0.0)
+    quad = profile.stages.model_copy(update={"expert": LinearModel(alpha=1e-4, betas=(1e-7, 1e-9))})
+    plan = solve(profile.model_copy(update={"stages": quad}), BatchShape(8, 1024, 1024))
+    assert plan.r1 * plan.r2 > 1
+
+
+@pytest.mark.parametrize("mode", ["batch", "max"])
+def test_solver_with_convex_expert_and_host_matches_brute_force(mode):
+    rng = random.Random(5)
+    for _ in range(60):
+        ag, eg = rng.choice([(1, 7), (2, 6), (4, 4)])
+        dims = deepseek_dims(ag, eg, moe_layers=rng.randint(1, 8), dense_layers=rng.randint(0, 1))
+        profile = host_profile(dims, rng.choice([1.0, 1.5, None]), rng.choice([0.0, 1e-4]))
+        expert = LinearModel(
+            alpha=10 ** rng.uniform(-5, -3), betas=(10 ** rng.uniform(-9, -6), 10 ** rng.uniform(-13, -9))
+        )
+        profile = profile.model_copy(update={"stages": profile.stages.model_copy(update={"expert": expert})})
+        shape = BatchShape(rng.randint(1, 24), rng.choice([1, 16, 256]), rng.randint(1, 4096))
+        best = brute_force(profile, shape, mode=mode)
+        plan = solve(profile, shape, mode=mode)
+        assert plan.tokens_per_s >= 0.99 * best.tokens_per_s, (shape, plan, best)
+        assert plan.solve_ms <= 5.0 or min(solve(profile, shape, mode=mode).solve_ms for _ in range(3)) <= 5.0
+
+
 def host_profile(dims: Dims, concurrency: float | None, dispatch: float) -> Profile:
     return paper_profile(dims, "mesh", "model").model_copy(
         update={"host": HostModel(concurrency=concurrency, dispatch=dispatch)}

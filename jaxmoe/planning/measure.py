@@ -285,14 +285,27 @@ def fit_host(
     )
 
 
-def fit_stages(samples: dict[str, list[list[float]]], sync: float = 0.0) -> StageModels:
+def fit_stages(
+    samples: dict[str, list[list[float]]], sync: float = 0.0, convex: tuple[str, ...] = ("expert",)
+) -> StageModels:
     """Alpha-beta models of every stage from ``measure_samples``' points, each sample (one program)
-    less ``sync`` seconds (``sync_overhead``; at least 0)."""
+    less ``sync`` seconds (``sync_overhead``; at least 0).
+
+    The stages in ``convex`` are fitted with a second, non-negative term on the square of the work
+    (alpha + beta x + gamma x²; ``StageModels.expert_time``) when the samples need it: on XLA:CPU a
+    1024-token expert program costs about 1.8x two 512-token ones (BENCHMARKS.md). Where gamma
+    comes out 0 the plain alpha-beta model is kept."""
     models = {}
     for stage in STAGES + ("shared",):
         if samples.get(stage):
             pts = np.asarray(samples[stage], np.float64)
-            models[stage] = LinearModel.fit(pts[:, :-1], np.maximum(pts[:, -1] - sync, 0.0))
+            x, t = pts[:, :-1], np.maximum(pts[:, -1] - sync, 0.0)
+            model = LinearModel.fit(x, t)
+            if stage in convex and x.shape[1] == 1 and len(t) >= 3:
+                quad = LinearModel.fit(np.concatenate([x, x * x], axis=1), t)
+                if quad.betas[1] > 0:
+                    model = quad
+            models[stage] = model
     return StageModels(**models)
 
 
@@ -356,8 +369,9 @@ def plot_profile(profile: Profile, path):
     for ax, stage, label in ((axes[1], "expert", "tokens per step"), (axes[2], "a2e", "bytes per instance")):
         p = pts[stage][np.argsort(pts[stage][:, 0])]
         model = getattr(st, stage)
+        fit = st.expert_time if stage == "expert" else model
         ax.plot(p[:, 0], p[:, 1] * 1e3, "o", label=f"{stage} measured")
-        ax.plot(p[:, 0], [model(x) * 1e3 for x in p[:, 0]], "-", label=f"{stage} fit R²={model.r2:.3f}")
+        ax.plot(p[:, 0], [fit(x) * 1e3 for x in p[:, 0]], "-", label=f"{stage} fit R²={model.r2:.3f}")
         if stage == "a2e":
             q = pts["e2a"][np.argsort(pts["e2a"][:, 0])]
             ax.plot(q[:, 0], q[:, 1] * 1e3, "s", label="e2a measured")

@@ -84,8 +84,15 @@ class StageModels(BaseModel):
     shared: LinearModel | None = None  # (tokens); None: no shared experts on the attention side
     dense: LinearModel | None = None  # (tokens): dense-MLP layers (DeepSeek's first layers)
     a2e: LinearModel  # (bytes)
-    expert: LinearModel  # (chunk tokens)
+    expert: LinearModel  # (chunk tokens) or (chunk tokens, chunk tokens²): see expert_time
     e2a: LinearModel  # (bytes)
+
+    def expert_time(self, tokens: float) -> float:
+        """t_e of one chunk of ``tokens`` (all attention instances): alpha + beta x, plus gamma x² when
+        the expert model was fitted with a convex term (``measure.fit_stages``: a measured profile on
+        hardware where a larger expert program costs more per token, as XLA:CPU's does)."""
+        m = self.expert
+        return m(tokens) if len(m.betas) == 1 else m(tokens, tokens * tokens)
 
 
 class HostModel(BaseModel):

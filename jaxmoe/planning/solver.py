@@ -16,7 +16,8 @@ For each frontier point and order (ASAS, AASS) the step time is convex in 1/r2 (
 is found by an integer ternary search; m_e = m_a * ag * q * top_k / (r2 * E) follows. Times come
 from ``schedule.estimate``, which equals the event model ``schedule.simulate``, with the profile's
 ``host`` bounds when it has one (a measured CPU profile: step >= work / concurrency and >= programs x
-dispatch; both are linear in r2, so still convex in 1/r2).
+dispatch; both are linear in r2, so still convex in 1/r2), and with a measured profile's convex
+expert term (gamma x², XLA:CPU) the expert chunk costs e0 + e1 / r2 + e2 / r2², still convex in 1/r2.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def stage_times(profile: Profile, shape: BatchShape, m_a: int, r2: int) -> Stage
         attention=s.attention(tokens, tokens * shape.attended),
         shared=s.shared(tokens) if s.shared is not None else 0.0,
         a2e=s.a2e(nbytes),
-        expert=s.expert(chunk * d.attention_instances),
+        expert=s.expert_time(chunk * d.attention_instances),
         e2a=s.e2a(nbytes),
         dense=s.dense(tokens) if s.dense is not None else 0.0,
     )
@@ -136,12 +137,13 @@ class _Objective:
                 s.expert.betas[0] * tokens * d.attention_instances,
                 s.e2a.alpha,
                 s.e2a.betas[0] * nbytes,
+                s.expert.betas[1] * (tokens * d.attention_instances) ** 2 if len(s.expert.betas) > 1 else 0.0,
             )
         return terms
 
     def time(self, order: str, m_a: int, r1: int, r2: int) -> tuple[float, StageTimes]:
-        a, sh, dense, a0, a1, e0, e1, b0, b1 = self._terms(m_a)
-        times = StageTimes(a, sh, a0 + a1 / r2, e0 + e1 / r2, b0 + b1 / r2, dense)
+        a, sh, dense, a0, a1, e0, e1, b0, b1, e2 = self._terms(m_a)
+        times = StageTimes(a, sh, a0 + a1 / r2, e0 + e1 / r2 + e2 / (r2 * r2), b0 + b1 / r2, dense)
         return estimate(times, order, r1, r2, *self.layers, host=self.host), times
 
     def lower_bound(self, m_a: int, r1: int) -> float:
