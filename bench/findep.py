@@ -134,7 +134,7 @@ def cpu_part(args):
     for s in ("attention", "shared", "a2e", "expert", "e2a"):
         m = getattr(profile.stages, s)
         if m is not None:
-            print(f" {s} {m.r2:.3f}", end="")
+            print(f" {s} {m.r2:.3f}{' (with the x² term)' if s == 'expert' and len(m.betas) > 1 else ''}", end="")
     host = profile.host
     c = "unlimited" if host.concurrency is None else f"{host.concurrency:.2f}"
     pairs = ", ".join(f"{a * 1e3:.1f} + {b * 1e3:.1f} -> {ab * 1e3:.1f} ms" for a, b, ab in host.samples["concurrency"])

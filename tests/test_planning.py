@@ -196,7 +196,7 @@ def test_timing_overhead_is_taken_off_the_stage_fits():
     xs = [128, 256, 512, 1024]
     samples = {s: [[x, sync + 1e-3 + 1e-6 * x] for x in xs] for s in ("a2e", "expert", "e2a")}
     samples["attention"] = [[x, 8 * x, sync + 5e-4 + 1e-6 * x + 1e-9 * 8 * x] for x in xs]
-    samples["sync"] = [[22.0, 22 * sync * 1.1], [44.0, 44 * sync], [22.0, 22 * sync * 0.8]]
+    samples["sync"] = [[22.0, 22 * sync * 1.1], [44.0, 44 * sync], [22.0, 22 * sync * 3.0]]  # the least
     assert sync_overhead(samples) == pytest.approx(sync)
     stages = fit_stages({k: v for k, v in samples.items() if k != "sync"}, sync_overhead(samples))
     assert stages.expert.alpha == pytest.approx(1e-3, rel=1e-6) and stages.expert.betas[0] == pytest.approx(1e-6)

@@ -192,11 +192,14 @@ def _sync(executor, args, records, repeats: int) -> list[float]:
 
 def sync_overhead(samples: dict[str, list[list[float]]]) -> float:
     """Seconds per program that timing each program on its own adds (its dispatch, then waiting for
-    it and waking up), from the sequential steps' ``sync`` samples: the median of (blocked total -
-    asynchronous step) / programs, at least 0. In the sequential schedule every program waits for
-    the one before, so on any hardware the asynchronous step is the chain of the programs' own times."""
+    it and waking up), from the sequential steps' ``sync`` samples: the smallest (blocked total -
+    asynchronous step) / programs over the points, at least 0. In the sequential schedule every
+    program waits for the one before, so on any hardware the asynchronous step is the chain of the
+    programs' own times. The smallest, not the median: on a loaded machine a blocked wait can cost
+    a scheduler slice (ms) at some points, and taking that off every sample would erase the real
+    start-up cost of small programs (the alphas that price many chunks)."""
     pts = samples.get("sync") or []
-    return max(0.0, statistics.median(d / n for n, d in pts)) if pts else 0.0
+    return max(0.0, min(d / n for n, d in pts)) if pts else 0.0
 
 
 def measure_dispatch(executor, counts: tuple[int, ...] = (50, 100, 200), repeats: int = 3) -> list[list[float]]:
