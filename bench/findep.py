@@ -3,14 +3,14 @@ on the CPU mesh and simulated for GPU meshes, a per-stream timeline of one layer
 measured) and the accuracy of the performance model.
 
     PYTHONPATH=. python bench/findep.py [--model DIR] [--mesh meshes/cpu-8.yaml] [--rows 2]
-        [--seq 256] [--seqs 256,1024,2048] [--steps 5] [--chunks 1,8] [--plot docs/findep_timeline.png]
+        [--seq 256] [--seqs 256,1024,2048] [--steps 5] [--chunks 1,8] [--stat median|min] [--plot docs/findep_timeline.png]
         [--part cpu,sim]
 
 Without --model a random DeepSeek-V2-style checkpoint with shared experts is written with
 transformers (hidden 256, 4 layers, 16 routed experts top-4, 2 shared). CPU part: a profile is
 measured on the mesh (``planning.measure``, prefill steps of --seq tokens), then prefill steps
 (--rows sequences per attention instance of --seq tokens) run under each schedule, interleaved round
-by round (machine noise hits all alike), median of --steps. Table 3: throughput vs r1 (ASAS, r2 = 1);
+by round (machine noise hits all alike), median (--stat min: least) of --steps. Table 3: throughput vs r1 (ASAS, r2 = 1);
 Table 4: vs r2 (r1 = 2); Table 5: FinDEP (the solver's choice from the measured profile) vs the best
 measured PPPipe (order PP, r2 = 1, best r1), per sequence length. Simulation part: the same tables
 from the event model with FinDEP's Fig. 7 parameters (8x A6000, ``paper_profile``) as a GPU-shaped
@@ -80,6 +80,7 @@ class Runner:
         from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
         self.cfg, self.params, block = cfg, params, 16
+        self.stat = "median"
         probe = DisaggregatedExecutor(cfg, params, 1, block, mesh)
         self.ag = probe.num_attention
         slots = self.ag * rows * (-(-2 * max_context // block) * block)
@@ -91,7 +92,7 @@ class Runner:
         return synthetic_batch(self.ex, rows, seq, seq)
 
     def time(self, pipes, rows, seq, steps):
-        """Median seconds of a prefill step per pipeline (rounds interleaved)."""
+        """Median (``stat = "min"``: least) seconds of a prefill step per pipeline (rounds interleaved)."""
         import jax
 
         args = self.batch(rows, seq)
@@ -105,7 +106,8 @@ class Runner:
                 t0 = time.perf_counter()
                 jax.block_until_ready(self.ex.forward(*args))
                 times[p].append(time.perf_counter() - t0)
-        return {p: statistics.median(v) for p, v in times.items()}
+        agg = min if self.stat == "min" else statistics.median
+        return {p: agg(v) for p, v in times.items()}
 
 
 def cpu_part(args):
@@ -119,15 +121,21 @@ def cpu_part(args):
     cfg, params, _ = load_model(model, "float32")
     seqs = _ints(args.seqs)
     run = Runner(cfg, params, args.mesh, max(seqs + (args.seq,)), max(args.rows, 4))
+    run.stat = args.stat
     layers = cfg.num_layers
     print(
         f"# CPU mesh: {cfg.family} L{layers} D{cfg.hidden_size} E{cfg.moe.num_experts} k{cfg.moe.top_k} "
         f"(+shared), mesh {args.mesh} ({run.ag} attention instances), jax {jax.__version__}, "
-        f"{time.strftime('%Y-%m-%d')}, median of {args.steps} interleaved prefill steps"
+        f"{time.strftime('%Y-%m-%d')}, {args.stat} of {args.steps} interleaved prefill steps"
     )
     t0 = time.perf_counter()
     sweep = Sweep(
-        rows=(1, 2, 4, 8), contexts=(args.seq, 2 * args.seq), tokens=args.seq, repeats=3, chunks=_ints(args.chunks)
+        rows=(1, 2, 4, 8),
+        contexts=(args.seq, 2 * args.seq),
+        tokens=args.seq,
+        repeats=3,
+        chunks=_ints(args.chunks),
+        stat=args.stat,
     )
     profile = profile_executor(run.ex, sweep)
     print(f"profile measured in {time.perf_counter() - t0:.0f} s ({profile.source}); fits (R²):", end="")
@@ -396,6 +404,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", default="256,1024,2048", help="sequence lengths of Table 5")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--chunks", default="1,8", help="expert-side chunk counts r2 the profile also measures")
+    ap.add_argument(
+        "--stat",
+        default="median",
+        choices=["median", "min"],
+        help="over repeated steps, in the profile and the tables (min: noise on a shared machine only slows)",
+    )
     ap.add_argument("--plot", default=None, help="PNG of one layer's timeline, predicted vs measured")
     ap.add_argument("--profile-plot", default=None, help="PNG of the measured profile against its fits")
     ap.add_argument("--part", default="cpu,sim", help="cpu (tables), sim, timeline (only the --plot)")

@@ -3,7 +3,8 @@
 ``jaxmoe profile --mesh FILE --model DIR`` (FinDEP, arXiv:2512.21487, section 4.1). For every point
 of a sweep (micro-batch rows per attention instance x tokens attended) one step runs through
 ``DisaggregatedExecutor.forward`` in timing mode, which blocks after every phase and records its
-wall time per layer. The median over repeats of the mean over MoE layers gives one sample of each
+wall time per layer. The median (``Sweep.stat="min"``: the least, for a machine whose noise only
+ever slows it down) over repeats of the mean over MoE layers gives one sample of each
 stage; ``LinearModel.fit`` turns the samples into the alpha-beta models the solver uses:
 
 ========== ============================================ =========================================
@@ -72,6 +73,7 @@ class Sweep:
     repeats: int = 5
     chunks: tuple[int, ...] = (1,)  # expert-side chunks r2 each point also runs with
     host: bool = True  # measure the host's concurrency and dispatch time
+    stat: str = "median"  # over repeats: "median", or "min" (noise on a shared machine only slows)
 
     def __post_init__(self):
         for name in ("rows", "contexts", "chunks"):
@@ -80,6 +82,8 @@ class Sweep:
                 raise ProfileError(f"{name} must be positive integers, got {values!r}")
         if len(set(self.rows)) < 2:
             raise ProfileError(f"rows needs at least 2 distinct sizes to fit a model, got {self.rows!r}")
+        if self.stat not in ("median", "min"):
+            raise ProfileError(f"stat must be 'median' or 'min', got {self.stat!r}")
         if self.tokens < 1 or self.repeats < 1:
             raise ProfileError(f"tokens and repeats must be >= 1, got {self.tokens} and {self.repeats}")
         if self.tokens > min(self.contexts):
@@ -126,6 +130,7 @@ def measure_samples(
     samples: dict[str, list[list[float]]] = {s: [] for s in STAGES}
     shared_layers = [i for i in moe if i in executor.shared_layers]
     was, was_pipeline = executor.timing, executor.pipeline
+    agg = min if sweep.stat == "min" else statistics.median
     try:
         for context in sweep.contexts:
             for rows in sweep.rows:
@@ -140,22 +145,17 @@ def measure_samples(
                     for _ in range(sweep.repeats):
                         executor.forward(*args)
                         records.append(executor.timings[-1])
-                    t = {
-                        s: statistics.median(statistics.fmean(r[s][i] for i in moe) for r in records) / r2
-                        for s in STAGES
-                    }
+                    t = {s: agg(statistics.fmean(r[s][i] for i in moe) for r in records) / r2 for s in STAGES}
                     tok = rows * sweep.tokens  # per attention instance
                     chunk = tok / r2
                     if r2 == 1 or 1 not in sweep.chunks:
                         t_att = t["attention"] * r2  # (not per chunk)
                         samples["attention"].append([tok, tok * context, t_att])
                         if shared_layers:
-                            shared = statistics.median(
-                                statistics.fmean(r["shared"][i] for i in shared_layers) for r in records
-                            )
+                            shared = agg(statistics.fmean(r["shared"][i] for i in shared_layers) for r in records)
                             samples.setdefault("shared", []).append([tok, shared])
                     if sweep.host and r2 == 1:  # what blocking after every program adds (a chain)
-                        samples.setdefault("sync", []).append(_sync(executor, args, records, sweep.repeats))
+                        samples.setdefault("sync", []).append(_sync(executor, args, records, sweep.repeats, agg))
                     samples["a2e"].append([chunk * hidden_bytes, t["a2e"]])
                     samples["expert"].append([chunk * ag, t["expert"]])
                     samples["e2a"].append([chunk * hidden_bytes, t["e2a"]])
@@ -170,7 +170,7 @@ def measure_samples(
     return samples
 
 
-def _sync(executor, args, records, repeats: int) -> list[float]:
+def _sync(executor, args, records, repeats: int, agg=statistics.median) -> list[float]:
     """[programs, blocked - asynchronous seconds] of one step: the timing-mode records' total (every
     phase timed from dispatch to ready) minus the same step run asynchronously, as in serving."""
     count = []
@@ -186,8 +186,8 @@ def _sync(executor, args, records, repeats: int) -> list[float]:
         jax.block_until_ready(executor.forward(*args))
         times.append(time.perf_counter() - t0)
     executor.timing = True
-    total = statistics.median(sum(v if isinstance(v, float) else sum(v.values()) for v in r.values()) for r in records)
-    return [float(len(count)), total - statistics.median(times)]
+    total = agg([sum(v if isinstance(v, float) else sum(v.values()) for v in r.values()) for r in records])
+    return [float(len(count)), total - agg(times)]
 
 
 def sync_overhead(samples: dict[str, list[list[float]]]) -> float:
@@ -332,7 +332,7 @@ def profile_executor(executor, sweep: Sweep = Sweep(), progress=None) -> Profile
         dtype=_dtype_name(executor),
         device=f"{devices.platform}: {devices.device_kind}",
         source=f"measured by jaxmoe profile (rows {list(sweep.rows)}, contexts {list(sweep.contexts)}, "
-        f"chunks {list(sweep.chunks)}, tokens {sweep.tokens}, median of {sweep.repeats})",
+        f"chunks {list(sweep.chunks)}, tokens {sweep.tokens}, {sweep.stat} of {sweep.repeats})",
         dims=dims_of(executor.cfg, spec, _dtype_bytes(executor)),
         stages=fit_stages({k: v for k, v in samples.items() if k != "sync"}, sync),
         host=host,
