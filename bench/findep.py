@@ -148,7 +148,7 @@ def cpu_part(args):
     pairs = ", ".join(f"{a * 1e3:.1f} + {b * 1e3:.1f} -> {ab * 1e3:.1f} ms" for a, b, ab in host.samples["concurrency"])
     print(
         f"\nhost: concurrency {c} (busy pairs alone + alone -> together: {pairs}), dispatch "
-        f"{host.dispatch * 1e3:.3f} ms/program, timing mode added {host.sync * 1e3:.3f} ms/program (taken off the stages)"
+        f"{host.dispatch * 1e3:.3f} ms/program, asynchronous steps took {host.timing_scale:.2f} of the blocked time (stages scaled)"
     )
     print(f"load average (1, 5, 15 min) after profiling: {_load()}")
     if args.profile_plot:

@@ -9,7 +9,7 @@ import pytest
 
 from jaxmoe.planning.linear import LinearModel
 from jaxmoe.planning.paper_profile import paper_profile
-from jaxmoe.planning.measure import fit_host, fit_stages, sync_overhead
+from jaxmoe.planning.measure import fit_host, fit_stages, timing_scale
 from jaxmoe.planning.profile import Dims, HostModel, Profile, ProfileError, StageModels
 from jaxmoe.planning.schedule import Host, StageTimes, estimate, layer_kinds, programs, simulate, work
 from jaxmoe.planning.solver import BatchShape, Limits, PlanError, brute_force, pppipe, solve
@@ -189,19 +189,20 @@ def test_fit_host_from_synthetic_timings():
         fit_host([[0.01, 0.0, 0.02]], [])
 
 
-def test_timing_overhead_is_taken_off_the_stage_fits():
-    """Timing each program on its own adds sync seconds per program; the sequential steps' blocked
-    totals minus their asynchronous times give it, and the fits are of the samples less it."""
-    sync = 2e-3
+def test_timing_overhead_is_scaled_off_the_stage_fits():
+    """Timing each program on its own makes it look slower; the sequential steps' asynchronous /
+    blocked times give the share, and the fits are of the samples times it."""
+    share = 0.6
     xs = [128, 256, 512, 1024]
-    samples = {s: [[x, sync + 1e-3 + 1e-6 * x] for x in xs] for s in ("a2e", "expert", "e2a")}
-    samples["attention"] = [[x, 8 * x, sync + 5e-4 + 1e-6 * x + 1e-9 * 8 * x] for x in xs]
-    samples["sync"] = [[22.0, 22 * sync * 1.1], [44.0, 44 * sync], [22.0, 22 * sync * 3.0]]  # the least
-    assert sync_overhead(samples) == pytest.approx(sync)
-    stages = fit_stages({k: v for k, v in samples.items() if k != "sync"}, sync_overhead(samples))
+    samples = {s: [[x, (1e-3 + 1e-6 * x) / share] for x in xs] for s in ("a2e", "expert", "e2a")}
+    samples["attention"] = [[x, 8 * x, (5e-4 + 1e-6 * x + 1e-9 * 8 * x) / share] for x in xs]
+    samples["sync"] = [[22.0, 0.10, 0.05], [44.0, 0.20, 0.12], [22.0, 0.10, 0.07]]  # 0.5, 0.6, 0.7
+    assert timing_scale(samples) == pytest.approx(share)
+    stages = fit_stages({k: v for k, v in samples.items() if k != "sync"}, timing_scale(samples))
     assert stages.expert.alpha == pytest.approx(1e-3, rel=1e-6) and stages.expert.betas[0] == pytest.approx(1e-6)
     assert stages.attention.alpha == pytest.approx(5e-4, rel=1e-6)
-    assert sync_overhead({"sync": [[10.0, -0.01]]}) == 0.0  # asynchronous slower: nothing to take off
+    assert timing_scale({"sync": [[10.0, 0.01, 0.02]]}) == 1.0  # asynchronous slower: nothing to scale
+    assert timing_scale({}) == 1.0
 
 
 def test_convex_expert_term_is_fitted_only_when_the_samples_need_it():
@@ -437,7 +438,7 @@ def test_profile_and_plan_cli(checkpoint_dir, tmp_path, capsys):
     assert prof.host is not None and prof.host.dispatch > 0
     assert prof.host.concurrency is None or prof.host.concurrency >= 1.0
     assert len(prof.host.samples["concurrency"]) == 2 and len(prof.host.samples["dispatch"]) == 3
-    assert len(prof.host.samples["sync"]) == 6 and prof.host.sync >= 0
+    assert len(prof.host.samples["sync"]) == 6 and 0 < prof.host.timing_scale <= 1
     assert prof.dims.attention_instances == 2 and prof.dims.expert_instances == 6
     assert prof.source.startswith("measured by jaxmoe profile")
     for stage in ("attention", "a2e", "expert", "e2a"):

@@ -171,8 +171,8 @@ def measure_samples(
 
 
 def _sync(executor, args, records, repeats: int, agg=statistics.median) -> list[float]:
-    """[programs, blocked - asynchronous seconds] of one step: the timing-mode records' total (every
-    phase timed from dispatch to ready) minus the same step run asynchronously, as in serving."""
+    """[programs, blocked seconds, asynchronous seconds] of one step: the timing-mode records' total
+    (every phase timed from dispatch to ready) and the same step run asynchronously, as in serving."""
     count = []
     executor.timing = False
     executor.observer = lambda phase, layer, out: count.append(phase)
@@ -187,19 +187,19 @@ def _sync(executor, args, records, repeats: int, agg=statistics.median) -> list[
         times.append(time.perf_counter() - t0)
     executor.timing = True
     total = agg([sum(v if isinstance(v, float) else sum(v.values()) for v in r.values()) for r in records])
-    return [float(len(count)), total - agg(times)]
+    return [float(len(count)), total, agg(times)]
 
 
-def sync_overhead(samples: dict[str, list[list[float]]]) -> float:
-    """Seconds per program that timing each program on its own adds (its dispatch, then waiting for
-    it and waking up), from the sequential steps' ``sync`` samples: the smallest (blocked total -
-    asynchronous step) / programs over the points, at least 0. In the sequential schedule every
-    program waits for the one before, so on any hardware the asynchronous step is the chain of the
-    programs' own times. The smallest, not the median: on a loaded machine a blocked wait can cost
-    a scheduler slice (ms) at some points, and taking that off every sample would erase the real
-    start-up cost of small programs (the alphas that price many chunks)."""
-    pts = samples.get("sync") or []
-    return max(0.0, min(d / n for n, d in pts)) if pts else 0.0
+def timing_scale(samples: dict[str, list[list[float]]]) -> float:
+    """What share of the timing-mode (blocked) time the same sequential steps took run asynchronously:
+    the median over the sweep's points of asynchronous / blocked, at most 1. In the sequential schedule
+    every program waits for the one before, so on any hardware the asynchronous step is the chain of
+    the programs' own times; blocking after each adds a wait and a wake-up (on a loaded machine a
+    scheduler slice each). A ratio, not seconds per program: taking seconds off every sample would
+    erase the real start-up cost of small programs (the alphas that price many chunks) where the
+    estimate runs high."""
+    pts = [p for p in samples.get("sync") or [] if p[1] > 0 and p[2] > 0]
+    return min(1.0, statistics.median(p[2] / p[1] for p in pts)) if pts else 1.0
 
 
 def measure_dispatch(executor, counts: tuple[int, ...] = (50, 100, 200), repeats: int = 3) -> list[list[float]]:
@@ -259,7 +259,7 @@ def fit_host(
     concurrency: list[list[float]],
     dispatch: list[list[float]],
     full: float = 0.9,
-    sync: float = 0.0,
+    timing_scale: float = 1.0,
     sync_samples: list[list[float]] | None = None,
 ) -> HostModel:
     """A HostModel from ``measure_host``'s and ``measure_dispatch``'s samples.
@@ -279,7 +279,7 @@ def fit_host(
     return HostModel(
         concurrency=None if share >= full else max(1.0, c),
         dispatch=d,
-        sync=sync,
+        timing_scale=timing_scale,
         samples={
             "concurrency": [list(map(float, p)) for p in concurrency],
             "dispatch": dispatch,
@@ -289,10 +289,10 @@ def fit_host(
 
 
 def fit_stages(
-    samples: dict[str, list[list[float]]], sync: float = 0.0, convex: tuple[str, ...] = ("expert",)
+    samples: dict[str, list[list[float]]], scale: float = 1.0, convex: tuple[str, ...] = ("expert",)
 ) -> StageModels:
     """Alpha-beta models of every stage from ``measure_samples``' points, each sample (one program)
-    less ``sync`` seconds (``sync_overhead``; at least 0).
+    times ``scale`` (``timing_scale``: the asynchronous share of the blocked time).
 
     The stages in ``convex`` are fitted with a second, non-negative term on the square of the work
     (alpha + beta x + gamma x²; ``StageModels.expert_time``) when the samples need it: on XLA:CPU a
@@ -302,7 +302,7 @@ def fit_stages(
     for stage in STAGES + ("shared",):
         if samples.get(stage):
             pts = np.asarray(samples[stage], np.float64)
-            x, t = pts[:, :-1], np.maximum(pts[:, -1] - sync, 0.0)
+            x, t = pts[:, :-1], pts[:, -1] * scale
             model = LinearModel.fit(x, t)
             if stage in convex and x.shape[1] == 1 and len(t) >= 3:
                 quad = LinearModel.fit(np.concatenate([x, x * x], axis=1), t)
@@ -316,14 +316,16 @@ def profile_executor(executor, sweep: Sweep = Sweep(), progress=None) -> Profile
     """Measure and fit a Profile for a DisaggregatedExecutor's (mesh, model, dtype)."""
     spec = executor.sub.spec
     samples = measure_samples(executor, sweep, progress)
-    host, sync = None, sync_overhead(samples)
+    host, scale = None, timing_scale(samples)
     if sweep.host:
-        host = fit_host(measure_host(executor), measure_dispatch(executor), sync=sync, sync_samples=samples["sync"])
+        host = fit_host(
+            measure_host(executor), measure_dispatch(executor), timing_scale=scale, sync_samples=samples.get("sync")
+        )
         if progress is not None:
             c = "unlimited" if host.concurrency is None else f"{host.concurrency:.2f}"
             progress(
-                f"host: concurrency {c}, dispatch {host.dispatch * 1e3:.3f} ms per program, timing adds "
-                f"{sync * 1e3:.3f} ms per program"
+                f"host: concurrency {c}, dispatch {host.dispatch * 1e3:.3f} ms per program, asynchronous "
+                f"steps took {scale:.2f} of the blocked time"
             )
     devices = executor.sub.attention.devices.flat[0]
     return Profile(
@@ -334,7 +336,7 @@ def profile_executor(executor, sweep: Sweep = Sweep(), progress=None) -> Profile
         source=f"measured by jaxmoe profile (rows {list(sweep.rows)}, contexts {list(sweep.contexts)}, "
         f"chunks {list(sweep.chunks)}, tokens {sweep.tokens}, {sweep.stat} of {sweep.repeats})",
         dims=dims_of(executor.cfg, spec, _dtype_bytes(executor)),
-        stages=fit_stages({k: v for k, v in samples.items() if k != "sync"}, sync),
+        stages=fit_stages({k: v for k, v in samples.items() if k != "sync"}, scale),
         host=host,
         samples=samples,
     )

@@ -101,14 +101,14 @@ class HostModel(BaseModel):
     ``concurrency``: (sum of two programs' times alone) / (their time dispatched together), for
     programs on the attention and the expert sub-mesh; 1: one at a time; None: the pair overlaps
     fully (separate hardware: no work bound). ``dispatch``: host seconds per program the executor
-    dispatches (asynchronously). ``sync``: seconds per program that timing each program on its own
-    added to the stage samples (``measure.sync_overhead``), already taken off the stage models."""
+    dispatches (asynchronously). ``timing_scale``: the share of the timing-mode (blocked) time the
+    same steps took asynchronously (``measure.timing_scale``); the stage models are already scaled."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     concurrency: float | None = Field(default=None, ge=1.0)
     dispatch: float = Field(default=0.0, ge=0.0)
-    sync: float = Field(default=0.0, ge=0.0)  # seconds per program timing mode added (taken off the stages)
+    timing_scale: float = Field(default=1.0, gt=0.0, le=1.0)  # asynchronous / blocked (stages scaled by it)
     samples: dict[str, list[list[float]]] = Field(default_factory=dict)  # measurement -> raw points
 
     def host(self) -> Host:
