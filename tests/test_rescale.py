@@ -92,6 +92,86 @@ def test_rescale_three_times_under_load(llm, path):
     assert [h.attention for h in engine.rescaler.history] == [a for a, _ in CHANGES]
 
 
+TP2X2 = "meshes/cpu-8-tp2x2.yaml"  # 2 attention x 2 devices (heads split) + 2 expert instances x 2 devices (columns)
+TP_CHANGES = [(1, 3), (3, 1)]  # instances of 2 devices: 2 + 6 and 6 + 2 of the 8 devices
+
+
+@pytest.fixture(scope="module")
+def tp_llm(path):
+    return LLM(path, mesh=TP2X2, **ENGINE)
+
+
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        (
+            dict(attention=3, experts=2),
+            "attention=3 x 2 devices per instance + experts=2 x 2 devices per instance = 10 devices do not fit the 8",
+        ),
+        (dict(attention=4, experts=1), "= 10 devices do not fit the 8 devices"),
+        (dict(attention=3, experts=1, slots_per_instance=4), "experts=1: 8 experts need 8 slots per instance"),
+    ],
+)
+def test_bad_tensor_parallel_rescale_changes_nothing(tp_llm, kwargs, names):
+    before = tp_llm.executor.sub.spec
+    with pytest.raises(RescaleError, match=re.escape(names)):
+        tp_llm.engine.rescale(**kwargs)
+    assert tp_llm.engine.rescaler.job is None and tp_llm.executor.sub.spec == before
+
+
+def test_rescale_tensor_parallel_instances_under_load(tp_llm, path):
+    """Instances of 2 devices on both sides (heads and FFN columns split) re-scaled twice under a
+    bounded load, counting instances of 2 devices: 2a2e -> 1a3e -> 3a1e. 0 failed requests, every
+    greedy output equals its standalone monolithic output, all KV blocks free; the new layouts keep
+    2 devices per instance and the expert column slices of a kept instance are not copied."""
+    llm = tp_llm
+    engine = llm.engine
+    final, added = {}, []
+
+    def add(i):
+        added.append(engine.add_request(_prompt(i), _sampling(i), "ls" if i % 3 == 0 else "be", f"t{i}"))
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+
+    for i in range(4):
+        add(i)
+    results = []
+    for attention, experts in TP_CHANGES:
+        step()
+        job = engine.rescale(attention, experts)
+        while not job.done():
+            if job.ready() or len(engine.scheduler.sequences()) > 2:
+                step()
+            elif len(added) < 16:
+                add(len(added))
+            else:
+                job.wait_ready(0.05)
+        results.append(job.result())
+        spec = llm.executor.sub.spec
+        assert (spec.attention.count, spec.experts.count) == (attention, experts)
+        assert spec.attention.devices_per_instance == spec.experts.devices_per_instance == 2
+        assert spec.attention.devices[-1] == (2 * attention - 2, 2 * attention - 1)
+        add(len(added))
+    for _ in range(2000):  # bounded
+        if not engine.has_work():
+            break
+        step()
+
+    assert sorted(final) == sorted(added)
+    assert all(o.finish_reason == "length" and o.error is None for o in final.values())
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    mono = LLM(path, **ENGINE)
+    for rid in added:
+        i = int(rid[1:])
+        assert final[rid].token_ids == mono.generate([_prompt(i)], _sampling(i))[0].token_ids, rid
+    # 2a2e -> 1a3e: the instance on devices 4-5 and 6-7 stays; 1a3e -> 3a1e: the one on 6-7 stays
+    assert all(r.expert_slots_local > 0 for r in results)
+    assert any(r.kv_blocks_moved > 0 for r in results)
+
+
 def _layout(llm):
     ex = llm.executor
     return ex.num_attention, ex.num_expert_instances, ex.slots_per_instance, ex.placement()

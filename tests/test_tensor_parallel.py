@@ -22,7 +22,6 @@ from jaxmoe.runtime import attention_tp
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 from jaxmoe.runtime.expert_program import relayout_layer
 from jaxmoe import LLM, SamplingParams
-from jaxmoe.engine.rescale import RescaleError
 from test_disaggregated import ENGINE, _greedy, _logits, _rel_err
 
 TP2 = "meshes/cpu-8-tp2.yaml"  # 2 attention instances x 2 devices + 4 experts
@@ -211,15 +210,6 @@ def test_tp_with_micro_batches_and_shared_experts_on_the_expert_side(checkpoint_
     got = [o.token_ids for o in llm.generate(prompts, greedy)]
     assert llm.executor.last_pipeline.r1 == 2
     assert got == [o.token_ids for o in llms("qwen2_moe").generate(prompts, greedy)]
-
-
-def test_live_rescale_refuses_tp_instances(llms):
-    """Live re-scaling builds one-device instances only: a tensor-parallel layout is refused with
-    the field named, and nothing changes."""
-    llm = llms("mixtral", TP2)
-    with pytest.raises(RescaleError, match="devices_per_instance: 1 on both sides"):
-        llm.engine.rescale(4, 4)
-    assert llm.engine.rescaler.job is None and llm.executor.sub.spec == load_mesh(TP2)
 
 
 @pytest.mark.parametrize("impl", ["ragged_dot", "pallas"])
