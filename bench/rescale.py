@@ -7,8 +7,10 @@ finished one is replaced at once). The layout changes ``--changes`` (default 2a6
 2a6e) with ``LLMEngine.rescale``: the new layout is built and compiled in a background thread while
 the old one serves, then swapped in at a step boundary. Reported per change:
 
-  build_s          background build: new executor, expert re-shard, every step program compiled;
-                   what a stop-the-world change would stall for (the SGLang anchor of the issue:
+  build_s          background build: new executor, expert re-shard, every step program compiled
+                   (or loaded from jaxmoe's persistent compilation cache, ~/.cache/jaxmoe/xla, when
+                   an earlier run compiled it: the column after says how many of each;
+                   JAXMOE_COMPILATION_CACHE=off compiles all); what a stop-the-world change would stall for (the SGLang anchor of the issue:
                    ~1 s + ~20 ms per layer for an expert rebalance);
   swap_s           at the step boundary: KV blocks of live sequences copied, executor swapped;
   first step       its program calls: decode only, or with a prefill chunk (which takes several
@@ -82,6 +84,7 @@ def main() -> None:
         max_batch_tokens=128,
     )
     engine = llm.engine
+    compile_events()  # start counting (compiles vs persistent-cache loads of each build)
     t0 = time.perf_counter()
     for rows, tokens in engine.runner.plan.shapes():
         engine.runner.warm(rows, tokens)
@@ -108,11 +111,14 @@ def main() -> None:
     rows = []
     for attention, experts in changes:
         before = [step() for _ in range(args.warm_steps)]
+        ev0 = compile_events()
         job = engine.rescale(attention, experts)
         during = []
         while not job.ready():
             during.append(step()[0])
-        programs = compile_events()["programs"]
+        ev1 = compile_events()
+        built = (ev1["compiles"] - ev0["compiles"], ev1["cache_hits"] - ev0["cache_hits"])
+        programs = ev1["programs"]
         after = [step() for _ in range(1 + args.after_steps)]  # the first runs the swap
         compiled = compile_events()["programs"] - programs
         r = job.result(60)
@@ -124,7 +130,7 @@ def main() -> None:
             (dt / statistics.median(_like(after[1:], c)) for dt, c in after[:5] if _like(after[1:], c)),
             default=float("nan"),
         )
-        rows.append((r, normal, during, vs_after, len(like_after), worst, compiled, _kind(first_calls)))
+        rows.append((r, normal, during, vs_after, len(like_after), worst, compiled, _kind(first_calls), built))
         print(
             r.as_dict(),
             f"normal {normal:.4f}s, during build: {len(during)} steps, max {max(during, default=0):.3f}s; "
@@ -143,16 +149,16 @@ def main() -> None:
         f"KV blocks free at the end: {bm.num_free}/{bm.num_blocks}"
     )
     print(
-        "| change | build_s (stop-the-world) | swap_s | median step before | first step | swap step / median before "
+        "| change | build_s (stop-the-world) | build: programs compiled / from the disk cache | swap_s | median step before | first step | swap step / median before "
         "| stall_ratio (like steps before) | swap step / like steps after (n) | worst of 5 after / like | "
         "programs compiled after the swap | steps during build: n, median / max (median / normal) | KV blocks moved "
         "| expert slots kept / copied (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r, normal, during, vs_after, n_like, worst, compiled, kind in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r, normal, during, vs_after, n_like, worst, compiled, kind, built in rows:
         mid = statistics.median(during) if during else float("nan")
         print(
-            f"| {r.previous} -> {r.attention}a{r.experts}e | {r.build_s:.2f} | {r.swap_s * 1e3:.1f} ms | {normal * 1e3:.1f} ms "
+            f"| {r.previous} -> {r.attention}a{r.experts}e | {r.build_s:.2f} | {built[0]} / {built[1]} | {r.swap_s * 1e3:.1f} ms | {normal * 1e3:.1f} ms "
             f"| {kind} | {(r.swap_s + r.first_step_s) / normal:.2f} | {r.stall_ratio:.2f} | {vs_after:.2f} ({n_like}) "
             f"| {worst:.2f} | {compiled} | {len(during)}, {mid * 1e3:.0f} / {max(during, default=0) * 1e3:.0f} ms "
             f"({mid / normal:.1f}x) | {r.kv_blocks_moved} | {r.expert_slots_local} / {r.expert_slots_copied} "

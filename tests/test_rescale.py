@@ -173,6 +173,21 @@ def test_rescale_tensor_parallel_instances_under_load(tp_llm, path):
     assert any(r.kv_blocks_moved > 0 for r in results)
 
 
+def test_normal_step_is_the_same_work():
+    """The stall baseline: a first step with a prefill chunk is compared with the steps before that
+    made the same program calls (tokens per row), not with the decode-only median; with fewer than 3
+    alike, with all steps."""
+    from jaxmoe.engine.rescale import normal_step
+
+    decode, mixed = (1,), (1, 16)
+    before = [(0.010, decode)] * 10 + [(0.050, mixed), (0.070, mixed), (0.060, mixed)]
+    assert normal_step(before, [(8, 1)]) == 0.010
+    assert normal_step(before, [(8, 1), (1, 16)]) == 0.060  # rows differ across layouts, tokens do not
+    assert normal_step(before, [(4, 64)]) == 0.010  # no step alike: the median of all
+    assert normal_step(before[:10] + before[10:12], [(8, 1), (1, 16)]) == 0.010  # only 2 alike
+    assert normal_step([], [(8, 1)]) is None
+
+
 def _layout(llm):
     ex = llm.executor
     return ex.num_attention, ex.num_expert_instances, ex.slots_per_instance, ex.placement()

@@ -289,9 +289,7 @@ class Rescaler:
 
     def _finish(self, job: RescaleJob, first_step_s: float | None, calls: list | None = None) -> None:
         calls = calls or []
-        like = [dt for dt, c in job.before if c == tuple(t for _, t in calls)]
-        alike = like if len(like) >= MIN_LIKE_STEPS else [dt for dt, _ in job.before]
-        normal = statistics.median(alike) if alike else None
+        normal = normal_step(job.before, calls)
         paused = job.swap_s + (job.build_s if job.inline else 0.0)  # an inline build also stopped serving
         stall = None if first_step_s is None or not normal else (paused + first_step_s) / normal
         s = job.stats
@@ -317,6 +315,17 @@ class Rescaler:
         with self._lock:
             self.job = None
         job._done.set()
+
+
+def normal_step(before: list[tuple[float, tuple]], calls: list) -> float | None:
+    """The normal step to compare a first step with: the median time of the ``before`` steps ((time,
+    tokens per row of each program call) pairs) that made the same program calls as ``calls`` ((rows,
+    tokens per row) of each call of the first step; rows depend on the layout, tokens per row do not),
+    or of all of them when fewer than ``MIN_LIKE_STEPS`` were alike; None when ``before`` is empty."""
+    key = tuple(t for _, t in calls)
+    like = [dt for dt, c in before if c == key]
+    alike = like if len(like) >= MIN_LIKE_STEPS else [dt for dt, _ in before]
+    return statistics.median(alike) if alike else None
 
 
 def _lower_thread_priority() -> None:
