@@ -38,7 +38,13 @@ def llm(path):
     return LLM(path, mesh="meshes/cpu-8.yaml", **ENGINE)
 
 
-def test_rescale_three_times_under_load(llm, path):
+@pytest.fixture(scope="module")
+def mono(path):
+    """The monolithic executor: each request's standalone output."""
+    return LLM(path, **ENGINE)
+
+
+def test_rescale_three_times_under_load(llm, mono):
     engine = llm.engine
     final, added = {}, []
 
@@ -76,7 +82,6 @@ def test_rescale_three_times_under_load(llm, path):
     assert sorted(final) == sorted(added)
     assert all(o.finish_reason == "length" and o.error is None for o in final.values())
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    mono = LLM(path, **ENGINE)
     for rid in added:
         i = int(rid[1:])
         want = mono.generate([_prompt(i)], _sampling(i))[0].token_ids
@@ -119,7 +124,7 @@ def test_bad_tensor_parallel_rescale_changes_nothing(tp_llm, kwargs, names):
     assert tp_llm.engine.rescaler.job is None and tp_llm.executor.sub.spec == before
 
 
-def test_rescale_tensor_parallel_instances_under_load(tp_llm, path):
+def test_rescale_tensor_parallel_instances_under_load(tp_llm, mono):
     """Instances of 2 devices on both sides (heads and FFN columns split) re-scaled twice under a
     bounded load, counting instances of 2 devices: 2a2e -> 1a3e -> 3a1e. 0 failed requests, every
     greedy output equals its standalone monolithic output, all KV blocks free; the new layouts keep
@@ -163,7 +168,6 @@ def test_rescale_tensor_parallel_instances_under_load(tp_llm, path):
     assert sorted(final) == sorted(added)
     assert all(o.finish_reason == "length" and o.error is None for o in final.values())
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    mono = LLM(path, **ENGINE)
     for rid in added:
         i = int(rid[1:])
         assert final[rid].token_ids == mono.generate([_prompt(i)], _sampling(i))[0].token_ids, rid
