@@ -22,11 +22,13 @@ the old one serves, then swapped in at a step boundary. Reported per change:
                    layout once it runs -- the stall the change itself caused;
   worst after      the largest of the first 5 steps after the swap over the median of the steps
                    after with the same program calls;
-  during build     median and max step while the build ran (it competes for the CPU cores; the
-                   build thread runs at ``--build-nice``);
+  during build     median and max step while the build ran (it competes for the CPU cores and the
+                   GIL; the build thread runs at ``--build-nice``, the GIL switch interval is
+                   ``--build-switch-interval`` while it runs);
   KV blocks moved, expert slots kept on their device (no copy) vs copied, bytes copied.
 
 Run:  PYTHONPATH=. python bench/rescale.py [--concurrency 8] [--changes 4a4e,1a7e,2a6e] [--build-nice 10]
+      [--build-switch-interval 0.0005]
 """
 
 from __future__ import annotations
@@ -69,9 +71,16 @@ def main() -> None:
     ap.add_argument("--warm-steps", type=int, default=30, help="steps served before each change")
     ap.add_argument("--after-steps", type=int, default=40, help="steps served after each swap (same-shape baseline)")
     ap.add_argument("--build-nice", type=int, default=engine_rescale.BUILD_NICE, help="niceness of the build thread")
+    ap.add_argument(
+        "--build-switch-interval",
+        type=float,
+        default=engine_rescale.BUILD_SWITCH_INTERVAL_S,
+        help="the GIL switch interval (s) while a build runs; 0: leave Python's (5 ms)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     engine_rescale.BUILD_NICE = args.build_nice
+    engine_rescale.BUILD_SWITCH_INTERVAL_S = args.build_switch_interval or None
     changes = [tuple(int(x) for x in c.rstrip("e").split("a")) for c in args.changes.split(",")]
     rng = np.random.default_rng(args.seed)
     llm = LLM(
@@ -145,7 +154,7 @@ def main() -> None:
     print(
         f"\njax {jax.__version__} ({jax.device_count()} {jax.default_backend()} devices), {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; concurrency {args.concurrency}; build thread "
-        f"nice {args.build_nice}; {finished} requests finished, {failed} failed; "
+        f"nice {args.build_nice}, GIL switch interval during builds {args.build_switch_interval or 'unchanged'}; {finished} requests finished, {failed} failed; "
         f"KV blocks free at the end: {bm.num_free}/{bm.num_blocks}"
     )
     print(

@@ -8,7 +8,9 @@ the value; nothing changes) and returns a ``RescaleJob``. Then:
    new layout (``runtime.rescale.build_rescaled``: attention parameters copied to the new attention
    devices; expert replicas kept on the devices that already hold them, only the others copied),
    and every step program of the serving shapes compiled by running it on padding rows (no KV
-   written) -- the same shapes as warm-up.
+   written) -- the same shapes as warm-up. The thread runs at niceness ``BUILD_NICE`` and the GIL
+   switch interval is ``BUILD_SWITCH_INTERVAL_S`` meanwhile, so the serving steps wait less for the
+   host cores and the GIL.
 2. **Swap, at a step boundary** (the engine's thread, before the next step; ``apply_rescale`` when
    the engine is idle): the KV blocks of live sequences get blocks in the new layout's allocator
    (a partition of their own) and their KV is copied there (``runtime.rescale.move_kv``); a
@@ -35,7 +37,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 import statistics
+import sys
 import threading
 import time
 from typing import Protocol, runtime_checkable
@@ -51,6 +55,9 @@ from jaxmoe.runtime.rescale import MoveStats, build_rescaled, check_processes, m
 
 MIN_LIKE_STEPS = 3  # recent steps with the first step's program calls needed to use them as its baseline
 BUILD_NICE = 10  # the background build thread's niceness (Linux: per thread), below the serving loop
+# while a background build runs, the interpreter's GIL switch interval (s; None: left as it is): the
+# build traces in Python, and a step that waits for the GIL waits up to one interval each time
+BUILD_SWITCH_INTERVAL_S: float | None = 0.0005
 
 
 class RescaleError(ValueError):
@@ -83,7 +90,7 @@ class RescaleResult:
     stall_ratio: float | None  # (swap_s + first_step_s) / normal_step_s (+ build_s under jax.distributed)
     kv_blocks_moved: int
     sequences_recomputed: int
-    expert_slots_local: int  # new slots whose expert the device already held (no copy)
+    expert_slots_local: int  # new slots whose expert the instance (its devices) already held (no copy)
     expert_slots_copied: int  # copied from another device
     expert_bytes_copied: int
     # (rows, tokens per row) of each program call of the first step on the new layout ([]: idle)
@@ -215,6 +222,17 @@ class Rescaler:
                 )
 
     def _build(self, job: RescaleJob, old, spec) -> None:
+        if job.inline or BUILD_SWITCH_INTERVAL_S is None:
+            self._build_now(job, old, spec)
+            return
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, BUILD_SWITCH_INTERVAL_S))
+        try:
+            self._build_now(job, old, spec)
+        finally:
+            sys.setswitchinterval(interval)
+
+    def _build_now(self, job: RescaleJob, old, spec) -> None:
         t0 = time.perf_counter()
         if not job.inline:
             _lower_thread_priority()
@@ -331,8 +349,6 @@ def normal_step(before: list[tuple[float, tuple]], calls: list) -> float | None:
 def _lower_thread_priority() -> None:
     """Run the calling (build) thread at ``BUILD_NICE`` so the serving loop's steps get the host cores
     first while it compiles (Linux sets niceness per thread; elsewhere a no-op)."""
-    import os
-
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICE)
     except (AttributeError, OSError):  # no per-thread niceness here: the build runs at the loop's priority
