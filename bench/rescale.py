@@ -22,6 +22,8 @@ the old one serves, then swapped in at a step boundary. Reported per change:
                    layout once it runs -- the stall the change itself caused;
   worst after      the largest of the first 5 steps after the swap over the median of the steps
                    after with the same program calls;
+  noise            the slowest of the ordinary steps after the swap (2nd to last) over the median of
+                   its like steps: how far a step strays with no layout change on this host;
   during build     median and max step while the build ran (it competes for the CPU cores and the
                    GIL; the build thread runs at ``--build-nice``, the GIL switch interval is
                    ``--build-switch-interval`` while it runs);
@@ -139,7 +141,17 @@ def main() -> None:
             (dt / statistics.median(_like(after[1:], c)) for dt, c in after[:5] if _like(after[1:], c)),
             default=float("nan"),
         )
-        rows.append((r, normal, during, vs_after, len(like_after), worst, compiled, _kind(first_calls), built))
+        # the noise floor: how far ordinary steps stray from their like steps (the busiest like group after)
+        groups = {tuple(t for _, t in c) for _, c in after[1:]}
+        spread = max(
+            (
+                max(g) / statistics.median(g)
+                for g in (_like(after[1:], [(0, t) for t in k]) for k in groups)
+                if len(g) >= 5
+            ),
+            default=float("nan"),
+        )
+        rows.append((r, normal, during, vs_after, len(like_after), worst, compiled, _kind(first_calls), built, spread))
         print(
             r.as_dict(),
             f"normal {normal:.4f}s, during build: {len(during)} steps, max {max(during, default=0):.3f}s; "
@@ -160,16 +172,17 @@ def main() -> None:
     print(
         "| change | build_s (stop-the-world) | build: programs compiled / from the disk cache | swap_s | median step before | first step | swap step / median before "
         "| stall_ratio (like steps before) | swap step / like steps after (n) | worst of 5 after / like | "
+        "noise: slowest ordinary step after / its like | "
         "programs compiled after the swap | steps during build: n, median / max (median / normal) | KV blocks moved "
         "| expert slots kept / copied (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r, normal, during, vs_after, n_like, worst, compiled, kind, built in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r, normal, during, vs_after, n_like, worst, compiled, kind, built, spread in rows:
         mid = statistics.median(during) if during else float("nan")
         print(
             f"| {r.previous} -> {r.attention}a{r.experts}e | {r.build_s:.2f} | {built[0]} / {built[1]} | {r.swap_s * 1e3:.1f} ms | {normal * 1e3:.1f} ms "
             f"| {kind} | {(r.swap_s + r.first_step_s) / normal:.2f} | {r.stall_ratio:.2f} | {vs_after:.2f} ({n_like}) "
-            f"| {worst:.2f} | {compiled} | {len(during)}, {mid * 1e3:.0f} / {max(during, default=0) * 1e3:.0f} ms "
+            f"| {worst:.2f} | {spread:.2f} | {compiled} | {len(during)}, {mid * 1e3:.0f} / {max(during, default=0) * 1e3:.0f} ms "
             f"({mid / normal:.1f}x) | {r.kv_blocks_moved} | {r.expert_slots_local} / {r.expert_slots_copied} "
             f"({r.expert_bytes_copied / 2**20:.1f}) |"
         )
