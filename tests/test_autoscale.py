@@ -36,6 +36,22 @@ def test_layouts_that_fit_the_cpu_mesh():
     assert Layout(2, 1, 1) not in got  # 4 slots cannot hold 8 experts
 
 
+def test_layouts_that_fit_count_instances_of_k_devices():
+    """Tensor-parallel instances (a rescale keeps their devices per instance): 2-device attention and
+    expert instances with 8 slots each on 8 devices."""
+    got = layouts_that_fit(8, 8, 8, attention_devices=2, expert_devices=2)
+    assert set(got) == {
+        Layout(4, 1, 1),
+        Layout(6, 1, 2),
+        Layout(8, 1, 3),
+        Layout(6, 2, 1),
+        Layout(8, 2, 2),
+        Layout(8, 3, 1),
+    }
+    assert Layout(8, 2, 4) in layouts_that_fit(8, 8, 4, attention_devices=2)
+    assert all(a.attention * 2 + a.experts <= 8 for a in layouts_that_fit(8, 8, 4, attention_devices=2))
+
+
 def test_attach_builds_the_real_controller(llm):
     scaler = attach(llm.engine, slo_tpot_s=0.05, interval_s=3600)
     assert scaler in llm.engine.step_hooks

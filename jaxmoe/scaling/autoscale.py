@@ -67,10 +67,19 @@ def _timed(fn) -> float:
     return max(time.perf_counter() - t, 1e-9)
 
 
-def layouts_that_fit(num_devices: int, num_experts: int, slots_per_instance: int) -> list[Layout]:
-    """Every aXeY with one device per instance on ``num_devices`` devices whose slots hold the experts."""
+def layouts_that_fit(
+    num_devices: int, num_experts: int, slots_per_instance: int, attention_devices: int = 1, expert_devices: int = 1
+) -> list[Layout]:
+    """Every aXeY on ``num_devices`` devices whose slots hold the experts, with ``attention_devices``
+    devices per attention instance and ``expert_devices`` per expert instance (tensor parallelism:
+    a rescale keeps them); ``Layout.gpus`` counts the devices used."""
+    ka, ke = attention_devices, expert_devices
     e_min = math.ceil(num_experts / slots_per_instance)
-    return [Layout(a + e, a, e) for a in range(1, num_devices) for e in range(e_min, num_devices - a + 1)]
+    return [
+        Layout(a * ka + e * ke, a, e)
+        for a in range(1, num_devices // ka + 1)
+        for e in range(e_min, (num_devices - a * ka) // ke + 1)
+    ]
 
 
 @dataclasses.dataclass
@@ -86,8 +95,9 @@ class Autoscaler:
     def __init__(self, engine, controller: ScalingController, interval_s: float = 30.0, clock=time.monotonic):
         self.engine, self.controller, self.interval_s, self.clock = engine, controller, interval_s, clock
         ex = engine.runner.executor
+        spec = ex.sub.spec
         controller.current = Layout(
-            ex.num_attention + ex.num_expert_instances, ex.num_attention, ex.num_expert_instances
+            len(spec.attention.flat) + len(spec.experts.flat), ex.num_attention, ex.num_expert_instances
         )
         self._last, self._admitted = clock(), engine.scheduler.num_admitted
         self.decisions: list[Decision] = []
@@ -138,7 +148,13 @@ def attach(engine, slo_tpot_s: float, interval_s: float = 30.0, hardware: Hardwa
     )
     dtype_bytes = jax.tree.leaves(ex.cache)[0].dtype.itemsize
     pm = PerfModel(model_shape(ex.cfg, total, experts, dtype_bytes), hardware or host_hardware(spec.num_devices))
-    layouts = layouts_that_fit(spec.num_devices, ex.cfg.moe.num_experts, ex.slots_per_instance)
+    layouts = layouts_that_fit(
+        spec.num_devices,
+        ex.cfg.moe.num_experts,
+        ex.slots_per_instance,
+        spec.attention.devices_per_instance,
+        spec.experts.devices_per_instance,
+    )
     scaler = Autoscaler(engine, ScalingController(pm, JANUS, layouts, slo_tpot_s), interval_s)
     engine.step_hooks.append(scaler)
     return scaler
