@@ -7,10 +7,13 @@ and expert slots, and when that differs from the layout serving, starts ``engine
 the background, swapped in at a step boundary; one at a time). The controller's hysteresis applies:
 up at once, down only after ``down_after`` agreeing decisions.
 
-The performance model is ``perf_model.PerfModel`` with the served model's shape (``model_shape``)
-on ``hardware``; on the CPU mesh ``host_hardware`` measures the host's copy bandwidth and matmul
-rate once (a rough roofline, not fitted per layout). It runs only while the engine steps (an idle
-engine keeps its layout).
+The performance model (a ``perf_model.DisaggregatedPerf``) is the one fitted from the engine's own
+measurements on this mesh when a scaling profile for the mesh's devices, the model and the dtype is
+given (``fitted.FittedPerfModel``; ``jaxmoe serve --scaling-profile FILE``; made by
+``bench/scaling_model.py --out FILE``), else ``perf_model.PerfModel`` with the served model's shape
+(``model_shape``) on ``hardware``: on the CPU mesh ``host_hardware`` measures the host's copy
+bandwidth and matmul rate once (a rough roofline, not fitted per layout). It runs only while the
+engine steps (an idle engine keeps its layout).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import time
 import numpy as np
 
 from jaxmoe.scaling.controller import JANUS, Layout, Load, ScalingController
-from jaxmoe.scaling.perf_model import Hardware, ModelShape, PerfModel
+from jaxmoe.scaling.fitted import FittedPerfModel, ScalingProfile
+from jaxmoe.scaling.perf_model import DisaggregatedPerf, Hardware, ModelShape, PerfModel
 
 
 def model_shape(cfg, params_bytes: int, expert_bytes: int, dtype_bytes: int) -> ModelShape:
@@ -123,12 +127,12 @@ class Autoscaler:
         return decision
 
 
-def attach(engine, slo_tpot_s: float, interval_s: float = 30.0, hardware: Hardware | None = None) -> Autoscaler:
-    """An ``Autoscaler`` for a mesh-file engine, run after every step (``jaxmoe serve --autoscale``)."""
+def roofline_model(engine, hardware: Hardware | None = None) -> PerfModel:
+    """The roofline ``PerfModel`` of the served model (bytes from its parameters) on ``hardware``
+    (default: the host, measured once: ``host_hardware``)."""
     import jax
 
     ex = engine.runner.executor
-    spec = ex.sub.spec
     params = jax.tree.leaves(ex.params)
     total = sum(p.nbytes for p in params)
     experts = sum(
@@ -137,8 +141,37 @@ def attach(engine, slo_tpot_s: float, interval_s: float = 30.0, hardware: Hardwa
         for k in ("w_gate", "w_up", "w_down")
     )
     dtype_bytes = jax.tree.leaves(ex.cache)[0].dtype.itemsize
-    pm = PerfModel(model_shape(ex.cfg, total, experts, dtype_bytes), hardware or host_hardware(spec.num_devices))
-    layouts = layouts_that_fit(spec.num_devices, ex.cfg.moe.num_experts, ex.slots_per_instance)
+    return PerfModel(
+        model_shape(ex.cfg, total, experts, dtype_bytes), hardware or host_hardware(ex.sub.spec.num_devices)
+    )
+
+
+def fitted_model(engine, profile) -> FittedPerfModel:
+    """A ``FittedPerfModel`` of the served engine from a scaling profile (a ``ScalingProfile`` or the
+    path of its JSON); ``ProfileError`` naming the field when it was made for another mesh (devices
+    and slots), model or dtype."""
+    from jaxmoe.planning.profile import model_identity
+
+    if not isinstance(profile, ScalingProfile):
+        profile = ScalingProfile.load(profile)
+    ex, cfg = engine.runner.executor, engine.config
+    profile.check(model=model_identity(ex.cfg), dtype=str(np.dtype(ex.params["embed"].dtype)))
+    return FittedPerfModel(profile, ex.sub.spec, cfg.num_blocks * cfg.block_size, cfg.max_num_seqs)
+
+
+def attach(
+    engine,
+    slo_tpot_s: float,
+    interval_s: float = 30.0,
+    hardware: Hardware | None = None,
+    profile=None,
+) -> Autoscaler:
+    """An ``Autoscaler`` for a mesh-file engine, run after every step (``jaxmoe serve --autoscale``).
+    Its performance model: the fitted one when a scaling ``profile`` (file or ``ScalingProfile``) is
+    given (``fitted_model``), else the host roofline (``roofline_model``)."""
+    pm: DisaggregatedPerf = roofline_model(engine, hardware) if profile is None else fitted_model(engine, profile)
+    ex = engine.runner.executor
+    layouts = layouts_that_fit(ex.sub.spec.num_devices, ex.cfg.moe.num_experts, ex.slots_per_instance)
     scaler = Autoscaler(engine, ScalingController(pm, JANUS, layouts, slo_tpot_s), interval_s)
     engine.step_hooks.append(scaler)
     return scaler
