@@ -108,15 +108,19 @@ def measure_parts(
     return samples
 
 
-def decode_tpot(engine, batch: int, prompt: int, output: int, seed: int = 0) -> StepPoint:
+def decode_tpot(engine, batch: int, prompt: int, output: int, seed: int = 0, rounds: int = 1) -> StepPoint:
     """The engine's decode TPOT: ``batch`` requests of ``prompt`` random tokens prefilled in one step,
-    then ``output`` greedy tokens each; the median of the decode steps after a short warm-up round
-    of the same batch (which compiles its shapes). The engine must be idle."""
+    then ``output`` greedy tokens each, after a short warm-up round of the same batch (which compiles
+    its shapes); the median decode step of each of ``rounds`` rounds, the least of them (on a shared
+    machine other jobs only ever add time: the least-contended round is the closest to the engine's
+    own). The engine must be idle."""
     cfg = engine.config
     if engine.has_work():
         raise ProfileError("decode_tpot needs an idle engine")
-    if batch < 1 or prompt < 1 or output < 2:
-        raise ProfileError(f"batch and prompt must be >= 1 and output >= 2, got {batch}, {prompt}, {output}")
+    if batch < 1 or prompt < 1 or output < 2 or rounds < 1:
+        raise ProfileError(
+            f"batch, prompt and rounds must be >= 1 and output >= 2, got {batch}, {prompt}, {rounds}, {output}"
+        )
     if batch > cfg.max_num_seqs or prompt > cfg.max_prefill_chunk or batch * prompt > cfg.max_batch_tokens:
         raise ProfileError(
             f"batch {batch} x prompt {prompt} must fit one prefill step: max_num_seqs {cfg.max_num_seqs}, "
@@ -142,9 +146,9 @@ def decode_tpot(engine, batch: int, prompt: int, output: int, seed: int = 0) -> 
         return times
 
     run(3)
-    times = run(output)[1:]  # step 0 prefills every prompt
+    tpot = min(statistics.median(run(output)[1:]) for _ in range(rounds))  # step 0 prefills every prompt
     ex = engine.runner.executor
-    return StepPoint(ex.num_attention, ex.num_expert_instances, batch, prompt + output / 2, statistics.median(times))
+    return StepPoint(ex.num_attention, ex.num_expert_instances, batch, prompt + output / 2, tpot)
 
 
 def fit_parts(samples: dict[str, list[list[float]]]) -> dict[str, LinearModel]:
@@ -225,11 +229,12 @@ def profile_mesh(
     sweep: FitSweep = FitSweep(),
     prompt: int = 48,
     output: int = 24,
+    rounds: int = 1,
     progress: Callable[[str], None] | None = None,
     **llm_kwargs,
 ) -> tuple[ScalingProfile, list[StepPoint]]:
-    """Measure the parts and the engine's TPOT at ``batches`` on every layout, and fit the profile.
-    ``llm_kwargs`` go to ``LLM`` (dtype, num_blocks, block_size, max_num_seqs, ...)."""
+    """Measure the parts and the engine's TPOT at ``batches`` on every layout (``decode_tpot`` with
+    ``rounds``), and fit the profile. ``llm_kwargs`` go to ``LLM`` (dtype, num_blocks, block_size, max_num_seqs, ...)."""
     samples: dict[str, list[list[float]]] = {p: [] for p in PARTS}
     steps: list[StepPoint] = []
     cfg = dtype = None
@@ -241,7 +246,7 @@ def profile_mesh(
         for k, v in part.items():
             samples[k] += v
         for b in batches:
-            steps.append(decode_tpot(engine, b, prompt, output, sweep.seed))
+            steps.append(decode_tpot(engine, b, prompt, output, sweep.seed, rounds))
             if progress is not None:
                 progress(f"{a}a{e}e batch {b}: engine decode step {steps[-1].tpot * 1e3:.2f} ms")
         del llm, engine
