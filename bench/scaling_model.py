@@ -1,12 +1,13 @@
 """JANUS scaling on the CPU mesh: the fitted performance model vs the engine's measured TPOT, and
 Fig. 10's ablation (base, +two-phase transfers, +AEBS).
 
-``--part fit``: fit a scaling profile (``jaxmoe.scaling.fit.profile_mesh``) on ``--fit-layouts``
-(the runtime's own programs over a sweep of rows x contexts, and the engine's decode TPOT at
-``--fit-batches``), then measure the engine's decode TPOT on ``--layouts`` x ``--batches`` again
-(fresh measurements, ``--rounds`` rounds interleaved over layouts and batches; the median decode
-step of the least-contended round: other jobs on a shared machine only add time) and print
-predicted vs measured. Layouts not in ``--fit-layouts`` are held out.
+``--part fit``: measure the parts of the scaling model (``jaxmoe.scaling.fit.measure_layouts``: the
+runtime's own programs over a sweep of rows x contexts, two-phase and direct transfers) on
+``--fit-layouts``; measure the engine's decode TPOT on ``--layouts`` x ``--batches`` (``--rounds``
+rounds interleaved over layouts and batches; the median decode step of the least-contended round:
+other jobs on a shared machine only add time); fit the step model on the TPOTs of the fit layouts
+at ``--fit-batches`` only, and print predicted vs measured for every cell, marking which ones the
+fit saw.
 
 ``--part ablation``: the three variants of ``jaxmoe.scaling.ablation`` on ``--ablation-layouts`` at
 ``--ablation-batches`` (rounds interleaved), decode TPOT and tokens/s, transfer hops per MoE layer,
@@ -37,7 +38,7 @@ import numpy as np  # noqa: E402
 from jaxmoe import SamplingParams  # noqa: E402
 from jaxmoe.mesh import load_mesh  # noqa: E402
 from jaxmoe.scaling.ablation import VARIANTS, build_variant  # noqa: E402
-from jaxmoe.scaling.fit import FitSweep, build_llm, decode_tpot, profile_mesh  # noqa: E402
+from jaxmoe.scaling.fit import FitSweep, StepPoint, build_llm, decode_tpot, fit_llm, measure_layouts  # noqa: E402
 from jaxmoe.scaling.fitted import FittedPerfModel  # noqa: E402
 
 ENGINE = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_prefill_chunk=64, max_batch_tokens=1024)
@@ -62,29 +63,10 @@ def log(msg: str) -> None:
 
 def part_fit(args, base):
     t0 = time.perf_counter()
-    fit_layouts = _layouts(args.fit_layouts)
+    fit_layouts, fit_batches = _layouts(args.fit_layouts), _ints(args.fit_batches)
     sweep = FitSweep(rows=tuple(_ints(args.rows)), contexts=tuple(_ints(args.contexts)), repeats=args.repeats)
-    prof, steps = profile_mesh(
-        args.model,
-        base,
-        fit_layouts,
-        _ints(args.fit_batches),
-        sweep=sweep,
-        prompt=PROMPT,
-        output=OUTPUT,
-        rounds=args.fit_rounds,
-        progress=log,
-        **ENGINE,
-    )
-    fit_s = time.perf_counter() - t0
-    if args.out:
-        prof.save(args.out)
-    pm = FittedPerfModel(prof, base, ENGINE["num_blocks"] * ENGINE["block_size"], ENGINE["max_num_seqs"])
-    r2 = ", ".join(f"{k} {v:.3f}" for k, v in prof.r2().items())
-    print(f"\nprofile fitted in {fit_s:.0f} s on {', '.join(_name(*x) for x in fit_layouts)}; R²: {r2}")
-    for k in ("attention", "expert", "a2e", "e2a", "step"):
-        f = getattr(prof.fits, k)
-        print(f"  {k}: alpha {f.alpha:.3e} s, betas {', '.join(f'{b:.3e}' for b in f.betas)}")
+    samples = measure_layouts(args.model, base, fit_layouts, sweep, progress=log, **ENGINE)
+    parts_s = time.perf_counter() - t0
 
     layouts, batches = _layouts(args.layouts), _ints(args.batches)
     llms = {lay: build_llm(args.model, base, *lay, **ENGINE) for lay in layouts}
@@ -96,29 +78,43 @@ def part_fit(args, base):
                 measured.setdefault((lay, b), []).append(p.tpot)
                 log(f"round {r} {_name(*lay)} batch {b}: {p.tpot * 1e3:.2f} ms")
     context = PROMPT + OUTPUT / 2
+    tpot = {k: min(v) for k, v in measured.items()}  # the least-contended round
+    steps = [StepPoint(*lay, b, context, tpot[(lay, b)]) for lay in fit_layouts for b in fit_batches]
+    where = f"layouts {args.fit_layouts}, step fitted at batches {args.fit_batches}"
+    prof = fit_llm(llms[layouts[0]], base, samples, steps, where)
+    if args.out:
+        prof.save(args.out)
+    pm = FittedPerfModel(prof, base, ENGINE["num_blocks"] * ENGINE["block_size"], ENGINE["max_num_seqs"])
+    r2 = ", ".join(f"{k} {v:.3f}" for k, v in prof.r2().items())
+    print(f"\nparts measured in {parts_s:.0f} s on {args.fit_layouts} (two-phase and direct); R²: {r2}")
+    for k in ("attention", "expert", "a2e", "e2a", "step"):
+        f = getattr(prof.fits, k)
+        print(f"  {k}: alpha {f.alpha:.3e} s, betas {', '.join(f'{b:.3e}' for b in f.betas)}")
     print(
         f"\nPredicted vs measured decode TPOT (context {context:g}; measured: median decode step of the "
-        f"least-contended of {args.rounds} interleaved rounds)\n"
+        f"least-contended of {args.rounds} interleaved rounds). 'step fit': the cell is one of the TPOTs the "
+        "step model was fitted on; 'parts': its layout's parts were measured, its batch not fitted; "
+        "'held out': neither\n"
     )
-    print("| layout | in fit | batch | rows run | predicted ms | measured ms | error |")
+    print("| layout | used | batch | rows run | predicted ms | measured ms | error |")
     print("|---|---|---|---|---|---|---|")
-    errors = {True: [], False: []}
+    errors: dict[str, list[float]] = {"step fit": [], "parts": [], "held out": []}
     for lay in layouts:
         for b in batches:
             pred = pm.parts(b, context, *lay)
-            meas = min(measured[(lay, b)])
-            err = pred["tpot"] / meas - 1
-            errors[lay in fit_layouts].append(abs(err))
+            err = pred["tpot"] / tpot[(lay, b)] - 1
+            used = "held out" if lay not in fit_layouts else ("step fit" if b in fit_batches else "parts")
+            errors[used].append(abs(err))
             print(
-                f"| {_name(*lay)} | {'yes' if lay in fit_layouts else 'held out'} | {b} | {pred['rows']} | "
-                f"{pred['tpot'] * 1e3:.2f} | {meas * 1e3:.2f} | {100 * err:+.0f} % |"
+                f"| {_name(*lay)} | {used} | {b} | {pred['rows']} | {pred['tpot'] * 1e3:.2f} | "
+                f"{tpot[(lay, b)] * 1e3:.2f} | {100 * err:+.0f} % |"
             )
-    for infit, errs in errors.items():
+    for used, errs in errors.items():
         if errs:
             n = sum(e <= 0.15 for e in errs)
             print(
-                f"\n{'fit' if infit else 'held-out'} layouts: {n} of {len(errs)} within 15 %, mean |error| "
-                f"{100 * statistics.fmean(errs):.1f} %, max {100 * max(errs):.1f} %"
+                f"\n{used}: {n} of {len(errs)} within 15 %, mean |error| {100 * statistics.fmean(errs):.1f} %, "
+                f"max {100 * max(errs):.1f} %"
             )
     del llms
     return pm
@@ -191,7 +187,6 @@ def main() -> None:
     ap.add_argument("--layouts", default="1a7e,2a6e,3a5e,4a4e,6a2e")
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--rounds", type=int, default=3, help="measurement rounds, interleaved (the least is kept)")
-    ap.add_argument("--fit-rounds", type=int, default=2, help="rounds of each TPOT the step model is fitted on")
     ap.add_argument("--ablation-layouts", default="2a6e,4a4e")
     ap.add_argument("--ablation-batches", default="4,16")
     ap.add_argument("--out", default=None, help="write the fitted profile JSON here")

@@ -113,7 +113,9 @@ def test_profile_fitted_on_the_cpu_mesh_predicts_a_measured_tpot(checkpoint_dir)
     engine's TPOT at batch 2 (not fitted on): within a loose bound (the machine is shared and noisy)."""
     path = checkpoint_dir("mixtral")
     sweep = FitSweep(rows=(1, 2), contexts=(8, 24), repeats=2)
-    prof, steps = profile_mesh(str(path), BASE, [(2, 6), (4, 4)], [1, 4], sweep=sweep, prompt=8, output=6, **ENGINE)
+    prof, steps = profile_mesh(
+        str(path), BASE, [(2, 6), (4, 4)], [1, 4], sweep=sweep, direct_sweep=None, prompt=8, output=6, **ENGINE
+    )
     assert len(steps) == 4 and all(p.tpot > 0 for p in steps)
     assert set(prof.r2()) == {"attention", "expert", "a2e", "e2a", "step"}
     assert len(prof.samples["attention"]) == 8 and len(prof.samples["step"]) == 4

@@ -220,6 +220,32 @@ def build_llm(model, base: ClusterSpec, attention: int, experts: int, two_phase:
     return LLM(model, mesh=layout_spec(base, attention, experts, two_phase), **llm_kwargs)
 
 
+def measure_layouts(
+    model,
+    base: ClusterSpec,
+    layouts: Sequence[tuple[int, int]],
+    sweep: FitSweep = FitSweep(),
+    direct_sweep: FitSweep | None = FitSweep(rows=(1, 8), contexts=(32,), repeats=3),
+    progress: Callable[[str], None] | None = None,
+    **llm_kwargs,
+) -> dict[str, list[list[float]]]:
+    """Part samples (``measure_parts``) of every layout, on the executor of an ``LLM`` built as
+    ``build_llm`` builds it (the block tables as wide as its engine's). ``direct_sweep``: the parts
+    are also measured over this sweep with direct transfers, so the transfer fits see the hop counts
+    of both plans (None: not)."""
+    samples: dict[str, list[list[float]]] = {p: [] for p in PARTS}
+    for a, e in layouts:
+        for two_phase, where in ((True, sweep), (False, direct_sweep)):
+            if where is None:
+                continue
+            llm = build_llm(model, base, a, e, two_phase, **llm_kwargs)
+            part = measure_parts(llm.executor, where, llm.engine.runner.max_blocks_per_seq, progress)
+            for k, v in part.items():
+                samples[k] += v
+            del llm
+    return samples
+
+
 def profile_mesh(
     model,
     base: ClusterSpec,
@@ -230,38 +256,44 @@ def profile_mesh(
     prompt: int = 48,
     output: int = 24,
     rounds: int = 1,
+    direct_sweep: FitSweep | None = FitSweep(rows=(1, 8), contexts=(32,), repeats=3),
     progress: Callable[[str], None] | None = None,
     **llm_kwargs,
 ) -> tuple[ScalingProfile, list[StepPoint]]:
-    """Measure the parts and the engine's TPOT at ``batches`` on every layout (``decode_tpot`` with
-    ``rounds``), and fit the profile. ``llm_kwargs`` go to ``LLM`` (dtype, num_blocks, block_size, max_num_seqs, ...)."""
-    samples: dict[str, list[list[float]]] = {p: [] for p in PARTS}
+    """Measure the parts (``measure_layouts``) and the engine's TPOT at ``batches`` on every layout
+    (``decode_tpot`` with ``rounds``), and fit the profile. ``llm_kwargs`` go to ``LLM`` (dtype,
+    num_blocks, block_size, max_num_seqs, ...)."""
+    if not layouts:
+        raise ProfileError("no layout to profile")
+    samples = measure_layouts(model, base, layouts, sweep, direct_sweep, progress, **llm_kwargs)
     steps: list[StepPoint] = []
-    cfg = dtype = None
     for a, e in layouts:
         llm = build_llm(model, base, a, e, **llm_kwargs)
-        engine, cfg = llm.engine, llm.cfg
-        dtype = np.dtype(llm.executor.params["embed"].dtype)
-        part = measure_parts(llm.executor, sweep, engine.runner.max_blocks_per_seq, progress)
-        for k, v in part.items():
-            samples[k] += v
         for b in batches:
-            steps.append(decode_tpot(engine, b, prompt, output, sweep.seed, rounds))
+            steps.append(decode_tpot(llm.engine, b, prompt, output, sweep.seed, rounds))
             if progress is not None:
                 progress(f"{a}a{e}e batch {b}: engine decode step {steps[-1].tpot * 1e3:.2f} ms")
-        del llm, engine
-    if cfg is None:
-        raise ProfileError("no layout to profile")
+    where = (
+        f"layouts {_names(layouts)}, batches {list(batches)}, rows {list(sweep.rows)}, contexts {list(sweep.contexts)}"
+    )
+    return fit_llm(llm, base, samples, steps, where), steps
+
+
+def fit_llm(llm, base: ClusterSpec, samples, steps: Sequence[StepPoint], where: str = "") -> ScalingProfile:
+    """``fit_profile`` for the model and dtype ``llm`` (an ``LLM``) serves, on ``base``'s devices."""
+    dt = np.dtype(llm.executor.params["embed"].dtype)
     device = jax.devices()[0]
-    profile = fit_profile(
+    return fit_profile(
         samples,
         steps,
         base,
-        dims_of(cfg, base, dtype.itemsize),
-        model=model_identity(cfg),
-        dtype=str(dtype),
+        dims_of(llm.cfg, base, dt.itemsize),
+        model=model_identity(llm.cfg),
+        dtype=str(dt),
         device=f"{device.platform}: {device.device_kind}",
-        source=f"fitted on layouts {', '.join(f'{a}a{e}e' for a, e in layouts)}, batches {list(batches)}, "
-        f"rows {list(sweep.rows)}, contexts {list(sweep.contexts)}, median of {sweep.repeats}",
+        source=f"fitted from the engine's measurements on {where}",
     )
-    return profile, steps
+
+
+def _names(layouts) -> str:
+    return ", ".join(f"{a}a{e}e" for a, e in layouts)
