@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layouts", default="1a7e,2a6e,3a5e,4a4e,6a2e")
     ap.add_argument("--batches", default="1,2,4,8,16")
-    ap.add_argument("--rounds", type=int, default=3, help="measurement rounds, interleaved (the least is kept)")
+    ap.add_argument("--rounds", type=int, default=4, help="measurement rounds, interleaved (the least is kept)")
     ap.add_argument("--ablation-layouts", default="2a6e,4a4e")
     ap.add_argument("--ablation-batches", default="4,16")
     ap.add_argument("--out", default=None, help="write the fitted profile JSON here")

@@ -110,9 +110,9 @@ def time_phases(executor, args, repeats: int) -> list[dict]:
     return records
 
 
-def phase_per_layer(records: list[dict], phase: str, layers) -> float:
-    """Median over the steps of a phase's mean time over ``layers`` (seconds)."""
-    return statistics.median(statistics.fmean(r[phase][i] for i in layers) for r in records)
+def phase_per_layer(records: list[dict], phase: str, layers, stat=statistics.median) -> float:
+    """``stat`` (default: the median) over the steps of a phase's mean time over ``layers`` (seconds)."""
+    return stat([statistics.fmean(r[phase][i] for i in layers) for r in records])
 
 
 def measure_samples(

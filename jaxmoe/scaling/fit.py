@@ -3,8 +3,8 @@
 1. **Parts** (``measure_parts``): on an executor of layout aXeY, one synthetic decode step per
    (rows per attention instance, tokens attended) of the sweep, with random token ids (rows route to
    different experts), run in timing mode -- ``planning.measure.time_phases``, the loop
-   ``jaxmoe profile`` uses for FinDEP's stage models. Per layer: the median attention, A2E, expert
-   and E2A times, the activated experts of the busiest expert instance
+   ``jaxmoe profile`` uses for FinDEP's stage models. Per layer: the attention, A2E, expert and E2A
+   times of the least-contended repeat, the activated experts of the busiest expert instance
    (``executor.activated_per_instance``) and the hops and bytes of the layout's transfer plan.
 2. **Step** (``decode_tpot``): the real engine's decode TPOT on that layout (``LLMEngine``: ``batch``
    requests of ``prompt`` tokens, all prefilled in one step, then ``output`` greedy tokens; median
@@ -92,8 +92,8 @@ def measure_parts(
         for rows in sweep.rows:
             args = synthetic_batch(executor, rows, context, seed=sweep.seed + rows, table_width=table_width)
             records = time_phases(executor, args, sweep.repeats)
-            t = {p: phase_per_layer(records, p, moe) for p in PARTS}
-            t["attention"] = phase_per_layer(records, "attention", range(executor.cfg.num_layers))
+            t = {p: phase_per_layer(records, p, moe, min) for p in PARTS}  # least contended, as decode_tpot
+            t["attention"] = phase_per_layer(records, "attention", range(executor.cfg.num_layers), min)
             per_instance = executor.activated_per_instance()
             activated = statistics.fmean(max(per_instance[i]) for i in moe)
             plan = plan_transfers(spec, rows * hidden_bytes)
