@@ -56,7 +56,6 @@ from jaxmoe.mesh import ClusterSpec, SubMeshes, build_meshes, load_mesh
 from jaxmoe.models.attention import AttentionBatch, init_layer_cache
 from jaxmoe.runtime.attention_program import attention_side_params, head_params, make_attention_programs
 from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
-from jaxmoe.pallas_kernels.aebs.api import POLICIES as REPLICA_POLICIES
 from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
@@ -124,11 +123,6 @@ class DisaggregatedExecutor:
                 f"pause_every must be a positive integer (layers between pause points), got {pause_every!r}"
             )
         self.pause_every = pause_every
-        if replica_policy not in REPLICA_POLICIES:
-            raise ValueError(
-                f"replica_policy must be one of {REPLICA_POLICIES} (AEBS, its improved form, or random "
-                f"scheduling), got {replica_policy!r}"
-            )
         self.sub = mesh if isinstance(mesh, SubMeshes) else _sub_meshes(_spec(mesh))
         spec = self.sub.spec
         spec.validate_for(cfg.moe.num_experts)
