@@ -121,3 +121,10 @@ def test_attach_uses_the_fitted_model_when_a_profile_is_given(llm, tmp_path):
         llm.engine.step_hooks.remove(scaler)
     with pytest.raises(ProfileError, match="model"):
         fitted_model(llm.engine, prof.model_copy(update={"model": "another"}))
+
+
+def test_scaling_profile_needs_autoscale(capsys):
+    from jaxmoe.cli import main
+
+    assert main(["serve", "--scaling-profile", "p.json", "--model", "tiny-random", "--mesh", "meshes/cpu-8.yaml"]) == 2
+    assert "--scaling-profile is the --autoscale performance model" in capsys.readouterr().err
