@@ -1,17 +1,21 @@
 """Fit a ``ScalingProfile`` (``scaling.fitted``) from the engine's own measurements on a mesh.
 
-1. **Parts** (``measure_parts``): on an executor of layout aXeY, one synthetic decode step per
+1. **Parts** (``measure_parts``; ``measure_layouts`` for several layouts, with two-phase and with
+   direct transfers): on an executor of layout aXeY, one synthetic decode step per
    (rows per attention instance, tokens attended) of the sweep, with random token ids (rows route to
    different experts), run in timing mode -- ``planning.measure.time_phases``, the loop
    ``jaxmoe profile`` uses for FinDEP's stage models. Per layer: the attention, A2E, expert and E2A
    times of the least-contended repeat, the activated experts of the busiest expert instance
    (``executor.activated_per_instance``) and the hops and bytes of the layout's transfer plan.
 2. **Step** (``decode_tpot``): the real engine's decode TPOT on that layout (``LLMEngine``: ``batch``
-   requests of ``prompt`` tokens, all prefilled in one step, then ``output`` greedy tokens; median
-   step), fitted against the parts predicted for the same (layout, batch, context).
+   requests of ``prompt`` tokens, all prefilled in one step, then ``output`` greedy tokens; the
+   median step of the least-contended round), fitted against the parts predicted for the same
+   (layout, batch, context).
 
 ``fit_profile`` turns both into the JSON profile (``LinearModel.fit``: non-negative least squares,
-R² per fit). ``profile_mesh`` does all of it for a model on a list of layouts of one mesh.
+R² per fit; ``fit_llm`` names the model and dtype of an ``LLM``). ``profile_mesh`` does all of it
+for a model on a list of layouts of one mesh; ``bench/scaling_model.py`` runs the same pieces with
+the TPOTs of every layout measured in interleaved rounds.
 """
 
 from __future__ import annotations
