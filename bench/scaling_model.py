@@ -189,7 +189,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="measurement rounds, interleaved (the least is kept)")
     ap.add_argument("--ablation-layouts", default="2a6e,4a4e")
     ap.add_argument("--ablation-batches", default="4,16")
-    ap.add_argument("--out", default=None, help="write the fitted profile JSON here")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the fitted profile JSON here (a directory: under the name jaxmoe serve --scaling-profile DIR looks for)",
+    )
     args = ap.parse_args()
     parts = set(args.part.split(","))
     t0 = time.perf_counter()

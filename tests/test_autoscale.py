@@ -121,6 +121,14 @@ def test_attach_uses_the_fitted_model_when_a_profile_is_given(llm, tmp_path):
         llm.engine.step_hooks.remove(scaler)
     with pytest.raises(ProfileError, match="model"):
         fitted_model(llm.engine, prof.model_copy(update={"model": "another"}))
+    # a directory: the profile made for this mesh, model and dtype when it holds one, else none
+    found = tmp_path / "profiles"
+    found.mkdir()
+    assert fitted_model(llm.engine, found) is None
+    prof.model_copy(update={"model": "another"}).save(found)  # another model's: not picked
+    assert fitted_model(llm.engine, found) is None
+    assert prof.save(found).name == prof.filename
+    assert isinstance(fitted_model(llm.engine, found), FittedPerfModel)
 
 
 def test_scaling_profile_needs_autoscale(capsys):

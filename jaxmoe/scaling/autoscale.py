@@ -9,8 +9,8 @@ up at once, down only after ``down_after`` agreeing decisions.
 
 The performance model (a ``perf_model.DisaggregatedPerf``) is the one fitted from the engine's own
 measurements on this mesh when a scaling profile for the mesh's devices, the model and the dtype is
-given (``fitted.FittedPerfModel``; ``jaxmoe serve --scaling-profile FILE``; made by
-``bench/scaling_model.py --out FILE``), else ``perf_model.PerfModel`` with the served model's shape
+given or exists in the directory given (``fitted.FittedPerfModel``; ``jaxmoe serve
+--scaling-profile FILE|DIR``; made by ``bench/scaling_model.py --out FILE|DIR``), else ``perf_model.PerfModel`` with the served model's shape
 (``model_shape``) on ``hardware``: on the CPU mesh ``host_hardware`` measures the host's copy
 bandwidth and matmul rate once (a rough roofline, not fitted per layout). It runs only while the
 engine steps (an idle engine keeps its layout).
@@ -21,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 
 from jaxmoe.scaling.controller import JANUS, Layout, Load, ScalingController
-from jaxmoe.scaling.fitted import FittedPerfModel, ScalingProfile
+from jaxmoe.scaling.fitted import FittedPerfModel, ScalingProfile, find_profile, mesh_family
 from jaxmoe.scaling.perf_model import DisaggregatedPerf, Hardware, ModelShape, PerfModel
 
 
@@ -146,16 +147,22 @@ def roofline_model(engine, hardware: Hardware | None = None) -> PerfModel:
     )
 
 
-def fitted_model(engine, profile) -> FittedPerfModel:
-    """A ``FittedPerfModel`` of the served engine from a scaling profile (a ``ScalingProfile`` or the
-    path of its JSON); ``ProfileError`` naming the field when it was made for another mesh (devices
-    and slots), model or dtype."""
+def fitted_model(engine, profile) -> FittedPerfModel | None:
+    """A ``FittedPerfModel`` of the served engine from a scaling profile: a ``ScalingProfile``, the
+    path of its JSON (``ProfileError`` naming the field when it was made for another mesh's devices
+    and slots, model or dtype), or a directory (the profile made for this mesh, model and dtype,
+    ``fitted.find_profile``; None when it has none)."""
     from jaxmoe.planning.profile import model_identity
 
-    if not isinstance(profile, ScalingProfile):
-        profile = ScalingProfile.load(profile)
     ex, cfg = engine.runner.executor, engine.config
-    profile.check(model=model_identity(ex.cfg), dtype=str(np.dtype(ex.params["embed"].dtype)))
+    model, dtype = model_identity(ex.cfg), str(np.dtype(ex.params["embed"].dtype))
+    if not isinstance(profile, ScalingProfile):
+        if Path(profile).is_dir():
+            profile = find_profile(profile, mesh_family(ex.sub.spec), model, dtype)
+            if profile is None:
+                return None
+        profile = ScalingProfile.load(profile)
+    profile.check(model=model, dtype=dtype)
     return FittedPerfModel(profile, ex.sub.spec, cfg.num_blocks * cfg.block_size, cfg.max_num_seqs)
 
 
@@ -167,9 +174,12 @@ def attach(
     profile=None,
 ) -> Autoscaler:
     """An ``Autoscaler`` for a mesh-file engine, run after every step (``jaxmoe serve --autoscale``).
-    Its performance model: the fitted one when a scaling ``profile`` (file or ``ScalingProfile``) is
-    given (``fitted_model``), else the host roofline (``roofline_model``)."""
-    pm: DisaggregatedPerf = roofline_model(engine, hardware) if profile is None else fitted_model(engine, profile)
+    Its performance model: the fitted one when a scaling ``profile`` (a file, a directory holding
+    one for this mesh, model and dtype, or a ``ScalingProfile``) is given (``fitted_model``), else
+    the host roofline (``roofline_model``)."""
+    pm: DisaggregatedPerf | None = None if profile is None else fitted_model(engine, profile)
+    if pm is None:
+        pm = roofline_model(engine, hardware)
     ex = engine.runner.executor
     layouts = layouts_that_fit(ex.sub.spec.num_devices, ex.cfg.moe.num_experts, ex.slots_per_instance)
     scaler = Autoscaler(engine, ScalingController(pm, JANUS, layouts, slo_tpot_s), interval_s)

@@ -103,8 +103,16 @@ class ScalingProfile(BaseModel):
     def r2(self) -> dict[str, float | None]:
         return {name: getattr(self.fits, name).r2 for name in ScalingFits.model_fields}
 
+    @property
+    def filename(self) -> str:
+        """The name ``find_profile`` looks for in a directory: mesh family, model and dtype."""
+        return profile_filename(self.mesh, self.model, self.dtype)
+
     def save(self, path: str | Path) -> Path:
+        """Write the JSON to ``path`` (a directory: under ``filename`` there)."""
         path = Path(path)
+        if path.is_dir():
+            path = path / self.filename
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.model_dump_json(indent=1))
         return path
@@ -112,6 +120,16 @@ class ScalingProfile(BaseModel):
     @classmethod
     def load(cls, path: str | Path) -> ScalingProfile:
         return read_profile(cls, path)
+
+
+def profile_filename(mesh: str, model: str, dtype: str) -> str:
+    return f"scaling-{mesh}-{model}-{dtype}.json"
+
+
+def find_profile(directory: str | Path, mesh: str, model: str, dtype: str) -> Path | None:
+    """The profile for (mesh family, model, dtype) in ``directory``, or None when there is none."""
+    path = Path(directory) / profile_filename(mesh, model, dtype)
+    return path if path.is_file() else None
 
 
 def mesh_family(spec: ClusterSpec) -> str:
