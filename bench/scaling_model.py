@@ -68,7 +68,8 @@ def part_fit(args, base):
     samples = measure_layouts(args.model, base, fit_layouts, sweep, progress=log, **ENGINE)
     parts_s = time.perf_counter() - t0
 
-    layouts, batches = _layouts(args.layouts), _ints(args.batches)
+    layouts = list(dict.fromkeys(fit_layouts + _layouts(args.layouts)))  # the fit layouts' TPOTs too
+    batches = sorted(set(fit_batches) | set(_ints(args.batches)))
     llms = {lay: build_llm(args.model, base, *lay, **ENGINE) for lay in layouts}
     measured: dict[tuple, list[float]] = {}
     for r in range(args.rounds):
