@@ -104,3 +104,51 @@ def test_serve_autoscale_needs_a_mesh_and_an_slo(capsys):
 
     assert main(["serve", "--autoscale", "--model", "tiny-random"]) == 2
     assert "--autoscale needs --mesh and --slo-tpot-ms" in capsys.readouterr().err
+
+
+def test_attach_uses_the_fitted_model_when_a_profile_is_given(llm, tmp_path):
+    """With a scaling profile for the served mesh, model and dtype the controller's model is the
+    fitted one (``FittedPerfModel``, through the ``DisaggregatedPerf`` protocol); a profile made for
+    another model is refused, naming the field."""
+    from jaxmoe.planning.linear import LinearModel
+    from jaxmoe.planning.profile import ProfileError, model_identity
+    from jaxmoe.scaling.autoscale import fitted_model
+    from jaxmoe.scaling.fit import dims_of
+    from jaxmoe.scaling.fitted import FittedPerfModel, ScalingFits, ScalingProfile, mesh_family
+
+    ex = llm.executor
+    lin = lambda n: LinearModel(alpha=1e-3, betas=(1e-4,) * n)  # noqa: E731
+    fits = ScalingFits(attention=lin(4), expert=lin(3), a2e=lin(2), e2a=lin(2), step=lin(2))
+    prof = ScalingProfile(
+        mesh=mesh_family(ex.sub.spec),
+        model=model_identity(ex.cfg),
+        dtype="float32",
+        device="test",
+        source="given",
+        dims=dims_of(ex.cfg, ex.sub.spec, 4),
+        fits=fits,
+    )
+    path = prof.save(tmp_path / "scaling.json")
+    scaler = attach(llm.engine, slo_tpot_s=0.05, interval_s=3600, profile=path)
+    try:
+        assert isinstance(scaler.controller.pm, FittedPerfModel)
+        assert scaler.controller.pm.kv_capacity(2, 8) == 4  # max_num_seqs of the engine
+    finally:
+        llm.engine.step_hooks.remove(scaler)
+    with pytest.raises(ProfileError, match="model"):
+        fitted_model(llm.engine, prof.model_copy(update={"model": "another"}))
+    # a directory: the profile made for this mesh, model and dtype when it holds one, else none
+    found = tmp_path / "profiles"
+    found.mkdir()
+    assert fitted_model(llm.engine, found) is None
+    prof.model_copy(update={"model": "another"}).save(found)  # another model's: not picked
+    assert fitted_model(llm.engine, found) is None
+    assert prof.save(found).name == prof.filename
+    assert isinstance(fitted_model(llm.engine, found), FittedPerfModel)
+
+
+def test_scaling_profile_needs_autoscale(capsys):
+    from jaxmoe.cli import main
+
+    assert main(["serve", "--scaling-profile", "p.json", "--model", "tiny-random", "--mesh", "meshes/cpu-8.yaml"]) == 2
+    assert "--scaling-profile is the --autoscale performance model" in capsys.readouterr().err

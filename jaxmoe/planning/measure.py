@@ -63,10 +63,12 @@ class Sweep:
         return max(self.contexts)
 
 
-def synthetic_batch(executor, rows: int, context: int, tokens: int = 1):
+def synthetic_batch(executor, rows: int, context: int, tokens: int = 1, *, seed: int | None = None, table_width=None):
     """(tokens [B, T], AttentionBatch, logits_index [B]) for ``rows`` sequences per attention
     instance, each writing ``tokens`` new tokens at the end of ``context`` attended positions in
-    blocks of the instance that owns the row."""
+    blocks of the instance that owns the row. ``seed``: random token ids (rows route to different
+    experts; None: all ids 1); ``table_width``: block table width (the engine's
+    ``max_blocks_per_seq``, so the programs are the ones serving compiles; default: the context's)."""
     kv = executor.kv_layout
     ag, blocks_per_instance = kv.num_instances, kv.blocks_per_instance
     blocks = kv.blocks_for(context)
@@ -74,13 +76,43 @@ def synthetic_batch(executor, rows: int, context: int, tokens: int = 1):
         raise ProfileError(
             f"context {context} needs {blocks} KV blocks per sequence, an instance holds {blocks_per_instance}"
         )
+    width = blocks if table_width is None else table_width
+    if width < blocks:
+        raise ProfileError(f"table_width {width} is less than the {blocks} blocks context {context} needs")
     B = ag * rows
     first = kv.first_block(np.arange(B) // rows)  # first block of each row's instance
-    tables = (first[:, None] + np.arange(blocks)[None, :]).astype(np.int32)
+    tables = (first[:, None] + np.minimum(np.arange(width), blocks - 1)[None, :]).astype(np.int32)
     positions = np.broadcast_to(np.arange(context - tokens, context, dtype=np.int32), (B, tokens)).copy()
     slots = np.stack([kv.slots(t, p) for t, p in zip(tables, positions)]).astype(np.int32)
-    ids = np.ones((B, tokens), np.int32)
+    if seed is None:
+        ids = np.ones((B, tokens), np.int32)
+    else:
+        ids = np.random.default_rng(seed).integers(3, executor.cfg.vocab_size, size=(B, tokens)).astype(np.int32)
     return ids, AttentionBatch(positions, slots, tables), np.full((B,), tokens - 1, np.int32)
+
+
+def time_phases(executor, args, repeats: int) -> list[dict]:
+    """Run ``executor.forward(*args)`` once to compile, then ``repeats`` times in timing mode (every
+    phase blocked on and timed per layer); the timing records (``executor.timings``), one per step.
+    The executor's timing mode is restored afterwards. Shared by FinDEP's profile and the JANUS
+    scaling profile (``jaxmoe.scaling.fit``)."""
+    was = executor.timing
+    try:
+        executor.timing = False
+        jax.block_until_ready(executor.forward(*args))  # compile
+        executor.timing = True
+        records = []
+        for _ in range(repeats):
+            executor.forward(*args)
+            records.append(executor.timings[-1])
+    finally:
+        executor.timing = was
+    return records
+
+
+def phase_per_layer(records: list[dict], phase: str, layers, stat=statistics.median) -> float:
+    """``stat`` (default: the median) over the steps of a phase's mean time over ``layers`` (seconds)."""
+    return stat([statistics.fmean(r[phase][i] for i in layers) for r in records])
 
 
 def measure_samples(
@@ -88,8 +120,7 @@ def measure_samples(
 ) -> dict[str, list[list[float]]]:
     """Samples ``{stage: [[work terms..., seconds], ...]}`` of the executor's programs over the sweep.
 
-    Each point runs once to compile, then ``repeats`` timed steps; the executor's timing mode is
-    restored afterwards."""
+    Each point runs once to compile, then ``repeats`` timed steps (``time_phases``)."""
     cfg = executor.cfg
     moe = list(executor.moe_layers)
     if not moe:
@@ -98,32 +129,20 @@ def measure_samples(
     ag = executor.num_attention
     samples: dict[str, list[list[float]]] = {s: [] for s in STAGES}
     shared_layers = [i for i in moe if i in executor.shared_layers]
-    was = executor.timing
-    try:
-        for context in sweep.contexts:
-            for rows in sweep.rows:
-                args = synthetic_batch(executor, rows, context, sweep.tokens)
-                executor.timing = False
-                jax.block_until_ready(executor.forward(*args))  # compile
-                executor.timing = True
-                records = []
-                for _ in range(sweep.repeats):
-                    executor.forward(*args)
-                    records.append(executor.timings[-1])
-                t = {s: statistics.median(statistics.fmean(r[s][i] for i in moe) for r in records) for s in STAGES}
-                tok = rows * sweep.tokens  # per attention instance
-                samples["attention"].append([tok, tok * context, t["attention"]])
-                samples["a2e"].append([tok * hidden_bytes, t["a2e"]])
-                samples["expert"].append([tok * ag, t["expert"]])
-                samples["e2a"].append([tok * hidden_bytes, t["e2a"]])
-                if shared_layers:
-                    shared = statistics.median(statistics.fmean(r["shared"][i] for i in shared_layers) for r in records)
-                    samples.setdefault("shared", []).append([tok, shared])
-                if progress is not None:
-                    ms = ", ".join(f"{s} {t[s] * 1e3:.3f}" for s in STAGES)
-                    progress(f"rows {rows:>4} context {context:>5}: {ms} ms")
-    finally:
-        executor.timing = was
+    for context in sweep.contexts:
+        for rows in sweep.rows:
+            records = time_phases(executor, synthetic_batch(executor, rows, context, sweep.tokens), sweep.repeats)
+            t = {s: phase_per_layer(records, s, moe) for s in STAGES}
+            tok = rows * sweep.tokens  # per attention instance
+            samples["attention"].append([tok, tok * context, t["attention"]])
+            samples["a2e"].append([tok * hidden_bytes, t["a2e"]])
+            samples["expert"].append([tok * ag, t["expert"]])
+            samples["e2a"].append([tok * hidden_bytes, t["e2a"]])
+            if shared_layers:
+                samples.setdefault("shared", []).append([tok, phase_per_layer(records, "shared", shared_layers)])
+            if progress is not None:
+                ms = ", ".join(f"{s} {t[s] * 1e3:.3f}" for s in STAGES)
+                progress(f"rows {rows:>4} context {context:>5}: {ms} ms")
     return samples
 
 
