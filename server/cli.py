@@ -146,6 +146,12 @@ def register(sub, add_model_args) -> None:
     )
     serve.add_argument("--autoscale-interval", type=float, default=30.0, help="--autoscale: seconds between decisions")
     serve.add_argument(
+        "--scaling-profile",
+        default=None,
+        help="--autoscale: the performance model fitted on this mesh, model and dtype (JSON from "
+        "bench/scaling_model.py --out), or a directory searched for it; default (or none found): a host roofline",
+    )
+    serve.add_argument(
         "--api-key",
         default=os.environ.get("JAXMOE_API_KEY"),
         help="require this key (HTTP Authorization: Bearer KEY, gRPC metadata authorization) "
@@ -244,7 +250,7 @@ def build_engine(args):
     if args.autoscale:
         from jaxmoe.scaling.autoscale import attach
 
-        attach(engine, args.slo_tpot_ms / 1e3, args.autoscale_interval)
+        attach(engine, args.slo_tpot_ms / 1e3, args.autoscale_interval, profile=args.scaling_profile)
     return engine, mesh_description
 
 
@@ -256,6 +262,9 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.autoscale and not (args.mesh and args.slo_tpot_ms):
         print("jaxmoe: --autoscale needs --mesh and --slo-tpot-ms", file=sys.stderr)
+        return 2
+    if args.scaling_profile and not args.autoscale:
+        print("jaxmoe: --scaling-profile is the --autoscale performance model: give --autoscale too", file=sys.stderr)
         return 2
     engine, mesh_description = build_engine(args)
     opts = ServeOptions(

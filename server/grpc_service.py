@@ -212,7 +212,8 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
             result = await asyncio.to_thread(admin.rescale, self.engine, payload)
         except admin.AdminError as e:
             await context.abort(e.grpc_status, str(e))
-        return pb.RescaleResponse(**{k: v for k, v in result.items() if v is not None})
+        fields = pb.RescaleResponse.DESCRIPTOR.fields_by_name  # (first_step_calls: HTTP only)
+        return pb.RescaleResponse(**{k: v for k, v in result.items() if v is not None and k in fields})
 
 
 def build_grpc_server(

@@ -36,6 +36,22 @@ def test_layouts_that_fit_the_cpu_mesh():
     assert Layout(2, 1, 1) not in got  # 4 slots cannot hold 8 experts
 
 
+def test_layouts_that_fit_count_instances_of_k_devices():
+    """Tensor-parallel instances (a rescale keeps their devices per instance): 2-device attention and
+    expert instances with 8 slots each on 8 devices."""
+    got = layouts_that_fit(8, 8, 8, attention_devices=2, expert_devices=2)
+    assert set(got) == {
+        Layout(4, 1, 1),
+        Layout(6, 1, 2),
+        Layout(8, 1, 3),
+        Layout(6, 2, 1),
+        Layout(8, 2, 2),
+        Layout(8, 3, 1),
+    }
+    assert Layout(8, 2, 4) in layouts_that_fit(8, 8, 4, attention_devices=2)
+    assert all(a.attention * 2 + a.experts <= 8 for a in layouts_that_fit(8, 8, 4, attention_devices=2))
+
+
 def test_attach_builds_the_real_controller(llm):
     scaler = attach(llm.engine, slo_tpot_s=0.05, interval_s=3600)
     assert scaler in llm.engine.step_hooks
@@ -88,3 +104,51 @@ def test_serve_autoscale_needs_a_mesh_and_an_slo(capsys):
 
     assert main(["serve", "--autoscale", "--model", "tiny-random"]) == 2
     assert "--autoscale needs --mesh and --slo-tpot-ms" in capsys.readouterr().err
+
+
+def test_attach_uses_the_fitted_model_when_a_profile_is_given(llm, tmp_path):
+    """With a scaling profile for the served mesh, model and dtype the controller's model is the
+    fitted one (``FittedPerfModel``, through the ``DisaggregatedPerf`` protocol); a profile made for
+    another model is refused, naming the field."""
+    from jaxmoe.planning.linear import LinearModel
+    from jaxmoe.planning.profile import ProfileError, model_identity
+    from jaxmoe.scaling.autoscale import fitted_model
+    from jaxmoe.scaling.fit import dims_of
+    from jaxmoe.scaling.fitted import FittedPerfModel, ScalingFits, ScalingProfile, mesh_family
+
+    ex = llm.executor
+    lin = lambda n: LinearModel(alpha=1e-3, betas=(1e-4,) * n)  # noqa: E731
+    fits = ScalingFits(attention=lin(4), expert=lin(3), a2e=lin(2), e2a=lin(2), step=lin(2))
+    prof = ScalingProfile(
+        mesh=mesh_family(ex.sub.spec),
+        model=model_identity(ex.cfg),
+        dtype="float32",
+        device="test",
+        source="given",
+        dims=dims_of(ex.cfg, ex.sub.spec, 4),
+        fits=fits,
+    )
+    path = prof.save(tmp_path / "scaling.json")
+    scaler = attach(llm.engine, slo_tpot_s=0.05, interval_s=3600, profile=path)
+    try:
+        assert isinstance(scaler.controller.pm, FittedPerfModel)
+        assert scaler.controller.pm.kv_capacity(2, 8) == 4  # max_num_seqs of the engine
+    finally:
+        llm.engine.step_hooks.remove(scaler)
+    with pytest.raises(ProfileError, match="model"):
+        fitted_model(llm.engine, prof.model_copy(update={"model": "another"}))
+    # a directory: the profile made for this mesh, model and dtype when it holds one, else none
+    found = tmp_path / "profiles"
+    found.mkdir()
+    assert fitted_model(llm.engine, found) is None
+    prof.model_copy(update={"model": "another"}).save(found)  # another model's: not picked
+    assert fitted_model(llm.engine, found) is None
+    assert prof.save(found).name == prof.filename
+    assert isinstance(fitted_model(llm.engine, found), FittedPerfModel)
+
+
+def test_scaling_profile_needs_autoscale(capsys):
+    from jaxmoe.cli import main
+
+    assert main(["serve", "--scaling-profile", "p.json", "--model", "tiny-random", "--mesh", "meshes/cpu-8.yaml"]) == 2
+    assert "--scaling-profile is the --autoscale performance model" in capsys.readouterr().err

@@ -9,7 +9,8 @@ import pytest
 
 from jaxmoe.planning.linear import LinearModel
 from jaxmoe.planning.paper_profile import paper_profile
-from jaxmoe.planning.measure import fit_host, fit_stages, timing_scale
+from jaxmoe.planning.host import fit_host
+from jaxmoe.planning.measure import fit_stages, timing_scale
 from jaxmoe.planning.profile import Dims, HostModel, Profile, ProfileError, StageModels
 from jaxmoe.planning.schedule import Host, StageTimes, estimate, layer_kinds, programs, simulate, work
 from jaxmoe.planning.solver import BatchShape, Limits, PlanError, brute_force, pppipe, solve

@@ -38,7 +38,13 @@ def llm(path):
     return LLM(path, mesh="meshes/cpu-8.yaml", **ENGINE)
 
 
-def test_rescale_three_times_under_load(llm, path):
+@pytest.fixture(scope="module")
+def mono(path):
+    """The monolithic executor: each request's standalone output."""
+    return LLM(path, **ENGINE)
+
+
+def test_rescale_three_times_under_load(llm, mono):
     engine = llm.engine
     final, added = {}, []
 
@@ -76,7 +82,6 @@ def test_rescale_three_times_under_load(llm, path):
     assert sorted(final) == sorted(added)
     assert all(o.finish_reason == "length" and o.error is None for o in final.values())
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    mono = LLM(path, **ENGINE)
     for rid in added:
         i = int(rid[1:])
         want = mono.generate([_prompt(i)], _sampling(i))[0].token_ids
@@ -90,6 +95,101 @@ def test_rescale_three_times_under_load(llm, path):
         print(r.as_dict())
     assert any(r.kv_blocks_moved > 0 for r in results)
     assert [h.attention for h in engine.rescaler.history] == [a for a, _ in CHANGES]
+
+
+TP2X2 = "meshes/cpu-8-tp2x2.yaml"  # 2 attention x 2 devices (heads split) + 2 expert instances x 2 devices (columns)
+TP_CHANGES = [(1, 3), (3, 1)]  # instances of 2 devices: 2 + 6 and 6 + 2 of the 8 devices
+
+
+@pytest.fixture(scope="module")
+def tp_llm(path):
+    return LLM(path, mesh=TP2X2, **ENGINE)
+
+
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        (
+            dict(attention=3, experts=2),
+            "attention=3 x 2 devices per instance + experts=2 x 2 devices per instance = 10 devices do not fit the 8",
+        ),
+        (dict(attention=4, experts=1), "= 10 devices do not fit the 8 devices"),
+        (dict(attention=3, experts=1, slots_per_instance=4), "experts=1: 8 experts need 8 slots per instance"),
+    ],
+)
+def test_bad_tensor_parallel_rescale_changes_nothing(tp_llm, kwargs, names):
+    before = tp_llm.executor.sub.spec
+    with pytest.raises(RescaleError, match=re.escape(names)):
+        tp_llm.engine.rescale(**kwargs)
+    assert tp_llm.engine.rescaler.job is None and tp_llm.executor.sub.spec == before
+
+
+def test_rescale_tensor_parallel_instances_under_load(tp_llm, mono):
+    """Instances of 2 devices on both sides (heads and FFN columns split) re-scaled twice under a
+    bounded load, counting instances of 2 devices: 2a2e -> 1a3e -> 3a1e. 0 failed requests, every
+    greedy output equals its standalone monolithic output, all KV blocks free; the new layouts keep
+    2 devices per instance and the expert column slices of a kept instance are not copied."""
+    llm = tp_llm
+    engine = llm.engine
+    final, added = {}, []
+
+    def add(i):
+        added.append(engine.add_request(_prompt(i), _sampling(i), "ls" if i % 3 == 0 else "be", f"t{i}"))
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+
+    for i in range(4):
+        add(i)
+    results = []
+    for attention, experts in TP_CHANGES:
+        step()
+        job = engine.rescale(attention, experts)
+        while not job.done():
+            if job.ready() or len(engine.scheduler.sequences()) > 2:
+                step()
+            elif len(added) < 10:
+                add(len(added))
+            else:
+                job.wait_ready(0.05)
+        results.append(job.result())
+        spec = llm.executor.sub.spec
+        assert (spec.attention.count, spec.experts.count) == (attention, experts)
+        assert spec.attention.devices_per_instance == spec.experts.devices_per_instance == 2
+        assert spec.attention.devices[-1] == (2 * attention - 2, 2 * attention - 1)
+        add(len(added))
+    for _ in range(2000):  # bounded
+        if not engine.has_work():
+            break
+        step()
+
+    assert sorted(final) == sorted(added)
+    assert all(o.finish_reason == "length" and o.error is None for o in final.values())
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    for rid in added:
+        i = int(rid[1:])
+        assert final[rid].token_ids == mono.generate([_prompt(i)], _sampling(i))[0].token_ids, rid
+    # 2a2e -> 1a3e: the instance on devices 4-5 and 6-7 stays; 1a3e -> 3a1e: the one on 6-7 stays
+    assert all(r.expert_slots_local > 0 for r in results)
+    assert results[0].expert_slots_copied > 0  # the new instance on devices 2-3 got its column slices
+    assert any(r.kv_blocks_moved > 0 for r in results)
+
+
+def test_normal_step_is_the_same_work():
+    """The stall baseline: a first step with a prefill chunk is compared with the steps before that
+    made the same program calls (tokens per row), not with the decode-only median; with fewer than 3
+    alike, with all steps."""
+    from jaxmoe.engine.rescale import normal_step
+
+    decode, mixed = (1,), (1, 16)
+    before = [(0.010, decode)] * 10 + [(0.050, mixed), (0.070, mixed), (0.060, mixed)]
+    assert normal_step(before, [(8, 1)]) == 0.010
+    assert normal_step(before, [(8, 1), (1, 16)]) == 0.060  # rows differ across layouts, tokens do not
+    assert normal_step(before, [(4, 64)]) == 0.010  # no step alike: the median of all
+    assert normal_step(before[:10] + before[10:12], [(8, 1), (1, 16)]) == 0.010  # only 2 alike
+    assert normal_step([], [(8, 1)]) is None
 
 
 def _layout(llm):

@@ -22,7 +22,6 @@ from jaxmoe.runtime import attention_tp
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 from jaxmoe.runtime.expert_program import relayout_layer
 from jaxmoe import LLM, SamplingParams
-from jaxmoe.engine.rescale import RescaleError
 from test_disaggregated import ENGINE, _greedy, _logits, _rel_err
 
 TP2 = "meshes/cpu-8-tp2.yaml"  # 2 attention instances x 2 devices + 4 experts
@@ -213,15 +212,6 @@ def test_tp_with_micro_batches_and_shared_experts_on_the_expert_side(checkpoint_
     assert got == [o.token_ids for o in llms("qwen2_moe").generate(prompts, greedy)]
 
 
-def test_live_rescale_refuses_tp_instances(llms):
-    """Live re-scaling builds one-device instances only: a tensor-parallel layout is refused with
-    the field named, and nothing changes."""
-    llm = llms("mixtral", TP2)
-    with pytest.raises(RescaleError, match="devices_per_instance: 1 on both sides"):
-        llm.engine.rescale(4, 4)
-    assert llm.engine.rescaler.job is None and llm.executor.sub.spec == load_mesh(TP2)
-
-
 @pytest.mark.parametrize("impl", ["ragged_dot", "pallas"])
 def test_expert_columns_split_with_each_expert_ffn(checkpoint_dir, llms, impl):
     """The split FFN columns through the other expert-FFN implementations (Pallas: interpret mode on CPU)."""
@@ -248,3 +238,32 @@ def test_collective_slot_moves_refuse_split_columns(llms):
     with pytest.raises(NotImplementedError, match=r"experts\.devices_per_instance: 2 \(FFN columns split\)"):
         relayout_layer(ex.expert_side.layers[i], layout, layout, ex.sub, collective=True)
     assert ex.placement() == before
+
+
+def test_rescaled_tp_layout_repeats_kv_heads_once(llms):
+    """Live re-scaling of a layout whose 4-device attention instance repeats each of the 2 GQA KV
+    heads twice (``attention_tp.expand_kv``): the new layout (1a3e, still 4 devices per attention
+    instance) holds the same attention weights, split the same way, not repeated a second time;
+    and its first forward gives the launch layout's logits."""
+    from jaxmoe.runtime.rescale import build_rescaled, rescaled_spec
+
+    ex = llms("qwen3_moe", TP4).executor
+    assert ex.attention.tp.kv_repeat == 2
+    spec = rescaled_spec(ex.sub.spec, 1, 3)
+    new, stats = build_rescaled(ex, spec, ex.num_cache_slots)
+    assert new.sub.spec.attention.devices == ((0, 1, 2, 3),) and new.num_expert_instances == 3
+    for old_layer, new_layer in zip(ex.params["layers"], new.params["layers"]):
+        for name, w in old_layer["attn"].items():
+            got = new_layer["attn"][name]
+            assert got.shape == w.shape and got.sharding.spec == w.sharding.spec, name
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(w), err_msg=name)
+    # expert devices 4-6 stay, and 1a4e held every expert twice: nothing to copy
+    assert stats.expert_slots_local == 3 * 4 * len(ex.moe_layers) and stats.expert_slots_copied == 0
+    tokens = np.array([[7, 21, 33, 5]], np.int32)
+    batch = AttentionBatch(
+        np.arange(4, dtype=np.int32)[None], np.arange(4, dtype=np.int32)[None], np.zeros((1, 8), np.int32)
+    )
+    want = np.asarray(ex.forward(tokens, batch, np.array([3], np.int32)))
+    ex.reset_cache()
+    got = np.asarray(new.forward(tokens, batch, np.array([3], np.int32)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

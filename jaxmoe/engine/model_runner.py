@@ -57,6 +57,7 @@ class ModelRunner:
         self.plan = plan or ShapePlan(max_num_seqs=64, max_prefill_chunk=512)
         self.kv = executor.kv_layout  # slots, and which attention instance holds a block
         self.pausable_state_bytes = 0  # of the step now running layer by layer (layer-level preemption)
+        self.last_calls: list[tuple[int, int]] = []  # (rows, tokens per row) of each program call of the last run
         self.num_instances = self.kv.num_instances
 
     def instance_of(self, row: Row) -> int:
@@ -137,6 +138,7 @@ class ModelRunner:
         attention instance to a call, so every call has a shape of ``plan.shapes()``.
         """
         out: list[Sampled | None] = [None] * len(rows)
+        self.last_calls = []
         for group in self._calls(rows):
             for i, sampled in zip(group, self._run([rows[i] for i in group], between_layers)):
                 out[i] = sampled
@@ -158,6 +160,7 @@ class ModelRunner:
     def _run(self, rows: list[Row], between_layers=None) -> list[Sampled | None]:
         """Forward + sample one padded batch; only the sampled tokens (and logprobs) come back."""
         tokens_in, batch, last, where = self.prepare(rows)
+        self.last_calls.append(tuple(tokens_in.shape))
         sampling = _sampling_arrays(tokens_in.shape[0], rows, where)
         want_logprobs = any(r.sampling is not None and r.sampling.logprobs is not None for r in rows)
         tokens, chosen, top_ids, top_lp = self._execute(tokens_in, batch, last, sampling, want_logprobs, between_layers)

@@ -8,15 +8,21 @@ the value; nothing changes) and returns a ``RescaleJob``. Then:
    new layout (``runtime.rescale.build_rescaled``: attention parameters copied to the new attention
    devices; expert replicas kept on the devices that already hold them, only the others copied),
    and every step program of the serving shapes compiled by running it on padding rows (no KV
-   written) -- the same shapes as warm-up.
+   written) -- the same shapes as warm-up. The thread runs at niceness ``BUILD_NICE`` and the GIL
+   switch interval is ``BUILD_SWITCH_INTERVAL_S`` meanwhile, so the serving steps wait less for the
+   host cores and the GIL.
 2. **Swap, at a step boundary** (the engine's thread, before the next step; ``apply_rescale`` when
    the engine is idle): the KV blocks of live sequences get blocks in the new layout's allocator
    (a partition of their own) and their KV is copied there (``runtime.rescale.move_kv``); a
    sequence that does not fit is recompute-preempted (its tokens kept: it re-prefills over prompt
    + generated tokens). The runner, block manager and scheduler then use the new layout.
-3. **Measured**: the swap time plus the first step on the new layout against a normal step (the
-   median of the recent steps that ran the model before the rescale started) is the stall (``RescaleResult``); the job is
-   done when the new layout has served a step (at once when idle).
+3. **Measured**: the swap time plus the first step on the new layout against a normal step is the
+   stall (``RescaleResult``); the normal step is the median of the recent steps before the rescale
+   started that made the same program calls (tokens per row of each call, ``ModelRunner.last_calls``)
+   as the first step -- a step with a prefill chunk takes several times a decode-only step without
+   any rescale, so the first step is compared with its like (all recent steps when fewer than
+   ``MIN_LIKE_STEPS`` were alike). The job is done when the new layout has served a step (at once
+   when idle).
 
 Under ``jax.distributed`` (one process per host) every process must call ``rescale`` at the same
 point of the same request stream: the build then runs in the calling thread, between steps (a
@@ -31,7 +37,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 import statistics
+import sys
 import threading
 import time
 from typing import Protocol, runtime_checkable
@@ -44,6 +52,12 @@ from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import MeshConfigError
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 from jaxmoe.runtime.rescale import MoveStats, build_rescaled, check_processes, move_kv, rescaled_spec
+
+MIN_LIKE_STEPS = 3  # recent steps with the first step's program calls needed to use them as its baseline
+BUILD_NICE = 10  # the background build thread's niceness (Linux: per thread), below the serving loop
+# while a background build runs, the interpreter's GIL switch interval (s; None: left as it is): the
+# build traces in Python, and a step that waits for the GIL waits up to one interval each time
+BUILD_SWITCH_INTERVAL_S: float | None = 0.0005
 
 
 class RescaleError(ValueError):
@@ -70,13 +84,17 @@ class RescaleResult:
     build_s: float  # background: new executor + expert re-shard + compiling the step programs
     swap_s: float  # at the step boundary: KV blocks moved, executor swapped
     first_step_s: float | None  # the first step on the new layout (None: the engine was idle)
-    normal_step_s: float | None  # median of the recent steps before the rescale started (None: none ran)
+    # median of the recent steps before the rescale started with the first step's program calls (all
+    # recent steps when fewer than MIN_LIKE_STEPS were alike; None: none ran)
+    normal_step_s: float | None
     stall_ratio: float | None  # (swap_s + first_step_s) / normal_step_s (+ build_s under jax.distributed)
     kv_blocks_moved: int
     sequences_recomputed: int
-    expert_slots_local: int  # new slots whose expert the device already held (no copy)
+    expert_slots_local: int  # new slots whose expert the instance (its devices) already held (no copy)
     expert_slots_copied: int  # copied from another device
     expert_bytes_copied: int
+    # (rows, tokens per row) of each program call of the first step on the new layout ([]: idle)
+    first_step_calls: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -96,7 +114,7 @@ class RescaleJob:
         self.build_s = 0.0
         self.swap_s: float | None = None
         self.recomputed = 0
-        self.normal_step_s: float | None = None
+        self.before: list[tuple[float, tuple]] = []  # (time, tokens per row of each call) of recent steps
         self.previous = ""
         self.inline = False  # built in the caller's thread, between steps (jax.distributed)
 
@@ -140,7 +158,7 @@ class Rescaler:
         )
         self.job: RescaleJob | None = None
         self.history: list[RescaleResult] = []
-        self._step_times: collections.deque[float] = collections.deque(maxlen=32)
+        self._step_times: collections.deque[tuple[float, tuple]] = collections.deque(maxlen=64)
         self._lock = threading.Lock()
 
     # -- request ------------------------------------------------------------------------------
@@ -178,7 +196,7 @@ class Rescaler:
             job = self.job = RescaleJob(attention, experts, C)
         job.previous = f"{ex.num_attention}a{ex.num_expert_instances}e"
         # the baseline: steps before the build (those during it compete with it for the host)
-        job.normal_step_s = statistics.median(self._step_times) if self._step_times else None
+        job.before = list(self._step_times)
         if jax.process_count() > 1:
             # multi-controller: every process must launch the same collectives in the same order, so
             # the build runs here, between steps (stop-the-world), not beside the steps in a thread
@@ -204,7 +222,20 @@ class Rescaler:
                 )
 
     def _build(self, job: RescaleJob, old, spec) -> None:
+        if job.inline or BUILD_SWITCH_INTERVAL_S is None:
+            self._build_now(job, old, spec)
+            return
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, BUILD_SWITCH_INTERVAL_S))
+        try:
+            self._build_now(job, old, spec)
+        finally:
+            sys.setswitchinterval(interval)
+
+    def _build_now(self, job: RescaleJob, old, spec) -> None:
         t0 = time.perf_counter()
+        if not job.inline:
+            _lower_thread_priority()
         try:
             cfg = self.engine.config
             job.executor, job.stats = build_rescaled(old, spec, cfg.num_blocks * cfg.block_size, **self.executor_kwargs)
@@ -214,7 +245,7 @@ class Rescaler:
                 job.runner.warm(rows, tokens)
                 if cfg.layer_preemption:
                     job.runner.warm(rows, tokens, layer_by_layer=True)
-            jax.block_until_ready(job.executor.cache)
+            jax.block_until_ready((job.executor.params, job.executor.cache))  # every copy landed
         except Exception as e:  # the old layout keeps serving
             with self._lock:
                 self.job = None
@@ -233,10 +264,11 @@ class Rescaler:
         outputs = step()
         dt = time.perf_counter() - t0
         if self.engine.last_step_ran:
+            calls = tuple(t for _, t in self.engine.runner.last_calls)
             if job is not None and job.swap_s is not None and not job.done():
-                self._finish(job, dt)
+                self._finish(job, dt, list(self.engine.runner.last_calls))
             else:
-                self._step_times.append(dt)
+                self._step_times.append((dt, calls))
         return outputs
 
     def apply(self) -> bool:
@@ -273,8 +305,9 @@ class Rescaler:
         job.recomputed = len(recomputed)
         job.executor = job.runner = None
 
-    def _finish(self, job: RescaleJob, first_step_s: float | None) -> None:
-        normal = job.normal_step_s
+    def _finish(self, job: RescaleJob, first_step_s: float | None, calls: list | None = None) -> None:
+        calls = calls or []
+        normal = normal_step(job.before, calls)
         paused = job.swap_s + (job.build_s if job.inline else 0.0)  # an inline build also stopped serving
         stall = None if first_step_s is None or not normal else (paused + first_step_s) / normal
         s = job.stats
@@ -293,9 +326,30 @@ class Rescaler:
             s.expert_slots_local,
             s.expert_slots_copied,
             s.expert_bytes_copied,
+            [list(c) for c in calls],
         )
         self.history.append(job._result)
         self._step_times.clear()  # the new layout's steps are the next baseline
         with self._lock:
             self.job = None
         job._done.set()
+
+
+def normal_step(before: list[tuple[float, tuple]], calls: list) -> float | None:
+    """The normal step to compare a first step with: the median time of the ``before`` steps ((time,
+    tokens per row of each program call) pairs) that made the same program calls as ``calls`` ((rows,
+    tokens per row) of each call of the first step; rows depend on the layout, tokens per row do not),
+    or of all of them when fewer than ``MIN_LIKE_STEPS`` were alike; None when ``before`` is empty."""
+    key = tuple(t for _, t in calls)
+    like = [dt for dt, c in before if c == key]
+    alike = like if len(like) >= MIN_LIKE_STEPS else [dt for dt, _ in before]
+    return statistics.median(alike) if alike else None
+
+
+def _lower_thread_priority() -> None:
+    """Run the calling (build) thread at ``BUILD_NICE`` so the serving loop's steps get the host cores
+    first while it compiles (Linux sets niceness per thread; elsewhere a no-op)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICE)
+    except (AttributeError, OSError):  # no per-thread niceness here: the build runs at the loop's priority
+        pass

@@ -21,14 +21,11 @@ With ``Sweep.chunks`` the points also run with the expert side cut into r2 chunk
 schedule with r2 > 1), so the A2E / expert / E2A models see the small chunks FinDEP's r2 makes
 (a sample's work and time are per chunk).
 
-The host (``profile.HostModel``, ``schedule.Host``): what the hardware overlaps. ``measure_host``
-times two busy programs (a loop of matmuls), one on the attention and one on the expert sub-mesh,
-each alone and both dispatched together; ``concurrency`` = (alone + alone) / together (the CPU
-mesh's 8 host devices share the same cores: about 1). ``measure_dispatch`` dispatches a tiny program
-on the expert sub-mesh many times back to back (``dispatch`` = host seconds per program: the floor
-of any program's host cost; the executor's heavier host work, such as the per-device copies of
-A2E / E2A, is part of the stage times, which are timed from dispatch to ready). ``fit_host`` turns
-both into a HostModel.
+The host (``profile.HostModel``): what the hardware overlaps, measured by ``planning.host``
+(concurrency of a busy pair, per-program dispatch), and ``timing_scale``: the share of the blocked
+(timing-mode) time the sequential steps take asynchronously, by which the stage samples are scaled.
+The executor's heavier host work, such as the per-device copies of A2E / E2A, is part of the stage
+times, which are timed from dispatch to ready.
 
 The synthetic batches read and write real KV blocks of the instance that owns each row, so the
 attention program does the same work as in serving; token ids and KV contents do not change the
@@ -43,14 +40,12 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.planning.linear import LinearModel
+from jaxmoe.planning.host import fit_host, measure_dispatch, measure_host
 from jaxmoe.planning.profile import (
-    HostModel,
     Profile,
     ProfileError,
     StageModels,
@@ -94,10 +89,12 @@ class Sweep:
         return max(self.contexts)
 
 
-def synthetic_batch(executor, rows: int, context: int, tokens: int = 1):
+def synthetic_batch(executor, rows: int, context: int, tokens: int = 1, *, seed: int | None = None, table_width=None):
     """(tokens [B, T], AttentionBatch, logits_index [B]) for ``rows`` sequences per attention
     instance, each writing ``tokens`` new tokens at the end of ``context`` attended positions in
-    blocks of the instance that owns the row."""
+    blocks of the instance that owns the row. ``seed``: random token ids (rows route to different
+    experts; None: all ids 1); ``table_width``: block table width (the engine's
+    ``max_blocks_per_seq``, so the programs are the ones serving compiles; default: the context's)."""
     kv = executor.kv_layout
     ag, blocks_per_instance = kv.num_instances, kv.blocks_per_instance
     blocks = kv.blocks_for(context)
@@ -105,13 +102,43 @@ def synthetic_batch(executor, rows: int, context: int, tokens: int = 1):
         raise ProfileError(
             f"context {context} needs {blocks} KV blocks per sequence, an instance holds {blocks_per_instance}"
         )
+    width = blocks if table_width is None else table_width
+    if width < blocks:
+        raise ProfileError(f"table_width {width} is less than the {blocks} blocks context {context} needs")
     B = ag * rows
     first = kv.first_block(np.arange(B) // rows)  # first block of each row's instance
-    tables = (first[:, None] + np.arange(blocks)[None, :]).astype(np.int32)
+    tables = (first[:, None] + np.minimum(np.arange(width), blocks - 1)[None, :]).astype(np.int32)
     positions = np.broadcast_to(np.arange(context - tokens, context, dtype=np.int32), (B, tokens)).copy()
     slots = np.stack([kv.slots(t, p) for t, p in zip(tables, positions)]).astype(np.int32)
-    ids = np.ones((B, tokens), np.int32)
+    if seed is None:
+        ids = np.ones((B, tokens), np.int32)
+    else:
+        ids = np.random.default_rng(seed).integers(3, executor.cfg.vocab_size, size=(B, tokens)).astype(np.int32)
     return ids, AttentionBatch(positions, slots, tables), np.full((B,), tokens - 1, np.int32)
+
+
+def time_phases(executor, args, repeats: int) -> list[dict]:
+    """Run ``executor.forward(*args)`` once to compile, then ``repeats`` times in timing mode (every
+    phase blocked on and timed per layer); the timing records (``executor.timings``), one per step.
+    The executor's timing mode is restored afterwards. Shared by FinDEP's profile and the JANUS
+    scaling profile (``jaxmoe.scaling.fit``)."""
+    was = executor.timing
+    try:
+        executor.timing = False
+        jax.block_until_ready(executor.forward(*args))  # compile
+        executor.timing = True
+        records = []
+        for _ in range(repeats):
+            executor.forward(*args)
+            records.append(executor.timings[-1])
+    finally:
+        executor.timing = was
+    return records
+
+
+def phase_per_layer(records: list[dict], phase: str, layers, stat=statistics.median) -> float:
+    """``stat`` (default: the median) over the steps of a phase's mean time over ``layers`` (seconds)."""
+    return stat([statistics.fmean(r[phase][i] for i in layers) for r in records])
 
 
 def measure_samples(
@@ -119,8 +146,8 @@ def measure_samples(
 ) -> dict[str, list[list[float]]]:
     """Samples ``{stage: [[work terms..., seconds], ...]}`` of the executor's programs over the sweep.
 
-    Each point runs once to compile, then ``repeats`` timed steps; the executor's timing mode and
-    pipeline are restored afterwards."""
+    Each point runs once to compile, then ``repeats`` timed steps (``time_phases``); the executor's
+    pipeline is restored afterwards."""
     cfg = executor.cfg
     moe = list(executor.moe_layers)
     if not moe:
@@ -129,7 +156,7 @@ def measure_samples(
     ag = executor.num_attention
     samples: dict[str, list[list[float]]] = {s: [] for s in STAGES}
     shared_layers = [i for i in moe if i in executor.shared_layers]
-    was, was_pipeline = executor.timing, executor.pipeline
+    was_pipeline = executor.pipeline
     agg = min if sweep.stat == "min" else statistics.median
     try:
         for context in sweep.contexts:
@@ -137,22 +164,15 @@ def measure_samples(
                 args = synthetic_batch(executor, rows, context, sweep.tokens)
                 for r2 in sweep.chunks:
                     executor.pipeline = Pipeline(1, "PP", r2)
-                    executor.timing = False
-                    jax.block_until_ready(executor.forward(*args))  # compile
+                    records = time_phases(executor, args, sweep.repeats)
                     r2 = executor.last_pipeline.r2  # a divisor of the tokens per instance
-                    executor.timing = True
-                    records = []
-                    for _ in range(sweep.repeats):
-                        executor.forward(*args)
-                        records.append(executor.timings[-1])
-                    t = {s: agg(statistics.fmean(r[s][i] for i in moe) for r in records) / r2 for s in STAGES}
+                    t = {s: phase_per_layer(records, s, moe, agg) / r2 for s in STAGES}
                     tok = rows * sweep.tokens  # per attention instance
                     chunk = tok / r2
                     if r2 == 1 or 1 not in sweep.chunks:
-                        t_att = t["attention"] * r2  # (not per chunk)
-                        samples["attention"].append([tok, tok * context, t_att])
+                        samples["attention"].append([tok, tok * context, t["attention"] * r2])  # (not per chunk)
                         if shared_layers:
-                            shared = agg(statistics.fmean(r["shared"][i] for i in shared_layers) for r in records)
+                            shared = phase_per_layer(records, "shared", shared_layers, agg)
                             samples.setdefault("shared", []).append([tok, shared])
                     if sweep.host and r2 == 1:  # what blocking after every program adds (a chain)
                         samples.setdefault("sync", []).append(_sync(executor, args, records, sweep.repeats, agg))
@@ -166,26 +186,26 @@ def measure_samples(
                             f"{t['attention'] * r2 * 1e3:.3f}, per chunk {ms} ms"
                         )
     finally:
-        executor.timing, executor.pipeline = was, was_pipeline
+        executor.pipeline = was_pipeline
     return samples
 
 
 def _sync(executor, args, records, repeats: int, agg=statistics.median) -> list[float]:
     """[programs, blocked seconds, asynchronous seconds] of one step: the timing-mode records' total
     (every phase timed from dispatch to ready) and the same step run asynchronously, as in serving."""
-    count = []
+    count, was = [], executor.timing
     executor.timing = False
     executor.observer = lambda phase, layer, out: count.append(phase)
     try:
         jax.block_until_ready(executor.forward(*args))
-    finally:
         executor.observer = None
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(executor.forward(*args))
-        times.append(time.perf_counter() - t0)
-    executor.timing = True
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(executor.forward(*args))
+            times.append(time.perf_counter() - t0)
+    finally:
+        executor.observer, executor.timing = None, was
     total = agg([sum(v if isinstance(v, float) else sum(v.values()) for v in r.values()) for r in records])
     return [float(len(count)), total, agg(times)]
 
@@ -200,92 +220,6 @@ def timing_scale(samples: dict[str, list[list[float]]]) -> float:
     estimate runs high."""
     pts = [p for p in samples.get("sync") or [] if p[1] > 0 and p[2] > 0]
     return min(1.0, statistics.median(p[2] / p[1] for p in pts)) if pts else 1.0
-
-
-def measure_dispatch(executor, counts: tuple[int, ...] = (50, 100, 200), repeats: int = 3) -> list[list[float]]:
-    """Dispatch samples [[programs, host seconds], ...]: a tiny program on the expert sub-mesh
-    dispatched ``programs`` times back to back (asynchronously; each waits for the one before), the
-    host's time until the last one is dispatched (median of ``repeats``)."""
-    x = jax.device_put(jnp.zeros((executor.sub.experts.devices.size,), jnp.float32), executor.sub.replicated_sharding)
-    f = jax.jit(lambda v: v + 1.0)
-    jax.block_until_ready(f(x))
-    out = []
-    for n in counts:
-        ts = []
-        for _ in range(repeats):
-            y = x
-            t0 = time.perf_counter()
-            for _ in range(n):
-                y = f(y)
-            ts.append(time.perf_counter() - t0)
-            jax.block_until_ready(y)
-        out.append([float(n), statistics.median(ts)])
-    return out
-
-
-def _busy_program(mesh, work: int, iters: int):
-    """A loop of matmuls over all the devices of a mesh (rows sharded), ready to call."""
-    axes = tuple(mesh.axis_names)
-    n = 256
-    x = jax.device_put(jnp.full((mesh.devices.size * work, n), 0.01, jnp.float32), NamedSharding(mesh, P(axes)))
-    w = jax.device_put(jnp.eye(n, dtype=jnp.float32), NamedSharding(mesh, P()))
-    f = jax.jit(lambda x, w: jax.lax.fori_loop(0, iters, lambda i, y: jnp.tanh(y @ w), x))
-    jax.block_until_ready(f(x, w))
-    return lambda: f(x, w)
-
-
-def measure_host(executor, repeats: int = 7, sizes: tuple[int, ...] = (64, 256)) -> list[list[float]]:
-    """Concurrency samples [[alone on the attention mesh, alone on the expert mesh, both together], ...]
-    (seconds, medians of ``repeats``): busy programs of ``sizes`` rows per device (see the module
-    docstring)."""
-
-    def timed(fs):
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready([f() for f in fs])
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    out = []
-    for work in sizes:
-        a = _busy_program(executor.sub.attention, work, 16)
-        b = _busy_program(executor.sub.experts, work, 16)
-        out.append([timed([a]), timed([b]), timed([a, b])])
-    return out
-
-
-def fit_host(
-    concurrency: list[list[float]],
-    dispatch: list[list[float]],
-    full: float = 0.9,
-    timing_scale: float = 1.0,
-    sync_samples: list[list[float]] | None = None,
-) -> HostModel:
-    """A HostModel from ``measure_host``'s and ``measure_dispatch``'s samples.
-
-    Per pair, c = (a + b) / together, against the most a pair can overlap, (a + b) / max(a, b). When
-    the median pair reaches ``full`` of that, the sub-meshes are separate hardware: concurrency
-    None (no work bound; the paper's model); otherwise the median c (at least 1). dispatch: the
-    median of seconds / programs."""
-    if not concurrency:
-        raise ProfileError("fit_host needs at least one concurrency sample [alone, alone, together]")
-    for p in concurrency:
-        if len(p) != 3 or min(p) <= 0:
-            raise ProfileError(f"a concurrency sample is [alone, alone, together] seconds > 0, got {p!r}")
-    c = statistics.median((a + b) / ab for a, b, ab in concurrency)
-    share = statistics.median(((a + b) / ab) / ((a + b) / max(a, b)) for a, b, ab in concurrency)
-    d = statistics.median(t / n for n, t in dispatch) if dispatch else 0.0
-    return HostModel(
-        concurrency=None if share >= full else max(1.0, c),
-        dispatch=d,
-        timing_scale=timing_scale,
-        samples={
-            "concurrency": [list(map(float, p)) for p in concurrency],
-            "dispatch": dispatch,
-            "sync": sync_samples or [],
-        },
-    )
 
 
 def fit_stages(

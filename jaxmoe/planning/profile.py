@@ -148,15 +148,20 @@ class Profile(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        path = Path(path)
-        try:
-            return cls.model_validate_json(path.read_text())
-        except FileNotFoundError:
-            raise ProfileError(f"no profile at {path}") from None
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "<root>"
-            raise ProfileError(f"{path}: field {where!r}: {first['msg']}") from None
+        return read_profile(cls, path)
+
+
+def read_profile(cls, path: str | Path):
+    """A pydantic profile model read from JSON; ProfileError naming the file and the first bad field."""
+    path = Path(path)
+    try:
+        return cls.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"no profile at {path}") from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise ProfileError(f"{path}: field {where!r}: {first['msg']}") from None
 
 
 def derive_stages(base: BaseModels, dims: Dims) -> StageModels:

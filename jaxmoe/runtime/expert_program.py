@@ -43,7 +43,7 @@ from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.router import route
 from jaxmoe.runtime import expert_brownout, slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
-from jaxmoe.pallas_kernels.aebs.api import schedule
+from jaxmoe.pallas_kernels.aebs.api import POLICIES, schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
 
 EXP, ETP = EXPERT_AXES
@@ -111,6 +111,8 @@ def make_expert_program(
     "partial" / "full" (``runtime.expert_brownout``: the slot arrays hold united experts as logical
     experts E + u, the tables cover E + U logical experts, the ``threshold`` argument is traced)."""
     N, C, E = sub.spec.experts.count, slots_per_instance, cfg.moe.num_experts
+    if policy not in POLICIES:  # the executor's replica_policy
+        raise ValueError(f"replica_policy must be one of {POLICIES} (AEBS or random scheduling), got {policy!r}")
     tp = check_tp(cfg, sub.spec)
     ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
     expert_brownout.check_mode(brownout)

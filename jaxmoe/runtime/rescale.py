@@ -2,13 +2,16 @@
 another number of attention and expert instances on the same devices, built from the running one.
 
 * ``rescaled_spec``: the new ``ClusterSpec`` (attention instances on the lowest device indices,
-  expert instances on the next ones, one device each; the other devices idle).
+  expert instances on the next ones, each as many devices as before -- tensor-parallel instances
+  stay k devices; the other devices idle).
 * ``reuse_placement``: the new slot -> expert table, keeping every expert a device already holds
   where it is (so its weights are not copied), then giving the experts nobody holds a slot, then
   redundant replicas in the spare slots.
 * ``reshard_experts``: the new slot arrays, one device at a time: a slot whose expert is already on
-  that device is a local slice; only the others are copied (one ``jax.device_put`` of one expert's
-  weights from a device that holds it, or, across processes, ``slot_moves`` ppermute rounds).
+  that instance's devices is a local slice; only the others are copied (one ``jax.device_put`` of
+  one expert's weights -- with tensor parallelism, of the column slice device t of the instance
+  holds, from device t of an instance that has it -- or, across processes and one device per
+  expert instance, ``slot_moves`` ppermute rounds).
 * ``build_rescaled``: the new ``DisaggregatedExecutor`` from the running one's parameters (attention
   side: one ``device_put`` to the new attention mesh; expert side: ``reshard_experts``).
 * ``move_kv``: copies the KV blocks of live sequences from the old cache to their new blocks in the
@@ -32,7 +35,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.mesh import ClusterSpec, Instances, MeshConfigError, SubMeshes
-from jaxmoe.runtime import expert_brownout, slot_moves
+from jaxmoe.runtime import expert_brownout, expert_program, slot_moves
+from jaxmoe.runtime.attention_tp import AttentionTP
 from jaxmoe.runtime.replicas import ReplicaLayout
 
 _SLOT_KEYS = ("w_gate", "w_up", "w_down")
@@ -41,44 +45,57 @@ _SLOT_KEYS = ("w_gate", "w_up", "w_down")
 def rescaled_spec(
     spec: ClusterSpec, attention: int, experts: int, slots_per_instance: int | None = None
 ) -> ClusterSpec:
-    """The layout with ``attention`` attention and ``experts`` expert instances (one device each) on
-    ``spec``'s devices: attention on device indices 0.., experts on the next ones, the rest idle.
-    ``slots_per_instance``: expert slots per instance (default: ``spec``'s). Raises
-    ``MeshConfigError`` naming the value that does not fit."""
+    """The layout with ``attention`` attention and ``experts`` expert instances on ``spec``'s devices,
+    each instance as many devices as in ``spec`` (``devices_per_instance`` of its side, k_a and k_e:
+    tensor-parallel instances stay tensor parallel): attention instance i on device indices
+    i*k_a .. i*k_a + k_a - 1, expert instances on the next ones, the rest idle. ``slots_per_instance``:
+    expert slots per instance (default: ``spec``'s). Raises ``MeshConfigError`` naming the value that
+    does not fit."""
     for name, value in (("attention", attention), ("experts", experts)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise MeshConfigError(f"{name} must be a positive integer (instances), got {value!r}")
     C = spec.experts.slots_per_instance if slots_per_instance is None else slots_per_instance
     if not isinstance(C, int) or isinstance(C, bool) or C < 1:
         raise MeshConfigError(f"slots_per_instance must be a positive integer, got {C!r}")
-    if spec.attention.devices_per_instance != 1 or spec.experts.devices_per_instance != 1:
-        raise MeshConfigError(f"{spec.source}: live re-scaling needs devices_per_instance: 1 on both sides")
     if spec.shared_experts != "attention":
         raise MeshConfigError(
             f"{spec.source}: shared_experts: live re-scaling needs shared experts on the attention side"
         )
-    if attention + experts > spec.num_devices:
-        raise MeshConfigError(
-            f"attention={attention} + experts={experts} = {attention + experts} instances do not fit "
-            f"the {spec.num_devices} devices of {spec.source}"
-        )
+    ka, ke = spec.attention.devices_per_instance, spec.experts.devices_per_instance
+    need = attention * ka + experts * ke
+    if need > spec.num_devices:
+        if ka == ke == 1:
+            what = f"attention={attention} + experts={experts} = {need} instances"
+        else:
+            what = (
+                f"attention={attention} x {ka} devices per instance + experts={experts} x {ke} devices per "
+                f"instance = {need} devices"
+            )
+        raise MeshConfigError(f"{what} do not fit the {spec.num_devices} devices of {spec.source}")
+
+    def group(first: int, count: int, k: int) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(range(first + i * k, first + (i + 1) * k)) for i in range(count))
+
     return dataclasses.replace(
         spec,
-        attention=Instances(tuple((d,) for d in range(attention))),
-        experts=Instances(tuple((d,) for d in range(attention, attention + experts)), C),
+        attention=Instances(group(0, attention, ka)),
+        experts=Instances(group(attention * ka, experts, ke), C),
         source=f"{spec.source} rescaled to {attention}a{experts}e",
     )
 
 
 def reuse_placement(old: ReplicaLayout, old_spec: ClusterSpec, new_spec: ClusterSpec) -> list[int]:
-    """slot -> expert of the new layout that keeps as many (device, expert) pairs as possible."""
+    """slot -> expert of the new layout that keeps as many (instance devices, expert) pairs as possible
+    (an instance keeps an expert when the same devices, in the same order, held it before: with
+    tensor parallelism each device holds the same slice of the expert's FFN columns again)."""
     E, C = old.num_experts, new_spec.experts.slots_per_instance
-    held = {inst[0]: [] for inst in old_spec.experts.devices}
+    held: dict[tuple[int, ...], list[int]] = {inst: [] for inst in old_spec.experts.devices}
     for s, e in enumerate(old.slot_to_expert):
-        if e >= 0 and e not in held[old_spec.experts.devices[s // old.slots_per_instance][0]]:
-            held[old_spec.experts.devices[s // old.slots_per_instance][0]].append(e)
+        inst = old_spec.experts.devices[s // old.slots_per_instance]
+        if e >= 0 and e not in held[inst]:
+            held[inst].append(e)
     N = new_spec.experts.count
-    slots = [list(held.get(inst[0], []))[:C] for inst in new_spec.experts.devices]
+    slots = [list(held.get(inst, []))[:C] for inst in new_spec.experts.devices]
     reps = np.bincount([e for inst in slots for e in inst], minlength=E)
     for e in [e for e in range(E) if reps[e] == 0]:  # experts no kept device holds
         j = max(range(N), key=lambda j: (C - len(slots[j]), -j))
@@ -134,11 +151,18 @@ def reshard_experts(
     processes. ``collective``: force one way (None: pick as just said)."""
     C_old, C = old.slots_per_instance, new.slots_per_instance
     spec = new_sub.spec
-    old_idx = [inst[0] for inst in old_sub.spec.experts.devices]  # spec device index per old instance
-    new_idx = [inst[0] for inst in spec.experts.devices]
-    involved = sorted(set(old_idx) | set(new_idx))
+    old_insts, new_insts = old_sub.spec.experts.devices, spec.experts.devices  # spec device indices
+    old_idx = [inst[0] for inst in old_insts]  # the first device of each old instance
+    new_idx = [inst[0] for inst in new_insts]
+    involved = sorted(set(old_sub.spec.experts.flat) | set(spec.experts.flat))
+    tp = spec.experts.devices_per_instance > 1
     if collective is None:
         collective = len({new_sub.devices[d].process_index for d in involved}) > 1
+    if collective and tp:
+        raise MeshConfigError(
+            f"{spec.source}: experts.devices_per_instance: {spec.experts.devices_per_instance} (FFN columns split) "
+            "with the expert side spanning processes: collective slot moves carry whole slots only (not built)"
+        )
     # per new slot: (old slot it comes from, or -1 for unused); remote copies spread over sources
     sources, sends = [], {}
     for s, e in enumerate(new.slot_to_expert):
@@ -146,12 +170,12 @@ def reshard_experts(
             sources.append(-1)
             continue
         hosts = old.replicas(e)
-        d = new_idx[s // C]
-        same_dev = [h for h in hosts if old_idx[h // C_old] == d]
-        if same_dev:
-            sources.append(same_dev[0])
+        inst = new_insts[s // C]
+        same_inst = [h for h in hosts if old_insts[h // C_old] == inst]
+        if same_inst:
+            sources.append(same_inst[0])
             continue
-        same_node = [h for h in hosts if spec.node_of(old_idx[h // C_old]) == spec.node_of(d)]
+        same_node = [h for h in hosts if spec.node_of(old_idx[h // C_old]) == spec.node_of(inst[0])]
         src = min(same_node or hosts, key=lambda h: sends.get(h // C_old, 0))
         sends[src // C_old] = sends.get(src // C_old, 0) + 1
         sources.append(src)
@@ -159,7 +183,7 @@ def reshard_experts(
     for s, src in enumerate(sources):
         if src < 0:
             continue
-        if old_idx[src // C_old] == new_idx[s // C]:
+        if old_insts[src // C_old] == new_insts[s // C]:
             stats.expert_slots_local += 1
         else:
             stats.expert_slots_copied += 1
@@ -168,23 +192,25 @@ def reshard_experts(
         return _reshard_collective(placed, sources, old_idx, new_idx, C_old, C, new_sub)
     rep = NamedSharding(new_sub.experts, P())
     out = {k: jax.device_put(v, rep) for k, v in placed.items() if k not in _SLOT_KEYS}
-    sharding = NamedSharding(new_sub.experts, P("expert"))
     for k in _SLOT_KEYS:
         arr = placed[k]
+        sharding = NamedSharding(new_sub.experts, expert_program.slot_spec(k, tp))
         shards = {sh.device: sh.data for sh in arr.addressable_shards}
+        local = arr.sharding.shard_shape(arr.shape)[1:]  # one slot on one device (its columns: expert_tp)
         per_device = []
-        for j, d in enumerate(new_idx):
-            dev = new_sub.devices[d]
-            pieces = []
-            for s in range(j * C, (j + 1) * C):
-                src = sources[s]
-                if src < 0:
-                    pieces.append(jax.device_put(np.zeros((1,) + arr.shape[1:], arr.dtype), dev))
-                    continue
-                src_dev = new_sub.devices[old_idx[src // C_old]]
-                piece = shards[src_dev][src % C_old : src % C_old + 1]
-                pieces.append(piece if src_dev == dev else jax.device_put(piece, dev))
-            per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        for j, inst in enumerate(new_insts):
+            for t, d in enumerate(inst):  # device t of the instance gets column slice t of each slot
+                dev = new_sub.devices[d]
+                pieces = []
+                for s in range(j * C, (j + 1) * C):
+                    src = sources[s]
+                    if src < 0:
+                        pieces.append(jax.device_put(np.zeros((1,) + local, arr.dtype), dev))
+                        continue
+                    src_dev = new_sub.devices[old_insts[src // C_old][t]]
+                    piece = shards[src_dev][src % C_old : src % C_old + 1]
+                    pieces.append(piece if src_dev == dev else jax.device_put(piece, dev))
+                per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         shape = (new.num_slots,) + arr.shape[1:]
         out[k] = jax.make_array_from_single_device_arrays(shape, sharding, per_device, dtype=arr.dtype)
     return out
@@ -249,6 +275,12 @@ def check_processes(old_sub: SubMeshes, spec: ClusterSpec, brownout: bool) -> No
         )
     old_exp = {d.process_index for d in old_sub.experts.devices.flat}
     experts = old_exp | {devices[d].process_index for d in spec.experts.flat}
+    k = spec.experts.devices_per_instance
+    if k > 1 and len(experts) > 1:
+        raise MeshConfigError(
+            f"{spec.source}: experts.devices_per_instance: {k} (FFN columns split) with the expert side on "
+            f"processes {sorted(experts)}: collective slot moves carry whole slots only (not built)"
+        )
     if brownout and len(experts) > 1:
         raise MeshConfigError(
             f"{spec.source}: live re-scaling with brownout places the united experts from host "
@@ -280,8 +312,10 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
     placed = {i: reshard_experts(layers[i], layouts[i], old.sub, new_layouts[i], sub, stats) for i in side.moe_layers}
     attn = NamedSharding(sub.attention, P())  # the new attention side (inside one process: check_processes)
     params = {k: (v if k == "layers" else _onto(v, attn)) for k, v in old.params.items()}
+    tp = old.attention.tp  # the same devices per attention instance on the new layout: the same split
     params["layers"] = [
-        {k: (v if k == "moe" else _onto(v, attn)) for k, v in layer.items()} for layer in params["layers"]
+        {k: (v if k == "moe" else _onto(_logical_kv(v, tp) if k == "attn" else v, attn)) for k, v in layer.items()}
+        for layer in params["layers"]
     ]
     ex = DisaggregatedExecutor(
         old.cfg,
@@ -302,6 +336,22 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
     if side.brownout is not None:  # SALC may have moved it since the start
         ex.brownout_threshold = old.brownout_threshold
     return ex, stats
+
+
+def _logical_kv(attn: dict, tp: AttentionTP) -> dict:
+    """A layer's attention parameters as the model has them: with tensor parallelism over more devices
+    than GQA KV heads the running executor holds every KV head repeated ``tp.kv_repeat`` times
+    (``attention_tp.expand_kv``), which the new executor's ``place_layer`` repeats again, so the
+    copies are dropped first (heads j*repeat .. j*repeat + repeat - 1 are the same head j)."""
+    if tp.kv_repeat == 1:
+        return attn
+    hd, out = tp.cfg.attn.head_dim, dict(attn)
+    for name in ("k", "v", "k_bias", "v_bias"):
+        if name in attn:
+            w = attn[name]
+            heads = w.reshape(w.shape[:-1] + (-1, hd))[..., :: tp.kv_repeat, :]
+            out[name] = heads.reshape(w.shape[:-1] + (-1,))
+    return out
 
 
 def _onto(tree, sharding: NamedSharding):

@@ -7,10 +7,13 @@ and expert slots, and when that differs from the layout serving, starts ``engine
 the background, swapped in at a step boundary; one at a time). The controller's hysteresis applies:
 up at once, down only after ``down_after`` agreeing decisions.
 
-The performance model is ``perf_model.PerfModel`` with the served model's shape (``model_shape``)
-on ``hardware``; on the CPU mesh ``host_hardware`` measures the host's copy bandwidth and matmul
-rate once (a rough roofline, not fitted per layout). It runs only while the engine steps (an idle
-engine keeps its layout).
+The performance model (a ``perf_model.DisaggregatedPerf``) is the one fitted from the engine's own
+measurements on this mesh when a scaling profile for the mesh's devices, the model and the dtype is
+given or exists in the directory given (``fitted.FittedPerfModel``; ``jaxmoe serve
+--scaling-profile FILE|DIR``; made by ``bench/scaling_model.py --out FILE|DIR``), else ``perf_model.PerfModel`` with the served model's shape
+(``model_shape``) on ``hardware``: on the CPU mesh ``host_hardware`` measures the host's copy
+bandwidth and matmul rate once (a rough roofline, not fitted per layout). It runs only while the
+engine steps (an idle engine keeps its layout).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 
 from jaxmoe.scaling.controller import JANUS, Layout, Load, ScalingController
-from jaxmoe.scaling.perf_model import Hardware, ModelShape, PerfModel
+from jaxmoe.scaling.fitted import FittedPerfModel, ScalingProfile, find_profile, mesh_family
+from jaxmoe.scaling.perf_model import DisaggregatedPerf, Hardware, ModelShape, PerfModel
 
 
 def model_shape(cfg, params_bytes: int, expert_bytes: int, dtype_bytes: int) -> ModelShape:
@@ -67,10 +72,19 @@ def _timed(fn) -> float:
     return max(time.perf_counter() - t, 1e-9)
 
 
-def layouts_that_fit(num_devices: int, num_experts: int, slots_per_instance: int) -> list[Layout]:
-    """Every aXeY with one device per instance on ``num_devices`` devices whose slots hold the experts."""
+def layouts_that_fit(
+    num_devices: int, num_experts: int, slots_per_instance: int, attention_devices: int = 1, expert_devices: int = 1
+) -> list[Layout]:
+    """Every aXeY on ``num_devices`` devices whose slots hold the experts, with ``attention_devices``
+    devices per attention instance and ``expert_devices`` per expert instance (tensor parallelism:
+    a rescale keeps them); ``Layout.gpus`` counts the devices used."""
+    ka, ke = attention_devices, expert_devices
     e_min = math.ceil(num_experts / slots_per_instance)
-    return [Layout(a + e, a, e) for a in range(1, num_devices) for e in range(e_min, num_devices - a + 1)]
+    return [
+        Layout(a * ka + e * ke, a, e)
+        for a in range(1, num_devices // ka + 1)
+        for e in range(e_min, (num_devices - a * ka) // ke + 1)
+    ]
 
 
 @dataclasses.dataclass
@@ -86,8 +100,9 @@ class Autoscaler:
     def __init__(self, engine, controller: ScalingController, interval_s: float = 30.0, clock=time.monotonic):
         self.engine, self.controller, self.interval_s, self.clock = engine, controller, interval_s, clock
         ex = engine.runner.executor
+        spec = ex.sub.spec
         controller.current = Layout(
-            ex.num_attention + ex.num_expert_instances, ex.num_attention, ex.num_expert_instances
+            len(spec.attention.flat) + len(spec.experts.flat), ex.num_attention, ex.num_expert_instances
         )
         self._last, self._admitted = clock(), engine.scheduler.num_admitted
         self.decisions: list[Decision] = []
@@ -123,12 +138,12 @@ class Autoscaler:
         return decision
 
 
-def attach(engine, slo_tpot_s: float, interval_s: float = 30.0, hardware: Hardware | None = None) -> Autoscaler:
-    """An ``Autoscaler`` for a mesh-file engine, run after every step (``jaxmoe serve --autoscale``)."""
+def roofline_model(engine, hardware: Hardware | None = None) -> PerfModel:
+    """The roofline ``PerfModel`` of the served model (bytes from its parameters) on ``hardware``
+    (default: the host, measured once: ``host_hardware``)."""
     import jax
 
     ex = engine.runner.executor
-    spec = ex.sub.spec
     params = jax.tree.leaves(ex.params)
     total = sum(p.nbytes for p in params)
     experts = sum(
@@ -137,8 +152,53 @@ def attach(engine, slo_tpot_s: float, interval_s: float = 30.0, hardware: Hardwa
         for k in ("w_gate", "w_up", "w_down")
     )
     dtype_bytes = jax.tree.leaves(ex.cache)[0].dtype.itemsize
-    pm = PerfModel(model_shape(ex.cfg, total, experts, dtype_bytes), hardware or host_hardware(spec.num_devices))
-    layouts = layouts_that_fit(spec.num_devices, ex.cfg.moe.num_experts, ex.slots_per_instance)
+    return PerfModel(
+        model_shape(ex.cfg, total, experts, dtype_bytes), hardware or host_hardware(ex.sub.spec.num_devices)
+    )
+
+
+def fitted_model(engine, profile) -> FittedPerfModel | None:
+    """A ``FittedPerfModel`` of the served engine from a scaling profile: a ``ScalingProfile``, the
+    path of its JSON (``ProfileError`` naming the field when it was made for another mesh's devices
+    and slots, model or dtype), or a directory (the profile made for this mesh, model and dtype,
+    ``fitted.find_profile``; None when it has none)."""
+    from jaxmoe.planning.profile import model_identity
+
+    ex, cfg = engine.runner.executor, engine.config
+    model, dtype = model_identity(ex.cfg), str(np.dtype(ex.params["embed"].dtype))
+    if not isinstance(profile, ScalingProfile):
+        if Path(profile).is_dir():
+            profile = find_profile(profile, mesh_family(ex.sub.spec), model, dtype)
+            if profile is None:
+                return None
+        profile = ScalingProfile.load(profile)
+    profile.check(model=model, dtype=dtype)
+    return FittedPerfModel(profile, ex.sub.spec, cfg.num_blocks * cfg.block_size, cfg.max_num_seqs)
+
+
+def attach(
+    engine,
+    slo_tpot_s: float,
+    interval_s: float = 30.0,
+    hardware: Hardware | None = None,
+    profile=None,
+) -> Autoscaler:
+    """An ``Autoscaler`` for a mesh-file engine, run after every step (``jaxmoe serve --autoscale``).
+    Its performance model: the fitted one when a scaling ``profile`` (a file, a directory holding
+    one for this mesh, model and dtype, or a ``ScalingProfile``) is given (``fitted_model``), else
+    the host roofline (``roofline_model``)."""
+    pm: DisaggregatedPerf | None = None if profile is None else fitted_model(engine, profile)
+    if pm is None:
+        pm = roofline_model(engine, hardware)
+    ex = engine.runner.executor
+    spec = ex.sub.spec
+    layouts = layouts_that_fit(
+        spec.num_devices,
+        ex.cfg.moe.num_experts,
+        ex.slots_per_instance,
+        spec.attention.devices_per_instance,
+        spec.experts.devices_per_instance,
+    )
     scaler = Autoscaler(engine, ScalingController(pm, JANUS, layouts, slo_tpot_s), interval_s)
     engine.step_hooks.append(scaler)
     return scaler

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from jaxmoe.scaling.perf_model import PerfModel
+from jaxmoe.scaling.perf_model import DisaggregatedPerf, PerfModel
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -37,15 +37,21 @@ class System:
     balanced: bool = True
     two_phase: bool = True
 
-    def tpot(self, pm: PerfModel, layout: Layout, batch: float, context: float) -> float:
+    def tpot(self, pm: DisaggregatedPerf, layout: Layout, batch: float, context: float) -> float:
         if not self.disaggregated:
-            return pm.tpot_monolithic(batch, context, layout.gpus)
+            return _roofline(pm).tpot_monolithic(batch, context, layout.gpus)
         return pm.tpot_disaggregated(batch, context, layout.attention, layout.experts, self.balanced, self.two_phase)
 
-    def capacity(self, pm: PerfModel, layout: Layout, context: float) -> float:
+    def capacity(self, pm: DisaggregatedPerf, layout: Layout, context: float) -> float:
         if not self.disaggregated:
-            return pm.monolithic_capacity(layout.gpus, context)
+            return _roofline(pm).monolithic_capacity(layout.gpus, context)
         return pm.kv_capacity(layout.attention, context)
+
+
+def _roofline(pm) -> PerfModel:
+    if not isinstance(pm, PerfModel):
+        raise TypeError(f"monolithic layouts need the roofline PerfModel, not {type(pm).__name__}")
+    return pm
 
 
 JANUS = System()
@@ -79,7 +85,7 @@ class Load:
     context: float  # mean tokens attended by a decode step
 
 
-def steady_state(pm: PerfModel, system: System, layout: Layout, load: Load) -> tuple[float, float] | None:
+def steady_state(pm: DisaggregatedPerf, system: System, layout: Layout, load: Load) -> tuple[float, float] | None:
     """(batch in flight, TPOT) of the load on the layout, or None when it cannot keep up."""
     if load.rate <= 0:
         return 0.0, system.tpot(pm, layout, 1.0, load.context)
@@ -97,7 +103,7 @@ def steady_state(pm: PerfModel, system: System, layout: Layout, load: Load) -> t
 class ScalingController:
     def __init__(
         self,
-        pm: PerfModel,
+        pm: DisaggregatedPerf,
         system: System,
         layouts: Iterable[Layout],
         slo_tpot: float,
@@ -105,6 +111,8 @@ class ScalingController:
         down_after: int = 2,
     ):
         self.pm, self.system, self.slo, self.margin, self.down_after = pm, system, slo_tpot, margin, down_after
+        if not isinstance(pm, DisaggregatedPerf):
+            raise TypeError(f"pm: {type(pm).__name__} is not a DisaggregatedPerf (tpot_disaggregated, kv_capacity)")
         self.layouts = sorted(layouts)
         if not self.layouts:
             raise ValueError("no candidate layout")

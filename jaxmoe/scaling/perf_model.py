@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol, runtime_checkable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,37 @@ DEEPSEEK_V2 = ModelShape(
 )
 
 
+@runtime_checkable
+class DisaggregatedPerf(Protocol):
+    """What the scaling controller needs of a performance model of disaggregated layouts: the TPOT
+    of a decode step and the sequences the KV cache holds. ``PerfModel`` (roofline) and
+    ``fitted.FittedPerfModel`` (fitted from measurements on the mesh) implement it."""
+
+    def tpot_disaggregated(
+        self, batch: float, context: float, attention: int, experts: int, balanced: bool = True, two_phase: bool = True
+    ) -> float: ...
+
+    def kv_capacity(self, attention: int, context: float) -> float: ...
+
+
+def distinct_experts(experts: int, top_k: int, tokens: float) -> float:
+    """Expected distinct experts ``tokens`` tokens choose (top-k of E, uniformly)."""
+    return experts * (1 - (1 - top_k / experts) ** tokens) if tokens > 0 else 0.0
+
+
+def activated_per_instance(
+    experts: int, top_k: int, tokens: float, instances: int, cap: float, balanced: bool
+) -> float:
+    """Experts the busiest of ``instances`` expert instances runs in one layer (at most ``cap``, the
+    experts an instance holds): an even share of the distinct experts under AEBS (``balanced``),
+    the expected maximum of a balls-in-bins load under random scheduling."""
+    mean = distinct_experts(experts, top_k, tokens) / instances
+    if balanced:  # AEBS: replicas let every instance run an even share
+        return min(cap, math.ceil(mean - 1e-9))
+    spread = math.sqrt(2 * mean * max(math.log(instances), 1e-9)) if instances > 1 else 0.0
+    return min(cap, mean + spread)
+
+
 class PerfModel:
     def __init__(self, model: ModelShape = DEEPSEEK_V2, hw: Hardware = H100):
         self.model, self.hw = model, hw
@@ -98,18 +130,12 @@ class PerfModel:
         return hw.launch_overhead + max(read / hw.memory_bandwidth, flops / hw.flops)
 
     def distinct_experts(self, tokens: float) -> float:
-        m = self.model
-        return m.experts * (1 - (1 - m.top_k / m.experts) ** tokens) if tokens > 0 else 0.0
+        return distinct_experts(self.model.experts, self.model.top_k, tokens)
 
     def activated_per_instance(self, tokens: float, instances: int, balanced: bool) -> float:
         """Experts the busiest instance runs in one layer."""
-        distinct = self.distinct_experts(tokens)
-        per = self.model.experts / instances  # experts an instance holds
-        mean = distinct / instances
-        if balanced:  # AEBS: replicas let every instance run an even share
-            return min(per, math.ceil(mean - 1e-9))
-        spread = math.sqrt(2 * mean * max(math.log(instances), 1e-9)) if instances > 1 else 0.0
-        return min(per, mean + spread)
+        m = self.model
+        return activated_per_instance(m.experts, m.top_k, tokens, instances, m.experts / instances, balanced)
 
     def moe_s(self, tokens: float, instances: int, balanced: bool = True) -> float:
         m, hw = self.model, self.hw
