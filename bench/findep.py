@@ -3,13 +3,14 @@ on the CPU mesh and simulated for GPU meshes, a per-stream timeline of one layer
 measured) and the accuracy of the performance model.
 
     PYTHONPATH=. python bench/findep.py [--model DIR] [--mesh meshes/cpu-8.yaml] [--rows 2]
-        [--seq 256] [--seqs 256,1024,2048] [--steps 5] [--plot docs/findep_timeline.png] [--part cpu,sim]
+        [--seq 256] [--seqs 256,1024,2048] [--steps 5] [--chunks 1,8] [--stat median|min] [--plot docs/findep_timeline.png]
+        [--part cpu,sim]
 
 Without --model a random DeepSeek-V2-style checkpoint with shared experts is written with
 transformers (hidden 256, 4 layers, 16 routed experts top-4, 2 shared). CPU part: a profile is
 measured on the mesh (``planning.measure``, prefill steps of --seq tokens), then prefill steps
 (--rows sequences per attention instance of --seq tokens) run under each schedule, interleaved round
-by round (machine noise hits all alike), median of --steps. Table 3: throughput vs r1 (ASAS, r2 = 1);
+by round (machine noise hits all alike), median (--stat min: least) of --steps. Table 3: throughput vs r1 (ASAS, r2 = 1);
 Table 4: vs r2 (r1 = 2); Table 5: FinDEP (the solver's choice from the measured profile) vs the best
 measured PPPipe (order PP, r2 = 1, best r1), per sequence length. Simulation part: the same tables
 from the event model with FinDEP's Fig. 7 parameters (8x A6000, ``paper_profile``) as a GPU-shaped
@@ -79,6 +80,7 @@ class Runner:
         from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
         self.cfg, self.params, block = cfg, params, 16
+        self.stat = "median"
         probe = DisaggregatedExecutor(cfg, params, 1, block, mesh)
         self.ag = probe.num_attention
         slots = self.ag * rows * (-(-2 * max_context // block) * block)
@@ -90,7 +92,7 @@ class Runner:
         return synthetic_batch(self.ex, rows, seq, seq)
 
     def time(self, pipes, rows, seq, steps):
-        """Median seconds of a prefill step per pipeline (rounds interleaved)."""
+        """Median (``stat = "min"``: least) seconds of a prefill step per pipeline (rounds interleaved)."""
         import jax
 
         args = self.batch(rows, seq)
@@ -104,7 +106,8 @@ class Runner:
                 t0 = time.perf_counter()
                 jax.block_until_ready(self.ex.forward(*args))
                 times[p].append(time.perf_counter() - t0)
-        return {p: statistics.median(v) for p, v in times.items()}
+        agg = min if self.stat == "min" else statistics.median
+        return {p: agg(v) for p, v in times.items()}
 
 
 def cpu_part(args):
@@ -118,35 +121,74 @@ def cpu_part(args):
     cfg, params, _ = load_model(model, "float32")
     seqs = _ints(args.seqs)
     run = Runner(cfg, params, args.mesh, max(seqs + (args.seq,)), max(args.rows, 4))
+    run.stat = args.stat
     layers = cfg.num_layers
     print(
         f"# CPU mesh: {cfg.family} L{layers} D{cfg.hidden_size} E{cfg.moe.num_experts} k{cfg.moe.top_k} "
         f"(+shared), mesh {args.mesh} ({run.ag} attention instances), jax {jax.__version__}, "
-        f"{time.strftime('%Y-%m-%d')}, median of {args.steps} interleaved prefill steps"
+        f"{time.strftime('%Y-%m-%d')}, {args.stat} of {args.steps} interleaved prefill steps"
     )
     t0 = time.perf_counter()
-    profile = profile_executor(
-        run.ex, Sweep(rows=(1, 2, 4), contexts=(args.seq, 2 * args.seq), tokens=args.seq, repeats=3)
+    sweep = Sweep(
+        rows=(1, 2, 4, 8),
+        contexts=(args.seq, 2 * args.seq),
+        tokens=args.seq,
+        repeats=3,
+        chunks=_ints(args.chunks),
+        stat=args.stat,
     )
-    print(f"profile measured in {time.perf_counter() - t0:.0f} s; fits (R²):", end="")
+    profile = profile_executor(run.ex, sweep)
+    print(f"profile measured in {time.perf_counter() - t0:.0f} s ({profile.source}); fits (R²):", end="")
     for s in ("attention", "shared", "a2e", "expert", "e2a"):
         m = getattr(profile.stages, s)
         if m is not None:
-            print(f" {s} {m.r2:.3f}", end="")
-    print()
+            print(f" {s} {m.r2:.3f}{' (with the x² term)' if s == 'expert' and len(m.betas) > 1 else ''}", end="")
+    host = profile.host
+    c = "unlimited" if host.concurrency is None else f"{host.concurrency:.2f}"
+    pairs = ", ".join(f"{a * 1e3:.1f} + {b * 1e3:.1f} -> {ab * 1e3:.1f} ms" for a, b, ab in host.samples["concurrency"])
+    print(
+        f"\nhost: concurrency {c} (busy pairs alone + alone -> together: {pairs}), dispatch "
+        f"{host.dispatch * 1e3:.3f} ms/program, asynchronous steps took {host.timing_scale:.2f} of the blocked time (stages scaled)"
+    )
+    print(f"load average (1, 5, 15 min) after profiling: {_load()}")
     if args.profile_plot:
         plot_profile(profile, args.profile_plot)
     tok = lambda rows, seq, t: rows * seq * run.ag / t  # noqa: E731
 
-    def predicted(p, rows, seq):
+    paper = profile.model_copy(update={"host": None})  # the same stages, separate hardware (the paper's model)
+
+    def predicted(p, rows, seq, prof=profile):
         shape = BatchShape(rows, seq, seq)
-        return solve(profile, shape, orders=(p.order,), r1=p.r1, r2=p.r2).time_s
+        return solve(prof, shape, orders=(p.order,), r1=p.r1, r2=p.r2).time_s
+
+    predicted.paper = lambda p, rows, seq: predicted(p, rows, seq, paper)  # noqa: E731
+    predicted.bound = lambda p, rows, seq: _bound(profile, p, rows, seq)  # noqa: E731
 
     rows, seq = args.rows * 2, args.seq
     if "cpu" in args.part.split(","):
         tables(args, run, profile, predicted, tok, layers, seqs)
     if args.plot:
         timeline(args, run, profile, rows, seq, layers)
+
+
+def _load() -> str:
+    return ", ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def _bound(profile, p, rows, seq) -> str:
+    """Which term of max(event model, work / concurrency, programs x dispatch) sets the prediction."""
+    from jaxmoe.planning import BatchShape
+    from jaxmoe.planning.schedule import estimate, programs, work
+    from jaxmoe.planning.solver import stage_times
+
+    d, host = profile.dims, profile.host.host()
+    times = stage_times(profile, BatchShape(rows, seq, seq), rows // p.r1, p.r2)
+    terms = {
+        "event": estimate(times, p.order, p.r1, p.r2, d.moe_layers, d.dense_layers),
+        "work": work(times, p.r1, p.r2, d.moe_layers, d.dense_layers) / host.concurrency,
+        "dispatch": programs(times, p.r1, p.r2, d.moe_layers, d.dense_layers) * host.dispatch,
+    }
+    return max(terms, key=terms.get)
 
 
 def tables(args, run, profile, predicted, tok, layers, seqs):
@@ -213,8 +255,10 @@ def tables(args, run, profile, predicted, tok, layers, seqs):
         out,
     )
     table(
-        "Model accuracy (CPU): predicted vs measured per-layer time (step / layers)",
-        ["config", "rows x seq", "measured ms/layer", "predicted ms/layer", "error"],
+        "Model accuracy (CPU): predicted vs measured per-layer time (step / layers); predicted = "
+        "max(event model, work / concurrency, programs x dispatch) with the measured host, 'bound' = the "
+        "term that sets it; 'paper model' = the event model alone (separate hardware)",
+        ["config", "rows x seq", "measured ms/layer", "predicted ms/layer", "error", "bound", "paper model", "error"],
         [
             (
                 f"{p.order} r1={p.r1} r2={p.r2}",
@@ -222,12 +266,19 @@ def tables(args, run, profile, predicted, tok, layers, seqs):
                 f"{m / layers * 1e3:.2f}",
                 f"{q / layers * 1e3:.2f}",
                 f"{(q - m) / m * 100:+.0f} %",
+                predicted.bound(p, r, s),
+                f"{predicted.paper(p, r, s) / layers * 1e3:.2f}",
+                f"{(predicted.paper(p, r, s) - m) / m * 100:+.0f} %",
             )
             for p, r, s, m, q in accuracy
         ],
     )
     within = sum(abs(q - m) <= 0.15 * m for *_, m, q in accuracy)
-    print(f"\nwithin 15 %: {within} of {len(accuracy)} configurations")
+    within_paper = sum(abs(predicted.paper(p, r, s) - m) <= 0.15 * m for p, r, s, m, _ in accuracy)
+    print(
+        f"\nwithin 15 %: {within} of {len(accuracy)} configurations (paper model alone: {within_paper}); "
+        f"load average (1, 5, 15 min) at the end: {_load()}"
+    )
     return accuracy
 
 
@@ -352,6 +403,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128, help="prefill tokens of Tables 3-4 and the profile")
     ap.add_argument("--seqs", default="256,1024,2048", help="sequence lengths of Table 5")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--chunks", default="1,8", help="expert-side chunk counts r2 the profile also measures")
+    ap.add_argument(
+        "--stat",
+        default="median",
+        choices=["median", "min"],
+        help="over repeated steps, in the profile and the tables (min: noise on a shared machine only slows)",
+    )
     ap.add_argument("--plot", default=None, help="PNG of one layer's timeline, predicted vs measured")
     ap.add_argument("--profile-plot", default=None, help="PNG of the measured profile against its fits")
     ap.add_argument("--part", default="cpu,sim", help="cpu (tables), sim, timeline (only the --plot)")

@@ -9,8 +9,10 @@ import pytest
 
 from jaxmoe.planning.linear import LinearModel
 from jaxmoe.planning.paper_profile import paper_profile
-from jaxmoe.planning.profile import Dims, Profile, ProfileError, StageModels
-from jaxmoe.planning.schedule import StageTimes, estimate, layer_kinds, simulate
+from jaxmoe.planning.host import fit_host
+from jaxmoe.planning.measure import fit_stages, timing_scale
+from jaxmoe.planning.profile import Dims, HostModel, Profile, ProfileError, StageModels
+from jaxmoe.planning.schedule import Host, StageTimes, estimate, layer_kinds, programs, simulate, work
 from jaxmoe.planning.solver import BatchShape, Limits, PlanError, brute_force, pppipe, solve
 
 MESHES = pathlib.Path(__file__).parent.parent / "meshes"
@@ -133,6 +135,149 @@ def test_steady_state_extrapolation_and_closed_form_equal_the_full_event_model()
         assert estimate(times, order, r1, r2, moe, dense) == pytest.approx(full, rel=1e-9)
 
 
+# ------------------------------------------------------------------ the host: shared hardware (CPU mesh)
+
+
+def test_one_core_host_makes_every_schedule_the_serial_sum_and_unlimited_keeps_the_paper_model():
+    rng = random.Random(3)
+    for _ in range(300):
+        times = random_times(rng)
+        order, r1, r2 = rng.choice(["ASAS", "AASS", "PP"]), rng.randint(1, 8), rng.randint(1, 16)
+        moe, dense = rng.randint(1, 12), rng.randint(0, 2)
+        layers = layer_kinds(moe, dense)
+        serial = r1 * (
+            moe * (times.attention + times.shared + r2 * (times.a2e + times.expert + times.e2a))
+            + dense * (times.attention + times.dense)
+        )
+        one_core = Host(concurrency=1.0)
+        assert work(times, r1, r2, moe, dense) == pytest.approx(serial, rel=1e-12)
+        assert simulate(times, order, r1, r2, layers, host=one_core)[0] == pytest.approx(serial, rel=1e-9)
+        assert estimate(times, order, r1, r2, moe, dense, host=one_core) == pytest.approx(serial, rel=1e-9)
+        paper, _ = simulate(times, order, r1, r2, layers)
+        free = Host(concurrency=float("inf"))
+        assert estimate(times, order, r1, r2, moe, dense, host=free) == pytest.approx(paper, rel=1e-9)
+        assert simulate(times, order, r1, r2, layers, host=free)[0] == pytest.approx(paper, rel=1e-9)
+        two = Host(concurrency=2.0)  # in between: at least the paper's and half the serial sum
+        got = estimate(times, order, r1, r2, moe, dense, host=two)
+        assert got == pytest.approx(max(paper, serial / 2), rel=1e-9)
+
+
+def test_dispatch_bound_counts_the_executors_programs():
+    times = StageTimes(attention=1e-4, shared=1e-4, a2e=1e-5, expert=1e-4, e2a=1e-5)
+    # per micro-batch: embed + head, per MoE layer attention, shared, split, join, 3 x r2 chunks
+    assert programs(times, 2, 4, 3) == 2 * (2 + 3 * (1 + 1 + 2 + 12))
+    assert programs(times, 1, 1, 2, 1) == 2 + 2 * 5 + 1
+    slow_host = Host(concurrency=float("inf"), dispatch=1e-3)
+    assert estimate(times, "ASAS", 2, 4, 3, host=slow_host) == pytest.approx(2 * 50 * 1e-3)
+    with pytest.raises(ValueError, match="concurrency must be >= 1, got 0.5"):
+        Host(concurrency=0.5)
+
+
+def test_fit_host_from_synthetic_timings():
+    # a pair that runs one after the other (together = a + b): concurrency 1, the CPU mesh's case
+    serial = fit_host([[0.01, 0.03, 0.04], [0.02, 0.02, 0.04]], [[100, 0.05], [200, 0.09], [50, 0.03]])
+    assert serial.concurrency == pytest.approx(1.0)
+    assert serial.dispatch == pytest.approx(0.5e-3)  # median of 0.5, 0.45, 0.6 ms per program
+    # a pair that overlaps by a third: concurrency (a + b) / together
+    partial = fit_host([[0.02, 0.02, 0.03]], [])
+    assert partial.concurrency == pytest.approx(4 / 3) and partial.dispatch == 0.0
+    # full overlap (together = the longer one): separate hardware, no work bound (the paper's model)
+    full = fit_host([[0.01, 0.03, 0.0305], [0.02, 0.02, 0.021]], [])
+    assert full.concurrency is None and full.host().concurrency == float("inf")
+    # noise cannot make it faster than one at a time: clamped to 1
+    assert fit_host([[0.01, 0.01, 0.025]], []).concurrency == 1.0
+    with pytest.raises(ProfileError, match="alone, alone, together"):
+        fit_host([[0.01, 0.0, 0.02]], [])
+
+
+def test_timing_overhead_is_scaled_off_the_stage_fits():
+    """Timing each program on its own makes it look slower; the sequential steps' asynchronous /
+    blocked times give the share, and the fits are of the samples times it."""
+    share = 0.6
+    xs = [128, 256, 512, 1024]
+    samples = {s: [[x, (1e-3 + 1e-6 * x) / share] for x in xs] for s in ("a2e", "expert", "e2a")}
+    samples["attention"] = [[x, 8 * x, (5e-4 + 1e-6 * x + 1e-9 * 8 * x) / share] for x in xs]
+    samples["sync"] = [[22.0, 0.10, 0.05], [44.0, 0.20, 0.12], [22.0, 0.10, 0.07]]  # 0.5, 0.6, 0.7
+    assert timing_scale(samples) == pytest.approx(share)
+    stages = fit_stages({k: v for k, v in samples.items() if k != "sync"}, timing_scale(samples))
+    assert stages.expert.alpha == pytest.approx(1e-3, rel=1e-6) and stages.expert.betas[0] == pytest.approx(1e-6)
+    assert stages.attention.alpha == pytest.approx(5e-4, rel=1e-6)
+    assert timing_scale({"sync": [[10.0, 0.01, 0.02]]}) == 1.0  # asynchronous slower: nothing to scale
+    assert timing_scale({}) == 1.0
+
+
+def test_convex_expert_term_is_fitted_only_when_the_samples_need_it():
+    xs = [32, 64, 128, 256, 512, 1024, 2048]
+    convex = {"a2e": [[x, 1e-4 + 1e-8 * x] for x in xs], "e2a": [[x, 1e-4] for x in xs]}
+    convex["attention"] = [[x, 4 * x, 1e-4 + 1e-6 * x] for x in xs]
+    convex["expert"] = [[x, 1e-3 + 2e-6 * x + 3e-9 * x * x] for x in xs]
+    stages = fit_stages(convex)
+    assert stages.expert.betas == pytest.approx((2e-6, 3e-9), rel=1e-6)
+    assert stages.expert_time(1000) == pytest.approx(1e-3 + 2e-3 + 3e-3, rel=1e-6)
+    assert len(stages.a2e.betas) == 1  # only the expert stage gets the convex term
+    linear = dict(convex, expert=[[x, 1e-3 + 2e-6 * x] for x in xs])
+    stages = fit_stages(linear)
+    assert len(stages.expert.betas) == 1 and stages.expert_time(1000) == pytest.approx(3e-3, rel=1e-6)
+    # on a convex expert, one big chunk costs more than two halves: the solver chunks even on 1 core
+    dims = deepseek_dims(3, 5, moe_layers=4, dense_layers=0)
+    profile = host_profile(dims, 1.0, 0.0)
+    quad = profile.stages.model_copy(update={"expert": LinearModel(alpha=1e-4, betas=(1e-7, 1e-9))})
+    plan = solve(profile.model_copy(update={"stages": quad}), BatchShape(8, 1024, 1024))
+    assert plan.r1 * plan.r2 > 1
+
+
+@pytest.mark.parametrize("mode", ["batch", "max"])
+def test_solver_with_convex_expert_and_host_matches_brute_force(mode):
+    rng = random.Random(5)
+    for _ in range(60):
+        ag, eg = rng.choice([(1, 7), (2, 6), (4, 4)])
+        dims = deepseek_dims(ag, eg, moe_layers=rng.randint(1, 8), dense_layers=rng.randint(0, 1))
+        profile = host_profile(dims, rng.choice([1.0, 1.5, None]), rng.choice([0.0, 1e-4]))
+        expert = LinearModel(
+            alpha=10 ** rng.uniform(-5, -3), betas=(10 ** rng.uniform(-9, -6), 10 ** rng.uniform(-13, -9))
+        )
+        profile = profile.model_copy(update={"stages": profile.stages.model_copy(update={"expert": expert})})
+        shape = BatchShape(rng.randint(1, 24), rng.choice([1, 16, 256]), rng.randint(1, 4096))
+        best = brute_force(profile, shape, mode=mode)
+        plan = solve(profile, shape, mode=mode)
+        assert plan.tokens_per_s >= 0.99 * best.tokens_per_s, (shape, plan, best)
+        assert plan.solve_ms <= 5.0 or min(solve(profile, shape, mode=mode).solve_ms for _ in range(3)) <= 5.0
+
+
+def host_profile(dims: Dims, concurrency: float | None, dispatch: float) -> Profile:
+    return paper_profile(dims, "mesh", "model").model_copy(
+        update={"host": HostModel(concurrency=concurrency, dispatch=dispatch)}
+    )
+
+
+@pytest.mark.parametrize("mode", ["batch", "max"])
+def test_solver_with_a_host_matches_brute_force_and_runs_under_5ms(mode):
+    slowest, cases = 0.0, list(grid_cases())
+    for k, ((ag, eg), shape) in enumerate(cases):
+        concurrency, dispatch = [(1.0, 0.0), (1.0, 2e-4), (1.5, 1e-5), (None, 5e-4)][k % 4]
+        profile = host_profile(deepseek_dims(ag, eg), concurrency, dispatch)
+        plan = solve(profile, shape, mode=mode)
+        best = brute_force(profile, shape, mode=mode)
+        assert plan.tokens_per_s >= 0.99 * best.tokens_per_s, (ag, eg, shape, plan, best)
+        slowest = max(slowest, min(solve(profile, shape, mode=mode).solve_ms for _ in range(3)))
+        host = profile.host.host()
+        predicted, _ = simulate(plan.stage_times, plan.order, plan.r1, plan.r2, layer_kinds(16, 1), host=host)
+        assert plan.time_s == pytest.approx(predicted, rel=1e-9)
+    assert slowest <= 5.0
+
+
+def test_one_core_host_plans_the_fewest_programs():
+    """On one-at-a-time hardware pipelining only adds start-up costs: the solver picks r1 = r2 = 1,
+    where the separate-hardware (paper) model pipelines."""
+    dims = deepseek_dims(3, 5, moe_layers=4, dense_layers=0)
+    shape = BatchShape(8, 1024, 1024)
+    gpu = solve(paper_profile(dims, "mesh", "model"), shape)
+    cpu = solve(host_profile(dims, 1.0, 0.0), shape)
+    assert (gpu.r1, gpu.r2) != (1, 1)
+    assert (cpu.r1, cpu.r2) == (1, 1)
+    assert cpu.time_s > gpu.time_s
+
+
 # ------------------------------------------------------------------ the solver (Algorithm 1)
 
 
@@ -238,6 +383,7 @@ def test_impossible_forced_values_and_unfit_batches_are_named():
 
 def test_profile_round_trip_and_mismatch_errors(tmp_path):
     profile = paper_profile(deepseek_dims(), "cpu-2a6e-abc", "mixtral-xyz", "float32")
+    profile = profile.model_copy(update={"host": fit_host([[0.01, 0.01, 0.02]], [[10, 0.01]])})
     path = profile.save(tmp_path / "p.json")
     again = Profile.load(path)
     assert again == profile
@@ -287,8 +433,13 @@ def test_profile_and_plan_cli(checkpoint_dir, tmp_path, capsys):
     )
     assert rc == 0
     text = capsys.readouterr().out
-    assert "R²" in text and "profile written" in text
+    assert "R²" in text and "profile written" in text and "host: concurrency" in text
     prof = Profile.load(out)
+    # the host: measured concurrency (the 8 host devices share this machine's cores) and dispatch
+    assert prof.host is not None and prof.host.dispatch > 0
+    assert prof.host.concurrency is None or prof.host.concurrency >= 1.0
+    assert len(prof.host.samples["concurrency"]) == 2 and len(prof.host.samples["dispatch"]) == 3
+    assert len(prof.host.samples["sync"]) == 6 and 0 < prof.host.timing_scale <= 1
     assert prof.dims.attention_instances == 2 and prof.dims.expert_instances == 6
     assert prof.source.startswith("measured by jaxmoe profile")
     for stage in ("attention", "a2e", "expert", "e2a"):

@@ -26,6 +26,7 @@ def register(sub, add_model_args) -> None:
     prof.add_argument("--contexts", default="16,128", help="tokens attended per sequence to measure")
     prof.add_argument("--tokens", type=int, default=1, help="new tokens per sequence (1: decode)")
     prof.add_argument("--repeats", type=int, default=5, help="timed steps per point (median)")
+    prof.add_argument("--chunks", default="1", help="expert-side chunk counts r2 each point also runs with (e.g. 1,8)")
     prof.add_argument("--out", required=True, help="profile JSON to write")
     prof.add_argument("--plot", default=None, help="PNG of measured points against the fits (matplotlib)")
     prof.set_defaults(func=cmd_profile)
@@ -76,13 +77,23 @@ def _measure(model, mesh, dtype, sweep):
 def cmd_profile(args) -> int:
     from jaxmoe.planning.measure import Sweep, plot_profile
 
-    sweep = Sweep(rows=_ints(args.rows), contexts=_ints(args.contexts), tokens=args.tokens, repeats=args.repeats)
+    sweep = Sweep(
+        rows=_ints(args.rows),
+        contexts=_ints(args.contexts),
+        tokens=args.tokens,
+        repeats=args.repeats,
+        chunks=_ints(args.chunks),
+    )
     profile = _measure(args.model, args.mesh, args.dtype, sweep)
     profile.save(args.out)
     for stage in ("attention", "a2e", "expert", "e2a"):
         m = getattr(profile.stages, stage)
         betas = ", ".join(f"{b:.3e}" for b in m.betas)
         print(f"{stage:>9}: alpha {m.alpha * 1e3:.4f} ms, beta ({betas}) s/unit, R² {m.r2:.4f}, {m.points} points")
+    host = profile.host
+    if host is not None:
+        c = "unlimited (separate hardware)" if host.concurrency is None else f"{host.concurrency:.3f}"
+        print(f"     host: concurrency {c}, dispatch {host.dispatch * 1e3:.4f} ms per program")
     print(f"profile written to {args.out}")
     if args.plot:
         plot_profile(profile, args.plot)

@@ -3,7 +3,8 @@
 ``jaxmoe profile --mesh FILE --model DIR`` (FinDEP, arXiv:2512.21487, section 4.1). For every point
 of a sweep (micro-batch rows per attention instance x tokens attended) one step runs through
 ``DisaggregatedExecutor.forward`` in timing mode, which blocks after every phase and records its
-wall time per layer. The median over repeats of the mean over MoE layers gives one sample of each
+wall time per layer. The median (``Sweep.stat="min"``: the least, for a machine whose noise only
+ever slows it down) over repeats of the mean over MoE layers gives one sample of each
 stage; ``LinearModel.fit`` turns the samples into the alpha-beta models the solver uses:
 
 ========== ============================================ =========================================
@@ -16,6 +17,16 @@ a2e, e2a   bytes one attention instance sends           ``a2e`` / ``e2a``
 expert     tokens of the step, all attention instances  ``expert`` (gate, AEBS, grouped matmul)
 ========== ============================================ =========================================
 
+With ``Sweep.chunks`` the points also run with the expert side cut into r2 chunks (the sequential
+schedule with r2 > 1), so the A2E / expert / E2A models see the small chunks FinDEP's r2 makes
+(a sample's work and time are per chunk).
+
+The host (``profile.HostModel``): what the hardware overlaps, measured by ``planning.host``
+(concurrency of a busy pair, per-program dispatch), and ``timing_scale``: the share of the blocked
+(timing-mode) time the sequential steps take asynchronously, by which the stage samples are scaled.
+The executor's heavier host work, such as the per-device copies of A2E / E2A, is part of the stage
+times, which are timed from dispatch to ready.
+
 The synthetic batches read and write real KV blocks of the instance that owns each row, so the
 attention program does the same work as in serving; token ids and KV contents do not change the
 time of any program.
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable
 
 import jax
@@ -32,7 +44,16 @@ import numpy as np
 
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.planning.linear import LinearModel
-from jaxmoe.planning.profile import Profile, ProfileError, StageModels, dims_of, mesh_identity, model_identity
+from jaxmoe.planning.host import fit_host, measure_dispatch, measure_host
+from jaxmoe.planning.profile import (
+    Profile,
+    ProfileError,
+    StageModels,
+    dims_of,
+    mesh_identity,
+    model_identity,
+)
+from jaxmoe.runtime.pipeline import Pipeline
 
 STAGES = ("attention", "a2e", "expert", "e2a")
 
@@ -45,14 +66,19 @@ class Sweep:
     contexts: tuple[int, ...] = (16, 128)
     tokens: int = 1  # new tokens per row (1: decode)
     repeats: int = 5
+    chunks: tuple[int, ...] = (1,)  # expert-side chunks r2 each point also runs with
+    host: bool = True  # measure the host's concurrency and dispatch time
+    stat: str = "median"  # over repeats: "median", or "min" (noise on a shared machine only slows)
 
     def __post_init__(self):
-        for name in ("rows", "contexts"):
+        for name in ("rows", "contexts", "chunks"):
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
                 raise ProfileError(f"{name} must be positive integers, got {values!r}")
         if len(set(self.rows)) < 2:
             raise ProfileError(f"rows needs at least 2 distinct sizes to fit a model, got {self.rows!r}")
+        if self.stat not in ("median", "min"):
+            raise ProfileError(f"stat must be 'median' or 'min', got {self.stat!r}")
         if self.tokens < 1 or self.repeats < 1:
             raise ProfileError(f"tokens and repeats must be >= 1, got {self.tokens} and {self.repeats}")
         if self.tokens > min(self.contexts):
@@ -120,7 +146,8 @@ def measure_samples(
 ) -> dict[str, list[list[float]]]:
     """Samples ``{stage: [[work terms..., seconds], ...]}`` of the executor's programs over the sweep.
 
-    Each point runs once to compile, then ``repeats`` timed steps (``time_phases``)."""
+    Each point runs once to compile, then ``repeats`` timed steps (``time_phases``); the executor's
+    pipeline is restored afterwards."""
     cfg = executor.cfg
     moe = list(executor.moe_layers)
     if not moe:
@@ -129,30 +156,93 @@ def measure_samples(
     ag = executor.num_attention
     samples: dict[str, list[list[float]]] = {s: [] for s in STAGES}
     shared_layers = [i for i in moe if i in executor.shared_layers]
-    for context in sweep.contexts:
-        for rows in sweep.rows:
-            records = time_phases(executor, synthetic_batch(executor, rows, context, sweep.tokens), sweep.repeats)
-            t = {s: phase_per_layer(records, s, moe) for s in STAGES}
-            tok = rows * sweep.tokens  # per attention instance
-            samples["attention"].append([tok, tok * context, t["attention"]])
-            samples["a2e"].append([tok * hidden_bytes, t["a2e"]])
-            samples["expert"].append([tok * ag, t["expert"]])
-            samples["e2a"].append([tok * hidden_bytes, t["e2a"]])
-            if shared_layers:
-                samples.setdefault("shared", []).append([tok, phase_per_layer(records, "shared", shared_layers)])
-            if progress is not None:
-                ms = ", ".join(f"{s} {t[s] * 1e3:.3f}" for s in STAGES)
-                progress(f"rows {rows:>4} context {context:>5}: {ms} ms")
+    was_pipeline = executor.pipeline
+    agg = min if sweep.stat == "min" else statistics.median
+    try:
+        for context in sweep.contexts:
+            for rows in sweep.rows:
+                args = synthetic_batch(executor, rows, context, sweep.tokens)
+                for r2 in sweep.chunks:
+                    executor.pipeline = Pipeline(1, "PP", r2)
+                    records = time_phases(executor, args, sweep.repeats)
+                    r2 = executor.last_pipeline.r2  # a divisor of the tokens per instance
+                    t = {s: phase_per_layer(records, s, moe, agg) / r2 for s in STAGES}
+                    tok = rows * sweep.tokens  # per attention instance
+                    chunk = tok / r2
+                    if r2 == 1 or 1 not in sweep.chunks:
+                        samples["attention"].append([tok, tok * context, t["attention"] * r2])  # (not per chunk)
+                        if shared_layers:
+                            shared = phase_per_layer(records, "shared", shared_layers, agg)
+                            samples.setdefault("shared", []).append([tok, shared])
+                    if sweep.host and r2 == 1:  # what blocking after every program adds (a chain)
+                        samples.setdefault("sync", []).append(_sync(executor, args, records, sweep.repeats, agg))
+                    samples["a2e"].append([chunk * hidden_bytes, t["a2e"]])
+                    samples["expert"].append([chunk * ag, t["expert"]])
+                    samples["e2a"].append([chunk * hidden_bytes, t["e2a"]])
+                    if progress is not None:
+                        ms = ", ".join(f"{s} {t[s] * 1e3:.3f}" for s in STAGES[1:])
+                        progress(
+                            f"rows {rows:>4} context {context:>5} r2 {r2:>3}: attention "
+                            f"{t['attention'] * r2 * 1e3:.3f}, per chunk {ms} ms"
+                        )
+    finally:
+        executor.pipeline = was_pipeline
     return samples
 
 
-def fit_stages(samples: dict[str, list[list[float]]]) -> StageModels:
-    """Alpha-beta models of every stage from ``measure_samples``' points."""
+def _sync(executor, args, records, repeats: int, agg=statistics.median) -> list[float]:
+    """[programs, blocked seconds, asynchronous seconds] of one step: the timing-mode records' total
+    (every phase timed from dispatch to ready) and the same step run asynchronously, as in serving."""
+    count, was = [], executor.timing
+    executor.timing = False
+    executor.observer = lambda phase, layer, out: count.append(phase)
+    try:
+        jax.block_until_ready(executor.forward(*args))
+        executor.observer = None
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(executor.forward(*args))
+            times.append(time.perf_counter() - t0)
+    finally:
+        executor.observer, executor.timing = None, was
+    total = agg([sum(v if isinstance(v, float) else sum(v.values()) for v in r.values()) for r in records])
+    return [float(len(count)), total, agg(times)]
+
+
+def timing_scale(samples: dict[str, list[list[float]]]) -> float:
+    """What share of the timing-mode (blocked) time the same sequential steps took run asynchronously:
+    the median over the sweep's points of asynchronous / blocked, at most 1. In the sequential schedule
+    every program waits for the one before, so on any hardware the asynchronous step is the chain of
+    the programs' own times; blocking after each adds a wait and a wake-up (on a loaded machine a
+    scheduler slice each). A ratio, not seconds per program: taking seconds off every sample would
+    erase the real start-up cost of small programs (the alphas that price many chunks) where the
+    estimate runs high."""
+    pts = [p for p in samples.get("sync") or [] if p[1] > 0 and p[2] > 0]
+    return min(1.0, statistics.median(p[2] / p[1] for p in pts)) if pts else 1.0
+
+
+def fit_stages(
+    samples: dict[str, list[list[float]]], scale: float = 1.0, convex: tuple[str, ...] = ("expert",)
+) -> StageModels:
+    """Alpha-beta models of every stage from ``measure_samples``' points, each sample (one program)
+    times ``scale`` (``timing_scale``: the asynchronous share of the blocked time).
+
+    The stages in ``convex`` are fitted with a second, non-negative term on the square of the work
+    (alpha + beta x + gamma x²; ``StageModels.expert_time``) when the samples need it: on XLA:CPU a
+    1024-token expert program costs about 1.8x two 512-token ones (BENCHMARKS.md). Where gamma
+    comes out 0 the plain alpha-beta model is kept."""
     models = {}
     for stage in STAGES + ("shared",):
         if samples.get(stage):
             pts = np.asarray(samples[stage], np.float64)
-            models[stage] = LinearModel.fit(pts[:, :-1], pts[:, -1])
+            x, t = pts[:, :-1], pts[:, -1] * scale
+            model = LinearModel.fit(x, t)
+            if stage in convex and x.shape[1] == 1 and len(t) >= 3:
+                quad = LinearModel.fit(np.concatenate([x, x * x], axis=1), t)
+                if quad.betas[1] > 0:
+                    model = quad
+            models[stage] = model
     return StageModels(**models)
 
 
@@ -160,6 +250,17 @@ def profile_executor(executor, sweep: Sweep = Sweep(), progress=None) -> Profile
     """Measure and fit a Profile for a DisaggregatedExecutor's (mesh, model, dtype)."""
     spec = executor.sub.spec
     samples = measure_samples(executor, sweep, progress)
+    host, scale = None, timing_scale(samples)
+    if sweep.host:
+        host = fit_host(
+            measure_host(executor), measure_dispatch(executor), timing_scale=scale, sync_samples=samples.get("sync")
+        )
+        if progress is not None:
+            c = "unlimited" if host.concurrency is None else f"{host.concurrency:.2f}"
+            progress(
+                f"host: concurrency {c}, dispatch {host.dispatch * 1e3:.3f} ms per program, asynchronous "
+                f"steps took {scale:.2f} of the blocked time"
+            )
     devices = executor.sub.attention.devices.flat[0]
     return Profile(
         mesh=mesh_identity(spec),
@@ -167,9 +268,10 @@ def profile_executor(executor, sweep: Sweep = Sweep(), progress=None) -> Profile
         dtype=_dtype_name(executor),
         device=f"{devices.platform}: {devices.device_kind}",
         source=f"measured by jaxmoe profile (rows {list(sweep.rows)}, contexts {list(sweep.contexts)}, "
-        f"tokens {sweep.tokens}, median of {sweep.repeats})",
+        f"chunks {list(sweep.chunks)}, tokens {sweep.tokens}, {sweep.stat} of {sweep.repeats})",
         dims=dims_of(executor.cfg, spec, _dtype_bytes(executor)),
-        stages=fit_stages(samples),
+        stages=fit_stages({k: v for k, v in samples.items() if k != "sync"}, scale),
+        host=host,
         samples=samples,
     )
 
@@ -206,8 +308,9 @@ def plot_profile(profile: Profile, path):
     for ax, stage, label in ((axes[1], "expert", "tokens per step"), (axes[2], "a2e", "bytes per instance")):
         p = pts[stage][np.argsort(pts[stage][:, 0])]
         model = getattr(st, stage)
+        fit = st.expert_time if stage == "expert" else model
         ax.plot(p[:, 0], p[:, 1] * 1e3, "o", label=f"{stage} measured")
-        ax.plot(p[:, 0], [model(x) * 1e3 for x in p[:, 0]], "-", label=f"{stage} fit R²={model.r2:.3f}")
+        ax.plot(p[:, 0], [fit(x) * 1e3 for x in p[:, 0]], "-", label=f"{stage} fit R²={model.r2:.3f}")
         if stage == "a2e":
             q = pts["e2a"][np.argsort(pts["e2a"][:, 0])]
             ax.plot(q[:, 0], q[:, 1] * 1e3, "s", label="e2a measured")

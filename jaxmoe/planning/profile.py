@@ -19,11 +19,16 @@ programs, plus the GEMM / attention / communication base models of eq. 7-9 for t
 derived from base models alone (``derive_stages``: the paper's eq. 10-11 and the shared-expert,
 expert and A2E models built on eq. 7-9 -- how the GPU-shaped profile from the paper's Fig. 7
 parameters is made).
+
+``host`` says what the hardware can overlap (``schedule.Host``): ``None`` (the GPU-shaped profile,
+and the paper's model) means every resource is separate hardware; a measured profile carries the
+host's concurrency and per-program dispatch time, fitted by ``measure.measure_host``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 from pathlib import Path
 from typing import Literal
@@ -31,6 +36,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxmoe.planning.linear import LinearModel
+from jaxmoe.planning.schedule import Host
 
 PROFILE_KIND = "jaxmoe-findep-profile"
 
@@ -78,8 +84,35 @@ class StageModels(BaseModel):
     shared: LinearModel | None = None  # (tokens); None: no shared experts on the attention side
     dense: LinearModel | None = None  # (tokens): dense-MLP layers (DeepSeek's first layers)
     a2e: LinearModel  # (bytes)
-    expert: LinearModel  # (chunk tokens)
+    expert: LinearModel  # (chunk tokens) or (chunk tokens, chunk tokens²): see expert_time
     e2a: LinearModel  # (bytes)
+
+    def expert_time(self, tokens: float) -> float:
+        """t_e of one chunk of ``tokens`` (all attention instances): alpha + beta x, plus gamma x² when
+        the expert model was fitted with a convex term (``measure.fit_stages``: a measured profile on
+        hardware where a larger expert program costs more per token, as XLA:CPU's does)."""
+        m = self.expert
+        return m(tokens) if len(m.betas) == 1 else m(tokens, tokens * tokens)
+
+
+class HostModel(BaseModel):
+    """How much of a step's work the hardware overlaps, measured (``measure.measure_host``).
+
+    ``concurrency``: (sum of two programs' times alone) / (their time dispatched together), for
+    programs on the attention and the expert sub-mesh; 1: one at a time; None: the pair overlaps
+    fully (separate hardware: no work bound). ``dispatch``: host seconds per program the executor
+    dispatches (asynchronously). ``timing_scale``: the share of the timing-mode (blocked) time the
+    same steps took asynchronously (``measure.timing_scale``); the stage models are already scaled."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    concurrency: float | None = Field(default=None, ge=1.0)
+    dispatch: float = Field(default=0.0, ge=0.0)
+    timing_scale: float = Field(default=1.0, gt=0.0, le=1.0)  # asynchronous / blocked (stages scaled by it)
+    samples: dict[str, list[list[float]]] = Field(default_factory=dict)  # measurement -> raw points
+
+    def host(self) -> Host:
+        return Host(concurrency=math.inf if self.concurrency is None else self.concurrency, dispatch=self.dispatch)
 
 
 class Profile(BaseModel):
@@ -95,6 +128,7 @@ class Profile(BaseModel):
     dims: Dims
     stages: StageModels
     base: BaseModels | None = None
+    host: HostModel | None = None  # None: separate hardware per resource (the paper's model)
     samples: dict[str, list[list[float]]] = Field(default_factory=dict)  # fit -> [[x..., t], ...]
 
     def check(self, *, mesh: str | None = None, model: str | None = None, dtype: str | None = None) -> None:

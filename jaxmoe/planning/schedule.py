@@ -18,6 +18,21 @@ costs O(r1) and a run of identical layers is extrapolated once its per-layer inc
 ``estimate`` is the closed form the solver searches with (the shape of the paper's eq. 12-13, with
 E2A counted, the chunk tail counted once, and a separate AASS form), checked against ``simulate``
 in the tests.
+
+Both assume what the paper's hardware gives: the attention group, the links and the expert group are
+separate hardware, so their tasks overlap. On a host where they share the same cores (the CPU mesh:
+8 host "devices" on 2 cores, one XLA:CPU thread pool) that overlap does not happen, and every task
+costs the host a dispatch. A ``Host`` (measured by ``jaxmoe profile``; ``None``: separate hardware,
+the paper's model unchanged) adds two bounds to the step time:
+
+* ``concurrency`` c: how many tasks' worth of work the hardware advances at once (1: one at a
+  time; >= 4: as many as there are resources). The step cannot end before all its work W (the sum
+  of its task times) has been done at that rate: step >= W / c. With c = 1 a step is the serial sum
+  of its tasks, whatever the schedule.
+* ``dispatch`` d: host seconds to dispatch one program (JAX dispatches asynchronously but one program
+  at a time): step >= N d for the N programs the executor dispatches (``programs``).
+
+so the step time is ``max(event model, W / c, N d)``.
 """
 
 from __future__ import annotations
@@ -39,6 +54,20 @@ class StageTimes:
     expert: float
     e2a: float
     dense: float = 0.0  # the MLP of a dense layer (no expert part), per micro-batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """What the hardware running the tasks can overlap (see the module docstring)."""
+
+    concurrency: float  # tasks that progress at full speed at once (>= 1)
+    dispatch: float = 0.0  # host seconds per dispatched program
+
+    def __post_init__(self):
+        if not self.concurrency >= 1.0:
+            raise ValueError(f"host concurrency must be >= 1, got {self.concurrency!r}")
+        if not self.dispatch >= 0.0:
+            raise ValueError(f"host dispatch must be >= 0 seconds, got {self.dispatch!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +103,18 @@ def _flow(release: float, free: list[float], p: tuple[float, float, float], n: i
 
 
 def simulate(
-    times: StageTimes, order: str, r1: int, r2: int, layers: Sequence[bool], timeline: bool = False
+    times: StageTimes,
+    order: str,
+    r1: int,
+    r2: int,
+    layers: Sequence[bool],
+    timeline: bool = False,
+    host: Host | None = None,
 ) -> tuple[float, list[Event]]:
     """(makespan in seconds, events if ``timeline``) of one step over ``layers`` (MoE: True).
+
+    With a ``host`` the makespan is also bounded by the host's work and dispatch bounds (module
+    docstring); the events stay the separate-hardware timeline.
 
     Without a timeline, once two consecutive layers of the same kind advance every resource and
     micro-batch by the same amount, the rest of that run of layers is extrapolated (exact: the
@@ -102,7 +140,32 @@ def simulate(
             ready[:] = [v + run * d for v, d in zip(ready, delta[4:])]
             t += run
             prev_delta = None
-    return max(ready + [ag]), events
+    makespan = max(ready + [ag])
+    if host is not None:
+        moe = sum(1 for k in layers if k)
+        makespan = max(makespan, _host_bound(times, r1, r2, moe, len(layers) - moe, host))
+    return makespan, events
+
+
+def work(times: StageTimes, r1: int, r2: int, moe_layers: int, dense_layers: int = 0) -> float:
+    """Seconds of all the tasks of one step added up (what one-at-a-time hardware takes)."""
+    moe = times.attention + times.shared + r2 * (times.a2e + times.expert + times.e2a)
+    return r1 * (moe_layers * moe + dense_layers * (times.attention + times.dense))
+
+
+def programs(times: StageTimes, r1: int, r2: int, moe_layers: int, dense_layers: int = 0) -> int:
+    """Programs the disaggregated executor dispatches for one step: per micro-batch the embedding and
+    the head, per layer its attention program, and in a MoE layer the shared experts (when they
+    cost anything), r2 x (A2E, experts, E2A) and, with r2 > 1, the split and the join of the chunks."""
+    per_moe = 1 + (times.shared > 0) + 3 * r2 + (2 if r2 > 1 else 0)
+    return r1 * (2 + moe_layers * per_moe + dense_layers)
+
+
+def _host_bound(times: StageTimes, r1: int, r2: int, moe_layers: int, dense_layers: int, host: Host) -> float:
+    return max(
+        work(times, r1, r2, moe_layers, dense_layers) / host.concurrency,
+        programs(times, r1, r2, moe_layers, dense_layers) * host.dispatch,
+    )
 
 
 def _same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
@@ -163,9 +226,17 @@ def _layer(
     return ag
 
 
-def estimate(times: StageTimes, order: str, r1: int, r2: int, moe_layers: int, dense_layers: int = 0) -> float:
+def estimate(
+    times: StageTimes,
+    order: str,
+    r1: int,
+    r2: int,
+    moe_layers: int,
+    dense_layers: int = 0,
+    host: Host | None = None,
+) -> float:
     """Closed-form step time (seconds): T MoE layers of per-layer period D, the last one's tail, and
-    the dense layers (attention side only).
+    the dense layers (attention side only); with a ``host``, at least its bounds (module docstring).
 
     With X = t_a + t_s, Y = max(t_a2e, t_e, t_e2a), the chunk latency L = t_a2e + t_e + t_e2a +
     (r2 - 1) Y and the lead time l before a micro-batch's chunks are released (t_a; t_a + t_s for
@@ -189,7 +260,10 @@ def estimate(times: StageTimes, order: str, r1: int, r2: int, moe_layers: int, d
     total = 0.0
     if moe_layers:
         total = (moe_layers - 1) * D + max(r1 * X, lead + L + (r1 - 1) * F)
-    return total + dense_layers * r1 * (a + times.dense)
+    total += dense_layers * r1 * (a + times.dense)
+    if host is not None:
+        total = max(total, _host_bound(times, r1, r2, moe_layers, dense_layers, host))
+    return total
 
 
 def _check(order: str, r1: int, r2: int) -> None:

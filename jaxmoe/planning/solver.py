@@ -14,7 +14,10 @@ predicted throughput. Two readings of "the batch":
 
 For each frontier point and order (ASAS, AASS) the step time is convex in 1/r2 (Theorem 4), so r2
 is found by an integer ternary search; m_e = m_a * ag * q * top_k / (r2 * E) follows. Times come
-from ``schedule.estimate``, which equals the event model ``schedule.simulate``.
+from ``schedule.estimate``, which equals the event model ``schedule.simulate``, with the profile's
+``host`` bounds when it has one (a measured CPU profile: step >= work / concurrency and >= programs x
+dispatch; both are linear in r2, so still convex in 1/r2), and with a measured profile's convex
+expert term (gamma x², XLA:CPU) the expert chunk costs e0 + e1 / r2 + e2 / r2², still convex in 1/r2.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def stage_times(profile: Profile, shape: BatchShape, m_a: int, r2: int) -> Stage
         attention=s.attention(tokens, tokens * shape.attended),
         shared=s.shared(tokens) if s.shared is not None else 0.0,
         a2e=s.a2e(nbytes),
-        expert=s.expert(chunk * d.attention_instances),
+        expert=s.expert_time(chunk * d.attention_instances),
         e2a=s.e2a(nbytes),
         dense=s.dense(tokens) if s.dense is not None else 0.0,
     )
@@ -115,6 +118,7 @@ class _Objective:
             raise PlanError(f"mode must be 'batch' or 'max', got {mode!r}")
         self.profile, self.shape, self.mode = profile, shape, mode
         self.layers = (profile.dims.moe_layers, profile.dims.dense_layers)
+        self.host = None if profile.host is None else profile.host.host()
         self._per_m_a: dict[int, tuple] = {}
 
     def _terms(self, m_a: int) -> tuple:
@@ -133,13 +137,14 @@ class _Objective:
                 s.expert.betas[0] * tokens * d.attention_instances,
                 s.e2a.alpha,
                 s.e2a.betas[0] * nbytes,
+                s.expert.betas[1] * (tokens * d.attention_instances) ** 2 if len(s.expert.betas) > 1 else 0.0,
             )
         return terms
 
     def time(self, order: str, m_a: int, r1: int, r2: int) -> tuple[float, StageTimes]:
-        a, sh, dense, a0, a1, e0, e1, b0, b1 = self._terms(m_a)
-        times = StageTimes(a, sh, a0 + a1 / r2, e0 + e1 / r2, b0 + b1 / r2, dense)
-        return estimate(times, order, r1, r2, *self.layers), times
+        a, sh, dense, a0, a1, e0, e1, b0, b1, e2 = self._terms(m_a)
+        times = StageTimes(a, sh, a0 + a1 / r2, e0 + e1 / r2 + e2 / (r2 * r2), b0 + b1 / r2, dense)
+        return estimate(times, order, r1, r2, *self.layers, host=self.host), times
 
     def lower_bound(self, m_a: int, r1: int) -> float:
         """A step time no order or r2 beats: the attention group's busy time."""
