@@ -106,6 +106,8 @@ def _lower_and_compile(runner, todo, pool, bar, cancel, t0) -> list[tuple[int, i
         pending.update(pool.submit(p.compile) for p in programs)
         if pending:
             collect(0)
+    if pending:
+        bar.set_postfix_str(f"compiling the last {len(pending)}")
     while pending:
         _check(cancel, t0)
         collect(0.1)
