@@ -131,3 +131,20 @@ def test_compile_workers_setting(monkeypatch):
         monkeypatch.setenv(ENV_WORKERS, bad)
         with pytest.raises(ValueError, match=ENV_WORKERS):
             compile_workers()
+
+
+def test_warmup_with_layer_preemption_covers_both_paths():
+    """The fused step compiles ahead on the pool; the layer-by-layer programs (layer preemption) warm
+    by running: afterwards neither path compiles."""
+    from jaxmoe.engine.warmup import warm_up
+
+    cfg = from_hf_config(dict(TINY, num_hidden_layers=2))
+    config = EngineConfig(max_num_seqs=2, max_prefill_chunk=16, max_model_len=64, num_blocks=16, layer_preemption=True)
+    engine = LLMEngine(cfg, build_executor(cfg, demo_params(cfg, seed=3), config), ByteTokenizer(), config)
+    shapes = [(1, 1), (1, 16)]
+    warm_up(engine, shapes, progress=False, workers=2)
+    before = compile_events()["programs"]
+    for rows, tokens in shapes:
+        engine.runner.warm(rows, tokens)
+        engine.runner.warm(rows, tokens, layer_by_layer=True)
+    assert compile_events()["programs"] == before
