@@ -188,7 +188,7 @@ def test_snapshot_is_published(aengine):
 
 
 def test_default_warmup_compiles_the_shapes_serving_meets(llm):
-    """warmup() runs every shape of the engine's ShapePlan (decodes of every power-of-two batch up
+    """warmup() compiles every shape of the engine's ShapePlan (decodes of every power-of-two batch up
     to max_num_seqs, prefill chunks of 1-4 rows of 16..max_prefill_chunk tokens; block tables have
     one width whatever the context): afterwards, a mixed load (prompts of 4-15 and 101-121 tokens,
     up to 3 KV blocks of 64 with their outputs, arriving while others decode) runs no step shape that
@@ -196,13 +196,17 @@ def test_default_warmup_compiles_the_shapes_serving_meets(llm):
     import numpy as np
 
     ex = llm.executor
-    seen, real = set(), ex.forward
+    seen, real, real_lower = set(), ex.forward, ex.lower
 
     def recording(tokens, batch, *args, **kwargs):
         seen.add((np.shape(tokens), np.shape(batch.block_tables)))
         return real(tokens, batch, *args, **kwargs)
 
-    ex.forward = recording
+    def recording_lower(tokens, batch, *args, **kwargs):  # warm-up lowers ahead and compiles, runs nothing
+        seen.add((np.shape(tokens), np.shape(batch.block_tables)))
+        return real_lower(tokens, batch, *args, **kwargs)
+
+    ex.forward, ex.lower = recording, recording_lower
     ae = AsyncEngine(llm.engine).start()
     try:
         ae.warmup()
@@ -214,7 +218,7 @@ def test_default_warmup_compiles_the_shapes_serving_meets(llm):
         compiled_late = ae.compiles_after_warmup
     finally:
         ae.shutdown(abort_inflight=True, timeout=10)
-        ex.forward = real
+        ex.forward, ex.lower = real, real_lower
     assert {t[0] for t, nb in warm if t[1] == 1} >= {1, 2, 4, 8}  # decode batches up to max_num_seqs
     assert len({nb[1] for t, nb in warm}) == 1  # one block-table width serves every context length
     assert seen <= warm, sorted(seen - warm)

@@ -9,7 +9,7 @@ import pytest
 from jaxmoe import LLM
 from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
-from jaxmoe.runtime.executor import BrownoutCapable, Executor, ReplicaPlacement
+from jaxmoe.runtime.executor import BrownoutCapable, Executor, LowersAhead, ReplicaPlacement
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 
 
@@ -33,3 +33,5 @@ def test_executors_implement_the_protocol(mesh):
     # capabilities: replica placement on a mesh, a brownout threshold on both executors
     assert isinstance(ex, ReplicaPlacement) == bool(mesh)
     assert isinstance(ex, BrownoutCapable) and ex.brownout is None and ex.brownout_threshold is None
+    # the fused step lowers ahead (warm-up compiles it on a pool); the disaggregated one warms by running
+    assert isinstance(ex, LowersAhead) == (mesh is None)

@@ -27,7 +27,8 @@ def _mappings() -> int:
 
 
 def _warm(layers: int) -> tuple[int, int, int]:
-    """(shapes warmed, programs XLA compiled or loaded, memory mappings added) for a fresh model."""
+    """(shapes warmed, programs XLA compiled or loaded, memory mappings added) for a fresh model;
+    then every shape runs once, and must compile nothing (warm-up compiled it ahead, on a pool)."""
     jax.clear_caches()
     cfg = from_hf_config(dict(TINY, num_hidden_layers=layers))
     config = EngineConfig(max_num_seqs=4, max_prefill_chunk=32, max_model_len=256, num_blocks=64)
@@ -36,7 +37,11 @@ def _warm(layers: int) -> tuple[int, int, int]:
     try:
         maps, programs = _mappings(), compile_events()["programs"]
         ae.warmup(progress=False)
-        return len(engine.runner.plan.shapes()), compile_events()["programs"] - programs, _mappings() - maps
+        compiled, added = compile_events()["programs"] - programs, _mappings() - maps
+        for rows, tokens in engine.runner.plan.shapes():
+            ae.call(lambda e, r=rows, t=tokens: e.runner.warm(r, t))  # runs the step and the sampler
+        assert compile_events()["programs"] - programs == compiled, "a shape compiled after warm-up"
+        return len(engine.runner.plan.shapes()), compiled, added
     finally:
         ae.shutdown()
 
@@ -113,3 +118,33 @@ def test_sigterm_while_serving_drains_and_exits():
             proc.kill()
     assert code == 0 and "stopped" in rest
     assert time.monotonic() - t0 < 15
+
+
+def test_compile_workers_setting(monkeypatch):
+    from jaxmoe.engine.warmup import ENV_WORKERS, compile_workers
+
+    monkeypatch.setenv(ENV_WORKERS, "3")
+    assert compile_workers() == 3
+    monkeypatch.delenv(ENV_WORKERS)
+    assert compile_workers() == len(os.sched_getaffinity(0))
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(ENV_WORKERS, bad)
+        with pytest.raises(ValueError, match=ENV_WORKERS):
+            compile_workers()
+
+
+def test_warmup_with_layer_preemption_covers_both_paths():
+    """The fused step compiles ahead on the pool; the layer-by-layer programs (layer preemption) warm
+    by running: afterwards neither path compiles."""
+    from jaxmoe.engine.warmup import warm_up
+
+    cfg = from_hf_config(dict(TINY, num_hidden_layers=2))
+    config = EngineConfig(max_num_seqs=2, max_prefill_chunk=16, max_model_len=64, num_blocks=16, layer_preemption=True)
+    engine = LLMEngine(cfg, build_executor(cfg, demo_params(cfg, seed=3), config), ByteTokenizer(), config)
+    shapes = [(1, 1), (1, 16)]
+    warm_up(engine, shapes, progress=False, workers=2)
+    before = compile_events()["programs"]
+    for rows, tokens in shapes:
+        engine.runner.warm(rows, tokens)
+        engine.runner.warm(rows, tokens, layer_by_layer=True)
+    assert compile_events()["programs"] == before

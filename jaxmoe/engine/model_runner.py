@@ -27,7 +27,7 @@ import numpy as np
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
 from jaxmoe.sampling import SamplingParams, sample
 from jaxmoe.models.attention import AttentionBatch
-from jaxmoe.runtime.executor import ExpertQueueing
+from jaxmoe.runtime.executor import ExpertQueueing, LowersAhead
 
 
 @dataclasses.dataclass
@@ -113,6 +113,19 @@ class ModelRunner:
             want_logprobs=False,
             between_layers=(lambda layer: None) if layer_by_layer else None,
         )
+
+    def lower(self, rows_per_instance: int, tokens: int, sampler: bool = True) -> list[jax.stages.Lowered] | None:
+        """The programs a step of one bucket shape runs (the executor's fused step, and the sampler
+        for its batch size unless ``sampler`` is False), traced and lowered on the same argument
+        types as ``run``'s, not compiled: compiling them (any thread) is what ``warm`` does by
+        running. None: the executor cannot lower ahead (``runtime.executor.LowersAhead``)."""
+        if not isinstance(self.executor, LowersAhead):
+            return None
+        B = self.num_instances * rows_per_instance
+        programs, logits = self.executor.lower(*self._empty(B, tokens))
+        if sampler:
+            programs.append(sample.lower(logits, *_sampling_arrays(B), np.bool_(False)))
+        return programs
 
     def score(self, row: Row, targets: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
         """Logprob of each of ``targets`` (the tokens after each of the row's positions) and the top

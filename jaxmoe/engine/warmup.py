@@ -1,16 +1,39 @@
-"""Warm-up: compile every step program serving can meet before the first request arrives."""
+"""Warm-up: compile every step program serving can meet before the first request arrives.
+
+Where the executor can lower its step ahead (``runtime.executor.LowersAhead``: the monolithic one),
+warm-up traces and lowers each shape's programs on the calling thread and compiles them on a pool
+of ``compile_workers()`` threads as they come (XLA compiles without holding the GIL, so on a
+2-core machine two compiles run side by side, and tracing the next shape overlaps them); nothing
+is run. Otherwise, and for the layer-by-layer programs of layer-level preemption, each shape runs
+once on padding rows, one after the other.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import sys
 import threading
 import time
 
 from tqdm import tqdm
 
+ENV_WORKERS = "JAXMOE_COMPILE_WORKERS"
+
 
 class WarmupCancelled(RuntimeError):
     """``warm_up`` stopped early because its ``cancel`` event was set."""
+
+
+def compile_workers() -> int:
+    """Programs compiled at once: ``$JAXMOE_COMPILE_WORKERS``, else the CPU cores this process may
+    run on."""
+    setting = os.environ.get(ENV_WORKERS, "").strip()
+    if setting:
+        if not setting.isdigit() or int(setting) < 1:
+            raise ValueError(f"{ENV_WORKERS} must be a positive integer, got {setting!r}")
+        return int(setting)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def warm_up(
@@ -18,19 +41,74 @@ def warm_up(
     shapes: list[tuple[int, int]] | None = None,
     progress: bool | None = None,
     cancel: threading.Event | None = None,
+    workers: int | None = None,
 ) -> float:
-    """Run each shape of ``engine.runner.plan.shapes()`` (rows per attention instance, tokens per row)
-    once on padding rows that write no KV (and layer by layer too when the engine may pause a step);
-    returns the seconds spent. ``progress``: a tqdm bar on stderr (None: when stderr is a terminal)."""
+    """Compile the programs of each shape of ``engine.runner.plan.shapes()`` (rows per attention
+    instance, tokens per row): lowered ahead and compiled on ``workers`` threads (default
+    ``compile_workers()``) where the executor allows, else by running the shape once on padding
+    rows that write no KV (and layer by layer too when the engine may pause a step). Returns the
+    seconds spent. ``progress``: a tqdm bar on stderr (None: when stderr is a terminal).
+    ``cancel``: set it to stop (``WarmupCancelled``); compiles already started finish in the
+    background."""
     t0 = time.monotonic()
     todo = list(shapes if shapes is not None else engine.runner.plan.shapes())
     show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(todo, desc="jaxmoe warm-up", unit="program", file=sys.stderr, disable=not show)
-    for rows, tokens in bar:
-        if cancel is not None and cancel.is_set():
-            raise WarmupCancelled(f"warm-up cancelled after {time.monotonic() - t0:.1f}s")
-        bar.set_postfix_str(f"{rows}x{tokens}")
-        engine.runner.warm(rows, tokens)
+    bar = tqdm(total=len(todo), desc="jaxmoe warm-up", unit="program", file=sys.stderr, disable=not show)
+    pool = concurrent.futures.ThreadPoolExecutor(workers or compile_workers(), thread_name_prefix="jaxmoe-compile")
+    try:
+        run_instead = _lower_and_compile(engine.runner, todo, pool, bar, cancel, t0)
+        for rows, tokens in run_instead:
+            _check(cancel, t0)
+            bar.set_postfix_str(f"{rows}x{tokens}")
+            engine.runner.warm(rows, tokens)
+            bar.update()
         if engine.config.layer_preemption:
-            engine.runner.warm(rows, tokens, layer_by_layer=True)
+            bar.total += len(todo)
+            for rows, tokens in todo:
+                _check(cancel, t0)
+                bar.set_postfix_str(f"{rows}x{tokens} layer by layer")
+                engine.runner.warm(rows, tokens, layer_by_layer=True)
+                bar.update()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        bar.close()
     return time.monotonic() - t0
+
+
+def _check(cancel: threading.Event | None, t0: float) -> None:
+    if cancel is not None and cancel.is_set():
+        raise WarmupCancelled(f"warm-up cancelled after {time.monotonic() - t0:.1f}s")
+
+
+def _lower_and_compile(runner, todo, pool, bar, cancel, t0) -> list[tuple[int, int]]:
+    """Lower each shape's programs here and compile them on ``pool``; returns the shapes the runner
+    cannot lower ahead (to be run instead). The sampler is lowered once per batch size."""
+    pending: set[concurrent.futures.Future] = set()
+    batch_sizes: set[int] = set()
+    run_instead = []
+
+    def collect(timeout: float | None) -> None:
+        done, _ = concurrent.futures.wait(pending, timeout, concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+            pending.discard(future)
+            future.result()  # a compile error stops warm-up here
+            bar.update()
+
+    for rows, tokens in todo:
+        _check(cancel, t0)
+        bar.set_postfix_str(f"{rows}x{tokens}")
+        programs = runner.lower(rows, tokens, sampler=rows not in batch_sizes)
+        if programs is None:
+            run_instead.append((rows, tokens))
+            continue
+        batch_sizes.add(rows)
+        bar.total += len(programs) - 1
+        pending.update(pool.submit(p.compile) for p in programs)
+        if pending:
+            collect(0)
+    if pending:
+        bar.set_postfix_str(f"compiling the last {len(pending)}")
+    while pending:
+        _check(cancel, t0)
+        collect(0.1)
+    return run_instead

@@ -41,8 +41,14 @@ def stack_layers(params: dict) -> dict:
     """``params`` with ``layers`` replaced by ``groups``: per group, the layers' parameters stacked
     (16-bit floats as their bits, ``common.pack16``; the model's float dtype is ``params["embed"]``'s)."""
     layers = params["layers"]
-    groups = [jax.tree.map(lambda *xs: pack16(jnp.stack(xs)), *layers[a:b]) for a, b in layer_groups(layers)]
+    groups = [_stack_group(layers[a:b]) for a, b in layer_groups(layers)]
     return {**{k: v for k, v in params.items() if k != "layers"}, "groups": groups}
+
+
+@jax.jit
+def _stack_group(layers: list[dict]) -> dict:
+    """One program per group (not one per parameter shape: fewer compiles at start-up)."""
+    return jax.tree.map(lambda *xs: pack16(jnp.stack(xs)), *layers)
 
 
 def unstack_layers(stacked: dict) -> dict:
@@ -58,9 +64,13 @@ def unstack_layers(stacked: dict) -> dict:
 def init_stacked_cache(cfg: ModelConfig, stacked: dict, num_slots: int, dtype) -> list[dict]:
     """Per group, a KV cache stacked over its layers: [L_group, num_slots, ...] (16-bit floats packed
     as in ``stack_layers``; attention reads it back as the activations' dtype)."""
-    one = init_layer_cache(cfg, num_slots, dtype)
     sizes = [jax.tree.leaves(g)[0].shape[0] for g in stacked["groups"]]
-    return [jax.tree.map(lambda a, n=n: pack16(jnp.zeros((n,) + a.shape, a.dtype)), one) for n in sizes]
+
+    def zeros():  # one program for the whole cache (not one per array shape)
+        one = init_layer_cache(cfg, num_slots, dtype)
+        return [jax.tree.map(lambda a, n=n: pack16(jnp.zeros((n,) + a.shape, a.dtype)), one) for n in sizes]
+
+    return jax.jit(zeros)()
 
 
 def embed(params: dict, tokens: jnp.ndarray) -> jnp.ndarray:

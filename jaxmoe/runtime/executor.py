@@ -6,7 +6,9 @@ Capabilities some executors have are their own protocols, checked with ``isinsta
 that need them: ``ReplicaPlacement`` (expert replicas re-placed between steps: the disaggregated
 executor; ``runtime.controller``) and ``BrownoutCapable`` (a run-time brownout threshold: both
 executors; ``brownout.controller``) and ``ExpertQueueing`` (QLLM per-expert queues: pause
-points between the expert rounds of a MoE layer; the monolithic executor). Layer-level preemption (QLLM) is every executor's:
+points between the expert rounds of a MoE layer; the monolithic executor) and ``LowersAhead`` (the
+step's programs traced and lowered without running them, so warm-up can compile them in parallel:
+the monolithic executor). Layer-level preemption (QLLM) is every executor's:
 ``forward(..., between_layers=...)``.
 """
 
@@ -99,4 +101,18 @@ class ExpertQueueing(Protocol):
     def expert_queue_depth(self) -> np.ndarray | None:
         """Assignments waiting at each expert [E] while a step is paused between expert rounds
         (None anywhere else)."""
+        ...
+
+
+@runtime_checkable
+class LowersAhead(Protocol):
+    """The fused step's programs for given shapes, traced and lowered but neither compiled nor run
+    (``engine.warmup`` compiles them on a thread pool). Compiling a returned ``Lowered`` fills the
+    same caches ``forward`` looks in, so a later ``forward`` on arrays of these shapes compiles
+    nothing."""
+
+    def lower(
+        self, tokens, batch: AttentionBatch, logits_index
+    ) -> tuple[list[jax.stages.Lowered], jax.ShapeDtypeStruct]:
+        """(the programs ``forward(tokens, batch, logits_index)`` runs, lowered; the logits' shape)."""
         ...

@@ -169,6 +169,17 @@ class MonolithicExecutor:
         index = None if logits_index is None else _int32(logits_index)
         return _int32(tokens), batch, index
 
+    def lower(
+        self, tokens, batch: AttentionBatch, logits_index
+    ) -> tuple[list[jax.stages.Lowered], jax.ShapeDtypeStruct]:
+        """The fused step program for these shapes, lowered (not compiled, not run), and the logits'
+        shape (``executor.LowersAhead``): the same arguments as ``forward``'s, so compiling it fills
+        the cache ``forward`` looks in."""
+        tokens, batch, index = self._args(tokens, batch, logits_index)
+        threshold = None if self.brownout_threshold is None else np.float32(self.brownout_threshold)
+        lowered = self._step.lower(self.stacked, tokens, batch, self.cache, index, threshold)
+        return [lowered], lowered.out_info[0]
+
     def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
         """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None); updates the KV cache.
 
