@@ -6,6 +6,8 @@ KV blocks are free at the end, and each change reports its stall. Bad rescales c
 
 from __future__ import annotations
 
+import gc
+import os
 import re
 
 import numpy as np
@@ -95,6 +97,30 @@ def test_rescale_three_times_under_load(llm, mono):
         print(r.as_dict())
     assert any(r.kv_blocks_moved > 0 for r in results)
     assert [h.attention for h in engine.rescaler.history] == [a for a, _ in CHANGES]
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts Linux memory mappings")
+def test_repeated_rescales_keep_the_mappings_bounded(llm):
+    """XLA:CPU maps memory for every compiled program: a long-running server that rescales back and
+    forth must free the programs of the layouts it left (and find a revisited layout's spec equal to
+    the earlier one), or it reaches the kernel's vm.max_map_count. Four idle changes 4a4e <-> 2a6e:
+    the mappings after the third and fourth are within 1500 of those after the first and second
+    (each layout's programs are ~3.4k mappings: before the fix they grew by that much per change)."""
+    prompt, sp = _prompt(0), _sampling(0)
+    want = llm.generate([prompt], sp)[0].token_ids
+    after = []
+    for attention, experts in [(4, 4), (2, 6), (4, 4), (2, 6)]:
+        llm.rescale(attention, experts)
+        assert llm.generate([prompt], sp)[0].token_ids == want
+        gc.collect()  # the old executor is freed at Python's next collection (reference cycles)
+        after.append(_mappings())
+    assert after[2] - after[0] < 1500 and after[3] - after[1] < 1500, after
+    assert llm.executor.sub.spec.source.count("rescaled to") == 1, llm.executor.sub.spec.source
 
 
 TP2X2 = "meshes/cpu-8-tp2x2.yaml"  # 2 attention x 2 devices (heads split) + 2 expert instances x 2 devices (columns)

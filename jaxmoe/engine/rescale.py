@@ -51,7 +51,14 @@ from jaxmoe.engine.model_runner import ModelRunner
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import MeshConfigError
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
-from jaxmoe.runtime.rescale import MoveStats, build_rescaled, check_processes, move_kv, rescaled_spec
+from jaxmoe.runtime.rescale import (
+    MoveStats,
+    build_rescaled,
+    check_processes,
+    forget_cached_programs,
+    move_kv,
+    rescaled_spec,
+)
 
 MIN_LIKE_STEPS = 3  # recent steps with the first step's program calls needed to use them as its baseline
 BUILD_NICE = 10  # the background build thread's niceness (Linux: per thread), below the serving loop
@@ -301,6 +308,7 @@ class Rescaler:
             if isinstance(hook, ExecutorBound):
                 hook.rebind(new)
         jax.block_until_ready(new.cache)
+        forget_cached_programs()  # the old layout's programs go with the old executor
         job.swap_s = time.perf_counter() - t0
         job.recomputed = len(recomputed)
         job.executor = job.runner = None

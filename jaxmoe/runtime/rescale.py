@@ -39,6 +39,8 @@ from jaxmoe.runtime import expert_brownout, expert_program, slot_moves
 from jaxmoe.runtime.attention_tp import AttentionTP
 from jaxmoe.runtime.replicas import ReplicaLayout
 
+RESCALED = " rescaled to "  # what rescaled_spec appends to a spec's source
+
 _SLOT_KEYS = ("w_gate", "w_up", "w_down")
 
 
@@ -80,7 +82,9 @@ def rescaled_spec(
         spec,
         attention=Instances(group(0, attention, ka)),
         experts=Instances(group(attention * ka, experts, ke), C),
-        source=f"{spec.source} rescaled to {attention}a{experts}e",
+        # the file's name and the layout, not a chain of every earlier rescale: a layout seen before
+        # must be the same (hashable) spec again, so it finds its cached meshes and programs
+        source=f"{spec.source.split(RESCALED)[0]}{RESCALED}{attention}a{experts}e",
     )
 
 
@@ -286,6 +290,20 @@ def check_processes(old_sub: SubMeshes, spec: ClusterSpec, brownout: bool) -> No
             f"{spec.source}: live re-scaling with brownout places the united experts from host "
             f"weights, which an expert side on processes {sorted(experts)} does not have"
         )
+
+
+def forget_cached_programs() -> None:
+    """Drop the layout-keyed caches of sub-meshes and attention / expert programs after a swap. The
+    serving executor holds its own programs; those of the layouts no longer served are freed with
+    their executors (at Python's next garbage collection: executors hold reference cycles). XLA:CPU maps memory for every compiled program, so without this each layout a
+    long-running server visits would keep its programs (~3.4k mappings per layout of the tiny model)
+    until the kernel's ``vm.max_map_count``; a layout visited again is rebuilt in the background
+    (its programs loaded from the persistent compilation cache)."""
+    from jaxmoe.runtime.attention_program import make_attention_programs
+    from jaxmoe.runtime.disaggregated import _sub_meshes
+
+    for cache in (make_attention_programs, expert_program.make_expert_program, _sub_meshes):
+        cache.cache_clear()
 
 
 def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
