@@ -110,7 +110,7 @@ def test_repeated_rescales_keep_the_mappings_bounded(llm):
     forth must free the programs of the layouts it left (and find a revisited layout's spec equal to
     the earlier one), or it reaches the kernel's vm.max_map_count. Four idle changes 4a4e <-> 2a6e:
     the mappings after the third and fourth are within 1500 of those after the first and second
-    (each layout's programs are ~3.4k mappings: before the fix they grew by that much per change)."""
+    (before the fix they grew by 1.5-3.4k per change: every layout's programs were kept)."""
     prompt, sp = _prompt(0), _sampling(0)
     want = llm.generate([prompt], sp)[0].token_ids
     after = []
