@@ -149,7 +149,7 @@ def register(sub, add_model_args) -> None:
         "--scaling-profile",
         default=None,
         help="--autoscale: the performance model fitted on this mesh, model and dtype (JSON from "
-        "bench/scaling_model.py --out), or a directory searched for it; default (or none found): a host roofline",
+        "`jaxmoe scaling-profile --out`), or a directory searched for it; default (or none found): a host roofline",
     )
     serve.add_argument(
         "--api-key",

@@ -125,3 +125,22 @@ def test_profile_fitted_on_the_cpu_mesh_predicts_a_measured_tpot(checkpoint_dir)
     assert 0.4 < predicted / measured.tpot < 2.5, (predicted, measured)
     with pytest.raises(ProfileError, match="one prefill step"):
         decode_tpot(llm.engine, 8, 8, 6)
+
+
+def test_scaling_profile_command_writes_what_serve_finds(tmp_path, capsys):
+    """``jaxmoe scaling-profile`` fits a profile on the mesh (a small sweep) and writes it under the
+    name ``jaxmoe serve --autoscale --scaling-profile DIR`` looks for; a bad layout is named."""
+    from jaxmoe.cli import main
+    from jaxmoe.scaling.fitted import find_profile
+
+    args = ["scaling-profile", "--model", "tiny-random", "--mesh", "meshes/cpu-8.yaml", "--dtype", "float32"]
+    small = ["--layouts", "4a4e", "--batches", "1,2,4", "--rows", "1,2", "--contexts", "8,16,24", "--repeats", "1"]
+    small += ["--rounds", "1", "--prompt-tokens", "8", "--output-tokens", "4", "--no-direct", "--max-num-seqs", "4"]
+    assert main(args + small + ["--num-blocks", "64", "--out", str(tmp_path)]) == 0
+    assert "scaling profile written to" in capsys.readouterr().out
+    prof = ScalingProfile.load(next(tmp_path.iterdir()))
+    assert find_profile(tmp_path, mesh_family(BASE), prof.model, "float32") is not None
+    assert len(prof.samples["attention"]) == 6 and len(prof.samples["step"]) == 3
+    FittedPerfModel(prof, BASE, 64 * 16, 4).tpot_disaggregated(2, 12, 2, 6)  # any layout of the mesh
+    assert main(args + ["--layouts", "2x6", "--out", str(tmp_path)]) == 2
+    assert "--layouts: '2x6' is not an aXeY layout" in capsys.readouterr().err

@@ -51,11 +51,11 @@ from jaxmoe.engine.model_runner import ModelRunner
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import MeshConfigError
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
+from jaxmoe.runtime.program_caches import forget_cached_programs
 from jaxmoe.runtime.rescale import (
     MoveStats,
     build_rescaled,
     check_processes,
-    forget_cached_programs,
     move_kv,
     rescaled_spec,
 )

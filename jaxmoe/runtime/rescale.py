@@ -292,22 +292,6 @@ def check_processes(old_sub: SubMeshes, spec: ClusterSpec, brownout: bool) -> No
         )
 
 
-def forget_cached_programs() -> None:
-    """Drop the layout-keyed caches of sub-meshes and attention / expert programs after a swap.
-
-    The serving executor holds its own programs; those of the layouts no longer served are freed
-    with their executors (at Python's next garbage collection: executors hold reference cycles).
-    XLA:CPU maps memory for every compiled program, so without this each layout a long-running
-    server visits would keep its programs (~3.4k mappings per layout of the tiny model) until the
-    kernel's ``vm.max_map_count``; a layout visited again is rebuilt in the background (its
-    programs loaded from the persistent compilation cache)."""
-    from jaxmoe.runtime.attention_program import make_attention_programs
-    from jaxmoe.runtime.disaggregated import _sub_meshes
-
-    for cache in (make_attention_programs, expert_program.make_expert_program, _sub_meshes):
-        cache.cache_clear()
-
-
 def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
     """A ``DisaggregatedExecutor`` on layout ``spec`` built from the running executor ``old`` (read
     only: ``old`` keeps serving meanwhile). Returns (executor, MoveStats of the expert re-shard)."""

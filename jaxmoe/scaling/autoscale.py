@@ -10,7 +10,7 @@ up at once, down only after ``down_after`` agreeing decisions.
 The performance model (a ``perf_model.DisaggregatedPerf``) is the one fitted from the engine's own
 measurements on this mesh when a scaling profile for the mesh's devices, the model and the dtype is
 given or exists in the directory given (``fitted.FittedPerfModel``; ``jaxmoe serve
---scaling-profile FILE|DIR``; made by ``bench/scaling_model.py --out FILE|DIR``), else ``perf_model.PerfModel`` with the served model's shape
+--scaling-profile FILE|DIR``; made by ``jaxmoe scaling-profile --out FILE|DIR``), else ``perf_model.PerfModel`` with the served model's shape
 (``model_shape``) on ``hardware``: on the CPU mesh ``host_hardware`` measures the host's copy
 bandwidth and matmul rate once (a rough roofline, not fitted per layout). It runs only while the
 engine steps (an idle engine keeps its layout).

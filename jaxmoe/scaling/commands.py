@@ -1,9 +1,12 @@
 """``jaxmoe simulate`` (registered into ``jaxmoe.cli`` by ``register``): replay a synthetic two-day
-trace at cluster scale under JANUS scaling, DisAgg and monolithic deployments (``simulator``)."""
+trace at cluster scale under JANUS scaling, DisAgg and monolithic deployments (``simulator``).
+``jaxmoe scaling-profile``: fit the scaling model on a mesh (``fit.profile_mesh``) for
+``jaxmoe serve --autoscale --scaling-profile``."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 
 def register(sub, add_model_args) -> None:
@@ -19,6 +22,75 @@ def register(sub, add_model_args) -> None:
     sim.add_argument("--plot", default=None, help="PNG of the load and each policy's GPUs over time")
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(func=cmd_simulate)
+
+    fit = sub.add_parser(
+        "scaling-profile",
+        help="fit the JANUS scaling model (per-layer parts and decode TPOT) of a model on a mesh's layouts",
+    )
+    add_model_args(fit)
+    fit.add_argument("--layouts", default="1a7e,2a6e,4a4e", help="aXeY layouts of the mesh's devices to measure")
+    fit.add_argument("--batches", default="1,4,16", help="decode batches whose engine TPOT the step model fits")
+    fit.add_argument("--rows", default="1,2,4,8", help="rows per attention instance of the parts sweep")
+    fit.add_argument("--contexts", default="32,96", help="tokens attended of the parts sweep")
+    fit.add_argument("--repeats", type=int, default=5, help="timed repeats per part point (least-contended)")
+    fit.add_argument("--rounds", type=int, default=2, help="rounds per TPOT (least-contended)")
+    fit.add_argument("--prompt-tokens", type=int, default=48)
+    fit.add_argument("--output-tokens", type=int, default=24)
+    fit.add_argument("--no-direct", action="store_true", help="skip the parts sweep with direct transfers")
+    fit.add_argument("--max-num-seqs", type=int, default=16, help="engine setting while measuring")
+    fit.add_argument("--num-blocks", type=int, default=256, help="engine setting while measuring")
+    fit.add_argument(
+        "--out", required=True, help="profile JSON to write (a directory: under the name --scaling-profile looks for)"
+    )
+    fit.set_defaults(func=cmd_scaling_profile)
+
+
+def _layouts(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        a, sep, e = item.strip().lower().rstrip("e").partition("a")
+        if not (sep and a.isdigit() and e.isdigit()):
+            raise ValueError(f"--layouts: {item.strip()!r} is not an aXeY layout such as 2a6e")
+        out.append((int(a), int(e)))
+    return out
+
+
+def _ints(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+
+
+def cmd_scaling_profile(args) -> int:
+    from jaxmoe.mesh import load_mesh
+    from jaxmoe.scaling.fit import FitSweep, profile_mesh
+
+    if args.mesh is None:
+        raise ValueError("--mesh: the scaling model is fitted on a mesh file's devices; give one")
+    base = load_mesh(args.mesh)
+    sweep = FitSweep(rows=_ints("--rows", args.rows), contexts=_ints("--contexts", args.contexts), repeats=args.repeats)
+    prof, steps = profile_mesh(
+        args.model,
+        base,
+        _layouts(args.layouts),
+        _ints("--batches", args.batches),
+        sweep=sweep,
+        prompt=args.prompt_tokens,
+        output=args.output_tokens,
+        rounds=args.rounds,
+        direct_sweep=None if args.no_direct else FitSweep(rows=(1, 8), contexts=(32,), repeats=3),
+        progress=lambda line: print(line, file=sys.stderr),
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        num_blocks=args.num_blocks,
+    )
+    path = prof.save(args.out)
+    print("R²: " + ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in prof.r2().items()))
+    for p in steps:
+        print(f"{p.attention}a{p.experts}e batch {p.batch}: decode step {p.tpot * 1e3:.2f} ms")
+    print(f"scaling profile written to {path}")
+    return 0
 
 
 def cmd_simulate(args) -> int:

@@ -97,7 +97,7 @@ class ScalingProfile(BaseModel):
             if want is not None and have != want:
                 raise ProfileError(
                     f"scaling profile was made for {field} {have!r}, not {want!r}: fit one for this {field} "
-                    "(python bench/scaling_model.py --out FILE)"
+                    "(jaxmoe scaling-profile --mesh FILE --model DIR --out DIR)"
                 )
 
     def r2(self) -> dict[str, float | None]:
