@@ -37,20 +37,14 @@ import numpy as np  # noqa: E402
 
 from jaxmoe import SamplingParams  # noqa: E402
 from jaxmoe.mesh import load_mesh  # noqa: E402
+from jaxmoe.planning.commands import int_list as _ints  # noqa: E402
 from jaxmoe.scaling.ablation import VARIANTS, build_variant  # noqa: E402
+from jaxmoe.scaling.commands import layout_list as _layouts  # noqa: E402
 from jaxmoe.scaling.fit import FitSweep, StepPoint, build_llm, decode_tpot, fit_llm, measure_layouts  # noqa: E402
 from jaxmoe.scaling.fitted import FittedPerfModel  # noqa: E402
 
 ENGINE = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_prefill_chunk=64, max_batch_tokens=1024)
 PROMPT, OUTPUT = 48, 24
-
-
-def _layouts(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(x) for x in c.strip().rstrip("e").split("a")) for c in text.split(",")]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
 
 
 def _name(a: int, e: int) -> str:

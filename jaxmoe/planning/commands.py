@@ -8,25 +8,29 @@ the best PPPipe one.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def int_list(text: str) -> tuple[int, ...]:
+    """An argparse ``type``: "1,2,4" -> (1, 2, 4); argparse names the flag of a bad value."""
     try:
         return tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def register(sub, add_model_args) -> None:
     prof = sub.add_parser("profile", help="measure the FinDEP stage models of a model on a mesh")
     add_model_args(prof)
-    prof.add_argument("--rows", default="1,2,4,8,16", help="sequences per attention instance to measure")
-    prof.add_argument("--contexts", default="16,128", help="tokens attended per sequence to measure")
+    prof.add_argument("--rows", type=int_list, default="1,2,4,8,16", help="sequences per attention instance to measure")
+    prof.add_argument("--contexts", type=int_list, default="16,128", help="tokens attended per sequence to measure")
     prof.add_argument("--tokens", type=int, default=1, help="new tokens per sequence (1: decode)")
     prof.add_argument("--repeats", type=int, default=5, help="timed steps per point (median)")
-    prof.add_argument("--chunks", default="1", help="expert-side chunk counts r2 each point also runs with (e.g. 1,8)")
+    prof.add_argument(
+        "--chunks", type=int_list, default="1", help="expert-side chunk counts r2 each point also runs with (e.g. 1,8)"
+    )
     prof.add_argument("--out", required=True, help="profile JSON to write")
     prof.add_argument("--plot", default=None, help="PNG of measured points against the fits (matplotlib)")
     prof.set_defaults(func=cmd_profile)
@@ -78,11 +82,11 @@ def cmd_profile(args) -> int:
     from jaxmoe.planning.measure import Sweep, plot_profile
 
     sweep = Sweep(
-        rows=_ints(args.rows),
-        contexts=_ints(args.contexts),
+        rows=args.rows,
+        contexts=args.contexts,
         tokens=args.tokens,
         repeats=args.repeats,
-        chunks=_ints(args.chunks),
+        chunks=args.chunks,
     )
     profile = _measure(args.model, args.mesh, args.dtype, sweep)
     profile.save(args.out)

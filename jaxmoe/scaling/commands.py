@@ -5,8 +5,11 @@ trace at cluster scale under JANUS scaling, DisAgg and monolithic deployments (`
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+
+from jaxmoe.planning.commands import int_list
 
 
 def register(sub, add_model_args) -> None:
@@ -28,10 +31,14 @@ def register(sub, add_model_args) -> None:
         help="fit the JANUS scaling model (per-layer parts and decode TPOT) of a model on a mesh's layouts",
     )
     add_model_args(fit)
-    fit.add_argument("--layouts", default="1a7e,2a6e,4a4e", help="aXeY layouts of the mesh's devices to measure")
-    fit.add_argument("--batches", default="1,4,16", help="decode batches whose engine TPOT the step model fits")
-    fit.add_argument("--rows", default="1,2,4,8", help="rows per attention instance of the parts sweep")
-    fit.add_argument("--contexts", default="32,96", help="tokens attended of the parts sweep")
+    fit.add_argument(
+        "--layouts", type=layout_list, default="1a7e,2a6e,4a4e", help="aXeY layouts of the mesh's devices to measure"
+    )
+    fit.add_argument(
+        "--batches", type=int_list, default="1,4,16", help="decode batches whose engine TPOT the step model fits"
+    )
+    fit.add_argument("--rows", type=int_list, default="1,2,4,8", help="rows per attention instance of the parts sweep")
+    fit.add_argument("--contexts", type=int_list, default="32,96", help="tokens attended of the parts sweep")
     fit.add_argument("--repeats", type=int, default=5, help="timed repeats per part point (least-contended)")
     fit.add_argument("--rounds", type=int, default=2, help="rounds per TPOT (least-contended)")
     fit.add_argument("--prompt-tokens", type=int, default=48)
@@ -45,21 +52,15 @@ def register(sub, add_model_args) -> None:
     fit.set_defaults(func=cmd_scaling_profile)
 
 
-def _layouts(text: str) -> list[tuple[int, int]]:
+def layout_list(text: str) -> list[tuple[int, int]]:
+    """An argparse ``type``: "1a7e,2a6e" -> [(1, 7), (2, 6)] (attention, expert instances)."""
     out = []
     for item in text.split(","):
         a, sep, e = item.strip().lower().rstrip("e").partition("a")
         if not (sep and a.isdigit() and e.isdigit()):
-            raise ValueError(f"--layouts: {item.strip()!r} is not an aXeY layout such as 2a6e")
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not an aXeY layout such as 2a6e")
         out.append((int(a), int(e)))
     return out
-
-
-def _ints(flag: str, text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
 
 
 def cmd_scaling_profile(args) -> int:
@@ -69,12 +70,12 @@ def cmd_scaling_profile(args) -> int:
     if args.mesh is None:
         raise ValueError("--mesh: the scaling model is fitted on a mesh file's devices; give one")
     base = load_mesh(args.mesh)
-    sweep = FitSweep(rows=_ints("--rows", args.rows), contexts=_ints("--contexts", args.contexts), repeats=args.repeats)
+    sweep = FitSweep(rows=args.rows, contexts=args.contexts, repeats=args.repeats)
     prof, steps = profile_mesh(
         args.model,
         base,
-        _layouts(args.layouts),
-        _ints("--batches", args.batches),
+        args.layouts,
+        args.batches,
         sweep=sweep,
         prompt=args.prompt_tokens,
         output=args.output_tokens,
