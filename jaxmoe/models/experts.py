@@ -23,7 +23,7 @@ from jaxmoe.models.common import swiglu_mlp, unpack16
 from jaxmoe.models.router import route
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
 
-AUTO_EXPERT_IMPL = {"cpu": "bucketed_loop", "other": "dense"}
+AUTO_EXPERT_IMPL = {"cpu": "cpu_kernel", "other": "dense"}
 _NAMES = ("w_gate", "w_up", "w_down")
 
 
@@ -49,6 +49,9 @@ class LayerWeights(NamedTuple):
             unpack16(jax.lax.dynamic_slice(self.p[k], (self.layer, e, 0, 0), (1, 1) + self.p[k].shape[2:])[0, 0], dtype)
             for k in _NAMES
         )
+
+    def layered(self):
+        return tuple(self.p[k] for k in _NAMES), self.layer
 
 
 def routed_experts(

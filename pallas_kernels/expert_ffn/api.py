@@ -18,18 +18,23 @@ in x.dtype with fp32 accumulation.  ``experts`` gives the stacked weights (``Exp
 * ``"padded_einsum"``: sort by expert, padded [E, T, D] einsum, un-sort.
 * ``"pallas"``: sort by expert, the Pallas grouped-matmul kernels (``jaxmoe.pallas_kernels
   .grouped_matmul``: Mosaic TPU / Mosaic GPU on Hopper; the interpreter on CPU), un-sort.
+* ``"cpu_kernel"``: a C++ XLA:CPU custom call (``cpu_kernel.py``, built on first use) that reads each
+  routed expert's weights once, in place, on every thread of XLA's pool; ``bucketed_loop`` for shapes
+  or dtypes it does not take.
 
 Which one runs is explicit configuration (``EngineConfig.expert_impl``); ``"auto"`` is resolved by
-the caller with ``resolve`` from its per-backend defaults.
+the caller with ``resolve`` from its per-backend defaults (a default of ``"cpu_kernel"`` where the
+kernel cannot be built becomes ``"bucketed_loop"``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Protocol
 
 import jax
 
-from . import reference, xla
+from . import cpu_kernel, reference, xla
 
 
 class ExpertWeights(Protocol):
@@ -44,6 +49,11 @@ class ExpertWeights(Protocol):
 
     def expert(self, e, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One expert's (gate [D, F], up [D, F], down [F, D]); ``e`` may be traced."""
+        ...
+
+    def layered(self) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array | int]:
+        """The arrays as stored, stacked over layers ((gate, up, down) [L, E, ...], bfloat16 possibly as
+        its uint16 bits), and the index of this layer: for a kernel that reads them in place."""
         ...
 
 
@@ -64,6 +74,9 @@ class Stacked(NamedTuple):
     def expert(self, e, dtype):
         return tuple(jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in self)
 
+    def layered(self):
+        return tuple(w[None] for w in self), 0
+
 
 def _sorted(grouped_impl: str) -> Callable:
     def run(x, ids, weights, experts, interpret=None):
@@ -80,7 +93,9 @@ IMPLS: dict[str, Callable] = {
     "ragged_dot": _sorted("ragged_dot"),
     "padded_einsum": _sorted("einsum"),
     "pallas": _sorted("pallas"),
+    "cpu_kernel": functools.partial(cpu_kernel.cpu_kernel, fallback=xla.bucketed_loop),
 }
+CPU_KERNEL_FALLBACK = "bucketed_loop"  # what a default of "cpu_kernel" becomes where it cannot be built
 
 
 def resolve(impl: str, defaults: dict[str, str]) -> str:
@@ -88,6 +103,8 @@ def resolve(impl: str, defaults: dict[str, str]) -> str:
     ``defaults["other"]``) for the current JAX backend."""
     if impl == "auto":
         impl = defaults.get(jax.default_backend(), defaults["other"])
+        if impl == "cpu_kernel" and not cpu_kernel.available():
+            impl = CPU_KERNEL_FALLBACK
     if impl not in IMPLS:
         raise ValueError(f"expert_impl must be 'auto' or one of {sorted(IMPLS)}, got {impl!r}")
     return impl

@@ -1,0 +1,156 @@
+"""The ``cpu_kernel`` implementation of the expert FFN: ``cpu/expert_ffn.cc`` as an XLA:CPU custom
+call (``jax.ffi``), built on first use with the machine's C++ compiler.
+
+Build: ``c++ -O3 -march=native`` (the kernel is tuned to the CPU it runs on) into
+``$XDG_CACHE_HOME/jaxmoe/kernels`` (default ``~/.cache``), named by a hash of the source, the flags,
+the compiler's version, jax's FFI headers and the CPU's feature flags, so a changed source or another
+machine builds anew; written to a temporary file and renamed, so processes building at once do not
+see half a library. ``JAXMOE_CPU_KERNEL=0`` turns it off; with no compiler (or a failed build)
+``available()`` is False and says why, and ``"auto"`` picks an XLA implementation instead.
+
+The call reads the stacked weights in place at the layer (``ExpertWeights.layered``): no slice of
+them is copied. It is a decode kernel: it passes over an expert's weights once per 8 of its rows, so
+where the batch gives an expert more than that on average (T * top_k > 8 * E: a prefill chunk) XLA's
+matmuls are faster (``bench/expert_ffn_cpu.py``) and ``fallback`` (``bucketed_loop``) runs; so do
+shapes and dtypes it does not take (D or F not a multiple of 16, weights other than float32 /
+bfloat16).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = pathlib.Path(__file__).with_name("cpu") / "expert_ffn.cc"
+TARGET = "jaxmoe_expert_ffn"
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
+VECTOR = 16  # D and F must be multiples of this (the kernel's vector width in floats)
+ROWS_PER_PASS = 8  # rows of an expert per pass over its weights (the kernel's MR)
+
+
+class KernelUnavailable(RuntimeError):
+    """The CPU kernel cannot be built or loaded here (the message says why)."""
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(root) / "jaxmoe" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise KernelUnavailable("no C++ compiler (c++, g++ or clang++) on PATH; set CXX")
+
+
+def library_path() -> pathlib.Path:
+    """Where the built library for this source, compiler and CPU lives (built or not)."""
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+        key.update(part)
+    key.update((pathlib.Path(jax.ffi.include_dir()) / "xla/ffi/api/ffi.h").read_bytes())
+    return cache_dir() / f"expert_ffn-{key.hexdigest()[:16]}.so"
+
+
+def build() -> pathlib.Path:
+    """The kernel's shared library, compiled now unless the cache holds it."""
+    out = library_path()
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise KernelUnavailable(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def _register() -> str | None:
+    """None when the kernel can run in this process (built, loaded and registered once), else why not."""
+    if os.environ.get("JAXMOE_CPU_KERNEL", "1") == "0":
+        return "turned off by JAXMOE_CPU_KERNEL=0"
+    return _load()
+
+
+@functools.cache
+def _load() -> str | None:
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxmoeExpertFfn), platform="cpu")
+    except (KernelUnavailable, OSError) as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel can run in this process (built and registered on first call)."""
+    return _register() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run here (None: it can)."""
+    return _register()
+
+
+def supports(x, ids, experts) -> bool:
+    """Whether the kernel takes these shapes and weight dtypes, and the batch is decode-sized (else
+    ``fallback`` runs)."""
+    gate, _, _ = experts.layered()[0]
+    D, F = gate.shape[-2], gate.shape[-1]
+    return (
+        x.ndim == 2
+        and x.shape[0] * ids.shape[1] <= ROWS_PER_PASS * experts.num_experts
+        and D % VECTOR == 0
+        and F % VECTOR == 0
+        and gate.dtype in (jnp.float32, jnp.bfloat16, jnp.uint16)
+        and (gate.dtype != jnp.uint16 or x.dtype == jnp.bfloat16)  # uint16: bfloat16 bits (pack16)
+    )
+
+
+def cpu_kernel(x, ids, weights, experts, fallback):
+    """The expert FFN through the custom call (``supports``), else ``fallback(x, ids, weights,
+    experts)``; raises ``KernelUnavailable`` when the kernel cannot run here."""
+    reason = _register()
+    if reason is not None:
+        raise KernelUnavailable(f"expert_impl 'cpu_kernel' is unavailable: {reason}")
+    if not supports(x, ids, experts):
+        return fallback(x, ids, weights, experts)
+    (gate, up, down), layer = experts.layered()
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
+    y = call(
+        x.astype(jnp.float32),
+        ids.astype(jnp.int32),
+        weights.astype(jnp.float32),
+        gate,
+        up,
+        down,
+        jnp.asarray(layer, jnp.int32),
+    )
+    return y.astype(x.dtype)

@@ -1,0 +1,121 @@
+"""The ``cpu_kernel`` expert FFN beyond the shared test base (``test_expert_ffn.py`` runs it on every
+case there): weights read in place from a layer stack (bf16 as uint16 bits, as the model stores them),
+rows sharing a token, the decode-size rule, and what happens where it cannot be built."""
+
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmoe.models.common import pack16
+from jaxmoe.models.experts import LayerWeights
+from jaxmoe.pallas_kernels.expert_ffn import Stacked, cpu_kernel, expert_ffn, expert_ffn_reference, resolve
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"{cpu_kernel.unavailable_reason()}")
+
+
+def _layers(L, E, D, F, dtype, seed):
+    kg, ku, kd = jax.random.split(jax.random.PRNGKey(seed), 3)
+    s = 1 / np.sqrt(D)
+    return {
+        "w_gate": (jax.random.normal(kg, (L, E, D, F)) * s).astype(dtype),
+        "w_up": (jax.random.normal(ku, (L, E, D, F)) * s).astype(dtype),
+        "w_down": (jax.random.normal(kd, (L, E, F, D)) * s).astype(dtype),
+    }
+
+
+def _routing(T, K, E, seed, dtype):
+    kx, ki, kw = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
+    ids = jnp.argsort(jax.random.uniform(ki, (T, E)), axis=1)[:, :K].astype(jnp.int32)
+    weights = jax.nn.softmax(jax.random.normal(kw, (T, K)), -1).astype(dtype)
+    return ids, weights, kx
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_reads_one_layer_of_a_stack_in_place(dtype):
+    seed = int.from_bytes(os.urandom(3), "little")
+    L, E, D, F, T, K = 3, 8, 64, 96, 12, 2
+    p = _layers(L, E, D, F, dtype, seed)
+    ids, weights, kx = _routing(T, K, E, seed, dtype)
+    x = jax.random.normal(kx, (T, D)).astype(dtype)
+    packed = {k: pack16(v) for k, v in p.items()}  # how the monolithic executor stores 16-bit weights
+    for layer in range(L):
+        experts = LayerWeights(packed, jnp.int32(layer))
+        assert cpu_kernel.supports(x, ids, experts)
+        got = jax.jit(lambda x, i, w, layer: expert_ffn(x, i, w, LayerWeights(packed, layer), impl="cpu_kernel"))(
+            x, ids, weights, jnp.int32(layer)
+        )
+        want = expert_ffn_reference(x, ids, weights, Stacked(*(p[k][layer] for k in ("w_gate", "w_up", "w_down"))))
+        want = np.asarray(want, np.float32)
+        tol = 2e-5 if dtype == jnp.float32 else 3e-2
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=f"seed={seed}"
+        )
+
+
+def test_an_expert_chosen_twice_by_one_token_counts_twice():
+    seed = int.from_bytes(os.urandom(3), "little")
+    p = _layers(1, 4, 32, 64, jnp.float32, seed)
+    experts = Stacked(*(p[k][0] for k in ("w_gate", "w_up", "w_down")))
+    ids, weights, kx = _routing(9, 2, 4, seed, jnp.float32)
+    ids = ids.at[:, 1].set(ids[:, 0])
+    x = jax.random.normal(kx, (9, 32))
+    got = expert_ffn(x, ids, weights, experts, impl="cpu_kernel")
+    want = expert_ffn_reference(x, ids, weights, experts)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed={seed}")
+
+
+def test_prefill_sized_batches_and_odd_shapes_run_the_fallback():
+    p = _layers(1, 4, 32, 64, jnp.float32, 0)
+    experts = Stacked(*(p[k][0] for k in ("w_gate", "w_up", "w_down")))
+    ids, weights, kx = _routing(17, 2, 4, 0, jnp.float32)
+    x = jax.random.normal(kx, (17, 32))
+    assert not cpu_kernel.supports(x, ids, experts)  # 34 rows > 8 per expert on average
+    assert cpu_kernel.supports(x[:16], ids[:16], experts)
+    odd = Stacked(*(jnp.ones((4, 24, 64)), jnp.ones((4, 24, 64)), jnp.ones((4, 64, 24))))
+    assert not cpu_kernel.supports(jnp.ones((2, 24)), ids[:2], odd)  # D = 24: not a multiple of 16
+    calls = []
+    fallback = lambda *a: calls.append(1) or expert_ffn_reference(*a)  # noqa: E731
+    cpu_kernel.cpu_kernel(x, ids, weights, experts, fallback)
+    assert calls == [1]
+
+
+def test_turned_off_auto_falls_back_and_explicit_use_names_the_reason(monkeypatch):
+    monkeypatch.setenv("JAXMOE_CPU_KERNEL", "0")
+    assert not cpu_kernel.available()
+    assert resolve("auto", {"cpu": "cpu_kernel", "other": "dense"}) in ("bucketed_loop", "dense")
+    p = _layers(1, 4, 32, 64, jnp.float32, 0)
+    experts = Stacked(*(p[k][0] for k in ("w_gate", "w_up", "w_down")))
+    ids, weights, kx = _routing(2, 2, 4, 0, jnp.float32)
+    with pytest.raises(cpu_kernel.KernelUnavailable, match="JAXMOE_CPU_KERNEL=0"):
+        expert_ffn(jax.random.normal(kx, (2, 32)), ids, weights, experts, impl="cpu_kernel")
+
+
+def test_build_failures_say_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel.shutil, "which", lambda name: None)
+    with pytest.raises(cpu_kernel.KernelUnavailable, match="no C\\+\\+ compiler"):
+        cpu_kernel.build()
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
+    with pytest.raises(cpu_kernel.KernelUnavailable, match="building broken.cc failed"):
+        cpu_kernel.build()
+    assert not list(pathlib.Path(tmp_path, "jaxmoe", "kernels").glob("*.so"))  # nothing half-built is left
+
+
+def test_the_library_is_cached_by_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = cpu_kernel.build()
+    assert first.exists() and first.parent == tmp_path / "jaxmoe" / "kernels"
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernel.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    changed = tmp_path / "expert_ffn.cc"
+    changed.write_text(cpu_kernel.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
+    assert cpu_kernel.library_path() != first
