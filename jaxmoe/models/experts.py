@@ -3,9 +3,9 @@
 Routed expert weights are stacked per expert: ``w_gate``/``w_up`` [E, D, F], ``w_down`` [E, F, D].
 ``routed_experts`` runs the expert-FFN op (``jaxmoe.pallas_kernels.expert_ffn``) with the
 implementation the caller names (``EngineConfig.expert_impl``; "auto" resolves with
-``AUTO_EXPERT_IMPL``: on XLA:CPU ``bucketed_loop``, which reads only the routed experts' weights --
-whole greedy decodes of a 114M-parameter Mixtral-style model are 4.7x (batch 1) and 2.6x (batch 16)
-faster with it than with ``dense`` (``bench/decode_throughput.py``; BENCHMARKS.md) -- and ``dense``
+``AUTO_EXPERT_IMPL``: on XLA:CPU ``cpu_kernel``, a C++ custom call that reads each routed expert's
+weights once, in place, on both cores -- decode-sized batches only, ``bucketed_loop`` otherwise and
+where no compiler can build it (``bench/expert_ffn_cpu.py``, BENCHMARKS.md) -- and ``dense``
 elsewhere, which has no data-dependent control flow).  The disaggregated runtime runs the same op
 over physical replica slots (``jaxmoe.runtime.expert_program``).
 """

@@ -11,7 +11,7 @@ done. Nothing is recomputed: a paused step keeps its queues (the gating result),
 outputs and the attention side's residual stream on the device.
 
 Cost: R expert programs per MoE layer instead of one (each reads only its experts' weights with the
-``bucketed_loop`` implementation; ids outside the round are -1, "no expert").
+``cpu_kernel`` and ``bucketed_loop`` implementations; ids outside the round are -1, "no expert").
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.pallas_kernels.expert_ffn import IMPLS, Stacked, expert_ffn, expert_ffn_reference, resolve
+from jaxmoe.pallas_kernels.expert_ffn import IMPLS, Stacked, cpu_kernel, expert_ffn, expert_ffn_reference, resolve
 
 CASES = {  # tokens, top_k, experts, hidden, ffn, how ids are drawn
     "decode_b1": (1, 2, 8, 32, 64, "random"),
@@ -59,6 +59,8 @@ def _tolerance(dtype, want):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("impl", sorted(IMPLS))
 def test_implementation_matches_reference(impl, case, dtype):
+    if impl == "cpu_kernel" and not cpu_kernel.available():
+        pytest.skip(f"cpu_kernel: {cpu_kernel.unavailable_reason()}")
     seed = int.from_bytes(os.urandom(3), "little")
     x, ids, weights, experts = _inputs(case, dtype, seed)
     want = _f32(expert_ffn_reference(x, ids, weights, experts))
