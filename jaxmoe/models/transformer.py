@@ -21,6 +21,7 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.models.attention import AttentionBatch, attention_layer, init_layer_cache
 from jaxmoe.models.common import pack16, rms_norm, swiglu_mlp, unpack16
 from jaxmoe.models.experts import Brownout, moe_layer, shared_experts
+from jaxmoe.models.layer_matrix import LayerMatrix
 
 
 def layer_groups(layers: list[dict]) -> list[tuple[int, int]]:
@@ -93,15 +94,21 @@ def lm_head(params: dict, cfg: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
 
 
 ROUTED = ("w_gate", "w_up", "w_down")  # routed expert weights: sliced per layer at their use (experts.py)
+IN_PLACE = ("q", "k", "v", "o")  # layer_view(in_place=True): attention projections read in place
 
 
-def layer_view(group: dict, index, dtype) -> dict:
+def layer_view(group: dict, index, dtype, in_place: bool = False) -> dict:
     """Layer ``index`` of a stacked group, except the routed expert weights, which stay stacked (and
-    packed: the expert code slices and unpacks them)."""
+    packed: the expert code slices and unpacks them). ``in_place``: the GQA projections become
+    ``LayerMatrix`` views, read in place by the CPU kernel where it takes the shapes."""
 
     def take(path, a):
-        routed = len(path) >= 2 and getattr(path[0], "key", None) == "moe" and getattr(path[-1], "key", None) in ROUTED
-        return a if routed else unpack16(jax.lax.dynamic_index_in_dim(a, index, keepdims=False), dtype)
+        keys = [getattr(k, "key", None) for k in path]
+        if len(keys) >= 2 and keys[0] == "moe" and keys[-1] in ROUTED:
+            return a
+        if in_place and keys[0] == "attn" and keys[-1] in IN_PLACE and a.ndim == 3:
+            return LayerMatrix(a, index, dtype)
+        return unpack16(jax.lax.dynamic_index_in_dim(a, index, keepdims=False), dtype)
 
     return jax.tree_util.tree_map_with_path(take, group)
 
@@ -163,7 +170,8 @@ def forward(
 
         def body(carry, index, group=group):
             x, group_cache = carry
-            layer = layer_view(group, index, params["embed"].dtype)
+            # with the CPU expert kernel, the attention projections use its matmul too (read in place)
+            layer = layer_view(group, index, params["embed"].dtype, in_place=expert_impl == "cpu_kernel")
             return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout, expert_impl), None
 
         n = jax.tree.leaves(group)[0].shape[0]

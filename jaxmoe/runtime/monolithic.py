@@ -99,14 +99,14 @@ class MonolithicExecutor:
 
             def body(carry, index):
                 x, group_cache = carry
-                layer = layer_view(group, index, dtype)
+                layer = layer_view(group, index, dtype, in_place=impl == "cpu_kernel")
                 return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout, impl), None
 
             (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), start + jnp.arange(n))
             return x, group_cache
 
         def gate(group, x, batch, group_cache, index):  # expert queues: attention side + gating
-            layer = layer_view(group, index, dtype)
+            layer = layer_view(group, index, dtype, in_place=impl == "cpu_kernel")
             h, xn, group_cache = attention_side(layer, cfg, x, batch, group_cache, block_size, index)
             xn = xn.reshape(-1, xn.shape[-1])
             ids, weights = route(layer["moe"], cfg.moe, xn)

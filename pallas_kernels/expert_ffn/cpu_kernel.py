@@ -1,5 +1,6 @@
 """The ``cpu_kernel`` implementation of the expert FFN: ``cpu/expert_ffn.cc`` as an XLA:CPU custom
-call (``jax.ffi``), built on first use with the machine's C++ compiler.
+call (``jax.ffi``), built on first use with the machine's C++ compiler; and ``layer_matmul``, its
+tile as a matmul by one layer's matrix of a stacked weight (the model's attention projections).
 
 Build: ``c++ -O3 -march=native`` (the kernel is tuned to the CPU it runs on) into
 ``$XDG_CACHE_HOME/jaxmoe/kernels`` (default ``~/.cache``), named by a hash of the source, the flags,
@@ -33,9 +34,11 @@ import jax.numpy as jnp
 
 SOURCE = pathlib.Path(__file__).with_name("cpu") / "expert_ffn.cc"
 TARGET = "jaxmoe_expert_ffn"
+MATMUL_TARGET = "jaxmoe_layer_matmul"
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
 VECTOR = 16  # D and F must be multiples of this (the kernel's vector width in floats)
 ROWS_PER_PASS = 8  # rows of an expert per pass over its weights (the kernel's MR)
+MATMUL_MAX_ROWS = 32  # layer_matmul: decode-sized inputs only (4 passes over the weights at most)
 
 
 class KernelUnavailable(RuntimeError):
@@ -96,6 +99,8 @@ def _register() -> str | None:
     """None when the kernel can run in this process (built, loaded and registered once), else why not."""
     if os.environ.get("JAXMOE_CPU_KERNEL", "1") == "0":
         return "turned off by JAXMOE_CPU_KERNEL=0"
+    if jax.default_backend() != "cpu":
+        return f"it is an XLA:CPU kernel and this process's backend is {jax.default_backend()}"
     return _load()
 
 
@@ -104,6 +109,7 @@ def _load() -> str | None:
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxmoeExpertFfn), platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.JaxmoeLayerMatmul), platform="cpu")
     except (KernelUnavailable, OSError) as e:
         return str(e)
     return None
@@ -154,3 +160,30 @@ def cpu_kernel(x, ids, weights, experts, fallback):
         jnp.asarray(layer, jnp.int32),
     )
     return y.astype(x.dtype)
+
+
+def matmul_supports(x, stack) -> bool:
+    """Whether ``layer_matmul`` takes x [..., K] @ stack [L, K, N] here (else slice and ``@``)."""
+    K, N = stack.shape[-2], stack.shape[-1]
+    rows = 1
+    for n in x.shape[:-1]:
+        rows *= n
+    return (
+        _register() is None
+        and stack.ndim == 3
+        and x.shape[-1] == K
+        and rows <= MATMUL_MAX_ROWS
+        and K % 8 == 0
+        and N % VECTOR == 0
+        and stack.dtype in (jnp.float32, jnp.bfloat16, jnp.uint16)
+        and (stack.dtype != jnp.uint16 or x.dtype == jnp.bfloat16)
+    )
+
+
+def layer_matmul(x, stack, layer):
+    """x [..., K] @ stack[layer] for a stacked [L, K, N] matrix read in place (``matmul_supports``),
+    fp32 accumulation, in x.dtype."""
+    K, N = stack.shape[-2], stack.shape[-1]
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
+    y = call(x.reshape(-1, K).astype(jnp.float32), stack, jnp.asarray(layer, jnp.int32))
+    return y.astype(x.dtype).reshape(*x.shape[:-1], N)

@@ -1,4 +1,5 @@
-// The expert FFN as one XLA:CPU custom call (``cpu_kernel`` in ../api.py; built by ../cpu_kernel.py).
+// The expert FFN as one XLA:CPU custom call (``cpu_kernel`` in ../api.py; built by ../cpu_kernel.py),
+// and, with the same tile, a matmul by one layer's matrix of a weight stack (``layer_matmul``).
 //
 //   y[t] = sum_k weights[t, k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)),  e = ids[t, k]
 //
@@ -9,8 +10,10 @@
 //
 // Work split: items are (routed expert, chunk of FC intermediate columns). An item computes
 // h = silu(x_rows @ gate[:, chunk]) * (x_rows @ up[:, chunk]) for the expert's rows, scales each row by
-// its combine weight and adds h @ down[chunk, :] into its thread's fp32 partial output; the sum over
-// chunks is the whole down projection, so no thread waits for another before the final sum.
+// its combine weight and writes h @ down[chunk, :] to its own rows of fp32 output; the sum over chunks
+// is the whole down projection, so no thread waits for another before the final sum. That sum runs in
+// a fixed order (token, choice, chunk), so the result does not depend on which thread ran which item:
+// the same inputs give the same bits.
 //
 // Weights: float32, or 16-bit bfloat16 (as BF16 or as its uint16 bits, ``models.common.pack16``),
 // widened to float32 on load. x and the combine weights come in float32, y goes out in float32.
@@ -94,6 +97,7 @@ inline vf silu(vf g) {
 // jump a whole row per step, a page per load for float32 F = 1024). Accumulators live in a small
 // buffer (L1) and are loaded and stored once per KB weight rows.
 constexpr int KB = 8;
+constexpr int PF = KB;  // rows ahead of the prefetch (one block; 2 or 4 blocks, or KB 2-16, measured no better)
 
 // acc_g / acc_u [R, N] = x_r @ g[:, 0:N] / x_r @ u[:, 0:N] for R rows (row pointers x[r]); K % KB == 0.
 template <int R, typename W>
@@ -112,8 +116,8 @@ void gate_up_rows(const float* const* x, const W* g, const W* u, int64_t ldw, in
         au[r] = load(acc_u + r * N + j);
       }
       for (int kk = 0; kk < KB; ++kk) {
-        prefetch(g + (k0 + KB + kk) * ldw + j, k0 + KB < K);
-        prefetch(u + (k0 + KB + kk) * ldw + j, k0 + KB < K);
+        prefetch(g + (k0 + PF + kk) * ldw + j, k0 + PF < K);
+        prefetch(u + (k0 + PF + kk) * ldw + j, k0 + PF < K);
         const vf wg = load(g + (k0 + kk) * ldw + j), wu = load(u + (k0 + kk) * ldw + j);
         for (int r = 0; r < R; ++r) {
           ag[r] += xs[r][kk] * wg;
@@ -139,7 +143,7 @@ void down_rows(const float* h, int64_t ldh, const W* d, int64_t ldw, int64_t K, 
       vf acc[R];
       for (int r = 0; r < R; ++r) acc[r] = load(y[r] + j);
       for (int kk = 0; kk < KB; ++kk) {
-        prefetch(d + (k0 + KB + kk) * ldw + j, k0 + KB < K);
+        prefetch(d + (k0 + PF + kk) * ldw + j, k0 + PF < K);
         const vf w = load(d + (k0 + kk) * ldw + j);
         for (int r = 0; r < R; ++r) acc[r] += hs[r][kk] * w;
       }
@@ -171,9 +175,14 @@ struct Problem {
   const void* up;
   const void* down;     // expert e: down + e * F * D
   std::vector<int64_t> expert_of_item, chunk_of_item;
+  std::vector<int64_t> item_offset;               // where an item's output rows start in the buffer
+  std::vector<int64_t> first_item;                // per expert: its first item (chunk 0), -1 if unrouted
+  std::vector<int64_t> row_in_expert;             // per assignment t * K + k: its row in its expert
   std::vector<std::vector<int64_t>> assignments;  // per expert: t * K + k
+  int64_t output_rows = 0;                        // sum over items of their expert's rows
 };
 
+// Item ``item`` into y, its own m x D rows (zeroed here), row i = the expert's i-th assignment.
 template <typename W>
 void run_item(const Problem& p, int64_t item, float* y, std::vector<float>& scratch) {
   const int64_t e = p.expert_of_item[item], c0 = p.chunk_of_item[item] * p.FC;
@@ -183,6 +192,7 @@ void run_item(const Problem& p, int64_t item, float* y, std::vector<float>& scra
   const W* d = static_cast<const W*>(p.down) + e * p.F * p.D + c0 * p.D;
   const std::vector<int64_t>& rows = p.assignments[e];
   const int64_t m = static_cast<int64_t>(rows.size());
+  std::fill(y, y + m * p.D, 0.0f);
   scratch.resize(2 * MR * width);
   float* h = scratch.data();  // gate accumulators, then h
   float* up = h + MR * width;
@@ -191,9 +201,8 @@ void run_item(const Problem& p, int64_t item, float* y, std::vector<float>& scra
     const float* xr[MR];
     float* yr[MR];
     for (int r = 0; r < R; ++r) {
-      const int64_t a = rows[r0 + r];
-      xr[r] = p.x + (a / p.K) * p.D;
-      yr[r] = y + (a / p.K) * p.D;
+      xr[r] = p.x + (rows[r0 + r] / p.K) * p.D;
+      yr[r] = y + (r0 + r) * p.D;
     }
 #define JAXMOE_GATE_UP(n) gate_up_rows<n>(xr, g, u, p.F, p.D, width, h, up)
     JAXMOE_BY_ROWS(R, JAXMOE_GATE_UP)
@@ -203,42 +212,28 @@ void run_item(const Problem& p, int64_t item, float* y, std::vector<float>& scra
       for (int64_t i = 0; i < width; i += V)
         store(h + r * width + i, w * silu(load(h + r * width + i)) * load(up + r * width + i));
     }
-    // rows of one expert are distinct assignments but may share a token (an expert chosen twice):
-    // their down products then add into the same output row, one row at a time.
-    bool distinct = true;
-    for (int r = 1; r < R && distinct; ++r)
-      for (int q = 0; q < r; ++q) distinct &= yr[r] != yr[q];
-    if (distinct) {
 #define JAXMOE_DOWN(n) down_rows<n>(h, width, d, p.D, width, p.D, yr)
-      JAXMOE_BY_ROWS(R, JAXMOE_DOWN)
+    JAXMOE_BY_ROWS(R, JAXMOE_DOWN)
 #undef JAXMOE_DOWN
-    } else {
-      for (int r = 0; r < R; ++r) down_rows<1>(h + r * width, width, d, p.D, width, p.D, &yr[r]);
-    }
   }
 }
 
-// The items shared by the caller and its helpers: each participant claims a partial-output slot
-// before its first item, then items one at a time; the caller sums the slots once every item is done
-// (a helper that starts later finds no item and touches nothing; the shared_ptr keeps the state).
+// The items shared by the caller and its helpers, claimed one at a time; the caller sums the item
+// outputs once every item is done (a helper that starts later finds no item and touches nothing; the
+// shared_ptr keeps the state alive for it).
 struct Shared {
-  Shared(Problem prob, int slots) : p(std::move(prob)), partial(static_cast<size_t>(slots) * p.T * p.D) {}
+  explicit Shared(Problem prob) : p(std::move(prob)), partial(static_cast<size_t>(p.output_rows) * p.D) {}
   Problem p;
-  std::vector<float> partial;  // [slots, T, D]
+  std::vector<float> partial;  // every item's output rows
   std::atomic<int64_t> next_item{0}, done_items{0};
-  std::atomic<int> next_slot{0};
   bool bf16 = false;
 };
 
 void participate(Shared& s) {
   const int64_t items = static_cast<int64_t>(s.p.expert_of_item.size());
   std::vector<float> h;
-  float* y = nullptr;
   for (int64_t item = s.next_item.fetch_add(1); item < items; item = s.next_item.fetch_add(1)) {
-    if (y == nullptr) {
-      y = s.partial.data() + static_cast<size_t>(s.next_slot.fetch_add(1)) * s.p.T * s.p.D;
-      std::fill(y, y + s.p.T * s.p.D, 0.0f);
-    }
+    float* y = s.partial.data() + s.p.item_offset[item];
     if (s.bf16)
       run_item<uint16_t>(s.p, item, y, h);
     else
@@ -280,39 +275,126 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 
   const int64_t want = pool.num_threads();
   p.assignments.assign(E, {});
+  p.row_in_expert.assign(p.T * p.K, -1);
   for (int64_t a = 0; a < p.T * p.K; ++a) {
     const int32_t e = p.ids[a];
-    if (e >= 0 && e < E) p.assignments[e].push_back(a);
+    if (e < 0 || e >= E) continue;
+    p.row_in_expert[a] = static_cast<int64_t>(p.assignments[e].size());
+    p.assignments[e].push_back(a);
   }
-  // Items: each routed expert whole, or in column chunks (multiples of 16) when fewer experts are
-  // routed than twice the threads, so that every thread has work.
+  // Items: each routed expert whole (its weights one contiguous stream), or in column chunks
+  // (multiples of 16) when fewer experts are routed than there are threads, so that every thread has
+  // work. (Chunking down to twice the threads was 20-30 % slower at batch 1: half rows, two streams.)
   int64_t active = 0;
   for (int64_t e = 0; e < E; ++e) active += !p.assignments[e].empty();
   const int64_t threads_max = std::max<int64_t>(1, want);
-  const int64_t per_expert = active ? std::max<int64_t>(1, (2 * threads_max + active - 1) / active) : 1;
+  const int64_t per_expert = active ? std::max<int64_t>(1, (threads_max + active - 1) / active) : 1;
   p.FC = ((F + per_expert - 1) / per_expert + V - 1) / V * V;
   const int64_t chunks = (F + p.FC - 1) / p.FC;
-  for (int64_t e = 0; e < E; ++e)
-    if (!p.assignments[e].empty())
-      for (int64_t c = 0; c < chunks; ++c) {
-        p.expert_of_item.push_back(e);
-        p.chunk_of_item.push_back(c);
-      }
+  p.first_item.assign(E, -1);
+  for (int64_t e = 0; e < E; ++e) {
+    if (p.assignments[e].empty()) continue;
+    p.first_item[e] = static_cast<int64_t>(p.expert_of_item.size());
+    for (int64_t c = 0; c < chunks; ++c) {
+      p.expert_of_item.push_back(e);
+      p.chunk_of_item.push_back(c);
+      p.item_offset.push_back(p.output_rows * p.D);
+      p.output_rows += static_cast<int64_t>(p.assignments[e].size());
+    }
+  }
 
   float* out = y->typed_data();
   const int64_t items = static_cast<int64_t>(p.expert_of_item.size());
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, items)));
-  auto shared = std::make_shared<Shared>(std::move(p), threads);
+  auto shared = std::make_shared<Shared>(std::move(p));
   shared->bf16 = bf16;
   for (int i = 1; i < threads; ++i) pool.Schedule([shared] { participate(*shared); });
   participate(*shared);
   while (shared->done_items.load() < items) std::this_thread::yield();
   const Problem& q = shared->p;
-  const size_t n = static_cast<size_t>(q.T) * q.D;
-  std::fill(out, out + n, 0.0f);
-  const int slots = shared->next_slot.load();
-  for (int s = 0; s < slots; ++s) {
-    const float* part = shared->partial.data() + s * n;
+  std::fill(out, out + q.T * q.D, 0.0f);
+  for (int64_t a = 0; a < q.T * q.K; ++a) {
+    if (q.row_in_expert[a] < 0) continue;
+    float* row = out + (a / q.K) * q.D;
+    const int64_t first = q.first_item[q.ids[a]];
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* part = shared->partial.data() + q.item_offset[first + c] + q.row_in_expert[a] * q.D;
+      for (int64_t i = 0; i < q.D; ++i) row[i] += part[i];
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// ---- One layer's weight matrix of a stack: y [M, N] = x [M, K] @ w[layer] ([L, K, N]) ----------
+// The same row-streaming tile as the down projection; items are contiguous blocks of K rows (one per
+// thread), each into its own [M, N] partial, summed in item order (same inputs, same bits).
+struct MatmulShared {
+  const float* x;
+  const void* w;  // at the layer
+  int64_t M, K, N, KC, items;
+  bool bf16;
+  std::vector<float> partial;  // [items, M, N]
+  std::atomic<int64_t> next_item{0}, done_items{0};
+};
+
+template <typename W>
+void matmul_item(MatmulShared& s, int64_t item) {
+  const int64_t c0 = item * s.KC, kc = std::min(s.KC, s.K - c0);
+  float* y = s.partial.data() + item * s.M * s.N;
+  std::fill(y, y + s.M * s.N, 0.0f);
+  const W* w = static_cast<const W*>(s.w) + c0 * s.N;
+  for (int64_t r0 = 0; r0 < s.M; r0 += MR) {
+    const int R = static_cast<int>(std::min<int64_t>(MR, s.M - r0));
+    float* yr[MR];
+    for (int r = 0; r < R; ++r) yr[r] = y + (r0 + r) * s.N;
+#define JAXMOE_MATMUL(n) down_rows<n>(s.x + r0 * s.K + c0, s.K, w, s.N, kc, s.N, yr)
+    JAXMOE_BY_ROWS(R, JAXMOE_MATMUL)
+#undef JAXMOE_MATMUL
+  }
+}
+
+void matmul_participate(MatmulShared& s) {
+  for (int64_t item = s.next_item.fetch_add(1); item < s.items; item = s.next_item.fetch_add(1)) {
+    if (s.bf16)
+      matmul_item<uint16_t>(s, item);
+    else
+      matmul_item<float>(s, item);
+    s.done_items.fetch_add(1);
+  }
+}
+
+ffi::Error LayerMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and w [L, K, N] expected");
+  const int64_t L = wd[0], K = wd[1], N = wd[2];
+  if (K % KB || N % V) return ffi::Error::InvalidArgument("layer_matmul: K % 8 and N % 16 must be 0");
+  const auto type = w.element_type();
+  const bool bf16 = type == ffi::DataType::BF16 || type == ffi::DataType::U16;
+  if (!bf16 && type != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("layer_matmul: w must be float32 or bfloat16");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
+  auto s = std::make_shared<MatmulShared>();
+  s->x = x.typed_data();
+  s->w = static_cast<const char*>(w.untyped_data()) + l * K * N * (bf16 ? 2 : 4);
+  s->M = xd[0];
+  s->K = K;
+  s->N = N;
+  s->bf16 = bf16;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  s->KC = ((K + threads - 1) / threads + KB - 1) / KB * KB;
+  s->items = (K + s->KC - 1) / s->KC;
+  s->partial.resize(s->items * s->M * s->N);
+  for (int64_t i = 1; i < s->items; ++i) pool.Schedule([s] { matmul_participate(*s); });
+  matmul_participate(*s);
+  while (s->done_items.load() < s->items) std::this_thread::yield();
+  float* out = y->typed_data();
+  const size_t n = static_cast<size_t>(s->M) * s->N;
+  std::copy(s->partial.begin(), s->partial.begin() + n, out);
+  for (int64_t item = 1; item < s->items; ++item) {
+    const float* part = s->partial.data() + item * n;
     for (size_t i = 0; i < n; ++i) out[i] += part[i];
   }
   return ffi::Error::Success();
@@ -331,4 +413,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeExpertFfn, ExpertFfn,
                                   .Arg<ffi::AnyBuffer>()         // down [L, E, F, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeLayerMatmul, LayerMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()         // w [L, K, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
 );

@@ -119,3 +119,38 @@ def test_the_library_is_cached_by_source_and_machine(monkeypatch, tmp_path):
     changed.write_text(cpu_kernel.SOURCE.read_text() + "\n// changed\n")
     monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
     assert cpu_kernel.library_path() != first
+
+
+def test_same_inputs_same_bits_whichever_thread_runs_an_item():
+    """Items run on whichever pool thread claims them; the sum over them runs in a fixed order, so a
+    repeated request gets the same logprobs to the last bit (the serving tests compare them)."""
+    p = _layers(1, 8, 64, 256, jnp.float32, 3)
+    experts = Stacked(*(p[k][0] for k in ("w_gate", "w_up", "w_down")))
+    ids, weights, kx = _routing(16, 2, 8, 3, jnp.float32)
+    x = jax.random.normal(kx, (16, 64))
+    run = jax.jit(lambda x: expert_ffn(x, ids, weights, experts, impl="cpu_kernel"))
+    first = np.asarray(run(x))
+    for _ in range(30):
+        np.testing.assert_array_equal(np.asarray(run(x)), first)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 32, 33])
+def test_layer_matrix_reads_one_layer_in_place(dtype, rows):
+    """``x @ LayerMatrix`` (the model's attention projections in the monolithic scan): the kernel's
+    matmul for decode-sized inputs, the slice and ``@`` beyond (33 rows), the same numbers either way."""
+    from jaxmoe.models.layer_matrix import LayerMatrix
+
+    seed = int.from_bytes(os.urandom(3), "little")
+    kw, kx = jax.random.split(jax.random.PRNGKey(seed))
+    stack = (jax.random.normal(kw, (3, 64, 80)) / 8).astype(dtype)
+    x = jax.random.normal(kx, (rows, 1, 64)).astype(dtype)
+    assert cpu_kernel.matmul_supports(x, pack16(stack)) == (rows <= cpu_kernel.MATMUL_MAX_ROWS)
+    for layer in range(3):
+        got = jax.jit(lambda x, i: x @ LayerMatrix(pack16(stack), i, dtype))(x, jnp.int32(layer))
+        want = np.asarray(jnp.einsum("btk,kn->btn", x.astype(jnp.float32), stack[layer].astype(jnp.float32)))
+        assert got.shape == (rows, 1, 80) and got.dtype == dtype
+        tol = 2e-5 if dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=f"seed={seed}"
+        )

@@ -1,0 +1,33 @@
+"""``LayerMatrix``: one layer's [K, N] matrix of a weight stacked over layers [L, K, N], used as
+``x @ m``.
+
+Inside the monolithic scan a layer's weights are a dynamic slice of the stack, and XLA:CPU copies
+every such slice before its matmul (BENCHMARKS.md, issue 17's profile). Where the CPU kernel takes
+the shapes (``pallas_kernels.expert_ffn.cpu_kernel.matmul_supports``: decode-sized inputs), ``x @ m``
+reads the matrix in place instead; elsewhere it is the slice and ``@`` it replaces.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxmoe.models.common import unpack16
+from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel
+
+
+class LayerMatrix:
+    def __init__(self, stack: jax.Array, index, dtype):
+        self.stack, self.index, self.dtype = stack, index, dtype  # stack: 16-bit floats maybe as bits
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.stack.shape[1:]
+
+    def array(self) -> jax.Array:
+        """The matrix itself (a copy on XLA:CPU)."""
+        return unpack16(jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False), self.dtype)
+
+    def __rmatmul__(self, x):
+        if cpu_kernel.matmul_supports(x, self.stack):
+            return cpu_kernel.layer_matmul(x, self.stack, self.index)
+        return x @ self.array()
