@@ -135,17 +135,19 @@ def test_same_inputs_same_bits_whichever_thread_runs_an_item():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 5, 16, 32, 33])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 32, 33])
 def test_layer_matrix_reads_one_layer_in_place(dtype, rows):
     """``x @ LayerMatrix`` (the model's attention projections in the monolithic scan): the kernel's
-    matmul for decode-sized inputs, the slice and ``@`` beyond (33 rows), the same numbers either way."""
+    matmul for the few rows where it is faster (``MATMUL_MAX_ROWS``), the slice and ``@`` beyond,
+    the same numbers either way."""
     from jaxmoe.models.layer_matrix import LayerMatrix
 
     seed = int.from_bytes(os.urandom(3), "little")
     kw, kx = jax.random.split(jax.random.PRNGKey(seed))
     stack = (jax.random.normal(kw, (3, 64, 80)) / 8).astype(dtype)
     x = jax.random.normal(kx, (rows, 1, 64)).astype(dtype)
-    assert cpu_kernel.matmul_supports(x, pack16(stack)) == (rows <= cpu_kernel.MATMUL_MAX_ROWS)
+    in_place = rows <= cpu_kernel.MATMUL_MAX_ROWS[jnp.dtype(dtype).name]
+    assert cpu_kernel.matmul_supports(x, pack16(stack)) == in_place
     for layer in range(3):
         got = jax.jit(lambda x, i: x @ LayerMatrix(pack16(stack), i, dtype))(x, jnp.int32(layer))
         want = np.asarray(jnp.einsum("btk,kn->btn", x.astype(jnp.float32), stack[layer].astype(jnp.float32)))
