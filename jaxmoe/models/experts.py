@@ -4,7 +4,7 @@ Routed expert weights are stacked per expert: ``w_gate``/``w_up`` [E, D, F], ``w
 ``routed_experts`` runs the expert-FFN op (``jaxmoe.pallas_kernels.expert_ffn``) with the
 implementation the caller names (``EngineConfig.expert_impl``; "auto" resolves with
 ``AUTO_EXPERT_IMPL``: on XLA:CPU ``cpu_kernel``, a C++ custom call that reads each routed expert's
-weights once, in place, on both cores -- decode-sized batches only, ``bucketed_loop`` otherwise and
+weights once, in place, on the threads of XLA's pool -- decode-sized batches only, ``bucketed_loop`` otherwise and
 where no compiler can build it (``bench/expert_ffn_cpu.py``, BENCHMARKS.md) -- and ``dense``
 elsewhere, which has no data-dependent control flow).  The disaggregated runtime runs the same op
 over physical replica slots (``jaxmoe.runtime.expert_program``).

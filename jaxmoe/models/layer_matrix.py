@@ -19,10 +19,6 @@ class LayerMatrix:
     def __init__(self, stack: jax.Array, index, dtype):
         self.stack, self.index, self.dtype = stack, index, dtype  # stack: 16-bit floats maybe as bits
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.stack.shape[1:]
-
     def array(self) -> jax.Array:
         """The matrix itself (a copy on XLA:CPU)."""
         return unpack16(jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False), self.dtype)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import pathlib
 import platform
@@ -37,6 +38,7 @@ TARGET = "jaxmoe_expert_ffn"
 MATMUL_TARGET = "jaxmoe_layer_matmul"
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
 VECTOR = 16  # D and F must be multiples of this (the kernel's vector width in floats)
+K_BLOCK = 8  # layer_matmul: K must be a multiple of this (weight rows per block, the kernel's KB)
 ROWS_PER_PASS = 8  # rows of an expert per pass over its weights (the kernel's MR)
 # layer_matmul: the most rows it takes, by dtype. Measured in the 107 M model's decode step, each form
 # against the other in one process (2026-11-26): in place is 20-25 % faster at 1 row in both dtypes,
@@ -129,6 +131,12 @@ def unavailable_reason() -> str | None:
     return _register()
 
 
+def _reads(weights, x) -> bool:
+    """Whether the kernel reads weights of this dtype for activations of x's dtype: float32, or
+    bfloat16 (as itself or as its uint16 bits, ``models.common.pack16``)."""
+    return weights.dtype in (jnp.float32, jnp.bfloat16) or (weights.dtype == jnp.uint16 and x.dtype == jnp.bfloat16)
+
+
 def supports(x, ids, experts) -> bool:
     """Whether the kernel takes these shapes and weight dtypes, and the batch is decode-sized (else
     ``fallback`` runs)."""
@@ -139,8 +147,7 @@ def supports(x, ids, experts) -> bool:
         and x.shape[0] * ids.shape[1] <= ROWS_PER_PASS * experts.num_experts
         and D % VECTOR == 0
         and F % VECTOR == 0
-        and gate.dtype in (jnp.float32, jnp.bfloat16, jnp.uint16)
-        and (gate.dtype != jnp.uint16 or x.dtype == jnp.bfloat16)  # uint16: bfloat16 bits (pack16)
+        and _reads(gate, x)
     )
 
 
@@ -169,18 +176,14 @@ def cpu_kernel(x, ids, weights, experts, fallback):
 def matmul_supports(x, stack) -> bool:
     """Whether ``layer_matmul`` takes x [..., K] @ stack [L, K, N] here (else slice and ``@``)."""
     K, N = stack.shape[-2], stack.shape[-1]
-    rows = 1
-    for n in x.shape[:-1]:
-        rows *= n
     return (
         _register() is None
         and stack.ndim == 3
         and x.shape[-1] == K
-        and rows <= MATMUL_MAX_ROWS.get(jnp.dtype(x.dtype).name, 0)
-        and K % 8 == 0
+        and math.prod(x.shape[:-1]) <= MATMUL_MAX_ROWS.get(jnp.dtype(x.dtype).name, 0)
+        and K % K_BLOCK == 0
         and N % VECTOR == 0
-        and stack.dtype in (jnp.float32, jnp.bfloat16, jnp.uint16)
-        and (stack.dtype != jnp.uint16 or x.dtype == jnp.bfloat16)
+        and _reads(stack, x)
     )
 
 

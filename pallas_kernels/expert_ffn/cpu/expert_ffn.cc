@@ -3,9 +3,8 @@
 //
 //   y[t] = sum_k weights[t, k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)),  e = ids[t, k]
 //
-// Why a kernel: XLA:CPU runs each small-M matmul of a decode step on one thread at a fraction of the
-// memory bandwidth, and copies an expert's weights when they are sliced out of the stacked array
-// (BENCHMARKS.md, issue 17). Here the stacked weights [L, E, ...] are read in place at ``layer``,
+// Why a kernel: XLA:CPU reaches 15-25 GB/s on the small-M matmuls of a decode step, and copies an
+// expert's weights when they are sliced out of the stacked array (BENCHMARKS.md, issue 17). Here the stacked weights [L, E, ...] are read in place at ``layer``,
 // each routed expert's weights once per call, by every thread of XLA's intra-op pool.
 //
 // Work split: items are (routed expert, chunk of FC intermediate columns). An item computes
@@ -58,8 +57,7 @@ inline vf load(const uint16_t* p) {  // bfloat16 bits -> float32
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// The next block of weight rows, one block ahead (the rows are a page apart: the hardware
-// prefetcher does not cross to them by itself).
+// The next block of weight rows, one block ahead (float32 rows of F = 1024 are a page apart).
 template <typename W>
 inline void prefetch(const W* p, bool ahead) {
   if (ahead) __builtin_prefetch(p, 0, 0);
@@ -93,9 +91,9 @@ inline vf silu(vf g) {
 }
 
 // Both projections walk the weight rows in order, a few rows at a time, each row's columns of the
-// item contiguous: the hardware prefetcher streams them (a register tile over a few columns would
-// jump a whole row per step, a page per load for float32 F = 1024). Accumulators live in a small
-// buffer (L1) and are loaded and stored once per KB weight rows.
+// item contiguous (a register tile over 32 columns, jumping a whole row per step, reached 17 GB/s on
+// one thread; this order 40). Accumulators live in a small buffer (L1) and are loaded and stored once
+// per KB weight rows.
 constexpr int KB = 8;
 constexpr int PF = KB;  // rows ahead of the prefetch (one block; 2 or 4 blocks, or KB 2-16, measured no better)
 
@@ -165,6 +163,31 @@ void down_rows(const float* h, int64_t ldh, const W* d, int64_t ldw, int64_t K, 
     default: call(8); break;        \
   }
 
+// Claims items one at a time until none is left, running fn on each.
+template <typename Fn>
+void claim_items(std::atomic<int64_t>& next, std::atomic<int64_t>& done, int64_t items, Fn& fn) {
+  for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
+    fn(item);
+    done.fetch_add(1);
+  }
+}
+
+// Runs fn(item) for every item in [0, items) on the calling thread and up to threads - 1 helpers of
+// XLA's intra-op pool; returns when all are done. A helper that starts late finds no item left and
+// never calls fn (the shared_ptr keeps the counters alive for it).
+template <typename Fn>
+void for_each_item(ffi::ThreadPool& pool, int64_t items, Fn fn) {
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto c = std::make_shared<Counters>();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  for (int64_t i = 0; i < helpers; ++i)
+    pool.Schedule([c, items, f = &fn] { claim_items(c->next, c->done, items, *f); });
+  claim_items(c->next, c->done, items, fn);
+  while (c->done.load() < items) std::this_thread::yield();
+}
+
 struct Problem {
   const float* x;       // [T, D]
   const float* combine;  // [T, K]
@@ -218,30 +241,6 @@ void run_item(const Problem& p, int64_t item, float* y, std::vector<float>& scra
   }
 }
 
-// The items shared by the caller and its helpers, claimed one at a time; the caller sums the item
-// outputs once every item is done (a helper that starts later finds no item and touches nothing; the
-// shared_ptr keeps the state alive for it).
-struct Shared {
-  explicit Shared(Problem prob) : p(std::move(prob)), partial(static_cast<size_t>(p.output_rows) * p.D) {}
-  Problem p;
-  std::vector<float> partial;  // every item's output rows
-  std::atomic<int64_t> next_item{0}, done_items{0};
-  bool bf16 = false;
-};
-
-void participate(Shared& s) {
-  const int64_t items = static_cast<int64_t>(s.p.expert_of_item.size());
-  std::vector<float> h;
-  for (int64_t item = s.next_item.fetch_add(1); item < items; item = s.next_item.fetch_add(1)) {
-    float* y = s.partial.data() + s.p.item_offset[item];
-    if (s.bf16)
-      run_item<uint16_t>(s.p, item, y, h);
-    else
-      run_item<float>(s.p, item, y, h);
-    s.done_items.fetch_add(1);
-  }
-}
-
 ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                      ffi::Buffer<ffi::F32> combine, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
@@ -273,7 +272,6 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   p.ids = ids.typed_data();
   p.combine = combine.typed_data();
 
-  const int64_t want = pool.num_threads();
   p.assignments.assign(E, {});
   p.row_in_expert.assign(p.T * p.K, -1);
   for (int64_t a = 0; a < p.T * p.K; ++a) {
@@ -287,8 +285,8 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   // work. (Chunking down to twice the threads was 20-30 % slower at batch 1: half rows, two streams.)
   int64_t active = 0;
   for (int64_t e = 0; e < E; ++e) active += !p.assignments[e].empty();
-  const int64_t threads_max = std::max<int64_t>(1, want);
-  const int64_t per_expert = active ? std::max<int64_t>(1, (threads_max + active - 1) / active) : 1;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_expert = active ? std::max<int64_t>(1, (threads + active - 1) / active) : 1;
   p.FC = ((F + per_expert - 1) / per_expert + V - 1) / V * V;
   const int64_t chunks = (F + p.FC - 1) / p.FC;
   p.first_item.assign(E, -1);
@@ -303,63 +301,43 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     }
   }
 
+  // Every item into its own rows, then the sum in a fixed order (token, choice, chunk).
+  std::vector<float> partial(static_cast<size_t>(p.output_rows) * p.D);
+  for_each_item(pool, static_cast<int64_t>(p.expert_of_item.size()), [&](int64_t item) {
+    thread_local std::vector<float> scratch;
+    float* rows = partial.data() + p.item_offset[item];
+    if (bf16)
+      run_item<uint16_t>(p, item, rows, scratch);
+    else
+      run_item<float>(p, item, rows, scratch);
+  });
   float* out = y->typed_data();
-  const int64_t items = static_cast<int64_t>(p.expert_of_item.size());
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, items)));
-  auto shared = std::make_shared<Shared>(std::move(p));
-  shared->bf16 = bf16;
-  for (int i = 1; i < threads; ++i) pool.Schedule([shared] { participate(*shared); });
-  participate(*shared);
-  while (shared->done_items.load() < items) std::this_thread::yield();
-  const Problem& q = shared->p;
-  std::fill(out, out + q.T * q.D, 0.0f);
-  for (int64_t a = 0; a < q.T * q.K; ++a) {
-    if (q.row_in_expert[a] < 0) continue;
-    float* row = out + (a / q.K) * q.D;
-    const int64_t first = q.first_item[q.ids[a]];
+  std::fill(out, out + p.T * p.D, 0.0f);
+  for (int64_t a = 0; a < p.T * p.K; ++a) {
+    if (p.row_in_expert[a] < 0) continue;
+    float* row = out + (a / p.K) * p.D;
+    const int64_t first = p.first_item[p.ids[a]];
     for (int64_t c = 0; c < chunks; ++c) {
-      const float* part = shared->partial.data() + q.item_offset[first + c] + q.row_in_expert[a] * q.D;
-      for (int64_t i = 0; i < q.D; ++i) row[i] += part[i];
+      const float* part = partial.data() + p.item_offset[first + c] + p.row_in_expert[a] * p.D;
+      for (int64_t i = 0; i < p.D; ++i) row[i] += part[i];
     }
   }
   return ffi::Error::Success();
 }
 
 // ---- One layer's weight matrix of a stack: y [M, N] = x [M, K] @ w[layer] ([L, K, N]) ----------
-// The same row-streaming tile as the down projection; items are contiguous blocks of K rows (one per
-// thread), each into its own [M, N] partial, summed in item order (same inputs, same bits).
-struct MatmulShared {
-  const float* x;
-  const void* w;  // at the layer
-  int64_t M, K, N, KC, items;
-  bool bf16;
-  std::vector<float> partial;  // [items, M, N]
-  std::atomic<int64_t> next_item{0}, done_items{0};
-};
-
+// The down projection's tile; items are contiguous blocks of K rows (one per thread), each into its
+// own [M, N] partial, summed in item order (same inputs, same bits).
 template <typename W>
-void matmul_item(MatmulShared& s, int64_t item) {
-  const int64_t c0 = item * s.KC, kc = std::min(s.KC, s.K - c0);
-  float* y = s.partial.data() + item * s.M * s.N;
-  std::fill(y, y + s.M * s.N, 0.0f);
-  const W* w = static_cast<const W*>(s.w) + c0 * s.N;
-  for (int64_t r0 = 0; r0 < s.M; r0 += MR) {
-    const int R = static_cast<int>(std::min<int64_t>(MR, s.M - r0));
+void matmul_item(const float* x, const W* w, int64_t M, int64_t K, int64_t N, int64_t c0, int64_t kc, float* y) {
+  std::fill(y, y + M * N, 0.0f);
+  for (int64_t r0 = 0; r0 < M; r0 += MR) {
+    const int R = static_cast<int>(std::min<int64_t>(MR, M - r0));
     float* yr[MR];
-    for (int r = 0; r < R; ++r) yr[r] = y + (r0 + r) * s.N;
-#define JAXMOE_MATMUL(n) down_rows<n>(s.x + r0 * s.K + c0, s.K, w, s.N, kc, s.N, yr)
+    for (int r = 0; r < R; ++r) yr[r] = y + (r0 + r) * N;
+#define JAXMOE_MATMUL(n) down_rows<n>(x + r0 * K + c0, K, w + c0 * N, N, kc, N, yr)
     JAXMOE_BY_ROWS(R, JAXMOE_MATMUL)
 #undef JAXMOE_MATMUL
-  }
-}
-
-void matmul_participate(MatmulShared& s) {
-  for (int64_t item = s.next_item.fetch_add(1); item < s.items; item = s.next_item.fetch_add(1)) {
-    if (s.bf16)
-      matmul_item<uint16_t>(s, item);
-    else
-      matmul_item<float>(s, item);
-    s.done_items.fetch_add(1);
   }
 }
 
@@ -368,7 +346,7 @@ ffi::Error LayerMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1])
     return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and w [L, K, N] expected");
-  const int64_t L = wd[0], K = wd[1], N = wd[2];
+  const int64_t L = wd[0], M = xd[0], K = wd[1], N = wd[2];
   if (K % KB || N % V) return ffi::Error::InvalidArgument("layer_matmul: K % 8 and N % 16 must be 0");
   const auto type = w.element_type();
   const bool bf16 = type == ffi::DataType::BF16 || type == ffi::DataType::U16;
@@ -376,27 +354,23 @@ ffi::Error LayerMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     return ffi::Error::InvalidArgument("layer_matmul: w must be float32 or bfloat16");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
-  auto s = std::make_shared<MatmulShared>();
-  s->x = x.typed_data();
-  s->w = static_cast<const char*>(w.untyped_data()) + l * K * N * (bf16 ? 2 : 4);
-  s->M = xd[0];
-  s->K = K;
-  s->N = N;
-  s->bf16 = bf16;
+  const char* at = static_cast<const char*>(w.untyped_data()) + l * K * N * (bf16 ? 2 : 4);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  s->KC = ((K + threads - 1) / threads + KB - 1) / KB * KB;
-  s->items = (K + s->KC - 1) / s->KC;
-  s->partial.resize(s->items * s->M * s->N);
-  for (int64_t i = 1; i < s->items; ++i) pool.Schedule([s] { matmul_participate(*s); });
-  matmul_participate(*s);
-  while (s->done_items.load() < s->items) std::this_thread::yield();
+  const int64_t KC = ((K + threads - 1) / threads + KB - 1) / KB * KB;
+  const int64_t items = (K + KC - 1) / KC;
+  const size_t n = static_cast<size_t>(M) * N;
+  std::vector<float> partial(items * n);
+  for_each_item(pool, items, [&](int64_t item) {
+    const int64_t c0 = item * KC, kc = std::min(KC, K - c0);
+    if (bf16)
+      matmul_item(x.typed_data(), reinterpret_cast<const uint16_t*>(at), M, K, N, c0, kc, partial.data() + item * n);
+    else
+      matmul_item(x.typed_data(), reinterpret_cast<const float*>(at), M, K, N, c0, kc, partial.data() + item * n);
+  });
   float* out = y->typed_data();
-  const size_t n = static_cast<size_t>(s->M) * s->N;
-  std::copy(s->partial.begin(), s->partial.begin() + n, out);
-  for (int64_t item = 1; item < s->items; ++item) {
-    const float* part = s->partial.data() + item * n;
-    for (size_t i = 0; i < n; ++i) out[i] += part[i];
-  }
+  std::copy(partial.begin(), partial.begin() + n, out);
+  for (int64_t item = 1; item < items; ++item)
+    for (size_t i = 0; i < n; ++i) out[i] += partial[item * n + i];
   return ffi::Error::Success();
 }
 

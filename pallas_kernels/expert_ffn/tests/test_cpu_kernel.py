@@ -115,6 +115,9 @@ def test_the_library_is_cached_by_source_and_machine(monkeypatch, tmp_path):
     assert first.exists() and first.parent == tmp_path / "jaxmoe" / "kernels"
     mtime = first.stat().st_mtime_ns
     assert cpu_kernel.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    with monkeypatch.context() as m:  # another machine (other CPU flags): another library
+        m.setattr(cpu_kernel, "_cpu_flags", lambda: "flags : sse2")
+        assert cpu_kernel.library_path() != first
     changed = tmp_path / "expert_ffn.cc"
     changed.write_text(cpu_kernel.SOURCE.read_text() + "\n// changed\n")
     monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
