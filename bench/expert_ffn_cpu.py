@@ -1,12 +1,15 @@
-"""The expert FFN on XLA:CPU: ``cpu_kernel`` (the C++ custom call) against ``bucketed_loop`` (the XLA
-form it replaced as the CPU default), at the shapes of issue 17's 107 M Mixtral-style checkpoint.
+"""The expert FFN on XLA:CPU: ``cpu_kernel`` (the C++ custom call) on plain weights and on weights
+stored as column panels (how the monolithic executor stores them for it) against ``bucketed_loop``
+(the XLA form it replaced as the CPU default), at the shapes of issue 17's 107 M Mixtral-style
+checkpoint.
 
 One jitted program scans the expert FFN over 8 layers of stacked weights (hidden 512, 8 experts,
 expert width 1024, top-2), the way the monolithic executor does, so the weights come from memory and
 not from cache (50 MB per layer in float32). For each token count (``--tokens``) and dtype, both
-implementations run in one process, interleaved, ``--repeats`` times each; the table gives the
-median, the GB/s of the routed experts' weights read, and the ratio. Where ``cpu_kernel`` hands a
-prefill-sized batch to its fallback, both columns run the same code (marked).
+variants run in one process, interleaved, ``--repeats`` times each; the table gives the median, the
+GB/s of the routed experts' weights read, and the speed-ups over ``bucketed_loop``. Where
+``cpu_kernel`` hands a prefill-sized batch of plain weights to its fallback, that column runs
+``bucketed_loop`` (marked); on panels it takes every batch.
 
     PYTHONPATH=. python bench/expert_ffn_cpu.py
     PYTHONPATH=. python bench/expert_ffn_cpu.py --tokens 1,16 --dtypes float32 --repeats 50
@@ -26,12 +29,13 @@ import jax.numpy as jnp
 from jaxmoe.models.common import pack16
 from jaxmoe.models.experts import LayerWeights
 from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel, expert_ffn
+from jaxmoe.pallas_kernels.expert_ffn.panels import to_panels, width_for
 
-IMPLS = ("bucketed_loop", "cpu_kernel")
+VARIANTS = {"bucketed_loop": ("bucketed_loop", False), "plain": ("cpu_kernel", False), "panels": ("cpu_kernel", True)}
 L, E, D, F, K = 8, 8, 512, 1024, 2
 
 
-def programs(p, ids, weights):
+def programs(ids, weights):
     def make(impl):
         @jax.jit
         def run(p, x):
@@ -42,7 +46,7 @@ def programs(p, ids, weights):
 
         return run
 
-    return {impl: make(impl) for impl in IMPLS}
+    return {name: make(impl) for name, (impl, _) in VARIANTS.items()}
 
 
 def measure(T: int, dtype, repeats: int) -> dict:
@@ -52,15 +56,16 @@ def measure(T: int, dtype, repeats: int) -> dict:
     x = jax.random.normal(keys[3], (T, D)).astype(dtype)
     ids = jnp.argsort(jax.random.uniform(keys[4], (T, E)), axis=1)[:, :K].astype(jnp.int32)
     weights = jax.nn.softmax(jax.random.normal(keys[5], (T, K)), -1).astype(dtype)
-    runs = programs(p, ids, weights)
-    for run in runs.values():
-        run(p, x).block_until_ready()
-    times = {impl: [] for impl in runs}
+    stored = {False: p, True: {n: to_panels(a, width_for(D, F)) for n, a in p.items()}}
+    runs = programs(ids, weights)
+    for name, run in runs.items():
+        run(stored[VARIANTS[name][1]], x).block_until_ready()
+    times = {name: [] for name in runs}
     for _ in range(repeats):
-        for impl, run in runs.items():
+        for name, run in runs.items():
             t = time.perf_counter()
-            run(p, x).block_until_ready()
-            times[impl].append(time.perf_counter() - t)
+            run(stored[VARIANTS[name][1]], x).block_until_ready()
+            times[name].append(time.perf_counter() - t)
     routed = len(set(ids.reshape(-1).tolist()))
     gb = L * routed * 3 * D * F * jnp.dtype(dtype).itemsize / 1e9
     med = {impl: statistics.median(ts) for impl, ts in times.items()}
@@ -81,15 +86,22 @@ def main(argv=None) -> int:
         f"{len(jax.devices())} device(s); 8 layers x 8 experts, hidden {D}, expert width {F}, top-{K}; "
         f"median of {args.repeats}, interleaved\n"
     )
-    print("| dtype | tokens | experts routed | bucketed_loop ms (GB/s) | cpu_kernel ms (GB/s) | kernel speed-up |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| dtype | tokens | experts routed | bucketed_loop ms (GB/s) | cpu_kernel, plain ms (GB/s) "
+        "| cpu_kernel, panels ms (GB/s) | speed-up plain / panels |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         for T in (int(t) for t in args.tokens.split(",")):
             r = measure(T, jnp.dtype(dtype), args.repeats)
-            cells = [f"{r['ms'][i]:.2f} ({r['gb'] / r['ms'][i] * 1e3:.0f})" for i in IMPLS]
+            cells = [f"{r['ms'][i]:.2f} ({r['gb'] / r['ms'][i] * 1e3:.0f})" for i in VARIANTS]
             note = "" if r["kernel"] else " (fallback: prefill-sized)"
-            ratio = r["ms"]["bucketed_loop"] / r["ms"]["cpu_kernel"]
-            print(f"| {dtype} | {T} | {r['routed']} | {cells[0]} | {cells[1]}{note} | {ratio:.2f}x |", flush=True)
+            plain, panels = (r["ms"]["bucketed_loop"] / r["ms"][i] for i in ("plain", "panels"))
+            print(
+                f"| {dtype} | {T} | {r['routed']} | {cells[0]} | {cells[1]}{note} | {cells[2]} "
+                f"| {plain:.2f}x / {panels:.2f}x |",
+                flush=True,
+            )
     return 0
 
 

@@ -4,8 +4,10 @@ Routed expert weights are stacked per expert: ``w_gate``/``w_up`` [E, D, F], ``w
 ``routed_experts`` runs the expert-FFN op (``jaxmoe.pallas_kernels.expert_ffn``) with the
 implementation the caller names (``EngineConfig.expert_impl``; "auto" resolves with
 ``AUTO_EXPERT_IMPL``: on XLA:CPU ``cpu_kernel``, a C++ custom call that reads each routed expert's
-weights once, in place, on the threads of XLA's pool -- decode-sized batches only, ``bucketed_loop`` otherwise and
-where no compiler can build it (``bench/expert_ffn_cpu.py``, BENCHMARKS.md) -- and ``dense``
+weights once, in place, on the threads of XLA's pool -- on every batch where the weights are stored as
+column panels (the monolithic executor does so for it), decode-sized batches only on plain weights,
+``bucketed_loop`` otherwise and where no compiler can build it (``bench/expert_ffn_cpu.py``,
+BENCHMARKS.md) -- and ``dense``
 elsewhere, which has no data-dependent control flow).  The disaggregated runtime runs the same op
 over physical replica slots (``jaxmoe.runtime.expert_program``).
 """
@@ -22,6 +24,7 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.models.common import swiglu_mlp, unpack16
 from jaxmoe.models.router import route
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
+from jaxmoe.pallas_kernels.expert_ffn.panels import at
 
 AUTO_EXPERT_IMPL = {"cpu": "cpu_kernel", "other": "dense"}
 _NAMES = ("w_gate", "w_up", "w_down")
@@ -29,8 +32,9 @@ _NAMES = ("w_gate", "w_up", "w_down")
 
 class LayerWeights(NamedTuple):
     """``ExpertWeights`` of one layer inside the monolithic scan: the weights are stacked [L, E, ...]
-    (16-bit floats packed, ``common.pack16``) and sliced at their use: a slice taken before an inner
-    loop or switch would be copied whole (every expert of the layer) on every step."""
+    (16-bit floats packed, ``common.pack16``; possibly as column ``Panels``, ``store_as_panels``) and
+    sliced at their use: a slice taken before an inner loop or switch would be copied whole (every
+    expert of the layer) on every step."""
 
     p: dict
     layer: jax.Array
@@ -40,15 +44,10 @@ class LayerWeights(NamedTuple):
         return self.p["w_gate"].shape[1]
 
     def stacked(self, dtype):
-        return tuple(
-            unpack16(jax.lax.dynamic_index_in_dim(self.p[k], self.layer, keepdims=False), dtype) for k in _NAMES
-        )
+        return tuple(unpack16(at(self.p[k], self.layer), dtype) for k in _NAMES)
 
     def expert(self, e, dtype):
-        return tuple(
-            unpack16(jax.lax.dynamic_slice(self.p[k], (self.layer, e, 0, 0), (1, 1) + self.p[k].shape[2:])[0, 0], dtype)
-            for k in _NAMES
-        )
+        return tuple(unpack16(at(self.p[k], self.layer, e), dtype) for k in _NAMES)
 
     def layered(self):
         return tuple(self.p[k] for k in _NAMES), self.layer

@@ -14,6 +14,8 @@ not grow with depth.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -22,6 +24,7 @@ from jaxmoe.models.attention import AttentionBatch, attention_layer, init_layer_
 from jaxmoe.models.common import pack16, rms_norm, swiglu_mlp, unpack16
 from jaxmoe.models.experts import Brownout, moe_layer, shared_experts
 from jaxmoe.models.layer_matrix import LayerMatrix
+from jaxmoe.pallas_kernels.expert_ffn.panels import Panels, at, to_panels, width_for
 
 
 def layer_groups(layers: list[dict]) -> list[tuple[int, int]]:
@@ -53,13 +56,35 @@ def _stack_group(layers: list[dict]) -> dict:
 
 
 def unstack_layers(stacked: dict) -> dict:
-    """The inverse of ``stack_layers``: per-layer parameters."""
+    """The inverse of ``stack_layers`` (and of ``store_as_panels``): per-layer parameters."""
     dtype = stacked["embed"].dtype
     layers = []
     for group in stacked["groups"]:
         n = jax.tree.leaves(group)[0].shape[0]
-        layers += [jax.tree.map(lambda a, i=i: unpack16(a[i], dtype), group) for i in range(n)]
+        layers += [
+            jax.tree.map(lambda a, i=i: unpack16(at(a, i), dtype), group, is_leaf=lambda a: isinstance(a, Panels))
+            for i in range(n)
+        ]
     return {**{k: v for k, v in stacked.items() if k != "groups"}, "layers": layers}
+
+
+def store_as_panels(stacked: dict) -> dict:
+    """``stacked`` with the routed expert weights (and united experts') stored as column ``Panels``,
+    the layout the CPU expert kernel reads fastest (``pallas_kernels/expert_ffn/panels.py``); weights
+    whose D and F no panel width divides stay plain. The plain arrays are given up (donated). (The
+    attention projections as panels, read in place at every row count, measured 6 % faster at 1 row,
+    8 % slower at 16 and no different at prefill in the 107 M model: they stay plain.)"""
+    return {**stacked, "groups": [_group_as_panels(group) for group in stacked["groups"]]}
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _group_as_panels(group: dict) -> dict:
+    def convert(path, a):
+        keys = [getattr(k, "key", None) for k in path]
+        width = width_for(*a.shape[-2:])  # gate [D, F] and down [F, D]: one width for both
+        return to_panels(a, width) if keys[0] == "moe" and keys[-1] in ROUTED and width else a
+
+    return jax.tree_util.tree_map_with_path(convert, group)
 
 
 def init_stacked_cache(cfg: ModelConfig, stacked: dict, num_slots: int, dtype) -> list[dict]:
@@ -110,7 +135,7 @@ def layer_view(group: dict, index, dtype, in_place: bool = False) -> dict:
             return LayerMatrix(a, index, dtype)
         return unpack16(jax.lax.dynamic_index_in_dim(a, index, keepdims=False), dtype)
 
-    return jax.tree_util.tree_map_with_path(take, group)
+    return jax.tree_util.tree_map_with_path(take, group, is_leaf=lambda a: isinstance(a, Panels))
 
 
 def attention_side(layer: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, index=None):

@@ -27,6 +27,7 @@ from jaxmoe.models.transformer import (
     layer_view,
     lm_head,
     stack_layers,
+    store_as_panels,
     unstack_layers,
 )
 from jaxmoe.pallas_kernels.expert_ffn import resolve
@@ -71,14 +72,16 @@ class MonolithicExecutor:
         self.cfg, self.block_size = cfg, block_size
         self.kv_layout = KVLayout.for_slots(num_slots, block_size)
         self.num_attention, self.num_cache_slots = 1, self.kv_layout.num_slots
+        self.expert_impl = impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
         self.stacked = stack_layers(params)
+        if impl == "cpu_kernel":  # the expert weights in the layout the CPU kernel reads fastest
+            self.stacked = store_as_panels(self.stacked)
         dtype = cache_dtype or params["embed"].dtype
         self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, self.num_cache_slots, dtype)
         self.cache = self._new_cache()
         self.brownout = brownout
         self._brownout_threshold = None if brownout is None else brownout.threshold
         full = brownout is not None and brownout.use_full_brownout
-        self.expert_impl = impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
         self.expert_queues = expert_queues
         if not isinstance(pause_every, int) or isinstance(pause_every, bool) or pause_every < 1:
             raise ValueError(

@@ -19,8 +19,9 @@ in x.dtype with fp32 accumulation.  ``experts`` gives the stacked weights (``Exp
 * ``"pallas"``: sort by expert, the Pallas grouped-matmul kernels (``jaxmoe.pallas_kernels
   .grouped_matmul``: Mosaic TPU / Mosaic GPU on Hopper; the interpreter on CPU), un-sort.
 * ``"cpu_kernel"``: a C++ XLA:CPU custom call (``cpu_kernel.py``, built on first use) that reads each
-  routed expert's weights once, in place, on every thread of XLA's pool; ``bucketed_loop`` for shapes
-  or dtypes it does not take.
+  routed expert's weights once, in place, on every thread of XLA's pool, fastest on weights stored as
+  column panels (``panels.py``); ``bucketed_loop`` for shapes or dtypes it does not take (and for
+  prefill-sized batches of plain weights).
 
 Which one runs is explicit configuration (``EngineConfig.expert_impl``); ``"auto"`` is resolved by
 the caller with ``resolve`` from its per-backend defaults (a default of ``"cpu_kernel"`` where the
@@ -53,7 +54,8 @@ class ExpertWeights(Protocol):
 
     def layered(self) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array | int]:
         """The arrays as stored, stacked over layers ((gate, up, down) [L, E, ...], bfloat16 possibly as
-        its uint16 bits), and the index of this layer: for a kernel that reads them in place."""
+        its uint16 bits, each plain or all three as column ``panels.Panels``), and the index of this
+        layer: for a kernel that reads them in place."""
         ...
 
 

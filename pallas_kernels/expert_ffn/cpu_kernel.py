@@ -10,11 +10,15 @@ see half a library. ``JAXMOE_CPU_KERNEL=0`` turns it off; with no compiler (or a
 ``available()`` is False and says why, and ``"auto"`` picks an XLA implementation instead.
 
 The call reads the stacked weights in place at the layer (``ExpertWeights.layered``): no slice of
-them is copied. It is a decode kernel: it passes over an expert's weights once per 8 of its rows, so
-where the batch gives an expert more than that on average (T * top_k > 8 * E: a prefill chunk) XLA's
-matmuls are faster (``bench/expert_ffn_cpu.py``) and ``fallback`` (``bucketed_loop``) runs; so do
-shapes and dtypes it does not take (D or F not a multiple of 16, weights other than float32 /
-bfloat16).
+them is copied. The monolithic executor stores them as column ``Panels`` (``panels.py``) when it
+runs this kernel: each panel is one contiguous stream under a register tile of up to 8 rows,
+1.1-1.6x the speed on plain weights at decode sizes, and faster than XLA's matmuls at prefill sizes
+too (``bench/expert_ffn_cpu.py``).
+On plain weights (the ``Stacked`` weights of the disaggregated expert program, say) it is a decode
+kernel: where the batch gives an expert more than 8 rows on average (T * top_k > 8 * E: a prefill
+chunk) XLA's matmuls are faster (``bench/expert_ffn_cpu.py``) and ``fallback`` (``bucketed_loop``)
+runs; so do shapes and dtypes it does not take (D or F not a multiple of 16, weights other than
+float32 / bfloat16).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from .panels import Panels
 
 SOURCE = pathlib.Path(__file__).with_name("cpu") / "expert_ffn.cc"
 TARGET = "jaxmoe_expert_ffn"
@@ -39,7 +46,7 @@ MATMUL_TARGET = "jaxmoe_layer_matmul"
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
 VECTOR = 16  # D and F must be multiples of this (the kernel's vector width in floats)
 K_BLOCK = 8  # layer_matmul: K must be a multiple of this (weight rows per block, the kernel's KB)
-ROWS_PER_PASS = 8  # rows of an expert per pass over its weights (the kernel's MR)
+PLAIN_ROWS_PER_EXPERT = 8  # plain weights: the kernel runs up to this many rows per expert on average
 # layer_matmul: the most rows it takes, by dtype. Measured in the 107 M model's decode step, each form
 # against the other in one process (2026-11-26): in place is 20-25 % faster at 1 row in both dtypes,
 # even at 2, 7-9 % slower at 4-16 rows in float32 (XLA's dot on the copied slice wins there) and 8 %
@@ -138,13 +145,14 @@ def _reads(weights, x) -> bool:
 
 
 def supports(x, ids, experts) -> bool:
-    """Whether the kernel takes these shapes and weight dtypes, and the batch is decode-sized (else
-    ``fallback`` runs)."""
+    """Whether the kernel takes these shapes and weight dtypes, and, for plain weights, the batch is
+    decode-sized (else ``fallback`` runs). On ``Panels`` it takes every batch: at 64-256 tokens it was
+    1.7-2.2x ``bucketed_loop`` on the plain weights (BENCHMARKS.md)."""
     gate, _, _ = experts.layered()[0]
     D, F = gate.shape[-2], gate.shape[-1]
     return (
         x.ndim == 2
-        and x.shape[0] * ids.shape[1] <= ROWS_PER_PASS * experts.num_experts
+        and (isinstance(gate, Panels) or x.shape[0] * ids.shape[1] <= PLAIN_ROWS_PER_EXPERT * experts.num_experts)
         and D % VECTOR == 0
         and F % VECTOR == 0
         and _reads(gate, x)
@@ -160,15 +168,17 @@ def cpu_kernel(x, ids, weights, experts, fallback):
     if not supports(x, ids, experts):
         return fallback(x, ids, weights, experts)
     (gate, up, down), layer = experts.layered()
+    width = gate.width if isinstance(gate, Panels) else 0
+    if any((w.width if isinstance(w, Panels) else 0) != width for w in (up, down)):
+        raise ValueError("cpu_kernel: gate, up and down must all be plain or all panels of one width")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
     y = call(
         x.astype(jnp.float32),
         ids.astype(jnp.int32),
         weights.astype(jnp.float32),
-        gate,
-        up,
-        down,
+        *(w.data if width else w for w in (gate, up, down)),
         jnp.asarray(layer, jnp.int32),
+        panel=np.int64(width),
     )
     return y.astype(x.dtype)
 

@@ -15,7 +15,10 @@
 // the same inputs give the same bits.
 //
 // Weights: float32, or 16-bit bfloat16 (as BF16 or as its uint16 bits, ``models.common.pack16``),
-// widened to float32 on load. x and the combine weights come in float32, y goes out in float32.
+// widened to float32 on load; stored plain ([L, E, D, F] / [L, E, F, D]) or as column panels
+// (``panels.py``: [L, E, F / P, D, P] / [L, E, D / P, F, P], the ``panel`` attribute P), which this
+// kernel reads as one contiguous stream per panel, faster at every batch size (bench/expert_ffn_cpu.py).
+// x and the combine weights come in float32, y goes out in float32.
 // D and F must be multiples of 16 (the Python side checks).
 
 #include <algorithm>
@@ -150,6 +153,36 @@ void down_rows(const float* h, int64_t ldh, const W* d, int64_t ldw, int64_t K, 
   }
 }
 
+// ---- Column panels: a weight [K, N] stored as [N / P][K][P] (``panels.py``), P = 16 * S --------
+// A register tile of R rows x P columns walks one panel's K rows, one contiguous stream: the
+// accumulators stay in registers (up to 4 rows of 64 columns), and each weight vector loaded serves R
+// rows. At 4 rows this read 49 GB/s on two threads against 37 for the row-streaming tile above
+// (weights 400 MB, 2026-11-26); 5-8 rows (accumulators spilling to L1 at 64 columns) read 50-51 GB/s,
+// so a pass takes up to MR rows. Many rows (prefill) pass over a panel again from L2.
+constexpr int AHEAD = 8192;  // prefetch distance in bytes (2-8 KB measured within 10 %, 8 best; NTA best)
+
+// out[r][0:P] = sum_k x[r][k] * w[k][0:P] for R rows (row pointers, already at their column / k start).
+template <int R, int S, typename W>
+void panel_tile(const float* const* x, const W* w, int64_t K, float* const* out) {
+  constexpr int P = S * V;
+  vf acc[R][S];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) acc[r][s] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    const W* row = w + k * P;
+    for (int b = 0; b < P * static_cast<int>(sizeof(W)); b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + AHEAD + b, 0, 0);
+    vf wv[S];
+    for (int s = 0; s < S; ++s) wv[s] = load(row + s * V);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r][k];
+      for (int s = 0; s < S; ++s) acc[r][s] += xv * wv[s];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) store(out[r] + s * V, acc[r][s]);
+}
+
 // Dispatch a row count 1..MR to its template.
 #define JAXMOE_BY_ROWS(rows, call)  \
   switch (rows) {                   \
@@ -203,6 +236,7 @@ struct Problem {
   std::vector<int64_t> row_in_expert;             // per assignment t * K + k: its row in its expert
   std::vector<std::vector<int64_t>> assignments;  // per expert: t * K + k
   int64_t output_rows = 0;                        // sum over items of their expert's rows
+  int64_t panel = 0;                              // 0: plain weights; else the panel width P
 };
 
 // Item ``item`` into y, its own m x D rows (zeroed here), row i = the expert's i-th assignment.
@@ -241,20 +275,89 @@ void run_item(const Problem& p, int64_t item, float* y, std::vector<float>& scra
   }
 }
 
+// ``run_item`` for weights stored as panels of P = 16 * S columns: gate / up [F / P][D][P], down
+// [D / P][F][P] per expert; an item's chunk of F is whole panels.
+template <int S, typename W>
+void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float>& scratch) {
+  constexpr int P = S * V;
+  const int64_t e = p.expert_of_item[item], c0 = p.chunk_of_item[item] * p.FC;
+  const int64_t width = std::min(p.FC, p.F - c0);
+  const W* g = static_cast<const W*>(p.gate) + e * p.D * p.F + c0 * p.D;  // the chunk's first panel
+  const W* u = static_cast<const W*>(p.up) + e * p.D * p.F + c0 * p.D;
+  const W* d = static_cast<const W*>(p.down) + e * p.F * p.D + c0 * P;   // row c0 of the first panel
+  const std::vector<int64_t>& rows = p.assignments[e];
+  const int64_t m = static_cast<int64_t>(rows.size());
+  scratch.resize(m * width + MR * P);
+  float* h = scratch.data();            // [m, width]: gate, then combine weight * silu(gate) * up
+  float* up = h + m * width;            // [MR, P]: one panel's up projection
+  const float* xr[MR];
+  float* out[MR];
+  for (int64_t j = 0; j < width; j += P) {
+    for (int64_t r0 = 0; r0 < m; r0 += MR) {
+      const int R = static_cast<int>(std::min<int64_t>(MR, m - r0));
+      for (int r = 0; r < R; ++r) {
+        xr[r] = p.x + (rows[r0 + r] / p.K) * p.D;
+        out[r] = h + (r0 + r) * width + j;
+      }
+#define JAXMOE_GATE(n) panel_tile<n, S>(xr, g + j * p.D, p.D, out)
+      JAXMOE_BY_ROWS(R, JAXMOE_GATE)
+#undef JAXMOE_GATE
+      for (int r = 0; r < R; ++r) out[r] = up + r * P;
+#define JAXMOE_UP(n) panel_tile<n, S>(xr, u + j * p.D, p.D, out)
+      JAXMOE_BY_ROWS(R, JAXMOE_UP)
+#undef JAXMOE_UP
+      for (int r = 0; r < R; ++r) {
+        float* hr = h + (r0 + r) * width + j;
+        const float w = p.combine[rows[r0 + r]];
+        for (int i = 0; i < P; i += V) store(hr + i, w * silu(load(hr + i)) * load(up + r * P + i));
+      }
+    }
+  }
+  for (int64_t q = 0; q < p.D; q += P) {  // output panel q: rows c0 .. c0 + width of its F rows
+    for (int64_t r0 = 0; r0 < m; r0 += MR) {
+      const int R = static_cast<int>(std::min<int64_t>(MR, m - r0));
+      for (int r = 0; r < R; ++r) {
+        xr[r] = h + (r0 + r) * width;
+        out[r] = y + (r0 + r) * p.D + q;
+      }
+#define JAXMOE_DOWN(n) panel_tile<n, S>(xr, d + q * p.F, width, out)
+      JAXMOE_BY_ROWS(R, JAXMOE_DOWN)
+#undef JAXMOE_DOWN
+    }
+  }
+}
+
+template <typename W>
+void run_any(const Problem& p, int64_t item, float* y, std::vector<float>& scratch) {
+  switch (p.panel) {
+    case 0: run_item<W>(p, item, y, scratch); break;
+    case V: run_item_panels<1, W>(p, item, y, scratch); break;
+    case 2 * V: run_item_panels<2, W>(p, item, y, scratch); break;
+    default: run_item_panels<4, W>(p, item, y, scratch); break;
+  }
+}
+
 ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                      ffi::Buffer<ffi::F32> combine, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
-                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), gd = gate.dimensions();
-  if (xd.size() != 2 || gd.size() != 4 || ids.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("expert_ffn: x [T, D], ids [T, K], gate [L, E, D, F] expected");
+                     ffi::Buffer<ffi::S32> layer, int64_t panel, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), gd = gate.dimensions(), dd = down.dimensions();
+  if (panel != 0 && panel != V && panel != 2 * V && panel != 4 * V)
+    return ffi::Error::InvalidArgument("expert_ffn: panel must be 0, 16, 32 or 64");
+  const size_t rank = panel ? 5 : 4;
+  if (xd.size() != 2 || gd.size() != rank || dd.size() != rank || ids.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument(
+        "expert_ffn: x [T, D], ids [T, K], gate [L, E, D, F] (panels: [L, E, F / P, D, P]) expected");
   Problem p;
   p.T = xd[0];
   p.D = xd[1];
   p.K = ids.dimensions()[1];
-  const int64_t L = gd[0], E = gd[1], F = gd[3];
+  p.panel = panel;
+  const int64_t L = gd[0], E = gd[1], F = panel ? gd[2] * panel : gd[3];
   p.F = F;
-  if (gd[2] != p.D || p.D % V || F % V)
-    return ffi::Error::InvalidArgument("expert_ffn: D and F must match and be multiples of 16");
+  const bool shapes = panel ? gd[3] == p.D && gd[4] == panel && dd[2] * panel == p.D && dd[3] == F && dd[4] == panel
+                            : gd[2] == p.D && dd[2] == F && dd[3] == p.D;
+  if (!shapes || p.D % V || F % V || (panel && (p.D % panel || F % panel)))
+    return ffi::Error::InvalidArgument("expert_ffn: D and F must match and be multiples of 16 (and of the panel)");
   const auto type = gate.element_type();
   const bool bf16 = type == ffi::DataType::BF16 || type == ffi::DataType::U16;
   if (!bf16 && type != ffi::DataType::F32)
@@ -281,13 +384,16 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     p.assignments[e].push_back(a);
   }
   // Items: each routed expert whole (its weights one contiguous stream), or in column chunks
-  // (multiples of 16) when fewer experts are routed than there are threads, so that every thread has
-  // work. (Chunking down to twice the threads was 20-30 % slower at batch 1: half rows, two streams.)
+  // (multiples of 16, or whole panels) when fewer experts are routed than there are threads, so that
+  // every thread has work. (Chunking down to twice the threads was 20-30 % slower at batch 1: half
+  // rows, two streams. Cutting experts into 256-column chunks at prefill sizes, to share out experts
+  // with many rows, was 10 % slower on evenly routed batches: more partial rows to sum on one thread.)
   int64_t active = 0;
   for (int64_t e = 0; e < E; ++e) active += !p.assignments[e].empty();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_expert = active ? std::max<int64_t>(1, (threads + active - 1) / active) : 1;
-  p.FC = ((F + per_expert - 1) / per_expert + V - 1) / V * V;
+  const int64_t unit = panel ? panel : V;  // chunks are whole panels (or vectors)
+  p.FC = ((F + per_expert - 1) / per_expert + unit - 1) / unit * unit;
   const int64_t chunks = (F + p.FC - 1) / p.FC;
   p.first_item.assign(E, -1);
   for (int64_t e = 0; e < E; ++e) {
@@ -307,9 +413,9 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     thread_local std::vector<float> scratch;
     float* rows = partial.data() + p.item_offset[item];
     if (bf16)
-      run_item<uint16_t>(p, item, rows, scratch);
+      run_any<uint16_t>(p, item, rows, scratch);
     else
-      run_item<float>(p, item, rows, scratch);
+      run_any<float>(p, item, rows, scratch);
   });
   float* out = y->typed_data();
   std::fill(out, out + p.T * p.D, 0.0f);
@@ -382,10 +488,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeExpertFfn, ExpertFfn,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // combine weights [T, K]
-                                  .Arg<ffi::AnyBuffer>()         // gate [L, E, D, F]
-                                  .Arg<ffi::AnyBuffer>()         // up [L, E, D, F]
-                                  .Arg<ffi::AnyBuffer>()         // down [L, E, F, D]
+                                  .Arg<ffi::AnyBuffer>()         // gate [L, E, D, F] or panels
+                                  .Arg<ffi::AnyBuffer>()         // up [L, E, D, F] or panels
+                                  .Arg<ffi::AnyBuffer>()         // down [L, E, F, D] or panels
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Attr<int64_t>("panel")        // 0: plain weights, else panel width
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
 );
 

@@ -13,6 +13,7 @@ import pytest
 from jaxmoe.models.common import pack16
 from jaxmoe.models.experts import LayerWeights
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, cpu_kernel, expert_ffn, expert_ffn_reference, resolve
+from jaxmoe.pallas_kernels.expert_ffn.panels import plain, to_panels, width_for
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"{cpu_kernel.unavailable_reason()}")
 
@@ -54,6 +55,50 @@ def test_reads_one_layer_of_a_stack_in_place(dtype):
         np.testing.assert_allclose(
             np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=f"seed={seed}"
         )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("D, F, width", [(64, 192, 64), (96, 160, 32), (48, 80, 16)])
+@pytest.mark.parametrize("T", [1, 3, 9, 40])
+def test_reads_weights_stored_as_panels(dtype, D, F, width, T):
+    """The layout the monolithic executor stores for this kernel (``panels.py``): every panel width
+    it has tiles for, experts with 1 to 20 rows on average (more than 8: several passes over a panel;
+    a prefill-sized batch, which the kernel takes on panels), in place at
+    each layer of a stack, against the reference on the plain weights; and the slices ``bucketed_loop``
+    takes of panels (``LayerWeights.expert``) are the plain matrices."""
+    seed = int.from_bytes(os.urandom(3), "little")
+    L, E, K = 2, 4, 2
+    p = _layers(L, E, D, F, dtype, seed)
+    ids, weights, kx = _routing(T, K, E, seed, dtype)
+    x = jax.random.normal(kx, (T, D)).astype(dtype)
+    assert width_for(D, F) == width
+    stored = {k: to_panels(pack16(v), width) for k, v in p.items()}
+    assert all(stored[k].shape == pack16(p[k]).shape for k in stored)
+    for layer in range(L):
+        experts = LayerWeights(stored, jnp.int32(layer))
+        assert cpu_kernel.supports(x, ids, experts)
+        got = jax.jit(lambda x, i, w, layer: expert_ffn(x, i, w, LayerWeights(stored, layer), impl="cpu_kernel"))(
+            x, ids, weights, jnp.int32(layer)
+        )
+        plain_weights = Stacked(*(p[k][layer] for k in ("w_gate", "w_up", "w_down")))
+        want = np.asarray(expert_ffn_reference(x, ids, weights, plain_weights), np.float32)
+        tol = 2e-5 if dtype == jnp.float32 else 3e-2
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=f"seed={seed}"
+        )
+        for mine, theirs in zip(experts.expert(jnp.int32(E - 1), dtype), plain_weights.expert(E - 1, dtype)):
+            np.testing.assert_array_equal(np.asarray(mine, np.float32), np.asarray(theirs, np.float32))
+
+
+def test_panels_round_trip_and_refuse_widths_that_do_not_divide():
+    a = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 32, 96))
+    for width in (16, 32):
+        stored = to_panels(a, width)
+        assert stored.data.shape == (2, 3, 96 // width, 32, width) and stored.shape == a.shape
+        np.testing.assert_array_equal(np.asarray(plain(stored)), np.asarray(a))
+    assert width_for(32, 96) == 32 and width_for(64, 128) == 64 and width_for(24, 64) is None
+    with pytest.raises(ValueError, match="not a multiple of the panel width 64"):
+        to_panels(a, 64)
 
 
 def test_an_expert_chosen_twice_by_one_token_counts_twice():

@@ -1,0 +1,47 @@
+"""The monolithic executor stores the routed experts' weights as column panels when it runs the CPU
+kernel (``pallas_kernels/expert_ffn/panels.py``): the kernel reads them, every other reader gets the
+plain matrices back, and generation gives the tokens of the XLA implementation on plain weights."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmoe import LLM, SamplingParams
+from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel
+from jaxmoe.pallas_kernels.expert_ffn.panels import Panels
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"{cpu_kernel.unavailable_reason()}")
+
+ROUTED = ("w_gate", "w_up", "w_down")
+
+
+def _moe_groups(llm):
+    return [g["moe"] for g in llm.executor.stacked["groups"] if "moe" in g]
+
+
+def test_stored_as_panels_read_back_plain_and_same_tokens():
+    prompts = [[5, 9, 2, 7, 11, 3], [8, 1], list(range(3, 40))]  # decode rows and a prefill-sized chunk
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    kernel = LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, expert_impl="cpu_kernel")
+    xla = LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, expert_impl="bucketed_loop")
+    assert kernel.executor.expert_impl == "cpu_kernel" and xla.executor.expert_impl == "bucketed_loop"
+    for moe in _moe_groups(kernel):
+        assert all(isinstance(moe[k], Panels) and moe[k].width == 64 for k in ROUTED)
+    for moe in _moe_groups(xla):
+        assert not any(isinstance(moe[k], Panels) for k in ROUTED)
+    # executor.params (what rescaling and llm.params read) are the plain per-layer weights
+    for mine, theirs in zip(kernel.params["layers"], xla.params["layers"]):
+        for k in ROUTED:
+            assert mine["moe"][k].shape == theirs["moe"][k].shape
+            np.testing.assert_array_equal(np.asarray(mine["moe"][k]), np.asarray(theirs["moe"][k]))
+    got = [o.token_ids for o in kernel.generate(prompts, sp)]
+    want = [o.token_ids for o in xla.generate(prompts, sp)]
+    assert got == want
+
+
+def test_plain_executor_when_the_kernel_is_not_the_implementation():
+    llm = LLM("tiny-random", dtype="float32", num_blocks=32, block_size=8, expert_impl="dense")
+    leaves = jax.tree.leaves(_moe_groups(llm), is_leaf=lambda a: isinstance(a, Panels))
+    assert leaves and not any(isinstance(a, Panels) for a in leaves)
