@@ -63,9 +63,9 @@ def test_reads_one_layer_of_a_stack_in_place(dtype):
 def test_reads_weights_stored_as_panels(dtype, D, F, width, T):
     """The layout the monolithic executor stores for this kernel (``panels.py``): every panel width
     it has tiles for, experts with 1 to 20 rows on average (more than 8: several passes over a panel;
-    a prefill-sized batch, which the kernel takes on panels), in place at
-    each layer of a stack, against the reference on the plain weights; and the slices ``bucketed_loop``
-    takes of panels (``LayerWeights.expert``) are the plain matrices."""
+    a prefill-sized batch, which the kernel takes on panels), in place at each layer of a stack,
+    against the reference on the plain weights; and the slices ``bucketed_loop`` takes of panels
+    (``LayerWeights.expert``) are the plain matrices."""
     seed = int.from_bytes(os.urandom(3), "little")
     L, E, K = 2, 4, 2
     p = _layers(L, E, D, F, dtype, seed)
