@@ -10,7 +10,7 @@ import pytest
 
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel
-from jaxmoe.pallas_kernels.expert_ffn.panels import Panels
+from jaxmoe.pallas_kernels.expert_ffn.panels import Panels, is_panels
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"{cpu_kernel.unavailable_reason()}")
 
@@ -43,5 +43,5 @@ def test_stored_as_panels_read_back_plain_and_same_tokens():
 
 def test_plain_executor_when_the_kernel_is_not_the_implementation():
     llm = LLM("tiny-random", dtype="float32", num_blocks=32, block_size=8, expert_impl="dense")
-    leaves = jax.tree.leaves(_moe_groups(llm), is_leaf=lambda a: isinstance(a, Panels))
+    leaves = jax.tree.leaves(_moe_groups(llm), is_leaf=is_panels)
     assert leaves and not any(isinstance(a, Panels) for a in leaves)

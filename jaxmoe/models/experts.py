@@ -7,8 +7,7 @@ implementation the caller names (``EngineConfig.expert_impl``; "auto" resolves w
 weights once, in place, on the threads of XLA's pool -- on every batch where the weights are stored as
 column panels (the monolithic executor does so for it), decode-sized batches only on plain weights,
 ``bucketed_loop`` otherwise and where no compiler can build it (``bench/expert_ffn_cpu.py``,
-BENCHMARKS.md) -- and ``dense``
-elsewhere, which has no data-dependent control flow).  The disaggregated runtime runs the same op
+BENCHMARKS.md) -- and ``dense`` elsewhere, which has no data-dependent control flow).  The disaggregated runtime runs the same op
 over physical replica slots (``jaxmoe.runtime.expert_program``).
 """
 

@@ -24,7 +24,7 @@ from jaxmoe.models.attention import AttentionBatch, attention_layer, init_layer_
 from jaxmoe.models.common import pack16, rms_norm, swiglu_mlp, unpack16
 from jaxmoe.models.experts import Brownout, moe_layer, shared_experts
 from jaxmoe.models.layer_matrix import LayerMatrix
-from jaxmoe.pallas_kernels.expert_ffn.panels import Panels, at, to_panels, width_for
+from jaxmoe.pallas_kernels.expert_ffn.panels import at, is_panels, to_panels, width_for
 
 
 def layer_groups(layers: list[dict]) -> list[tuple[int, int]]:
@@ -61,10 +61,7 @@ def unstack_layers(stacked: dict) -> dict:
     layers = []
     for group in stacked["groups"]:
         n = jax.tree.leaves(group)[0].shape[0]
-        layers += [
-            jax.tree.map(lambda a, i=i: unpack16(at(a, i), dtype), group, is_leaf=lambda a: isinstance(a, Panels))
-            for i in range(n)
-        ]
+        layers += [jax.tree.map(lambda a, i=i: unpack16(at(a, i), dtype), group, is_leaf=is_panels) for i in range(n)]
     return {**{k: v for k, v in stacked.items() if k != "groups"}, "layers": layers}
 
 
@@ -135,7 +132,7 @@ def layer_view(group: dict, index, dtype, in_place: bool = False) -> dict:
             return LayerMatrix(a, index, dtype)
         return unpack16(jax.lax.dynamic_index_in_dim(a, index, keepdims=False), dtype)
 
-    return jax.tree_util.tree_map_with_path(take, group, is_leaf=lambda a: isinstance(a, Panels))
+    return jax.tree_util.tree_map_with_path(take, group, is_leaf=is_panels)
 
 
 def attention_side(layer: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, index=None):

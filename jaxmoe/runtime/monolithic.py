@@ -74,7 +74,8 @@ class MonolithicExecutor:
         self.num_attention, self.num_cache_slots = 1, self.kv_layout.num_slots
         self.expert_impl = impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
         self.stacked = stack_layers(params)
-        if impl == "cpu_kernel":  # the expert weights in the layout the CPU kernel reads fastest
+        in_place = impl == "cpu_kernel"  # weights read in place by the CPU kernel
+        if in_place:  # the expert weights in the layout it reads fastest
             self.stacked = store_as_panels(self.stacked)
         dtype = cache_dtype or params["embed"].dtype
         self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, self.num_cache_slots, dtype)
@@ -102,14 +103,14 @@ class MonolithicExecutor:
 
             def body(carry, index):
                 x, group_cache = carry
-                layer = layer_view(group, index, dtype, in_place=impl == "cpu_kernel")
+                layer = layer_view(group, index, dtype, in_place=in_place)
                 return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout, impl), None
 
             (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), start + jnp.arange(n))
             return x, group_cache
 
         def gate(group, x, batch, group_cache, index):  # expert queues: attention side + gating
-            layer = layer_view(group, index, dtype, in_place=impl == "cpu_kernel")
+            layer = layer_view(group, index, dtype, in_place=in_place)
             h, xn, group_cache = attention_side(layer, cfg, x, batch, group_cache, block_size, index)
             xn = xn.reshape(-1, xn.shape[-1])
             ids, weights = route(layer["moe"], cfg.moe, xn)

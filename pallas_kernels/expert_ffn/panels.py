@@ -47,6 +47,11 @@ class Panels:
         return f"Panels(shape={self.shape}, width={self.width}, dtype={self.dtype})"
 
 
+def is_panels(a) -> bool:
+    """For tree walks that must see ``Panels`` whole (``is_leaf=is_panels``)."""
+    return isinstance(a, Panels)
+
+
 def width_for(*dims: int) -> int | None:
     """The widest panel width dividing every dim (None: none does)."""
     return next((w for w in WIDTHS if all(d % w == 0 for d in dims)), None)
