@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxmoe.config import ModelConfig
 from jaxmoe.models.common import pack16, rms_norm, unpack16
 from jaxmoe.models.rope import apply_rope, rope_cos_sin
+from jaxmoe.pallas_kernels.paged_attention import cpu_kernel as attention_kernel
 
 
 MLA_NORM_EPS = 1e-6  # DeepSeek's q_a / kv_a layernorms use the default eps, not rms_norm_eps
@@ -126,7 +127,15 @@ def _out_proj(p: dict, out: jnp.ndarray, tp_axis: str | None) -> jnp.ndarray:
 
 
 def gqa_attention(
-    p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, layer=None, tp_axis=None
+    p: dict,
+    cfg: ModelConfig,
+    x,
+    batch: AttentionBatch,
+    cache: dict,
+    block_size: int,
+    layer=None,
+    tp_axis=None,
+    in_place: bool = False,
 ):
     a = cfg.attn
     B, T, _ = x.shape
@@ -140,6 +149,12 @@ def gqa_attention(
     q = apply_rope(q, cos, sin, cfg.rope.interleaved)
     k = apply_rope(k, cos, sin, cfg.rope.interleaved)
     cache = {"k": _write(cache["k"], batch.slots, k, layer), "v": _write(cache["v"], batch.slots, v, layer)}
+    if in_place and layer is not None and attention_kernel.supports(q, cache["k"], k.dtype):
+        out = attention_kernel.paged_attention(
+            q, cache["k"], cache["v"], layer, batch.block_tables, batch.positions,
+            block_size=block_size, scale=a.softmax_scale, dtype=k.dtype,
+        )  # fmt: skip
+        return _out_proj(p, out.reshape(B, T, a.num_heads * a.head_dim).astype(x.dtype), tp_axis), cache
     group = a.num_heads // a.num_kv_heads
     q = q.reshape(B, T, a.num_kv_heads, group, a.head_dim)
 
@@ -202,16 +217,27 @@ def mla_attention(
 
 
 def attention_layer(
-    p: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, layer=None, tp_axis=None
+    p: dict,
+    cfg: ModelConfig,
+    x,
+    batch: AttentionBatch,
+    cache: dict,
+    block_size: int,
+    layer=None,
+    tp_axis=None,
+    in_place: bool = False,
 ):
     """Residual attention block.  Returns (h, xn, cache): h = x + attn(norm(x)), xn = post_norm(h).
     ``layer``: index into a cache stacked over layers (see ``_write``); None: a one-layer cache.
+    ``in_place``: GQA reads that stacked cache in place with the CPU paged-attention kernel where it
+    takes the shapes (``jaxmoe.pallas_kernels.paged_attention``), instead of gathering the keys.
     ``tp_axis``: tensor parallelism inside a ``shard_map`` (``runtime.attention_tp``): ``cfg`` counts
     this device's heads, ``p`` holds their columns of q/k/v and rows of o, and the output projection
     is summed over that mesh axis."""
-    attend = mla_attention if cfg.attn.kind == "mla" else gqa_attention
-    out, cache = attend(
-        p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), batch, cache, block_size, layer, tp_axis
-    )
+    xn = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+    if cfg.attn.kind == "mla":
+        out, cache = mla_attention(p, cfg, xn, batch, cache, block_size, layer, tp_axis)
+    else:
+        out, cache = gqa_attention(p, cfg, xn, batch, cache, block_size, layer, tp_axis, in_place)
     h = x + out.astype(x.dtype)
     return h, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), cache

@@ -135,10 +135,20 @@ def layer_view(group: dict, index, dtype, in_place: bool = False) -> dict:
     return jax.tree_util.tree_map_with_path(take, group, is_leaf=is_panels)
 
 
-def attention_side(layer: dict, cfg: ModelConfig, x, batch: AttentionBatch, cache: dict, block_size: int, index=None):
+def attention_side(
+    layer: dict,
+    cfg: ModelConfig,
+    x,
+    batch: AttentionBatch,
+    cache: dict,
+    block_size: int,
+    index=None,
+    in_place: bool = False,
+):
     """The attention side of a layer: (residual stream with attention and the attention-side FFN
-    added, the normed input of the routed experts, the new cache)."""
-    h, xn, cache = attention_layer(layer["attn"], cfg, x, batch, cache, block_size, index)
+    added, the normed input of the routed experts, the new cache); ``in_place`` as
+    ``attention_layer``'s."""
+    h, xn, cache = attention_layer(layer["attn"], cfg, x, batch, cache, block_size, index, in_place=in_place)
     out = attention_side_ffn(layer, xn)
     return (h if out is None else h + out), xn, cache
 
@@ -157,7 +167,8 @@ def layer_step(
     """One whole layer (attention side, then the routed experts); ``index`` as ``attention_layer``'s
     (and, for the routed expert weights of a ``layer_view``, ``moe_layer``'s); ``expert_impl``: the
     expert-FFN implementation (``moe_layer``)."""
-    x, xn, cache = attention_side(layer, cfg, x, batch, cache, block_size, index)
+    # with the CPU expert kernel, attention reads the stacked KV cache in place with its kernel too
+    x, xn, cache = attention_side(layer, cfg, x, batch, cache, block_size, index, expert_impl == "cpu_kernel")
     if "moe" in layer:
         x = x + moe_layer(layer["moe"], cfg, xn, index, brownout, expert_impl)
     return x, cache

@@ -111,7 +111,7 @@ class MonolithicExecutor:
 
         def gate(group, x, batch, group_cache, index):  # expert queues: attention side + gating
             layer = layer_view(group, index, dtype, in_place=in_place)
-            h, xn, group_cache = attention_side(layer, cfg, x, batch, group_cache, block_size, index)
+            h, xn, group_cache = attention_side(layer, cfg, x, batch, group_cache, block_size, index, in_place)
             xn = xn.reshape(-1, xn.shape[-1])
             ids, weights = route(layer["moe"], cfg.moe, xn)
             ids = jnp.where((batch.slots >= 0).reshape(-1, 1), ids, -1)  # padding queues nowhere

@@ -2,12 +2,9 @@
 call (``jax.ffi``), built on first use with the machine's C++ compiler; and ``layer_matmul``, its
 tile as a matmul by one layer's matrix of a stacked weight (the model's attention projections).
 
-Build: ``c++ -O3 -march=native`` (the kernel is tuned to the CPU it runs on) into
-``$XDG_CACHE_HOME/jaxmoe/kernels`` (default ``~/.cache``), named by a hash of the source, the flags,
-the compiler's version, jax's FFI headers and the CPU's feature flags, so a changed source or another
-machine builds anew; written to a temporary file and renamed, so processes building at once do not
-see half a library. ``JAXMOE_CPU_KERNEL=0`` turns it off; with no compiler (or a failed build)
-``available()`` is False and says why, and ``"auto"`` picks an XLA implementation instead.
+Built and registered by ``pallas_kernels.cpu_build`` (cached per source and machine;
+``JAXMOE_CPU_KERNEL=0`` turns it off); with no compiler (or a failed build) ``available()`` is False
+and says why, and ``"auto"`` picks an XLA implementation instead.
 
 The call reads the stacked weights in place at the layer (``ExpertWeights.layered``): no slice of
 them is copied. The monolithic executor stores them as column ``Panels`` (``panels.py``) when it
@@ -23,27 +20,19 @@ float32 / bfloat16).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
 import math
-import os
 import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..cpu_build import CppKernels, KernelUnavailable
 from .panels import Panels
 
 SOURCE = pathlib.Path(__file__).with_name("cpu") / "expert_ffn.cc"
 TARGET = "jaxmoe_expert_ffn"
 MATMUL_TARGET = "jaxmoe_layer_matmul"
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
 VECTOR = 16  # D and F must be multiples of this (the kernel's vector width in floats)
 K_BLOCK = 8  # layer_matmul: K must be a multiple of this (weight rows per block, the kernel's KB)
 PLAIN_ROWS_PER_EXPERT = 8  # plain weights: the kernel runs up to this many rows per expert on average
@@ -53,79 +42,17 @@ PLAIN_ROWS_PER_EXPERT = 8  # plain weights: the kernel runs up to this many rows
 # faster at 16 rows in bfloat16.
 MATMUL_MAX_ROWS = {"float32": 2, "bfloat16": 32}
 
-
-class KernelUnavailable(RuntimeError):
-    """The CPU kernel cannot be built or loaded here (the message says why)."""
-
-
-def cache_dir() -> pathlib.Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(root) / "jaxmoe" / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    raise KernelUnavailable("no C++ compiler (c++, g++ or clang++) on PATH; set CXX")
-
-
-def library_path() -> pathlib.Path:
-    """Where the built library for this source, compiler and CPU lives (built or not)."""
-    cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
-        key.update(part)
-    key.update((pathlib.Path(jax.ffi.include_dir()) / "xla/ffi/api/ffi.h").read_bytes())
-    return cache_dir() / f"expert_ffn-{key.hexdigest()[:16]}.so"
+LIBRARY = CppKernels(SOURCE, {TARGET: "JaxmoeExpertFfn", MATMUL_TARGET: "JaxmoeLayerMatmul"})
 
 
 def build() -> pathlib.Path:
-    """The kernel's shared library, compiled now unless the cache holds it."""
-    out = library_path()
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise KernelUnavailable(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
-    os.replace(tmp, out)
-    return out
+    """The kernel's shared library, compiled now unless the cache holds it (``cpu_build``)."""
+    return LIBRARY.build()
 
 
 def _register() -> str | None:
     """None when the kernel can run in this process (built, loaded and registered once), else why not."""
-    if os.environ.get("JAXMOE_CPU_KERNEL", "1") == "0":
-        return "turned off by JAXMOE_CPU_KERNEL=0"
-    if jax.default_backend() != "cpu":
-        return f"it is an XLA:CPU kernel and this process's backend is {jax.default_backend()}"
-    return _load()
-
-
-@functools.cache
-def _load() -> str | None:
-    try:
-        library = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxmoeExpertFfn), platform="cpu")
-        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.JaxmoeLayerMatmul), platform="cpu")
-    except (KernelUnavailable, OSError) as e:
-        return str(e)
-    return None
+    return LIBRARY.unavailable_reason()
 
 
 def available() -> bool:

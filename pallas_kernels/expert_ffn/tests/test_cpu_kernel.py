@@ -3,7 +3,6 @@ case there): weights read in place from a layer stack (bf16 as uint16 bits, as t
 rows sharing a token, the decode-size rule, and what happens where it cannot be built."""
 
 import os
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -137,36 +136,6 @@ def test_turned_off_auto_falls_back_and_explicit_use_names_the_reason(monkeypatc
     ids, weights, kx = _routing(2, 2, 4, 0, jnp.float32)
     with pytest.raises(cpu_kernel.KernelUnavailable, match="JAXMOE_CPU_KERNEL=0"):
         expert_ffn(jax.random.normal(kx, (2, 32)), ids, weights, experts, impl="cpu_kernel")
-
-
-def test_build_failures_say_why(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel.shutil, "which", lambda name: None)
-    with pytest.raises(cpu_kernel.KernelUnavailable, match="no C\\+\\+ compiler"):
-        cpu_kernel.build()
-    monkeypatch.undo()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    broken = tmp_path / "broken.cc"
-    broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
-    with pytest.raises(cpu_kernel.KernelUnavailable, match="building broken.cc failed"):
-        cpu_kernel.build()
-    assert not list(pathlib.Path(tmp_path, "jaxmoe", "kernels").glob("*.so"))  # nothing half-built is left
-
-
-def test_the_library_is_cached_by_source_and_machine(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = cpu_kernel.build()
-    assert first.exists() and first.parent == tmp_path / "jaxmoe" / "kernels"
-    mtime = first.stat().st_mtime_ns
-    assert cpu_kernel.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
-    with monkeypatch.context() as m:  # another machine (other CPU flags): another library
-        m.setattr(cpu_kernel, "_cpu_flags", lambda: "flags : sse2")
-        assert cpu_kernel.library_path() != first
-    changed = tmp_path / "expert_ffn.cc"
-    changed.write_text(cpu_kernel.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
-    assert cpu_kernel.library_path() != first
 
 
 def test_same_inputs_same_bits_whichever_thread_runs_an_item():

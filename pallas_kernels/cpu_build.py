@@ -1,0 +1,109 @@
+"""Builds the ops' C++ XLA:CPU custom calls (``jax.ffi``) with the machine's compiler, caches the
+libraries and registers their handlers: what every op's ``cpu_kernel`` shares.
+
+Build: ``c++ -O3 -march=native`` (a kernel is tuned to the CPU it runs on) into
+``$XDG_CACHE_HOME/jaxmoe/kernels`` (default ``~/.cache``), named by a hash of the source, the shared
+header (``cpu/common.h``), the flags, the compiler's version, jax's FFI headers and the CPU's feature
+flags, so a changed source or another machine builds anew; written to a temporary file and renamed, so
+processes building at once do not see half a library. ``JAXMOE_CPU_KERNEL=0`` turns every kernel
+off; with no compiler (or a failed build) ``CppKernels.unavailable_reason()`` says why, and the ops
+fall back to their XLA forms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+
+COMMON = pathlib.Path(__file__).with_name("cpu")  # common.h, included by every source
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
+
+
+class KernelUnavailable(RuntimeError):
+    """A CPU kernel cannot be built or loaded here (the message says why)."""
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(root) / "jaxmoe" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise KernelUnavailable("no C++ compiler (c++, g++ or clang++) on PATH; set CXX")
+
+
+class CppKernels:
+    """One C++ source's library: ``targets`` maps each FFI target name to its handler symbol."""
+
+    def __init__(self, source: pathlib.Path, targets: dict[str, str]):
+        self.source, self.targets = source, targets
+        self._loaded: str | None | bool = False  # False: not tried yet; then None (loaded) or why not
+
+    def library_path(self) -> pathlib.Path:
+        """Where the built library for this source, compiler and CPU lives (built or not)."""
+        cxx = _compiler()
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+        key = hashlib.sha256()
+        for part in (self.source.read_bytes(), (COMMON / "common.h").read_bytes(), " ".join(FLAGS).encode()):
+            key.update(part)
+        key.update(version.encode())
+        key.update(_cpu_flags().encode())
+        key.update((pathlib.Path(jax.ffi.include_dir()) / "xla/ffi/api/ffi.h").read_bytes())
+        return cache_dir() / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
+
+    def build(self) -> pathlib.Path:
+        """The shared library, compiled now unless the cache holds it."""
+        out = self.library_path()
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{COMMON}", str(self.source), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            raise KernelUnavailable(f"building {self.source.name} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+        os.replace(tmp, out)
+        return out
+
+    def unavailable_reason(self) -> str | None:
+        """None when the kernels can run in this process (built, loaded and registered once), else
+        why not."""
+        if os.environ.get("JAXMOE_CPU_KERNEL", "1") == "0":
+            return "turned off by JAXMOE_CPU_KERNEL=0"
+        if jax.default_backend() != "cpu":
+            return f"it is an XLA:CPU kernel and this process's backend is {jax.default_backend()}"
+        if self._loaded is False:
+            self._loaded = self._load()
+        return self._loaded
+
+    def _load(self) -> str | None:
+        try:
+            library = ctypes.cdll.LoadLibrary(str(self.build()))
+            for target, symbol in self.targets.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+        except (KernelUnavailable, OSError) as e:
+            return str(e)
+        return None
