@@ -149,26 +149,39 @@ def gqa_attention(
     q = apply_rope(q, cos, sin, cfg.rope.interleaved)
     k = apply_rope(k, cos, sin, cfg.rope.interleaved)
     cache = {"k": _write(cache["k"], batch.slots, k, layer), "v": _write(cache["v"], batch.slots, v, layer)}
-    if in_place and layer is not None and attention_kernel.supports(q, cache["k"], k.dtype):
-        out = attention_kernel.paged_attention(
-            q, cache["k"], cache["v"], layer, batch.block_tables, batch.positions,
-            block_size=block_size, scale=a.softmax_scale, dtype=k.dtype,
-        )  # fmt: skip
-        return _out_proj(p, out.reshape(B, T, a.num_heads * a.head_dim).astype(x.dtype), tp_axis), cache
-    group = a.num_heads // a.num_kv_heads
-    q = q.reshape(B, T, a.num_kv_heads, group, a.head_dim)
+    attend = (
+        gqa_kernel if in_place and layer is not None and attention_kernel.supports(q, cache["k"], k.dtype) else gqa_xla
+    )
+    out = attend(q, cache, layer, batch, block_size, a.softmax_scale, k.dtype)  # [B, T, H, hd] fp32
+    return _out_proj(p, out.reshape(B, T, a.num_heads * a.head_dim).astype(x.dtype), tp_axis), cache
+
+
+def gqa_xla(q, cache: dict, layer, batch: AttentionBatch, block_size: int, scale: float, dtype) -> jnp.ndarray:
+    """GQA of queries q [B, T, H, hd] over the paged cache (stacked at ``layer``, or one layer's when
+    None) in XLA: keys gathered a chunk at a time, online softmax (``paged_attention``). [B, T, H, hd] fp32."""
+    B, T, H, hd = q.shape
+    kv_heads = cache["k"].shape[-2]
+    q = q.reshape(B, T, kv_heads, H // kv_heads, hd)
 
     def chunk_scores(idx, key_pos):
-        keys, values = _read(cache["k"], idx, layer, k.dtype), _read(cache["v"], idx, layer, v.dtype)  # [B, W, KVH, hd]
+        keys, values = _read(cache["k"], idx, layer, dtype), _read(cache["v"], idx, layer, dtype)  # [B, W, KVH, hd]
         scores = jnp.einsum("btkgd,bwkd->bkgtw", q, keys, preferred_element_type=jnp.float32)
-        return scores * a.softmax_scale, values
+        return scores * scale, values
 
     def mix(probs, values):
         return jnp.einsum("bkgtw,bwkd->bkgtd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
 
     out = paged_attention(batch.block_tables, batch.positions, block_size, chunk_scores, mix)  # [B, KVH, G, T, hd]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, a.num_heads * a.head_dim).astype(x.dtype)
-    return _out_proj(p, out, tp_axis), cache
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+
+
+def gqa_kernel(q, cache: dict, layer, batch: AttentionBatch, block_size: int, scale: float, dtype) -> jnp.ndarray:
+    """``gqa_xla``'s result from the CPU paged-attention kernel, which reads the stacked cache in place
+    (``jaxmoe.pallas_kernels.paged_attention``; where ``cpu_kernel.supports`` the shapes)."""
+    return attention_kernel.paged_attention(
+        q, cache["k"], cache["v"], layer, batch.block_tables, batch.positions,
+        block_size=block_size, scale=scale, dtype=dtype,
+    )  # fmt: skip
 
 
 def mla_attention(

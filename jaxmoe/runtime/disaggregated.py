@@ -82,7 +82,7 @@ class DisaggregatedExecutor:
       mesh: a mesh file path, a parsed dict, a ``ClusterSpec`` or ``SubMeshes``.
       replica_policy: AEBS policy, "aebs" | "aebs_plus" | "random".
       expert_impl: the expert-FFN op's implementation (``jaxmoe.pallas_kernels.expert_ffn``:
-        "auto" = padded_einsum on CPU, ragged_dot elsewhere; or "pallas", "ragged_dot", ...).
+        "auto" = cpu_kernel on CPU (where it builds), ragged_dot elsewhere; or "pallas", "ragged_dot", ...).
       aebs_impl: "reference" (jnp Algorithm 1) | "kernel" (Pallas).
       interpret: Pallas interpret mode for both kernels (None: on CPU only).
       placement: slot -> logical expert list [S] (-1 = unused), the same for every MoE layer,

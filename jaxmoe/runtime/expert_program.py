@@ -53,10 +53,12 @@ _SLOT_SPEC = P(EXP)
 # are summed over the instance's devices.
 _TP_SLOT_SPECS = {"w_gate": P(EXP, None, ETP), "w_up": P(EXP, None, ETP), "w_down": P(EXP, ETP, None)}
 _SHARED_SPECS = {"w_gate": P(None, EXP), "w_up": P(None, EXP), "w_down": P(EXP, None)}
-# "auto": the fastest expert-FFN form over replica slots on this backend. The padded einsum runs with
+# "auto": the fastest expert-FFN form over replica slots on this backend. On CPU the C++ kernel over
+# the plain slot arrays (bucketed_loop for prefill-sized batches; padded_einsum, the default before
+# it, took 1.5-2.8x its expert time per layer, BENCHMARKS.md); padded_einsum, where named, runs with
 # capacity B*T rows per slot, which is exact: a token selects an expert at most once and AEBS sends
 # all of an expert's tokens to one replica, so no slot gets more.
-AUTO_EXPERT_IMPL = {"cpu": "padded_einsum", "other": "ragged_dot"}
+AUTO_EXPERT_IMPL = {"cpu": "cpu_kernel", "other": "ragged_dot"}
 
 
 def slot_spec(name: str, tp: bool = False) -> P:
