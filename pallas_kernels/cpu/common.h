@@ -39,15 +39,6 @@ inline vf load(const uint16_t* p) {  // bfloat16 bits -> float32
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-inline float widen(float x) { return x; }
-
-inline float widen(uint16_t bits) {  // bfloat16 bits -> float32
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // exp(a) on a vector, a clamped to [-88, 88] (exp(88) is near float32's largest); range reduction
 // (2^n * e^r, |r| <= ln2 / 2) and a degree-6 polynomial (relative error ~1e-7 on float32).
 inline vf exp_clamped(vf a) {
