@@ -9,8 +9,8 @@ keys and values of a KV cache stacked over layers ([L, S, KVH, hd], slots in blo
 * ``"reference"``: every key gathered and masked (``reference.py``); the oracle of the tests.
 * ``"cpu_kernel"``: a C++ XLA:CPU custom call reading the cache in place (``cpu_kernel.py``).
 
-The model's own XLA form (``jaxmoe.models.attention.paged_attention``: chunks of keys, an online
-softmax, generic over GQA and MLA) is what runs where the kernel does not take the shapes.
+The model's own XLA form (``jaxmoe.models.attention.gqa_xla``: chunks of keys, an online softmax)
+is what runs where the kernel does not take the shapes.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ def unavailable_reason() -> str | None:
 
 
 def available() -> bool:
+    """Whether the kernel can run in this process."""
     return unavailable_reason() is None
 
 
