@@ -311,6 +311,31 @@ def test_pallas_kernels_match_reference(checkpoint_dir):
     assert _rel_err(b, a) < 1e-5
 
 
+def test_cpu_default_expert_ffn_is_the_kernel(checkpoint_dir, monkeypatch):
+    """On CPU the expert program's "auto" is the C++ expert kernel over the plain replica slots (it
+    runs in the traced program) and gives the padded einsum's logits."""
+    import jax
+
+    from jaxmoe.pallas_kernels.expert_ffn import IMPLS, cpu_kernel
+
+    if not cpu_kernel.available():
+        pytest.skip(f"cpu_kernel: {cpu_kernel.unavailable_reason()}")
+    calls = []
+    real = IMPLS["cpu_kernel"]
+    monkeypatch.setitem(IMPLS, "cpu_kernel", lambda *a, **k: calls.append(1) or real(*a, **k))
+    jax.clear_caches()  # trace the expert program anew, through the spy
+    cfg, params, _ = load_model(checkpoint_dir("mixtral"), dtype="float32")
+    spec = "meshes/cpu-8-4a4e.yaml"
+    kernel = DisaggregatedExecutor(cfg, params, 64 * 8, 8, spec)
+    einsum = DisaggregatedExecutor(cfg, params, 64 * 8, 8, spec, expert_impl="padded_einsum")
+    assert kernel.expert_impl == "cpu_kernel"
+    rows = [Row(PROMPTS[1][:1], 0, TABLES[0]), Row(PROMPTS[0][:1], 0, TABLES[1])]  # decode-sized
+    a = np.asarray(ModelRunner(kernel, 8, 8).forward(rows))
+    assert calls, "the expert program did not run the kernel"
+    b = np.asarray(ModelRunner(einsum, 8, 8).forward(rows))
+    assert _rel_err(a, b) < 1e-5
+
+
 # --------------------------------------------------------------------------- replicas
 
 

@@ -163,12 +163,12 @@ def layer_step(
     index=None,
     brownout: Brownout | None = None,
     expert_impl: str = "auto",
+    in_place: bool = False,
 ):
     """One whole layer (attention side, then the routed experts); ``index`` as ``attention_layer``'s
     (and, for the routed expert weights of a ``layer_view``, ``moe_layer``'s); ``expert_impl``: the
-    expert-FFN implementation (``moe_layer``)."""
-    # with the CPU expert kernel, attention reads the stacked KV cache in place with its kernel too
-    x, xn, cache = attention_side(layer, cfg, x, batch, cache, block_size, index, expert_impl == "cpu_kernel")
+    expert-FFN implementation (``moe_layer``); ``in_place`` as ``attention_layer``'s."""
+    x, xn, cache = attention_side(layer, cfg, x, batch, cache, block_size, index, in_place)
     if "moe" in layer:
         x = x + moe_layer(layer["moe"], cfg, xn, index, brownout, expert_impl)
     return x, cache
@@ -198,14 +198,17 @@ def forward(
         if brownout_threshold is None
         else Brownout(brownout_threshold, (batch.slots >= 0).reshape(-1), full_brownout)
     )
+    # with the CPU expert kernel, attention reads its projections and the stacked KV cache in place too
+    in_place = expert_impl == "cpu_kernel"
     new_cache = []
     for group, group_cache in zip(params["groups"], cache):
 
         def body(carry, index, group=group):
             x, group_cache = carry
-            # with the CPU expert kernel, the attention projections use its matmul too (read in place)
-            layer = layer_view(group, index, params["embed"].dtype, in_place=expert_impl == "cpu_kernel")
-            return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout, expert_impl), None
+            layer = layer_view(group, index, params["embed"].dtype, in_place=in_place)
+            return layer_step(
+                layer, cfg, x, batch, group_cache, block_size, index, brownout, expert_impl, in_place
+            ), None
 
         n = jax.tree.leaves(group)[0].shape[0]
         (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), jnp.arange(n))

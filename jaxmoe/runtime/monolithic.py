@@ -104,7 +104,8 @@ class MonolithicExecutor:
             def body(carry, index):
                 x, group_cache = carry
                 layer = layer_view(group, index, dtype, in_place=in_place)
-                return layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout, impl), None
+                step = layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout, impl, in_place)
+                return step, None
 
             (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), start + jnp.arange(n))
             return x, group_cache

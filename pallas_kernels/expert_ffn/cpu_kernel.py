@@ -50,19 +50,14 @@ def build() -> pathlib.Path:
     return LIBRARY.build()
 
 
-def _register() -> str | None:
-    """None when the kernel can run in this process (built, loaded and registered once), else why not."""
-    return LIBRARY.unavailable_reason()
-
-
 def available() -> bool:
     """Whether the kernel can run in this process (built and registered on first call)."""
-    return _register() is None
+    return unavailable_reason() is None
 
 
 def unavailable_reason() -> str | None:
-    """Why the kernel cannot run here (None: it can)."""
-    return _register()
+    """Why the kernel cannot run here (None: it can; built, loaded and registered on the first call)."""
+    return LIBRARY.unavailable_reason()
 
 
 def _reads(weights, x) -> bool:
@@ -89,7 +84,7 @@ def supports(x, ids, experts) -> bool:
 def cpu_kernel(x, ids, weights, experts, fallback):
     """The expert FFN through the custom call (``supports``), else ``fallback(x, ids, weights,
     experts)``; raises ``KernelUnavailable`` when the kernel cannot run here."""
-    reason = _register()
+    reason = unavailable_reason()
     if reason is not None:
         raise KernelUnavailable(f"expert_impl 'cpu_kernel' is unavailable: {reason}")
     if not supports(x, ids, experts):
@@ -114,7 +109,7 @@ def matmul_supports(x, stack) -> bool:
     """Whether ``layer_matmul`` takes x [..., K] @ stack [L, K, N] here (else slice and ``@``)."""
     K, N = stack.shape[-2], stack.shape[-1]
     return (
-        _register() is None
+        unavailable_reason() is None
         and stack.ndim == 3
         and x.shape[-1] == K
         and math.prod(x.shape[:-1]) <= MATMUL_MAX_ROWS.get(jnp.dtype(x.dtype).name, 0)
