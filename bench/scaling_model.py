@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--mesh", default="meshes/cpu-8.yaml")
     ap.add_argument("--fit-layouts", default="1a7e,2a6e,4a4e")
     ap.add_argument("--fit-batches", default="1,4,16")
-    ap.add_argument("--rows", default="1,2,4,8", help="sweep: rows per attention instance")
+    ap.add_argument("--rows", default="1,2,4,8,16", help="sweep: rows per attention instance")
     ap.add_argument("--contexts", default="32,96", help="sweep: tokens attended")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layouts", default="1a7e,2a6e,3a5e,4a4e,6a2e")

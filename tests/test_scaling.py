@@ -27,6 +27,18 @@ def test_moe_time_grows_linearly_with_activated_experts():
     assert PM.activated_per_instance(10_000, 8, True) == PM.model.experts / 8
 
 
+def test_monolithic_baseline_splits_attention_only_as_far_as_memory_needs():
+    """JANUS's SGLang baseline: data-parallel attention groups, tensor-parallel only where the
+    weights would not fit beside the expert shard (DeepSeek-V2 on 16 H100s: pairs)."""
+    m, hw = PM.model, PM.hw
+    assert 16 * (hw.memory - m.other_bytes_total) < m.expert_bytes_total  # full weights on all 16 do not fit
+    assert PM.monolithic_tp(16) == 2 and PM.monolithic_tp(32) == 1 and PM.monolithic_tp(64) == 1
+    # the MLA cache is not split over a group's GPUs: at tp 2 each sequence's cache is held twice
+    per_seq = 144.0 * m.kv_bytes_per_token_layer * m.layers
+    free = 16 * (hw.memory - m.other_bytes_total / 2) - m.expert_bytes_total
+    assert PM.monolithic_capacity(16, 144.0) == pytest.approx(free / (2 * per_seq))
+
+
 def test_steady_state_satisfies_littles_law():
     for system, layout in ((JANUS, Layout(9, 2, 7)), (MONOLITHIC, Layout(16))):
         for rate in (1.0, 10.0, 30.0):

@@ -28,13 +28,21 @@ from jaxmoe.scaling.fitted import (
 
 BASE = load_mesh("meshes/cpu-8.yaml")
 DIMS = ScalingDims(
-    layers=4, moe_layers=3, experts=8, top_k=2, hidden=64, dtype_bytes=4, slots_per_instance=4, num_devices=8
+    layers=4,
+    moe_layers=3,
+    experts=8,
+    top_k=2,
+    hidden=64,
+    dtype_bytes=4,
+    slots_per_instance=4,
+    num_devices=8,
+    fallback_above=12,
 )
 TRUE = ScalingFits(
     attention=LinearModel(alpha=1e-4, betas=(5e-5, 2e-6, 1e-8, 3e-8)),
-    expert=LinearModel(alpha=2e-4, betas=(3e-4, 5e-4, 1e-6)),
-    a2e=LinearModel(alpha=1e-4, betas=(2e-5, 1e-9)),
-    e2a=LinearModel(alpha=3e-4, betas=(4e-5, 2e-9)),
+    expert=LinearModel(alpha=2e-4, betas=(3e-4, 5e-4, 6e-5, 1e-6, 4e-6)),
+    a2e=LinearModel(alpha=1e-4, betas=(2e-5, 3e-5, 5e-6, 1e-9)),
+    e2a=LinearModel(alpha=3e-4, betas=(4e-5, 2e-5, 7e-6, 2e-9)),
     step=LinearModel(alpha=3e-3, betas=(1e-5, 0.8)),
 )
 
@@ -55,12 +63,12 @@ def _synthetic_samples(rng):
                 for context in (32, 128):
                     x = attention_terms(a, rows, context)
                     samples["attention"].append([*x, TRUE.attention(*x)])
-                    x = expert_terms(e, float(rng.uniform(1, 4)), a * rows)
+                    busiest = float(rng.uniform(1, 4))
+                    x = expert_terms(e, busiest, busiest * e * rng.uniform(0.6, 1), a * rows, DIMS.fallback_above)
                     samples["expert"].append([*x, TRUE.expert(*x)])
                     plan = plan_transfers(spec, rows * DIMS.hidden * DIMS.dtype_bytes)
                     for d in ("a2e", "e2a"):
-                        c = plan.counts(d)
-                        x = transfer_terms(c.transfers, c.nbytes)
+                        x = transfer_terms(spec, plan, d)
                         samples[d].append([*x, getattr(TRUE, d)(*x)])
     return samples
 

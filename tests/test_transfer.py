@@ -60,11 +60,15 @@ def test_a2e_e2a_values_and_hops(layout, strategy, monkeypatch):
         hops.append((sub.node_of(src), sub.node_of(device), value.nbytes))
         return real_put(value, device, **kw)
 
+    calls = []  # every eager array operation of the walk
+    for name in ("first", "rows", "concat", "add"):
+        real = getattr(T._JaxOps, name)
+        monkeypatch.setattr(T._JaxOps, name, lambda self, *a, _real=real: calls.append(1) or _real(self, *a))
     monkeypatch.setattr(jax, "device_put", spy)
     x_exp = T.a2e(x_attn, plan, sub)
-    a2e_hops, hops[:] = list(hops), []
+    a2e_hops, hops[:], a2e_calls, calls[:] = list(hops), [], len(calls), []
     y_attn = T.e2a(y_exp, plan, sub)
-    e2a_hops = list(hops)
+    e2a_hops, e2a_calls = list(hops), len(calls)
     monkeypatch.undo()
 
     # a2e: every expert device holds all activations
@@ -80,6 +84,10 @@ def test_a2e_e2a_values_and_hops(layout, strategy, monkeypatch):
     for direction, ran in (("a2e", a2e_hops), ("e2a", e2a_hops)):
         counted = T.TransferCounts.of(T.Transfer(0, 0, (), nbytes, 1, "", src != dst) for src, dst, nbytes in ran)
         assert counted == plan.counts(direction), direction
+    # ... and so are the dry run's host calls
+    ops = T.host_ops(spec, plan)
+    assert ops["a2e"] == T.HostOps(len(a2e_hops), a2e_calls, len(sub.experts.devices.flat))
+    assert ops["e2a"] == T.HostOps(len(e2a_hops), e2a_calls, len(sub.attention.devices.flat))
 
 
 def test_cpu8_two_phase_cuts_cross_node_transfers():

@@ -44,7 +44,7 @@ from jaxmoe.models.router import route
 from jaxmoe.runtime import expert_brownout, slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import POLICIES, schedule
-from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
+from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, fallback_above, resolve
 
 EXP, ETP = EXPERT_AXES
 _SLOT_SPEC = P(EXP)
@@ -95,6 +95,7 @@ def _shardings(mesh, specs):
 class ExpertProgram:
     run: Callable  # (params, tables, x, valid, step, coact, threshold) -> (partials, coact, activated, used)
     replicated: NamedSharding  # P() on the expert mesh
+    fallback_above: int | None = None  # steps of more tokens run the FFN form's fallback (expert_ffn.fallback_above)
 
 
 @functools.lru_cache(maxsize=32)
@@ -172,7 +173,11 @@ def make_expert_program(
         return partials, coact + step_coact, activated, used
 
     replicated = NamedSharding(sub.experts, P())
-    return ExpertProgram(run=jax.jit(run, donate_argnums=(5,)), replicated=replicated)
+    return ExpertProgram(
+        run=jax.jit(run, donate_argnums=(5,)),
+        replicated=replicated,
+        fallback_above=fallback_above(ffn_impl, C, cfg.moe.top_k),
+    )
 
 
 # --------------------------------------------------------------------------- weight layout

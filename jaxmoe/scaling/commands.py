@@ -37,7 +37,12 @@ def register(sub, add_model_args) -> None:
     fit.add_argument(
         "--batches", type=int_list, default="1,4,16", help="decode batches whose engine TPOT the step model fits"
     )
-    fit.add_argument("--rows", type=int_list, default="1,2,4,8", help="rows per attention instance of the parts sweep")
+    fit.add_argument(
+        "--rows",
+        type=int_list,
+        default="1,2,4,8,16",
+        help="rows per attention instance of the parts sweep (cover the rows a step serves)",
+    )
     fit.add_argument("--contexts", type=int_list, default="32,96", help="tokens attended of the parts sweep")
     fit.add_argument("--repeats", type=int, default=5, help="timed repeats per part point (least-contended)")
     fit.add_argument("--rounds", type=int, default=2, help="rounds per TPOT (least-contended)")

@@ -5,8 +5,8 @@
    (rows per attention instance, tokens attended) of the sweep, with random token ids (rows route to
    different experts), run in timing mode -- ``planning.measure.time_phases``, the loop
    ``jaxmoe profile`` uses for FinDEP's stage models. Per layer: the attention, A2E, expert and E2A
-   times of the least-contended repeat, the activated experts of the busiest expert instance
-   (``executor.activated_per_instance``) and the hops and bytes of the layout's transfer plan.
+   times of the least-contended repeat, the activated experts of the busiest expert instance and
+   of all of them (``executor.activated_per_instance``) and the host calls and bytes of the layout's transfer plan.
 2. **Step** (``decode_tpot``): the real engine's decode TPOT on that layout (``LLMEngine``: ``batch``
    requests of ``prompt`` tokens, all prefilled in one step, then ``output`` greedy tokens; the
    median step of the least-contended round), fitted against the parts predicted for the same
@@ -53,7 +53,7 @@ PARTS = ("attention", "expert", "a2e", "e2a")
 class FitSweep:
     """Where the parts are measured on every layout: rows per attention instance x contexts."""
 
-    rows: tuple[int, ...] = (1, 2, 4, 8)
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16)
     contexts: tuple[int, ...] = (32, 128)
     repeats: int = 5
     seed: int = 0
@@ -99,16 +99,19 @@ def measure_parts(
             t = {p: phase_per_layer(records, p, moe, min) for p in PARTS}  # least contended, as decode_tpot
             t["attention"] = phase_per_layer(records, "attention", range(executor.cfg.num_layers), min)
             per_instance = executor.activated_per_instance()
-            activated = statistics.fmean(max(per_instance[i]) for i in moe)
+            busiest = statistics.fmean(max(per_instance[i]) for i in moe)
+            activated = statistics.fmean(sum(per_instance[i]) for i in moe)
             plan = plan_transfers(spec, rows * hidden_bytes)
             samples["attention"].append([*attention_terms(a, rows, context), t["attention"]])
-            samples["expert"].append([*expert_terms(n, activated, a * rows), t["expert"]])
+            fallback = executor.expert_side.program.fallback_above
+            samples["expert"].append([*expert_terms(n, busiest, activated, a * rows, fallback), t["expert"]])
             for d in ("a2e", "e2a"):
-                c = plan.counts(d)
-                samples[d].append([*transfer_terms(c.transfers, c.nbytes), t[d]])
+                samples[d].append([*transfer_terms(spec, plan, d), t[d]])
             if progress is not None:
                 ms = ", ".join(f"{p} {t[p] * 1e3:.3f}" for p in PARTS)
-                progress(f"{a}a{n}e rows {rows:>3} context {context:>4}: {ms} ms/layer, activated {activated:.2f}")
+                progress(
+                    f"{a}a{n}e rows {rows:>3} context {context:>4}: {ms} ms/layer, activated {busiest:.2f} / {activated:.2f}"
+                )
     return samples
 
 
@@ -204,7 +207,7 @@ def fit_profile(
     )
 
 
-def dims_of(cfg, spec: ClusterSpec, dtype_bytes: int) -> ScalingDims:
+def dims_of(cfg, spec: ClusterSpec, dtype_bytes: int, fallback_above: int | None = None) -> ScalingDims:
     return ScalingDims(
         layers=cfg.num_layers,
         moe_layers=cfg.num_moe_layers,
@@ -214,6 +217,7 @@ def dims_of(cfg, spec: ClusterSpec, dtype_bytes: int) -> ScalingDims:
         dtype_bytes=dtype_bytes,
         slots_per_instance=spec.experts.slots_per_instance,
         num_devices=spec.num_devices,
+        fallback_above=fallback_above,
     )
 
 
@@ -291,7 +295,7 @@ def fit_llm(llm, base: ClusterSpec, samples, steps: Sequence[StepPoint], where: 
         samples,
         steps,
         base,
-        dims_of(llm.cfg, base, dt.itemsize),
+        dims_of(llm.cfg, base, dt.itemsize, llm.executor.expert_side.program.fallback_above),
         model=model_identity(llm.cfg),
         dtype=str(dt),
         device=f"{device.platform}: {device.device_kind}",

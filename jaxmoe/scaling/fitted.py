@@ -13,19 +13,25 @@ attention  a, B, B x c, b x c                        one program dispatch per in
                                                      work (host devices share the cores) and the
                                                      per-instance work (separate devices)
 expert     N, activated experts of the busiest       dispatch per instance; JANUS's Fig. 1 finding
-           instance, N x B                           (an MoE layer's time grows with the experts an
-                                                     instance activates); gate and padded grouped
-                                                     matmul over every instance's rows
-a2e, e2a   hops, bytes                               the layout's transfer plan (``runtime.transfer``:
-                                                     two-phase or direct)
+           instance and of all instances, N x B,     (an MoE layer's time grows with the experts an
+           N x B where B exceeds the FFN form's      instance activates; on host devices sharing
+           own range                                 the cores, with all of them); gate and grouped
+                                                     matmul over every instance's rows, dearer where the
+                                                     FFN form falls back (``expert_ffn
+                                                     .fallback_above``: the CPU kernel's plain
+                                                     weights take decode-sized batches only)
+a2e, e2a   puts, eager ops, shards, bytes            the host calls of the layout's transfer plan
+                                                     (``runtime.transfer.host_ops``: copies, the
+                                                     slices / concatenations / sums around them,
+                                                     the shards assembled) and its bytes
 step       B, the parts' sum                         the engine's decode step (measured TPOT): the
                                                      parts as served (not blocked per phase), the
                                                      embedding, LM head, sampling and scheduler
 =========  ========================================  ==============================================
 
 ``TPOT = step(B, layers x attention + MoE layers x (a2e + expert + e2a))``. The activated experts
-of a prediction are the expected number (``perf_model.activated_per_instance``: an even share under
-AEBS, a balls-in-bins maximum under random scheduling). ``FittedPerfModel`` answers the scaling
+of a prediction are the expected numbers (``perf_model.activated_per_instance``: an even share under
+AEBS, a balls-in-bins maximum under random scheduling; ``perf_model.distinct_experts`` in all). ``FittedPerfModel`` answers the scaling
 controller's ``DisaggregatedPerf`` protocol; ``jaxmoe.scaling.fit`` measures and fits a profile.
 """
 
@@ -45,8 +51,8 @@ from jaxmoe.mesh import ClusterSpec
 from jaxmoe.planning.linear import LinearModel
 from jaxmoe.planning.profile import ProfileError, read_profile
 from jaxmoe.runtime.rescale import rescaled_spec
-from jaxmoe.runtime.transfer import plan_transfers
-from jaxmoe.scaling.perf_model import activated_per_instance
+from jaxmoe.runtime.transfer import TransferPlan, host_ops, plan_transfers
+from jaxmoe.scaling.perf_model import activated_per_instance, distinct_experts
 
 SCALING_PROFILE_KIND = "jaxmoe-scaling-profile"
 
@@ -64,15 +70,16 @@ class ScalingDims(BaseModel):
     dtype_bytes: int = Field(gt=0)
     slots_per_instance: int = Field(gt=0)
     num_devices: int = Field(gt=0)
+    fallback_above: int | None = Field(default=None, gt=0)  # tokens: above, the expert FFN's fallback runs
 
 
 class ScalingFits(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     attention: LinearModel  # (a, B, B*c, b*c) -> seconds per layer
-    expert: LinearModel  # (N, activated of the busiest instance, N*B) -> seconds per MoE layer
-    a2e: LinearModel  # (hops, bytes)
-    e2a: LinearModel  # (hops, bytes)
+    expert: LinearModel  # (N, activated: busiest instance, all; N*B, N*B in the fallback) -> s per MoE layer
+    a2e: LinearModel  # (puts, eager ops, shards, bytes)
+    e2a: LinearModel  # (puts, eager ops, shards, bytes)
     step: LinearModel  # (B, parts) -> the engine's decode step (TPOT)
 
 
@@ -80,7 +87,7 @@ class ScalingProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["jaxmoe-scaling-profile"] = SCALING_PROFILE_KIND
-    version: Literal[1] = 1
+    version: Literal[2] = 2  # 2: host-call transfer terms and the expert fallback term
     mesh: str  # mesh_family(spec): the devices and slots, any aXeY layout on them
     model: str  # planning.profile.model_identity
     dtype: str
@@ -145,12 +152,17 @@ def attention_terms(attention: int, rows: int, context: float) -> list[float]:
     return [attention, B, B * context, rows * context]
 
 
-def expert_terms(experts: int, activated: float, rows_total: int) -> list[float]:
-    return [experts, activated, experts * rows_total]
+def expert_terms(
+    experts: int, busiest: float, activated: float, rows_total: int, fallback_above: int | None
+) -> list[float]:
+    fallback = fallback_above is not None and rows_total > fallback_above
+    return [experts, busiest, activated, experts * rows_total, experts * rows_total * fallback]
 
 
-def transfer_terms(hops: int, nbytes: int) -> list[float]:
-    return [hops, nbytes]
+def transfer_terms(spec: ClusterSpec, plan: TransferPlan, direction: str) -> list[float]:
+    """A2E or E2A of ``plan`` on ``spec``'s devices: its host calls (``transfer.host_ops``) and bytes."""
+    ops = host_ops(spec, plan)[direction]
+    return [ops.puts, ops.ops, ops.shards, plan.counts(direction).nbytes]
 
 
 def step_terms(rows_total: int, parts: float) -> list[float]:
@@ -191,15 +203,16 @@ class FittedPerfModel:
         rows = padded_rows(batch, attention)
         B = attention * rows
         act = activated_per_instance(d.experts, d.top_k, batch, experts, d.slots_per_instance, balanced)
-        plan = plan_transfers(layout_spec(self.base, attention, experts, two_phase), rows * d.hidden * d.dtype_bytes)
-        a2e, e2a = plan.counts("a2e"), plan.counts("e2a")
+        distinct = distinct_experts(d.experts, d.top_k, batch)
+        spec = layout_spec(self.base, attention, experts, two_phase)
+        plan = plan_transfers(spec, rows * d.hidden * d.dtype_bytes)
         out = {
             "rows": B,
             "activated": act,
             "attention": f.attention(*attention_terms(attention, rows, context)),
-            "expert": f.expert(*expert_terms(experts, act, B)),
-            "a2e": f.a2e(*transfer_terms(a2e.transfers, a2e.nbytes)),
-            "e2a": f.e2a(*transfer_terms(e2a.transfers, e2a.nbytes)),
+            "expert": f.expert(*expert_terms(experts, act, distinct, B, d.fallback_above)),
+            "a2e": f.a2e(*transfer_terms(spec, plan, "a2e")),
+            "e2a": f.e2a(*transfer_terms(spec, plan, "e2a")),
         }
         out["sum"] = d.layers * out["attention"] + d.moe_layers * (out["a2e"] + out["expert"] + out["e2a"])
         out["tpot"] = f.step(*step_terms(B, out["sum"]))

@@ -13,9 +13,9 @@ on the batch and context per attention instance. Per layer and decode step:
 * A2E + E2A: ``hops x alpha + bytes / bandwidth`` with the two-phase scheme's hops (one send per
   expert node) or direct m-to-n hops.
 
-A monolithic deployment of N GPUs (as SGLang: attention data-parallel over nodes and
-tensor-parallel inside one, experts sharded over all GPUs) runs both on every GPU with an
-all-to-all in between. Parameters are GPU-shaped (H100: 3.35 TB/s, 989 TFLOP/s, 80 GB;
+A monolithic deployment of N GPUs (JANUS's SGLang baseline: attention data-parallel, each group
+tensor-parallel over as few GPUs as let the weights fit; experts sharded over all GPUs) runs both
+on every GPU with an all-to-all in between. Parameters are GPU-shaped (H100: 3.35 TB/s, 989 TFLOP/s, 80 GB;
 DeepSeek-V2's footprint from JANUS Table 1: 421 GB of experts in 472 GB).
 """
 
@@ -162,16 +162,18 @@ class PerfModel:
         return m.layers * per_layer_attn + m.moe_layers * per_moe
 
     def tpot_monolithic(self, batch: float, context: float, gpus: int) -> float:
-        """SGLang-style deployment of ``gpus`` GPUs: attention data-parallel over nodes and
-        tensor-parallel inside a node (weights split over its GPUs, two all-reduces per layer),
-        experts sharded over all GPUs, an all-to-all before and after the experts."""
+        """SGLang-style deployment of ``gpus`` GPUs as JANUS's baseline (section 1: the attention
+        side's data parallelism configured to match expert parallelism): ``gpus / tp`` attention
+        groups, data-parallel, each tensor-parallel over ``tp = monolithic_tp(gpus)`` GPUs (its
+        weights split, two all-reduces per layer; the MLA latent KV cache cannot be split over
+        heads, so every GPU of a group reads all of its group's cache), experts sharded over all
+        GPUs, an all-to-all before and after the experts."""
         m, hw = self.model, self.hw
-        tp = min(hw.gpus_per_node, gpus)
-        dp = gpus // tp
-        b = batch / dp
-        read = m.other_bytes_per_layer / tp + b * context * m.kv_bytes_per_token_layer / tp
+        tp = self.monolithic_tp(gpus)
+        b = batch / (gpus // tp)
+        read = m.other_bytes_per_layer / tp + b * context * m.kv_bytes_per_token_layer
         flops = 2 * b * m.other_bytes_per_layer / m.dtype_bytes / tp
-        attn = hw.launch_overhead + max(read / hw.memory_bandwidth, flops / hw.flops) + 2 * hw.link_alpha
+        attn = hw.launch_overhead + max(read / hw.memory_bandwidth, flops / hw.flops) + 2 * (tp > 1) * hw.link_alpha
         moe = self.moe_s(batch, gpus, balanced=False)
         nbytes = batch * m.hidden * m.dtype_bytes / gpus
         all_to_all = 2 * (max(gpus // hw.gpus_per_node - 1, 1) * hw.link_alpha + nbytes / hw.link_bandwidth)
@@ -187,8 +189,21 @@ class PerfModel:
         free = self.hw.memory - m.other_bytes_total
         return attention * free / (context * m.kv_bytes_per_token_layer * m.layers)
 
+    def monolithic_tp(self, gpus: int) -> int:
+        """The least tensor parallelism of the attention groups (1, 2, 4, ... up to a node) with
+        which every GPU holds its attention share and its expert shard."""
+        m, tp = self.model, 1
+        while (
+            tp < min(self.hw.gpus_per_node, gpus)
+            and gpus * (self.hw.memory - m.other_bytes_total / tp) < m.expert_bytes_total
+        ):
+            tp *= 2
+        return tp
+
     def monolithic_capacity(self, gpus: int, context: float) -> float:
+        """Sequences the KV cache holds: the GPUs' memory less the experts and each GPU's attention
+        share; each group's cache is held by all ``tp`` GPUs of the group."""
         m = self.model
-        tp = min(self.hw.gpus_per_node, gpus)
-        free = gpus * self.hw.memory - m.expert_bytes_total - gpus * m.other_bytes_total / tp
-        return max(free, 0.0) / (context * m.kv_bytes_per_token_layer * m.layers / tp)
+        tp = self.monolithic_tp(gpus)
+        free = gpus * (self.hw.memory - m.other_bytes_total / tp) - m.expert_bytes_total
+        return max(free, 0.0) / (context * m.kv_bytes_per_token_layer * m.layers * tp)

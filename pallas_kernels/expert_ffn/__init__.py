@@ -2,7 +2,16 @@
 implementations (XLA forms and the Pallas grouped-matmul kernels)."""
 
 from . import cpu_kernel
-from .api import IMPLS, ExpertWeights, Stacked, expert_ffn, resolve
+from .api import IMPLS, ExpertWeights, Stacked, expert_ffn, fallback_above, resolve
 from .reference import expert_ffn_reference
 
-__all__ = ["cpu_kernel", "IMPLS", "ExpertWeights", "Stacked", "expert_ffn", "expert_ffn_reference", "resolve"]
+__all__ = [
+    "cpu_kernel",
+    "IMPLS",
+    "ExpertWeights",
+    "Stacked",
+    "expert_ffn",
+    "expert_ffn_reference",
+    "fallback_above",
+    "resolve",
+]

@@ -112,6 +112,12 @@ def resolve(impl: str, defaults: dict[str, str]) -> str:
     return impl
 
 
+def fallback_above(impl: str, num_experts: int, top_k: int) -> int | None:
+    """The most tokens ``impl`` runs in its own form on plain weights of ``num_experts`` experts
+    (top-k routing); larger batches run its fallback (None: it has none)."""
+    return cpu_kernel.plain_rows(num_experts, top_k) if impl == "cpu_kernel" else None
+
+
 def expert_ffn(x, ids, weights, experts: ExpertWeights, *, impl: str, interpret: bool | None = None):
     """The routed-experts output [T, D] in x.dtype (see the module docstring). ``interpret``: for
     ``"pallas"`` only (None: the interpreter on CPU, compiled kernels elsewhere)."""

@@ -66,6 +66,12 @@ def _reads(weights, x) -> bool:
     return weights.dtype in (jnp.float32, jnp.bfloat16) or (weights.dtype == jnp.uint16 and x.dtype == jnp.bfloat16)
 
 
+def plain_rows(num_experts: int, top_k: int) -> int:
+    """The most tokens the kernel takes on plain weights: ``PLAIN_ROWS_PER_EXPERT`` rows per expert
+    on average."""
+    return PLAIN_ROWS_PER_EXPERT * num_experts // top_k
+
+
 def supports(x, ids, experts) -> bool:
     """Whether the kernel takes these shapes and weight dtypes, and, for plain weights, the batch is
     decode-sized (else ``fallback`` runs). On ``Panels`` it takes every batch: at 64-256 tokens it was
@@ -74,7 +80,7 @@ def supports(x, ids, experts) -> bool:
     D, F = gate.shape[-2], gate.shape[-1]
     return (
         x.ndim == 2
-        and (isinstance(gate, Panels) or x.shape[0] * ids.shape[1] <= PLAIN_ROWS_PER_EXPERT * experts.num_experts)
+        and (isinstance(gate, Panels) or x.shape[0] <= plain_rows(experts.num_experts, ids.shape[1]))
         and D % VECTOR == 0
         and F % VECTOR == 0
         and _reads(gate, x)

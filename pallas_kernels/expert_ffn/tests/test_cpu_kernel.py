@@ -11,7 +11,14 @@ import pytest
 
 from jaxmoe.models.common import pack16
 from jaxmoe.models.experts import LayerWeights
-from jaxmoe.pallas_kernels.expert_ffn import Stacked, cpu_kernel, expert_ffn, expert_ffn_reference, resolve
+from jaxmoe.pallas_kernels.expert_ffn import (
+    Stacked,
+    cpu_kernel,
+    expert_ffn,
+    expert_ffn_reference,
+    fallback_above,
+    resolve,
+)
 from jaxmoe.pallas_kernels.expert_ffn.panels import plain, to_panels, width_for
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"{cpu_kernel.unavailable_reason()}")
@@ -119,6 +126,8 @@ def test_prefill_sized_batches_and_odd_shapes_run_the_fallback():
     x = jax.random.normal(kx, (17, 32))
     assert not cpu_kernel.supports(x, ids, experts)  # 34 rows > 8 per expert on average
     assert cpu_kernel.supports(x[:16], ids[:16], experts)
+    assert fallback_above("cpu_kernel", 4, 2) == 16  # what the scaling model prices as the fallback
+    assert fallback_above("bucketed_loop", 4, 2) is None
     odd = Stacked(*(jnp.ones((4, 24, 64)), jnp.ones((4, 24, 64)), jnp.ones((4, 64, 24))))
     assert not cpu_kernel.supports(jnp.ones((2, 24)), ids[:2], odd)  # D = 24: not a multiple of 16
     calls = []
