@@ -1,5 +1,6 @@
-"""The expert FFN on XLA:CPU: ``cpu_kernel`` (the C++ custom call) on plain weights and on weights
-stored as column panels (how the monolithic executor stores them for it) against ``bucketed_loop``
+"""The expert FFN on XLA:CPU: ``cpu_kernel`` (the C++ custom call) on plain weights, on weights
+stored as column panels (how the monolithic executor stores them for it) and, for bfloat16, on panels
+in pairs of rows (the bf16 dot instruction's layout, stored where the CPU has it) against ``bucketed_loop``
 (the XLA form it replaced as the CPU default), at the shapes of issue 17's 107 M Mixtral-style
 checkpoint.
 
@@ -31,7 +32,12 @@ from jaxmoe.models.experts import LayerWeights
 from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel, expert_ffn
 from jaxmoe.pallas_kernels.expert_ffn.panels import to_panels, width_for
 
-VARIANTS = {"bucketed_loop": ("bucketed_loop", False), "plain": ("cpu_kernel", False), "panels": ("cpu_kernel", True)}
+VARIANTS = {  # name: (impl, weight layout)
+    "bucketed_loop": ("bucketed_loop", "plain"),
+    "plain": ("cpu_kernel", "plain"),
+    "panels": ("cpu_kernel", "panels"),
+    "pairs": ("cpu_kernel", "pairs"),
+}
 L, E, D, F, K = 8, 8, 512, 1024, 2
 
 
@@ -56,8 +62,11 @@ def measure(T: int, dtype, repeats: int) -> dict:
     x = jax.random.normal(keys[3], (T, D)).astype(dtype)
     ids = jnp.argsort(jax.random.uniform(keys[4], (T, E)), axis=1)[:, :K].astype(jnp.int32)
     weights = jax.nn.softmax(jax.random.normal(keys[5], (T, K)), -1).astype(dtype)
-    stored = {False: p, True: {n: to_panels(a, width_for(D, F)) for n, a in p.items()}}
-    runs = programs(ids, weights)
+    width = width_for(D, F)
+    stored = {"plain": p, "panels": {n: to_panels(a, width) for n, a in p.items()}}
+    if jnp.dtype(dtype).itemsize == 2:
+        stored["pairs"] = {n: to_panels(a, width, pairs=True) for n, a in p.items()}
+    runs = {name: run for name, run in programs(ids, weights).items() if VARIANTS[name][1] in stored}
     for name, run in runs.items():
         run(stored[VARIANTS[name][1]], x).block_until_ready()
     times = {name: [] for name in runs}
@@ -88,18 +97,18 @@ def main(argv=None) -> int:
     )
     print(
         "| dtype | tokens | experts routed | bucketed_loop ms (GB/s) | cpu_kernel, plain ms (GB/s) "
-        "| cpu_kernel, panels ms (GB/s) | speed-up plain / panels |"
+        "| cpu_kernel, panels ms (GB/s) | cpu_kernel, pairs ms (GB/s) | speed-up plain / panels / pairs |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         for T in (int(t) for t in args.tokens.split(",")):
             r = measure(T, jnp.dtype(dtype), args.repeats)
-            cells = [f"{r['ms'][i]:.2f} ({r['gb'] / r['ms'][i] * 1e3:.0f})" for i in VARIANTS]
+            ms = r["ms"]
+            cells = [f"{ms[i]:.2f} ({r['gb'] / ms[i] * 1e3:.0f})" if i in ms else "-" for i in VARIANTS]
             note = "" if r["kernel"] else " (fallback: prefill-sized)"
-            plain, panels = (r["ms"]["bucketed_loop"] / r["ms"][i] for i in ("plain", "panels"))
+            ups = " / ".join(f"{ms['bucketed_loop'] / ms[i]:.2f}x" for i in ("plain", "panels", "pairs") if i in ms)
             print(
-                f"| {dtype} | {T} | {r['routed']} | {cells[0]} | {cells[1]}{note} | {cells[2]} "
-                f"| {plain:.2f}x / {panels:.2f}x |",
+                f"| {dtype} | {T} | {r['routed']} | {cells[0]} | {cells[1]}{note} | {cells[2]} | {cells[3]} | {ups} |",
                 flush=True,
             )
     return 0

@@ -46,6 +46,12 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def has_cpu_feature(name: str) -> bool:
+    """Whether the CPU reports feature ``name`` (``/proc/cpuinfo``'s flags, e.g. ``avx512_bf16``):
+    what ``-march=native`` will use."""
+    return name in _cpu_flags().split()
+
+
 def _compiler() -> str:
     for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if name and shutil.which(name):

@@ -45,3 +45,23 @@ def test_plain_executor_when_the_kernel_is_not_the_implementation():
     llm = LLM("tiny-random", dtype="float32", num_blocks=32, block_size=8, expert_impl="dense")
     leaves = jax.tree.leaves(_moe_groups(llm), is_leaf=is_panels)
     assert leaves and not any(isinstance(a, Panels) for a in leaves)
+
+
+@pytest.mark.parametrize("bf16_dot", [True, False], ids=["bf16-dot", "no-bf16-dot"])
+def test_bfloat16_panels_in_pairs_where_the_cpu_has_a_bf16_dot(monkeypatch, bf16_dot):
+    """bfloat16 experts are stored in pairs of rows exactly where the CPU has AVX512-BF16 (the layout
+    of its dot instruction; float32 never); either way the plain weights read back bit for bit and
+    the first greedy token of a prompt (decode and a prefill-sized chunk) is the XLA form's."""
+    monkeypatch.setattr(cpu_kernel, "has_bf16_dot", lambda: bf16_dot)
+    kw = dict(dtype="bfloat16", num_blocks=64, block_size=8)
+    kernel = LLM("tiny-random", expert_impl="cpu_kernel", **kw)
+    xla = LLM("tiny-random", expert_impl="bucketed_loop", **kw)
+    for moe in _moe_groups(kernel):
+        assert all(isinstance(moe[k], Panels) and moe[k].pairs == bf16_dot for k in ROUTED)
+    for mine, theirs in zip(kernel.params["layers"], xla.params["layers"]):
+        for k in ROUTED:
+            np.testing.assert_array_equal(np.asarray(mine["moe"][k]), np.asarray(theirs["moe"][k]))
+    prompts = [[5, 9, 2, 7, 11, 3], list(range(3, 40))]
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    got, want = kernel.generate(prompts, sp), xla.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -10,7 +10,9 @@ The call reads the stacked weights in place at the layer (``ExpertWeights.layere
 them is copied. The monolithic executor stores them as column ``Panels`` (``panels.py``) when it
 runs this kernel: each panel is one contiguous stream under a register tile of up to 8 rows,
 1.1-1.6x the speed on plain weights at decode sizes, and faster than XLA's matmuls at prefill sizes
-too (``bench/expert_ffn_cpu.py``).
+too (``bench/expert_ffn_cpu.py``). bfloat16 panels are stored in pairs of rows where the CPU has
+AVX512-BF16 (``has_bf16_dot``): the kernel then multiplies bfloat16 pairs of the activations with
+its dot instruction instead of widening the weights.
 On plain weights (the ``Stacked`` weights of the disaggregated expert program, say) it is a decode
 kernel: where the batch gives an expert more than 8 rows on average (T * top_k > 8 * E: a prefill
 chunk) XLA's matmuls are faster (``bench/expert_ffn_cpu.py``) and ``fallback`` (``bucketed_loop``)
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..cpu_build import CppKernels, KernelUnavailable
+from ..cpu_build import CppKernels, KernelUnavailable, has_cpu_feature
 from .panels import Panels
 
 SOURCE = pathlib.Path(__file__).with_name("cpu") / "expert_ffn.cc"
@@ -48,6 +50,12 @@ LIBRARY = CppKernels(SOURCE, {TARGET: "JaxmoeExpertFfn", MATMUL_TARGET: "JaxmoeL
 def build() -> pathlib.Path:
     """The kernel's shared library, compiled now unless the cache holds it (``cpu_build``)."""
     return LIBRARY.build()
+
+
+def has_bf16_dot() -> bool:
+    """Whether this CPU has AVX512-BF16's dot instruction, which the kernel runs on bfloat16 panels
+    stored in pairs (``panels.to_panels(..., pairs=True)``; elsewhere pairs are widened, slower)."""
+    return has_cpu_feature("avx512_bf16")
 
 
 def available() -> bool:
@@ -96,9 +104,10 @@ def cpu_kernel(x, ids, weights, experts, fallback):
     if not supports(x, ids, experts):
         return fallback(x, ids, weights, experts)
     (gate, up, down), layer = experts.layered()
-    width = gate.width if isinstance(gate, Panels) else 0
-    if any((w.width if isinstance(w, Panels) else 0) != width for w in (up, down)):
-        raise ValueError("cpu_kernel: gate, up and down must all be plain or all panels of one width")
+    layout = _layout(gate)
+    if any(_layout(w) != layout for w in (up, down)):
+        raise ValueError("cpu_kernel: gate, up and down must all be plain or all panels of one layout")
+    width, pairs = layout
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
     y = call(
         x.astype(jnp.float32),
@@ -107,8 +116,13 @@ def cpu_kernel(x, ids, weights, experts, fallback):
         *(w.data if width else w for w in (gate, up, down)),
         jnp.asarray(layer, jnp.int32),
         panel=np.int64(width),
+        pairs=np.int64(pairs),
     )
     return y.astype(x.dtype)
+
+
+def _layout(w) -> tuple[int, bool]:
+    return (w.width, w.pairs) if isinstance(w, Panels) else (0, False)
 
 
 def matmul_supports(x, stack) -> bool:

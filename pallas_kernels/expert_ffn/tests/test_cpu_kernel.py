@@ -63,12 +63,15 @@ def test_reads_one_layer_of_a_stack_in_place(dtype):
         )
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype, pairs", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)], ids=["f32", "bf16", "pairs"]
+)
 @pytest.mark.parametrize("D, F, width", [(64, 192, 64), (96, 160, 32), (48, 80, 16)])
 @pytest.mark.parametrize("T", [1, 3, 9, 40])
-def test_reads_weights_stored_as_panels(dtype, D, F, width, T):
+def test_reads_weights_stored_as_panels(dtype, pairs, D, F, width, T):
     """The layout the monolithic executor stores for this kernel (``panels.py``): every panel width
-    it has tiles for, experts with 1 to 20 rows on average (more than 8: several passes over a panel;
+    it has tiles for, bfloat16 also in pairs of rows (the bf16 dot where the CPU has one, widened
+    where not), experts with 1 to 20 rows on average (more than 8: several passes over a panel;
     a prefill-sized batch, which the kernel takes on panels), in place at each layer of a stack,
     against the reference on the plain weights; and the slices ``bucketed_loop`` takes of panels
     (``LayerWeights.expert``) are the plain matrices."""
@@ -78,7 +81,7 @@ def test_reads_weights_stored_as_panels(dtype, D, F, width, T):
     ids, weights, kx = _routing(T, K, E, seed, dtype)
     x = jax.random.normal(kx, (T, D)).astype(dtype)
     assert width_for(D, F) == width
-    stored = {k: to_panels(pack16(v), width) for k, v in p.items()}
+    stored = {k: to_panels(pack16(v), width, pairs) for k, v in p.items()}
     assert all(stored[k].shape == pack16(p[k]).shape for k in stored)
     for layer in range(L):
         experts = LayerWeights(stored, jnp.int32(layer))
@@ -102,6 +105,13 @@ def test_panels_round_trip_and_refuse_widths_that_do_not_divide():
         stored = to_panels(a, width)
         assert stored.data.shape == (2, 3, 96 // width, 32, width) and stored.shape == a.shape
         np.testing.assert_array_equal(np.asarray(plain(stored)), np.asarray(a))
+        paired = to_panels(a, width, pairs=True)
+        assert paired.data.shape == (2, 3, 96 // width, 16, 2 * width) and paired.shape == a.shape
+        np.testing.assert_array_equal(np.asarray(plain(paired)), np.asarray(a))
+        # column j of panel n, pair row i: rows 2 i and 2 i + 1 side by side
+        np.testing.assert_array_equal(np.asarray(paired.data[1, 2, 1, 5, 6:8]), np.asarray(a[1, 2, 10:12, width + 3]))
+    with pytest.raises(ValueError, match="cannot be stored in pairs"):
+        to_panels(a[..., :31, :], 16, pairs=True)
     assert width_for(32, 96) == 32 and width_for(64, 128) == 64 and width_for(24, 64) is None
     with pytest.raises(ValueError, match="not a multiple of the panel width 64"):
         to_panels(a, 64)
