@@ -24,7 +24,9 @@
 // x and the combine weights come in float32, y goes out in float32.
 // D and F must be multiples of 16 (the Python side checks).
 
+#ifdef __AVX512BF16__
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -149,7 +151,7 @@ void panel_tile(const float* const* x, const W* w, int64_t K, float* const* out)
 // both products to 16 float32 accumulators (1.1x the widening tile's speed at 1 row, 1.2x at 4 and
 // 1.7x at 8 in a one-thread stream of 64 MB, 2026-11-26); without it the pairs are widened here.
 
-inline uint32_t bf16_bits(float f) {  // round to nearest even (no NaNs here)
+inline uint32_t bf16_bits(float f) {  // round to nearest even
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
