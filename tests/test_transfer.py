@@ -8,6 +8,7 @@ import pytest
 
 from jaxmoe.mesh import build_meshes, load_mesh
 from jaxmoe.runtime import transfer as T
+from jaxmoe.runtime import transfer_walk as W
 
 MESHES = Path(__file__).resolve().parent.parent / "meshes"
 CPU8 = {"platform": "cpu", "nodes": 2, "devices_per_node": 4}
@@ -62,8 +63,8 @@ def test_a2e_e2a_values_and_hops(layout, strategy, monkeypatch):
 
     calls = []  # every eager array operation of the walk
     for name in ("first", "rows", "concat", "add"):
-        real = getattr(T._JaxOps, name)
-        monkeypatch.setattr(T._JaxOps, name, lambda self, *a, _real=real: calls.append(1) or _real(self, *a))
+        real = getattr(W.JaxOps, name)
+        monkeypatch.setattr(W.JaxOps, name, lambda self, *a, _real=real: calls.append(1) or _real(self, *a))
     monkeypatch.setattr(jax, "device_put", spy)
     x_exp = T.a2e(x_attn, plan, sub)
     a2e_hops, hops[:], a2e_calls, calls[:] = list(hops), [], len(calls), []
@@ -85,9 +86,9 @@ def test_a2e_e2a_values_and_hops(layout, strategy, monkeypatch):
         counted = T.TransferCounts.of(T.Transfer(0, 0, (), nbytes, 1, "", src != dst) for src, dst, nbytes in ran)
         assert counted == plan.counts(direction), direction
     # ... and so are the dry run's host calls
-    ops = T.host_ops(spec, plan)
-    assert ops["a2e"] == T.HostOps(len(a2e_hops), a2e_calls, len(sub.experts.devices.flat))
-    assert ops["e2a"] == T.HostOps(len(e2a_hops), e2a_calls, len(sub.attention.devices.flat))
+    ops = W.host_ops(spec, plan)
+    assert ops["a2e"] == W.HostOps(len(a2e_hops), a2e_calls, len(sub.experts.devices.flat))
+    assert ops["e2a"] == W.HostOps(len(e2a_hops), e2a_calls, len(sub.attention.devices.flat))
 
 
 def test_cpu8_two_phase_cuts_cross_node_transfers():

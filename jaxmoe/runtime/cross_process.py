@@ -27,7 +27,7 @@ index). This module executes *the same* ``TransferPlan`` as ``transfer.py`` insi
     sources, distinct destinations and the same number of blocks. One round is one
     ``jax.lax.ppermute``: each source sends its [k, R, ...] blocks; each destination stores
     them in its buffer (A2E) or adds them to the sum it received (E2A: a device's value is that
-    sum plus its own partial unless the sum already includes it, as ``transfer._sum`` picks
+    sum plus its own partial unless the sum already includes it, as ``transfer_walk._sum`` picks
     disjoint chunks). The rounds are replayed on the host when the program is built: every
     expert device must get every block, every attention device every partial exactly once;
   * A2E returns each expert device's full buffer ([B, ...], replicated on the expert mesh),

@@ -25,8 +25,8 @@ whether it crosses nodes. Strategies:
 
 Execution walks the plan hop by hop with one `jax.device_put` per Transfer (a jit cannot
 take inputs on one mesh and return outputs on another); concatenation and summation
-happen on the receiving device. So the plan's counters are exactly the hops executed, and
-``host_ops`` (the same walk, dry) counts the host calls a direction makes besides the hops.
+happen on the receiving device (``transfer_walk``). So the plan's counters are exactly the hops
+executed, and ``transfer_walk.host_ops`` (the same walk, dry) counts the host calls besides them.
 This is single-controller: every device must be addressable from this process
 (``LocalTransfer``); across processes ``cross_process.CrossProcessTransfer`` runs the same plan.
 """
@@ -39,10 +39,10 @@ from collections import defaultdict
 from typing import Protocol, runtime_checkable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.mesh import ClusterSpec, SubMeshes
+from jaxmoe.runtime.transfer_walk import JaxOps, walk_a2e, walk_e2a
 
 DIRECT = "direct"
 UNICAST = "two_phase_unicast"
@@ -203,7 +203,7 @@ def a2e(x_attn: jax.Array, plan: TransferPlan, sub_meshes: SubMeshes) -> jax.Arr
     check_input(x_attn, sub_meshes.batch_sharding, spec.attention.count * plan.bytes_per_instance, plan, "a2e input")
     shards = {s.device: s.data for s in x_attn.addressable_shards}
     blocks = [shards[devices[inst[0]]] for inst in spec.attention.devices]
-    outs = _walk_a2e(spec, plan, blocks, _JaxOps(devices))
+    outs = walk_a2e(spec, plan, blocks, JaxOps(devices))
     return jax.make_array_from_single_device_arrays(x_attn.shape, sub_meshes.replicated_sharding, outs)
 
 
@@ -216,70 +216,8 @@ def e2a(y_expert: jax.Array, plan: TransferPlan, sub_meshes: SubMeshes) -> jax.A
     check_input(y_expert, sub_meshes.partials_sharding, n * m * plan.bytes_per_instance, plan, "e2a input")
     shards = {s.device: s.data for s in y_expert.addressable_shards}
     partials = [shards[devices[inst[0]]] for inst in spec.experts.devices]
-    outs = _walk_e2a(spec, plan, partials, _JaxOps(devices))
+    outs = walk_e2a(spec, plan, partials, JaxOps(devices))
     return jax.make_array_from_single_device_arrays(y_expert.shape[1:], sub_meshes.batch_sharding, outs)
-
-
-def _walk_a2e(spec: ClusterSpec, plan: TransferPlan, blocks: list, ops: _Ops) -> list:
-    """A2E's hops with ``ops``: attention instance i's rows (``blocks[i]``, on its first device)
-    -> all rows on every expert device (``spec.experts.flat`` order)."""
-    held: dict[int, list[_Chunk]] = defaultdict(list)
-    for i, inst in enumerate(spec.attention.devices):
-        held[inst[0]].append(_Chunk((i,), frozenset(), blocks[i]))
-    for t in plan.a2e:
-        data = _gather(held[t.src], t.blocks, ops)
-        held[t.dst].append(_Chunk(t.blocks, frozenset(), ops.put(data, t.dst)))
-    everything = tuple(range(spec.attention.count))
-    return [_gather(held[d], everything, ops) for d in spec.experts.flat]
-
-
-def _walk_e2a(spec: ClusterSpec, plan: TransferPlan, partials: list, ops: _Ops) -> list:
-    """E2A's hops with ``ops``: expert instance j's partial output of every row (``partials[j]``,
-    [1, B, ...] on its first device) -> the sum of all partials, each attention device its
-    instance's rows (``spec.attention.devices`` order)."""
-    n, m = spec.experts.count, spec.attention.count
-    everything = tuple(range(m))
-    held: dict[int, list[_Chunk]] = defaultdict(list)
-    for j, inst in enumerate(spec.experts.devices):
-        held[inst[0]].append(_Chunk(everything, frozenset({j}), ops.first(partials[j])))
-    for t in plan.e2a:
-        parts, data = _sum(held[t.src], t.blocks, ops)
-        held[t.dst].append(_Chunk(t.blocks, parts, ops.put(data, t.dst)))
-    outs = []
-    for i, inst in enumerate(spec.attention.devices):
-        for d in inst:
-            parts, data = _sum(held[d], (i,), ops)
-            if len(parts) != n:  # every partial must arrive exactly once
-                raise RuntimeError(f"transfer plan bug: attention device {d} got partials {sorted(parts)} of {n}")
-            outs.append(data)
-    return outs
-
-
-@dataclasses.dataclass(frozen=True)
-class HostOps:
-    """What one direction of a transfer costs the host, besides the bytes: ``puts`` device-to-device
-    copies (the plan's hops), ``ops`` eager array operations (slices, concatenations, sums, picks)
-    and ``shards`` single-device arrays assembled into the result. On a CPU mesh, where every hop
-    is a host call, these counts, not the bytes, set a transfer's time (``scaling.fitted``)."""
-
-    puts: int = 0
-    ops: int = 0
-    shards: int = 0
-
-
-@functools.lru_cache(maxsize=256)
-def host_ops(spec: ClusterSpec, plan: TransferPlan) -> dict[str, HostOps]:
-    """``{"a2e": HostOps, "e2a": HostOps}`` of running ``plan`` on ``spec``'s devices: the same walk
-    as ``a2e`` / ``e2a``, dry (``_CountingOps``: row counts instead of arrays). Cached."""
-    out = {}
-    for direction, walk, inputs in (
-        ("a2e", _walk_a2e, [_Rows(1)] * spec.attention.count),
-        ("e2a", _walk_e2a, [_Rows(spec.attention.count)] * spec.experts.count),
-    ):
-        ops = _CountingOps()
-        shards = len(walk(spec, plan, inputs, ops))
-        out[direction] = HostOps(ops.puts, ops.ops, shards)
-    return out
 
 
 @runtime_checkable
@@ -321,15 +259,6 @@ class LocalTransfer:
 # --------------------------------------------------------------------------- helpers
 
 
-@dataclasses.dataclass(frozen=True)
-class _Chunk:
-    """Rows of `blocks` (in order) held on one device; `parts` = expert partials summed in (e2a)."""
-
-    blocks: tuple[int, ...]
-    parts: frozenset[int]
-    data: jax.Array
-
-
 def _attention_nodes(spec: ClusterSpec) -> list[tuple[int, tuple[int, ...]]]:
     """(leader device, attention instances) per attention node, by node id."""
     nodes: dict[int, list[int]] = defaultdict(list)
@@ -345,108 +274,6 @@ def _expert_nodes(spec: ClusterSpec) -> list[tuple[int, tuple[int, ...], tuple[i
         nodes[spec.node_of(inst[0])].append(j)
     exp = spec.experts.devices
     return [(exp[js[0]][0], tuple(d for j in js for d in exp[j]), tuple(js)) for _, js in sorted(nodes.items())]
-
-
-class _Ops(Protocol):
-    """The array operations a transfer walk runs: on devices (``_JaxOps``) or counted (``_CountingOps``)."""
-
-    def put(self, data, device: int): ...
-    def first(self, data): ...  # data[0]
-    def rows(self, data, start: int, stop: int): ...
-    def concat(self, pieces: list): ...
-    def add(self, a, b): ...
-
-
-class _JaxOps:
-    def __init__(self, devices):
-        self.devices = devices
-
-    def put(self, data, device: int):
-        return jax.device_put(data, self.devices[device])
-
-    def first(self, data):
-        return data[0]
-
-    def rows(self, data, start: int, stop: int):
-        return data[start:stop]
-
-    def concat(self, pieces: list):
-        return jnp.concatenate(pieces)
-
-    def add(self, a, b):
-        return a + b
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-    """A dry run's stand-in for an array: its row count."""
-
-    n: int
-
-    @property
-    def shape(self) -> tuple[int]:
-        return (self.n,)
-
-
-class _CountingOps:
-    def __init__(self):
-        self.puts = self.ops = 0
-
-    def put(self, data, device: int):
-        self.puts += 1
-        return data
-
-    def first(self, data):
-        self.ops += 1
-        return data
-
-    def rows(self, data, start: int, stop: int):
-        self.ops += 1
-        return _Rows(stop - start)
-
-    def concat(self, pieces: list):
-        self.ops += 1
-        return _Rows(sum(p.n for p in pieces))
-
-    def add(self, a, b):
-        self.ops += 1
-        return a
-
-
-def _cut(chunk: _Chunk, blocks: tuple[int, ...], ops: _Ops):
-    """The rows of `blocks` (a subset of chunk.blocks) from one chunk."""
-    if blocks == chunk.blocks:
-        return chunk.data
-    rows = chunk.data.shape[0] // len(chunk.blocks)
-    pos = [chunk.blocks.index(b) for b in blocks]
-    if pos == list(range(pos[0], pos[0] + len(pos))):
-        return ops.rows(chunk.data, pos[0] * rows, (pos[-1] + 1) * rows)
-    return ops.concat([ops.rows(chunk.data, p * rows, (p + 1) * rows) for p in pos])
-
-
-def _gather(chunks: list[_Chunk], blocks: tuple[int, ...], ops: _Ops):
-    """A2E: concatenate the rows of `blocks` from the chunks a device holds (longest runs first)."""
-    pieces, i = [], 0
-    while i < len(blocks):
-        chunk = max((c for c in chunks if blocks[i] in c.blocks), key=lambda c: len(c.blocks))
-        start, run = chunk.blocks.index(blocks[i]), 1
-        while i + run < len(blocks) and chunk.blocks[start + run : start + run + 1] == (blocks[i + run],):
-            run += 1
-        pieces.append(_cut(chunk, blocks[i : i + run], ops))
-        i += run
-    return pieces[0] if len(pieces) == 1 else ops.concat(pieces)
-
-
-def _sum(chunks: list[_Chunk], blocks: tuple[int, ...], ops: _Ops):
-    """E2A: sum the rows of `blocks` over chunks holding disjoint sets of partials (largest sets first)."""
-    parts, picked = frozenset(), []
-    for chunk in sorted(chunks, key=lambda c: -len(c.parts)):
-        if set(blocks) <= set(chunk.blocks) and not parts & chunk.parts:
-            parts |= chunk.parts
-            picked.append(_cut(chunk, blocks, ops))
-    if not picked:
-        raise RuntimeError(f"transfer plan bug: no partials for blocks {blocks} on this device")
-    return parts, functools.reduce(ops.add, picked)
 
 
 def check_input(x: jax.Array, sharding, nbytes: int, plan: TransferPlan, what: str) -> None:

@@ -116,7 +116,7 @@ def replay_a2e(spec, own: np.ndarray, rounds: list[Round]) -> None:
 
 
 def replay_e2a(spec, rounds: list[Round]) -> list[np.ndarray]:
-    """Host replay of E2A as ``transfer._sum`` does it: a device's value for a block is the
+    """Host replay of E2A as ``transfer_walk._sum`` does it: a device's value for a block is the
     disjoint union of the partial sums it received plus its own partial unless one of those
     already includes it (monolithic layouts: an expert device that is also an attention device
     gets its own partial back inside its node's sum). Returns ``include`` tables [devices, m]:

@@ -21,7 +21,7 @@ expert     N, activated experts of the busiest       dispatch per instance; JANU
                                                      .fallback_above``: the CPU kernel's plain
                                                      weights take decode-sized batches only)
 a2e, e2a   puts, eager ops, shards, bytes            the host calls of the layout's transfer plan
-                                                     (``runtime.transfer.host_ops``: copies, the
+                                                     (``runtime.transfer_walk.host_ops``: copies, the
                                                      slices / concatenations / sums around them,
                                                      the shards assembled) and its bytes
 step       B, the parts' sum                         the engine's decode step (measured TPOT): the
@@ -51,7 +51,8 @@ from jaxmoe.mesh import ClusterSpec
 from jaxmoe.planning.linear import LinearModel
 from jaxmoe.planning.profile import ProfileError, read_profile
 from jaxmoe.runtime.rescale import rescaled_spec
-from jaxmoe.runtime.transfer import TransferPlan, host_ops, plan_transfers
+from jaxmoe.runtime.transfer import TransferPlan, plan_transfers
+from jaxmoe.runtime.transfer_walk import host_ops
 from jaxmoe.scaling.perf_model import activated_per_instance, distinct_experts
 
 SCALING_PROFILE_KIND = "jaxmoe-scaling-profile"
@@ -160,7 +161,7 @@ def expert_terms(
 
 
 def transfer_terms(spec: ClusterSpec, plan: TransferPlan, direction: str) -> list[float]:
-    """A2E or E2A of ``plan`` on ``spec``'s devices: its host calls (``transfer.host_ops``) and bytes."""
+    """A2E or E2A of ``plan`` on ``spec``'s devices: its host calls (``transfer_walk.host_ops``) and bytes."""
     ops = host_ops(spec, plan)[direction]
     return [ops.puts, ops.ops, ops.shards, plan.counts(direction).nbytes]
 
