@@ -277,11 +277,24 @@ void run_item(const Problem& p, int64_t item, float* y, std::vector<float>& scra
   }
 }
 
+// One tile over a panel's K rows: float32 rows for panels, bfloat16 pairs (K / 2 of them) for
+// panels in pairs.
+template <int R, int S, bool PAIRS, typename X, typename W>
+inline void tile(const X* const* x, const W* w, int64_t K, float* const* out) {
+  if constexpr (PAIRS)
+    pair_tile<R, S>(x, w, K / 2, out);
+  else
+    panel_tile<R, S>(x, w, K, out);
+}
+
 // ``run_item`` for weights stored as panels of P = 16 * S columns: gate / up [F / P][D][P], down
-// [D / P][F][P] per expert; an item's chunk of F is whole panels.
-template <int S, typename W>
+// [D / P][F][P] per expert; an item's chunk of F is whole panels. ``PAIRS`` (bfloat16 panels in
+// pairs, the same offsets): the expert's x rows and then its h rows are rounded to bfloat16 pairs
+// once, and every tile is a ``pair_tile``.
+template <int S, typename W, bool PAIRS>
 void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float>& scratch) {
   constexpr int P = S * V;
+  using X = std::conditional_t<PAIRS, uint32_t, float>;  // what a tile multiplies the weights with
   const int64_t e = p.expert_of_item[item], c0 = p.chunk_of_item[item] * p.FC;
   const int64_t width = std::min(p.FC, p.F - c0);
   const W* g = static_cast<const W*>(p.gate) + e * p.D * p.F + c0 * p.D;  // the chunk's first panel
@@ -292,20 +305,31 @@ void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float
   scratch.resize(m * width + MR * P);
   float* h = scratch.data();            // [m, width]: gate, then combine weight * silu(gate) * up
   float* up = h + m * width;            // [MR, P]: one panel's up projection
-  const float* xr[MR];
+  thread_local std::vector<uint32_t> pairs;  // PAIRS: x rows [m, D / 2], then h rows [m, width / 2]
+  if constexpr (PAIRS) {
+    pairs.resize(m * (p.D + width) / 2);
+    for (int64_t r = 0; r < m; ++r) to_pairs(p.x + (rows[r] / p.K) * p.D, p.D, pairs.data() + r * p.D / 2);
+  }
+  auto x_row = [&](int64_t i) -> const X* {
+    if constexpr (PAIRS)
+      return pairs.data() + i * p.D / 2;
+    else
+      return p.x + (rows[i] / p.K) * p.D;
+  };
+  const X* xr[MR];
   float* out[MR];
   for (int64_t j = 0; j < width; j += P) {
     for (int64_t r0 = 0; r0 < m; r0 += MR) {
       const int R = static_cast<int>(std::min<int64_t>(MR, m - r0));
       for (int r = 0; r < R; ++r) {
-        xr[r] = p.x + (rows[r0 + r] / p.K) * p.D;
+        xr[r] = x_row(r0 + r);
         out[r] = h + (r0 + r) * width + j;
       }
-#define JAXMOE_GATE(n) panel_tile<n, S>(xr, g + j * p.D, p.D, out)
+#define JAXMOE_GATE(n) tile<n, S, PAIRS>(xr, g + j * p.D, p.D, out)
       JAXMOE_BY_ROWS(R, JAXMOE_GATE)
 #undef JAXMOE_GATE
       for (int r = 0; r < R; ++r) out[r] = up + r * P;
-#define JAXMOE_UP(n) panel_tile<n, S>(xr, u + j * p.D, p.D, out)
+#define JAXMOE_UP(n) tile<n, S, PAIRS>(xr, u + j * p.D, p.D, out)
       JAXMOE_BY_ROWS(R, JAXMOE_UP)
 #undef JAXMOE_UP
       for (int r = 0; r < R; ++r) {
@@ -315,96 +339,48 @@ void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float
       }
     }
   }
+  uint32_t* hp = nullptr;
+  if constexpr (PAIRS) {
+    hp = pairs.data() + m * p.D / 2;
+    for (int64_t r = 0; r < m; ++r) to_pairs(h + r * width, width, hp + r * width / 2);
+  }
+  auto h_row = [&](int64_t i) -> const X* {
+    if constexpr (PAIRS)
+      return hp + i * width / 2;
+    else
+      return h + i * width;
+  };
   for (int64_t q = 0; q < p.D; q += P) {  // output panel q: rows c0 .. c0 + width of its F rows
     for (int64_t r0 = 0; r0 < m; r0 += MR) {
       const int R = static_cast<int>(std::min<int64_t>(MR, m - r0));
       for (int r = 0; r < R; ++r) {
-        xr[r] = h + (r0 + r) * width;
+        xr[r] = h_row(r0 + r);
         out[r] = y + (r0 + r) * p.D + q;
       }
-#define JAXMOE_DOWN(n) panel_tile<n, S>(xr, d + q * p.F, width, out)
+#define JAXMOE_DOWN(n) tile<n, S, PAIRS>(xr, d + q * p.F, width, out)
       JAXMOE_BY_ROWS(R, JAXMOE_DOWN)
 #undef JAXMOE_DOWN
     }
   }
 }
 
-// ``run_item_panels`` for bfloat16 panels in pairs: the expert's x rows and then its h rows are
-// rounded to bfloat16 pairs once, and every tile is a ``pair_tile``.
-template <int S>
-void run_item_pairs(const Problem& p, int64_t item, float* y, std::vector<float>& scratch) {
-  constexpr int P = S * V;
-  const int64_t e = p.expert_of_item[item], c0 = p.chunk_of_item[item] * p.FC;
-  const int64_t width = std::min(p.FC, p.F - c0);
-  const uint16_t* g = static_cast<const uint16_t*>(p.gate) + e * p.D * p.F + c0 * p.D;
-  const uint16_t* u = static_cast<const uint16_t*>(p.up) + e * p.D * p.F + c0 * p.D;
-  const uint16_t* d = static_cast<const uint16_t*>(p.down) + e * p.F * p.D + c0 * P;  // pair row c0 / 2
-  const std::vector<int64_t>& rows = p.assignments[e];
-  const int64_t m = static_cast<int64_t>(rows.size());
-  thread_local std::vector<uint32_t> pairs;
-  pairs.resize(m * (p.D + width) / 2);
-  uint32_t* xp = pairs.data();            // [m, D / 2]
-  uint32_t* hp = xp + m * p.D / 2;        // [m, width / 2]
-  for (int64_t r = 0; r < m; ++r) to_pairs(p.x + (rows[r] / p.K) * p.D, p.D, xp + r * p.D / 2);
-  scratch.resize(m * width + MR * P);
-  float* h = scratch.data();
-  float* up = h + m * width;
-  const uint32_t* xr[MR];
-  float* out[MR];
-  for (int64_t j = 0; j < width; j += P) {
-    for (int64_t r0 = 0; r0 < m; r0 += MR) {
-      const int R = static_cast<int>(std::min<int64_t>(MR, m - r0));
-      for (int r = 0; r < R; ++r) {
-        xr[r] = xp + (r0 + r) * p.D / 2;
-        out[r] = h + (r0 + r) * width + j;
-      }
-#define JAXMOE_GATE(n) pair_tile<n, S>(xr, g + j * p.D, p.D / 2, out)
-      JAXMOE_BY_ROWS(R, JAXMOE_GATE)
-#undef JAXMOE_GATE
-      for (int r = 0; r < R; ++r) out[r] = up + r * P;
-#define JAXMOE_UP(n) pair_tile<n, S>(xr, u + j * p.D, p.D / 2, out)
-      JAXMOE_BY_ROWS(R, JAXMOE_UP)
-#undef JAXMOE_UP
-      for (int r = 0; r < R; ++r) {
-        float* hr = h + (r0 + r) * width + j;
-        const float w = p.combine[rows[r0 + r]];
-        for (int i = 0; i < P; i += V) store(hr + i, w * silu(load(hr + i)) * load(up + r * P + i));
-      }
-    }
-  }
-  for (int64_t r = 0; r < m; ++r) to_pairs(h + r * width, width, hp + r * width / 2);
-  for (int64_t q = 0; q < p.D; q += P) {
-    for (int64_t r0 = 0; r0 < m; r0 += MR) {
-      const int R = static_cast<int>(std::min<int64_t>(MR, m - r0));
-      for (int r = 0; r < R; ++r) {
-        xr[r] = hp + (r0 + r) * width / 2;
-        out[r] = y + (r0 + r) * p.D + q;
-      }
-#define JAXMOE_DOWN(n) pair_tile<n, S>(xr, d + q * p.F, width / 2, out)
-      JAXMOE_BY_ROWS(R, JAXMOE_DOWN)
-#undef JAXMOE_DOWN
-    }
+template <typename W, bool PAIRS>
+void run_panels(const Problem& p, int64_t item, float* y, std::vector<float>& scratch) {
+  switch (p.panel) {
+    case V: run_item_panels<1, W, PAIRS>(p, item, y, scratch); break;
+    case 2 * V: run_item_panels<2, W, PAIRS>(p, item, y, scratch); break;
+    default: run_item_panels<4, W, PAIRS>(p, item, y, scratch); break;
   }
 }
 
 template <typename W>
 void run_any(const Problem& p, int64_t item, float* y, std::vector<float>& scratch) {
-  if constexpr (std::is_same_v<W, uint16_t>) {
-    if (p.pairs) {
-      switch (p.panel) {
-        case V: run_item_pairs<1>(p, item, y, scratch); break;
-        case 2 * V: run_item_pairs<2>(p, item, y, scratch); break;
-        default: run_item_pairs<4>(p, item, y, scratch); break;
-      }
-      return;
-    }
-  }
-  switch (p.panel) {
-    case 0: run_item<W>(p, item, y, scratch); break;
-    case V: run_item_panels<1, W>(p, item, y, scratch); break;
-    case 2 * V: run_item_panels<2, W>(p, item, y, scratch); break;
-    default: run_item_panels<4, W>(p, item, y, scratch); break;
-  }
+  if (p.panel == 0)
+    run_item<W>(p, item, y, scratch);
+  else if constexpr (std::is_same_v<W, uint16_t>)
+    p.pairs ? run_panels<W, true>(p, item, y, scratch) : run_panels<W, false>(p, item, y, scratch);
+  else
+    run_panels<W, false>(p, item, y, scratch);
 }
 
 ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
