@@ -87,7 +87,7 @@ class Runner:
         self.ex = DisaggregatedExecutor(cfg, params, slots, block, probe.sub)
 
     def batch(self, rows, seq):
-        from jaxmoe.planning.measure import synthetic_batch
+        from jaxmoe.findep.measure import synthetic_batch
 
         return synthetic_batch(self.ex, rows, seq, seq)
 
@@ -114,8 +114,8 @@ def cpu_part(args):
     import jax
 
     from jaxmoe.llm import load_model
-    from jaxmoe.planning import BatchShape, solve
-    from jaxmoe.planning.measure import Sweep, plot_profile, profile_executor
+    from jaxmoe.findep import BatchShape, solve
+    from jaxmoe.findep.measure import Sweep, plot_profile, profile_executor
 
     model = Path(args.model) if args.model else write_checkpoint(Path(tempfile.mkdtemp()) / "dsv2")
     cfg, params, _ = load_model(model, "float32")
@@ -177,9 +177,9 @@ def _load() -> str:
 
 def _bound(profile, p, rows, seq) -> str:
     """Which term of max(event model, work / concurrency, programs x dispatch) sets the prediction."""
-    from jaxmoe.planning import BatchShape
-    from jaxmoe.planning.schedule import estimate, programs, work
-    from jaxmoe.planning.solver import stage_times
+    from jaxmoe.findep import BatchShape
+    from jaxmoe.findep.schedule import estimate, programs, work
+    from jaxmoe.findep.solver import stage_times
 
     d, host = profile.dims, profile.host.host()
     times = stage_times(profile, BatchShape(rows, seq, seq), rows // p.r1, p.r2)
@@ -192,7 +192,7 @@ def _bound(profile, p, rows, seq) -> str:
 
 
 def tables(args, run, profile, predicted, tok, layers, seqs):
-    from jaxmoe.planning import BatchShape, solve
+    from jaxmoe.findep import BatchShape, solve
     from jaxmoe.runtime.pipeline import Pipeline
 
     accuracy = []
@@ -287,9 +287,9 @@ def timeline(args, run, profile, rows, seq, layers):
     import jax
 
     from bench.findep_trace import StreamTracer, plot_timelines
-    from jaxmoe.planning import BatchShape
-    from jaxmoe.planning.schedule import simulate
-    from jaxmoe.planning.solver import stage_times
+    from jaxmoe.findep import BatchShape
+    from jaxmoe.findep.schedule import simulate
+    from jaxmoe.findep.solver import stage_times
     from jaxmoe.runtime.pipeline import Pipeline
 
     p = Pipeline(2, "ASAS", 2)
@@ -326,8 +326,8 @@ def timeline(args, run, profile, rows, seq, layers):
 
 
 def sim_part():
-    from jaxmoe.planning import BatchShape, Dims, Limits, pppipe, solve
-    from jaxmoe.planning.paper_profile import paper_profile
+    from jaxmoe.findep import BatchShape, Dims, Limits, pppipe, solve
+    from jaxmoe.findep.paper_profile import paper_profile
 
     def dims(ag, eg):  # DeepSeek-V2 (236B): 1 dense + 59 MoE layers
         return Dims(

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from jaxmoe.runtime.placement import coactivation, coactivation_load, plan_placement
+from jaxmoe.janus.placement import coactivation, coactivation_load, plan_placement
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 from jaxmoe.pallas_kernels.aebs import schedule
 

@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 
 from jaxmoe import LLM, SamplingParams  # noqa: E402
 from jaxmoe.compilation import compile_events  # noqa: E402
-from jaxmoe.engine import rescale as engine_rescale  # noqa: E402
+from jaxmoe.janus import live_rescale as engine_rescale  # noqa: E402
 
 
 def _like(samples, calls) -> list[float]:

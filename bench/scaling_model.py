@@ -1,7 +1,7 @@
 """JANUS scaling on the CPU mesh: the fitted performance model vs the engine's measured TPOT, and
 Fig. 10's ablation (base, +two-phase transfers, +AEBS).
 
-``--part fit``: measure the parts of the scaling model (``jaxmoe.scaling.fit.measure_layouts``: the
+``--part fit``: measure the parts of the scaling model (``jaxmoe.janus.scaling.fit.measure_layouts``: the
 runtime's own programs over a sweep of rows x contexts, two-phase and direct transfers) on
 ``--fit-layouts``; measure the engine's decode TPOT on ``--layouts`` x ``--batches`` (``--rounds``
 rounds interleaved over layouts and batches; the median decode step of the least-contended round:
@@ -9,7 +9,7 @@ other jobs on a shared machine only add time); fit the step model on the TPOTs o
 at ``--fit-batches`` only, and print predicted vs measured for every cell, marking which ones the
 fit saw.
 
-``--part ablation``: the three variants of ``jaxmoe.scaling.ablation`` on ``--ablation-layouts`` at
+``--part ablation``: the three variants of ``jaxmoe.janus.scaling.ablation`` on ``--ablation-layouts`` at
 ``--ablation-batches`` (rounds interleaved), decode TPOT and tokens/s, transfer hops per MoE layer,
 the activation imbalance (max - min activated replicas per expert instance), the fitted model's
 prediction (when ``fit`` ran too), and whether the greedy tokens agree.
@@ -37,11 +37,11 @@ import numpy as np  # noqa: E402
 
 from jaxmoe import SamplingParams  # noqa: E402
 from jaxmoe.mesh import load_mesh  # noqa: E402
-from jaxmoe.planning.commands import int_list as _ints  # noqa: E402
-from jaxmoe.scaling.ablation import VARIANTS, build_variant  # noqa: E402
-from jaxmoe.scaling.commands import layout_list as _layouts  # noqa: E402
-from jaxmoe.scaling.fit import FitSweep, StepPoint, build_llm, decode_tpot, fit_llm, measure_layouts  # noqa: E402
-from jaxmoe.scaling.fitted import FittedPerfModel  # noqa: E402
+from jaxmoe.findep.commands import int_list as _ints  # noqa: E402
+from jaxmoe.janus.scaling.ablation import VARIANTS, build_variant  # noqa: E402
+from jaxmoe.janus.scaling.commands import layout_list as _layouts  # noqa: E402
+from jaxmoe.janus.scaling.fit import FitSweep, StepPoint, build_llm, decode_tpot, fit_llm, measure_layouts  # noqa: E402
+from jaxmoe.janus.scaling.fitted import FittedPerfModel  # noqa: E402
 
 ENGINE = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_prefill_chunk=64, max_batch_tokens=1024)
 PROMPT, OUTPUT = 48, 24

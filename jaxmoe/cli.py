@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("file")
     show.set_defaults(func=cmd_mesh_show)
 
-    from jaxmoe.planning.commands import register as register_planning_commands  # profile, plan
-    from jaxmoe.scaling.commands import register as register_scaling_commands  # simulate
+    from jaxmoe.findep.commands import register as register_planning_commands  # profile, plan
+    from jaxmoe.janus.scaling.commands import register as register_scaling_commands  # simulate
     from jaxmoe.train.commands import register as register_train_commands  # train, eval
     from jaxmoe.server.cli import register as register_server_commands  # serve, client
 

@@ -18,7 +18,7 @@ from jaxmoe.compilation import enable_persistent_cache
 from jaxmoe.config import ModelConfig, load_config
 from jaxmoe.demo import DEMO_DIR, TINY_RANDOM, demo_config, demo_params
 from jaxmoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from jaxmoe.engine.rescale import RescaleResult
+from jaxmoe.janus.live_rescale import RescaleResult
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 from jaxmoe.tokenizer import ByteTokenizer, load_tokenizer
@@ -61,7 +61,7 @@ def build_executor(
     pipeline, ...). ``brownout``: a ``BrownoutConfig`` (either executor).
     ``pipeline``: the disaggregated step's schedule, "sequential" (the default), "pppipe", "findep" or
     a dict {"order", "r1", "r2"}; ``pipeline_profile``: a ``jaxmoe profile`` JSON for "pppipe" /
-    "findep" (``jaxmoe.planning.online``).
+    "findep" (``jaxmoe.findep.online``).
     """
     num_slots = engine_config.num_blocks * engine_config.block_size
     if mesh is None and pipeline not in (None, "sequential"):
@@ -89,7 +89,7 @@ def build_executor(
     }
     executor = DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **kwargs)
     if pipeline is not None or pipeline_profile is not None:
-        from jaxmoe.planning.online import pipeline_chooser
+        from jaxmoe.findep.online import pipeline_chooser
 
         dtype = np.dtype(params["embed"].dtype)
         executor.pipeline = pipeline_chooser(
@@ -129,7 +129,7 @@ class LLM:
         mode) and, with ``salc: true``, attaches SALC (``llm.brownout_controller``).
         ``pipeline`` / ``pipeline_profile`` (with a mesh): the step's schedule, "sequential" (default),
         "pppipe", "findep" or {"order": "ASAS", "r1": 2, "r2": 4}, and the profile the solver uses
-        (``build_executor``, ``jaxmoe.planning.online``).
+        (``build_executor``, ``jaxmoe.findep.online``).
         Compiled programs go to the persistent compilation cache (``jaxmoe.compilation``)."""
         enable_persistent_cache()
         self.model = model
@@ -159,7 +159,7 @@ class LLM:
             self.brownout_controller = BrownoutController.attach(self.engine, salc)
         self.controller = None
         if rebalance_every:
-            from jaxmoe.runtime.controller import PlacementController
+            from jaxmoe.janus.placement_controller import PlacementController
 
             self.controller = PlacementController.attach(self.engine, rebalance_every)
 

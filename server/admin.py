@@ -13,7 +13,7 @@ import dataclasses
 import grpc
 import pydantic
 
-from jaxmoe.engine.rescale import RescaleError, RescaleInProgressError
+from jaxmoe.janus.live_rescale import RescaleError, RescaleInProgressError
 
 
 @dataclasses.dataclass

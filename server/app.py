@@ -81,7 +81,7 @@ def load_engine(
     if salc is not None:
         BrownoutController.attach(engine, salc)
     if rebalance_every:
-        from jaxmoe.runtime.controller import PlacementController
+        from jaxmoe.janus.placement_controller import PlacementController
 
         PlacementController.attach(engine, rebalance_every)
     return engine

@@ -233,7 +233,7 @@ def build_engine(args):
         brownout, salc = settings.brownout(), settings.salc_config()
     pipeline = None
     if args.pipeline is not None:
-        from jaxmoe.planning.online import parse_pipeline
+        from jaxmoe.findep.online import parse_pipeline
 
         pipeline = parse_pipeline(args.pipeline)
     engine = load_engine(
@@ -248,7 +248,7 @@ def build_engine(args):
         pipeline_profile=args.pipeline_profile,
     )
     if args.autoscale:
-        from jaxmoe.scaling.autoscale import attach
+        from jaxmoe.janus.scaling.autoscale import attach
 
         attach(engine, args.slo_tpot_ms / 1e3, args.autoscale_interval, profile=args.scaling_profile)
     return engine, mesh_description

@@ -238,7 +238,7 @@ def relayout(jax, llm, args) -> dict:
         )
     # the placement controller (JANUS Algorithm 2) as a step hook: it reads the co-activation
     # counters (a collective) and calls set_placement every 3 steps, on every process alike
-    from jaxmoe.runtime.controller import PlacementController
+    from jaxmoe.janus.placement_controller import PlacementController
 
     controller = PlacementController.attach(llm.engine, 3)
     outs = llm.generate(prompts, greedy)
@@ -272,7 +272,7 @@ def rescale(jax, llm) -> dict:
             if out.finished:
                 final[out.request_id] = out
 
-    from jaxmoe.engine.rescale import RescaleError
+    from jaxmoe.janus.live_rescale import RescaleError
 
     try:  # 5a3e: attention devices 0-4 would span both processes: refused, nothing changes
         engine.rescale(5, 3)

@@ -1,4 +1,4 @@
-"""JANUS Fig. 10's ablation variants (``jaxmoe.scaling.ablation``): base (direct transfers, random
+"""JANUS Fig. 10's ablation variants (``jaxmoe.janus.scaling.ablation``): base (direct transfers, random
 replica scheduling), +two-phase transfers, +AEBS give the same greedy tokens, and the variants
 really differ in what they run (transfer strategy and hops, scheduling policy)."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.mesh import load_mesh
-from jaxmoe.scaling.ablation import VARIANTS, build_variant
+from jaxmoe.janus.scaling.ablation import VARIANTS, build_variant
 
 BASE = load_mesh("meshes/cpu-8.yaml")
 ENGINE = dict(dtype="float32", num_blocks=64, block_size=8, max_num_seqs=4, max_prefill_chunk=16, max_batch_tokens=64)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from jaxmoe import LLM, SamplingParams
-from jaxmoe.scaling.autoscale import Autoscaler, attach, layouts_that_fit
-from jaxmoe.scaling.controller import Layout, Load
+from jaxmoe.janus.scaling.autoscale import Autoscaler, attach, layouts_that_fit
+from jaxmoe.janus.scaling.controller import Layout, Load
 
 ENGINE = dict(dtype="float32", num_blocks=64, block_size=8, max_num_seqs=4, max_prefill_chunk=16, max_batch_tokens=32)
 
@@ -110,11 +110,11 @@ def test_attach_uses_the_fitted_model_when_a_profile_is_given(llm, tmp_path):
     """With a scaling profile for the served mesh, model and dtype the controller's model is the
     fitted one (``FittedPerfModel``, through the ``DisaggregatedPerf`` protocol); a profile made for
     another model is refused, naming the field."""
-    from jaxmoe.planning.linear import LinearModel
-    from jaxmoe.planning.profile import ProfileError, model_identity
-    from jaxmoe.scaling.autoscale import fitted_model
-    from jaxmoe.scaling.fit import dims_of
-    from jaxmoe.scaling.fitted import FittedPerfModel, ScalingFits, ScalingProfile, mesh_family
+    from jaxmoe.findep.linear import LinearModel
+    from jaxmoe.findep.profile import ProfileError, model_identity
+    from jaxmoe.janus.scaling.autoscale import fitted_model
+    from jaxmoe.janus.scaling.fit import dims_of
+    from jaxmoe.janus.scaling.fitted import FittedPerfModel, ScalingFits, ScalingProfile, mesh_family
 
     ex = llm.executor
     lin = lambda n: LinearModel(alpha=1e-3, betas=(1e-4,) * n)  # noqa: E731

@@ -297,7 +297,7 @@ def test_brownout_lowers_the_activated_experts_per_instance(replicated):
 def test_the_placement_controller_replicates_hot_united_experts(united, llms):
     """At threshold 0 the united experts carry the load: a rebalance from the measured counts gives
     the busiest united expert more replicas than any original, and the tokens stay the monolithic ones."""
-    from jaxmoe.runtime.controller import PlacementController
+    from jaxmoe.janus.placement_controller import PlacementController
 
     llm = LLM(united, dtype="float32", mesh=LAYOUTS[0], brownout=BrownoutConfig(0.0), **ENGINE)
     ex = llm.executor

@@ -17,7 +17,7 @@ from jaxmoe.llm import load_model
 from jaxmoe.mesh import load_mesh
 from jaxmoe.models.router import route
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
-from jaxmoe.runtime.placement import coactivation
+from jaxmoe.janus.placement import coactivation
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 from jaxmoe.runtime.transfer import plan_transfers
 

@@ -13,7 +13,7 @@ from jaxmoe.demo import demo_config, demo_params
 from jaxmoe.engine.engine import EngineConfig
 from jaxmoe.engine.stats import EngineStats
 from jaxmoe.models.attention import AttentionBatch
-from jaxmoe.runtime.expert_queues import expert_bounds, queue_depth
+from jaxmoe.qllm.expert_queues import expert_bounds, queue_depth
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 from jaxmoe.server.metrics import _EngineCollector
 

@@ -17,8 +17,8 @@ import pytest
 
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.engine.model_runner import Row
-from jaxmoe.planning.online import SolverChooser, pipeline_chooser
-from jaxmoe.planning.profile import ProfileError
+from jaxmoe.findep.online import SolverChooser, pipeline_chooser
+from jaxmoe.findep.profile import ProfileError
 from jaxmoe.runtime.pipeline import Pipeline
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
@@ -151,7 +151,7 @@ def test_schedule_by_name_through_llm(checkpoint_dir, reference, tmp_path):
 def test_serve_pipeline_option(checkpoint_dir):
     """``jaxmoe serve --pipeline``: a name or a JSON object, handed to the engine's executor."""
     from jaxmoe.engine.config import EngineConfig
-    from jaxmoe.planning.online import parse_pipeline
+    from jaxmoe.findep.online import parse_pipeline
     from jaxmoe.server.app import load_engine
 
     assert parse_pipeline("findep") == "findep"

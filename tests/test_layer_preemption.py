@@ -10,7 +10,7 @@ import pytest
 
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.engine.model_runner import Row
-from jaxmoe.engine.policies import QLLMPolicy
+from jaxmoe.qllm.policy import QLLMPolicy
 
 BE = SamplingParams(max_tokens=16, ignore_eos=True)
 LS = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -42,12 +42,12 @@ LAYERS = {
     "jaxmoe.llm": 5,
     "jaxmoe.brownout": 5,
     "jaxmoe.train": 5,
-    "jaxmoe.planning": 5,
-    "jaxmoe.scaling": 5,
+    "jaxmoe.findep": 5,
+    "jaxmoe.janus.scaling": 5,
     "jaxmoe.server": 6,
     "jaxmoe.cli": 6,
 }
-CONTROL_PLANE = ("jaxmoe.runtime.placement", "jaxmoe.runtime.controller", "jaxmoe.planning", "jaxmoe.scaling")
+CONTROL_PLANE = ("jaxmoe.janus.placement", "jaxmoe.janus.placement_controller", "jaxmoe.findep", "jaxmoe.janus.scaling")
 HOT_PATH = ("jaxmoe.pallas_kernels", "jaxmoe.models", "jaxmoe.sampling", "jaxmoe.runtime", "jaxmoe.engine")
 
 

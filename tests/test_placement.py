@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxmoe.runtime.placement import (
+from jaxmoe.janus.placement import (
     coactivation,
     coactivation_load,
     place_replicas,
@@ -127,7 +127,7 @@ def test_controller_rebalances_between_steps_without_changing_tokens():
     co-activations every k steps; greedy tokens stay those of the monolithic model; a rebalance
     installs exactly plan_placement of the window's statistics."""
     from jaxmoe import LLM, SamplingParams
-    from jaxmoe.runtime.controller import PlacementController
+    from jaxmoe.janus.placement_controller import PlacementController
 
     prompts, sampling = ["The mixture of experts", "Hello, world", "abc"], SamplingParams(max_tokens=10)
     want = [o.token_ids for o in LLM("tiny-random").generate(prompts, sampling)]

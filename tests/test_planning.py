@@ -7,13 +7,13 @@ import random
 
 import pytest
 
-from jaxmoe.planning.linear import LinearModel
-from jaxmoe.planning.paper_profile import paper_profile
-from jaxmoe.planning.host import fit_host
-from jaxmoe.planning.measure import fit_stages, timing_scale
-from jaxmoe.planning.profile import Dims, HostModel, Profile, ProfileError, StageModels
-from jaxmoe.planning.schedule import Host, StageTimes, estimate, layer_kinds, programs, simulate, work
-from jaxmoe.planning.solver import BatchShape, Limits, PlanError, brute_force, pppipe, solve
+from jaxmoe.findep.linear import LinearModel
+from jaxmoe.findep.paper_profile import paper_profile
+from jaxmoe.findep.host import fit_host
+from jaxmoe.findep.measure import fit_stages, timing_scale
+from jaxmoe.findep.profile import Dims, HostModel, Profile, ProfileError, StageModels
+from jaxmoe.findep.schedule import Host, StageTimes, estimate, layer_kinds, programs, simulate, work
+from jaxmoe.findep.solver import BatchShape, Limits, PlanError, brute_force, pppipe, solve
 
 MESHES = pathlib.Path(__file__).parent.parent / "meshes"
 
@@ -408,7 +408,7 @@ def test_profile_and_plan_cli(checkpoint_dir, tmp_path, capsys):
     """`jaxmoe profile` times the disaggregated runtime's own programs on the cpu-8 mesh, fits every
     stage (R² reported), writes a loadable profile and a plot; `jaxmoe plan` solves from it."""
     from jaxmoe.cli import main
-    from jaxmoe.planning import Profile
+    from jaxmoe.findep import Profile
 
     ckpt = checkpoint_dir("mixtral")
     out, png = tmp_path / "p.json", tmp_path / "p.png"

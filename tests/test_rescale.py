@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxmoe import LLM, SamplingParams
-from jaxmoe.engine.rescale import RescaleError, RescaleInProgressError
+from jaxmoe.janus.live_rescale import RescaleError, RescaleInProgressError
 
 ENGINE = dict(dtype="float32", num_blocks=64, block_size=8, max_num_seqs=4, max_prefill_chunk=16, max_batch_tokens=32)
 CHANGES = [(4, 4), (1, 7), (2, 6)]
@@ -207,7 +207,7 @@ def test_normal_step_is_the_same_work():
     """The stall baseline: a first step with a prefill chunk is compared with the steps before that
     made the same program calls (tokens per row), not with the decode-only median; with fewer than 3
     alike, with all steps."""
-    from jaxmoe.engine.rescale import normal_step
+    from jaxmoe.janus.live_rescale import normal_step
 
     decode, mixed = (1,), (1, 16)
     before = [(0.010, decode)] * 10 + [(0.050, mixed), (0.070, mixed), (0.060, mixed)]
@@ -341,7 +341,7 @@ def _post(srv, payload: dict, key: str | None = None) -> tuple[int, dict]:
 
 
 def test_placement_controller_follows_the_new_executor(llm):
-    from jaxmoe.runtime.controller import PlacementController
+    from jaxmoe.janus.placement_controller import PlacementController
 
     controller = PlacementController.attach(llm.engine, every_steps=0)
     try:

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from jaxmoe.scaling import PerfModel, ScalingController, TraceShape, candidates, simulate, synthesize
-from jaxmoe.scaling.controller import JANUS, MONOLITHIC, Layout, Load, steady_state
+from jaxmoe.janus.scaling import PerfModel, ScalingController, TraceShape, candidates, simulate, synthesize
+from jaxmoe.janus.scaling.controller import JANUS, MONOLITHIC, Layout, Load, steady_state
 
 PM = PerfModel()
 LOAD = dict(output_tokens=256.0, context=144.0)

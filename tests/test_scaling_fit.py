@@ -1,4 +1,4 @@
-"""The JANUS scaling profile (``jaxmoe.scaling.fit`` / ``fitted``): the fit recovers known
+"""The JANUS scaling profile (``jaxmoe.janus.scaling.fit`` / ``fitted``): the fit recovers known
 coefficients from synthetic measurements, and on a tiny model the profile fitted on the CPU mesh
 predicts the engine's decode TPOT of a batch it was not fitted on within a loose bound."""
 
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from jaxmoe.mesh import load_mesh
-from jaxmoe.planning.linear import LinearModel
-from jaxmoe.planning.profile import ProfileError
-from jaxmoe.runtime.rescale import rescaled_spec
+from jaxmoe.findep.linear import LinearModel
+from jaxmoe.findep.profile import ProfileError
+from jaxmoe.janus.reshard import rescaled_spec
 from jaxmoe.runtime.transfer import plan_transfers
-from jaxmoe.scaling.controller import JANUS, Layout, Load, ScalingController
-from jaxmoe.scaling.fit import FitSweep, StepPoint, build_llm, decode_tpot, fit_profile, profile_mesh
-from jaxmoe.scaling.fitted import (
+from jaxmoe.janus.scaling.controller import JANUS, Layout, Load, ScalingController
+from jaxmoe.janus.scaling.fit import FitSweep, StepPoint, build_llm, decode_tpot, fit_profile, profile_mesh
+from jaxmoe.janus.scaling.fitted import (
     FittedPerfModel,
     ScalingDims,
     ScalingFits,
@@ -139,7 +139,7 @@ def test_scaling_profile_command_writes_what_serve_finds(tmp_path, capsys):
     """``jaxmoe scaling-profile`` fits a profile on the mesh (a small sweep) and writes it under the
     name ``jaxmoe serve --autoscale --scaling-profile DIR`` looks for; a bad layout is named."""
     from jaxmoe.cli import main
-    from jaxmoe.scaling.fitted import find_profile
+    from jaxmoe.janus.scaling.fitted import find_profile
 
     args = ["scaling-profile", "--model", "tiny-random", "--mesh", "meshes/cpu-8.yaml", "--dtype", "float32"]
     small = ["--layouts", "4a4e", "--batches", "1,2,4", "--rows", "1,2", "--contexts", "8,16,24", "--repeats", "1"]

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from jaxmoe.engine.block_manager import BlockManager
-from jaxmoe.engine.policies import FCFSPolicy, Policy, Queues, QLLMPolicy, SchedulingPolicy, make_policy
+from jaxmoe.engine.policies import FCFSPolicy, Policy, Queues, SchedulingPolicy, make_policy
+from jaxmoe.qllm.policy import QLLMPolicy
 from jaxmoe.engine.scheduler import OverloadedError, ScheduledBatch, Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence, SequenceStatus
 

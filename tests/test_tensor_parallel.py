@@ -245,7 +245,7 @@ def test_rescaled_tp_layout_repeats_kv_heads_once(llms):
     heads twice (``attention_tp.expand_kv``): the new layout (1a3e, still 4 devices per attention
     instance) holds the same attention weights, split the same way, not repeated a second time;
     and its first forward gives the launch layout's logits."""
-    from jaxmoe.runtime.rescale import build_rescaled, rescaled_spec
+    from jaxmoe.janus.reshard import build_rescaled, rescaled_spec
 
     ex = llms("qwen3_moe", TP4).executor
     assert ex.attention.tp.kv_repeat == 2

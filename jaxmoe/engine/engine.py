@@ -26,7 +26,7 @@ from jaxmoe.engine.buckets import ShapePlan
 from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
 from jaxmoe.engine.policies import make_policy
-from jaxmoe.engine.rescale import RescaleJob, Rescaler
+from jaxmoe.janus.live_rescale import RescaleJob, Rescaler
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence

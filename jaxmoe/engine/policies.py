@@ -22,10 +22,9 @@ each in arrival order) and the step budget (``Budget``). The policy returns
   (``waiting``: the LS queues) first.
 
 Policies are plain objects; subclass ``Policy`` to inherit the default victim
-rule (BE before LS, newest first) and pause rule (QLLM: whenever LS work
-waits). They must not mutate sequences. The scheduler calls a policy through
+rule (BE before LS, newest first) and pause rule (whenever LS work waits). They must not mutate sequences. The scheduler calls a policy through
 ``GuardedPolicy``: a decision that raises or is invalid is logged and taken by
-the default policy (QLLM) for that call instead; no request is lost.
+the default policy (QLLM's, ``jaxmoe.qllm``, where registered) for that call instead; no request is lost.
 """
 
 from __future__ import annotations
@@ -120,50 +119,6 @@ class Policy:
         return bool(waiting.ls_prefill or waiting.ls_decode)
 
 
-class QLLMPolicy(Policy):
-    """QLLM's batch selection (qllm.txt Sec. 3.2, "Batch selection logic").
-
-    Our copy of the paper contains Algorithm 1 only as the prose that explains
-    it (its pseudocode listing is missing), so this follows that prose line by
-    line; the quotes below are verbatim. "Maximum batch size" maps to our
-    budget (``max_num_seqs`` and ``max_batch_tokens``); "fill" = the
-    scheduler's greedy packing in the returned order.
-
-    Where the prose is silent -- which BE jobs "some BE jobs" (lines 6-7) are --
-    we use the rule the paper states for BE work elsewhere, "prioritizing
-    decode over prefill" (lines 16-19). Note that lines 10-14 admit only BE
-    *decode* jobs next to LS decodes: a BE prompt does not start prefilling
-    while LS jobs are decoding and none is prefilling (the paper lists
-    starvation as a known limitation). ``be_prefill_with_ls_decode=True``
-    relaxes exactly that one rule.
-    """
-
-    name = "qllm"
-
-    def __init__(self, be_prefill_with_ls_decode: bool = False):
-        self.be_prefill_with_ls_decode = be_prefill_with_ls_decode
-
-    def order(self, queues: Queues, budget: Budget) -> list[Sequence]:
-        q = queues
-        if q.ls_prefill:
-            # "The algorithm prioritizes filling the batch first with LS jobs
-            #  at the decode stage (lines 2-3). If a maximum-sized batch cannot
-            #  be created, it prioritizes LS jobs in the prefill stage to
-            #  produce more LS jobs in the decode stage (lines 4-5). The
-            #  algorithm also attempts to add some BE jobs to fill the batch if
-            #  possible (lines 6-7)."
-            return q.ls_decode + q.ls_prefill + q.be_decode + q.be_prefill
-        if q.ls_decode:
-            # "If there are no LS jobs at the prefill stage, the algorithm
-            #  simply executes the LS jobs at the decode stage, filling the
-            #  batch with BE jobs at the decode stage (lines 10-14)."
-            extra = q.be_prefill if self.be_prefill_with_ls_decode else []
-            return q.ls_decode + q.be_decode + extra
-        # "If there are no LS jobs, it simply executes BE jobs, prioritizing
-        #  decode over prefill (lines 16-19)."
-        return q.be_decode + q.be_prefill
-
-
 class FCFSPolicy(Policy):
     """Priority-oblivious baseline: every sequence in plain arrival order
     (decode or prefill alike), like iteration-level FCFS in vLLM/TGI."""
@@ -181,10 +136,10 @@ class PolicyError(ValueError):
 class GuardedPolicy:
     """``policy`` with a guard: a decision that raises or is invalid (an unknown or duplicate
     sequence, a victim that was not offered, a pause answer that is not a bool) is logged with its
-    traceback and made by ``fallback`` (QLLM) for that call instead; ``errors`` counts them."""
+    traceback and made by ``fallback`` (the default policy) for that call instead; ``errors`` counts them."""
 
     def __init__(self, policy: SchedulingPolicy, fallback: SchedulingPolicy | None = None):
-        self.policy, self.fallback, self.errors = policy, fallback or QLLMPolicy(), 0
+        self.policy, self.fallback, self.errors = policy, fallback or make_policy(DEFAULT_POLICY), 0
 
     @property
     def name(self) -> str:
@@ -234,12 +189,20 @@ class GuardedPolicy:
             return fallback()
 
 
-POLICIES: dict[str, type] = {"qllm": QLLMPolicy, "fcfs": FCFSPolicy}
+POLICIES: dict[str, type] = {"fcfs": FCFSPolicy}  # by name; feature packages add theirs (register_policy)
+DEFAULT_POLICY = "qllm"  # the engine's default and the guard's fallback, when registered (else FCFS)
+
+
+def register_policy(name: str, cls: type) -> None:
+    """Make ``cls`` (a ``SchedulingPolicy`` built with no arguments) available by ``name``."""
+    POLICIES[name] = cls
 
 
 def make_policy(spec) -> SchedulingPolicy:
     """A policy from a built-in name ("qllm", "fcfs"; case-insensitive), a ``"module:Class"`` spec (the
     class is imported and built with no arguments) or a policy object (returned as it is)."""
+    if spec == DEFAULT_POLICY and spec not in POLICIES:
+        spec = "fcfs"
     if not isinstance(spec, str):
         if not isinstance(spec, SchedulingPolicy):
             raise ValueError(f"policy: {spec!r} is not a SchedulingPolicy (order, victim, pause_at_layer, name)")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from jaxmoe.engine.block_manager import BlockManager
 from jaxmoe.engine.dispatch import choose_instance
-from jaxmoe.engine.policies import Budget, GuardedPolicy, Queues, QLLMPolicy, SchedulingPolicy
+from jaxmoe.engine.policies import Budget, GuardedPolicy, Queues, SchedulingPolicy, make_policy
 from jaxmoe.engine.sequence import Priority, Sequence, SequenceStatus
 
 _INF = float("inf")
@@ -81,7 +81,7 @@ class Scheduler:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {max_prefill_chunk}")
         self.max_prefill_chunk = max_prefill_chunk or max_batch_tokens
         self.bm = block_manager
-        self.policy = GuardedPolicy(policy if policy is not None else QLLMPolicy())  # bad decisions: QLLM's
+        self.policy = GuardedPolicy(policy if policy is not None else make_policy("qllm"))  # bad decisions: the default
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting

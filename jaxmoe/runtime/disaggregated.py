@@ -59,7 +59,8 @@ from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
-from jaxmoe.runtime import chunks, expert_brownout
+from jaxmoe.brownout import expert_split as expert_brownout
+from jaxmoe.runtime import chunks
 from jaxmoe.runtime.pipeline import Pipeline, PipelineChooser, split_rows
 from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases

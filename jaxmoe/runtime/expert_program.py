@@ -41,7 +41,8 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import EXPERT_AXES, MeshConfigError, SubMeshes
 from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.router import route
-from jaxmoe.runtime import expert_brownout, slot_moves
+from jaxmoe.brownout import expert_split as expert_brownout
+from jaxmoe.runtime import slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import POLICIES, schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, fallback_above, resolve

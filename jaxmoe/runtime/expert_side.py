@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import SubMeshes
-from jaxmoe.runtime import expert_brownout
+from jaxmoe.brownout import expert_split as expert_brownout
 from jaxmoe.runtime.expert_program import ExpertProgram, place_layer, place_tables, relayout_layer
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 

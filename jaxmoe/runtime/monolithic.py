@@ -31,7 +31,7 @@ from jaxmoe.models.transformer import (
     unstack_layers,
 )
 from jaxmoe.pallas_kernels.expert_ffn import resolve
-from jaxmoe.runtime.expert_queues import expert_bounds, queue_depth, serve_round
+from jaxmoe.qllm.expert_queues import expert_bounds, queue_depth, serve_round
 from jaxmoe.runtime.pause_points import PausePoints
 
 

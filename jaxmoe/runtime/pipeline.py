@@ -24,7 +24,7 @@ A batch whose rows per instance (tokens per instance) are not a multiple of r1 (
 largest divisor below it (``for_batch``): the engine's batch sizes change step by step.
 
 ``PipelineChooser``: anything with ``for_batch(rows, tokens, context) -> Pipeline``; the executor
-asks it once per step (FinDEP's solver per batch shape lives in ``jaxmoe.planning.online``).
+asks it once per step (FinDEP's solver per batch shape lives in ``jaxmoe.findep.online``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Pipeline:
     def parse(cls, value) -> Pipeline | PipelineChooser:
         """None or "sequential" -> ``sequential()``; a dict with r1 / r2 / order -> a fixed Pipeline;
         a Pipeline or a ``PipelineChooser`` as it is. ("pppipe" and "findep" need a performance
-        model: ``jaxmoe.planning.online.pipeline_chooser`` builds them.)"""
+        model: ``jaxmoe.findep.online.pipeline_chooser`` builds them.)"""
         if value is None or value == "sequential":
             return cls.sequential()
         if isinstance(value, (Pipeline, PipelineChooser)):

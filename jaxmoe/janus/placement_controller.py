@@ -3,7 +3,7 @@
 Every ``every_steps`` engine steps (or on ``rebalance()``), it reads the expert side's
 co-activation counters (``DisaggregatedExecutor.expert_coactivation``), takes the counts of the
 window since the last rebalance, plans a new placement per MoE layer with activation-aware
-replication + Algorithm 2 (``jaxmoe.runtime.placement``) and re-shards the replicas between steps
+replication + Algorithm 2 (``jaxmoe.janus.placement``) and re-shards the replicas between steps
 (``executor.set_placement``; AEBS reads the new replica tables from the next step). Results are
 unchanged by construction — any replica of an expert computes the same thing — only which
 instance does the work moves.
@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 
 from jaxmoe.runtime.executor import ReplicaPlacement
-from jaxmoe.runtime.placement import coactivation_load, plan_placement
+from jaxmoe.janus.placement import coactivation_load, plan_placement
 
 
 @dataclasses.dataclass

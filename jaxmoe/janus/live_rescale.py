@@ -51,8 +51,8 @@ from jaxmoe.engine.model_runner import ModelRunner
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import MeshConfigError
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
-from jaxmoe.runtime.program_caches import forget_cached_programs
-from jaxmoe.runtime.rescale import (
+from jaxmoe.janus.program_caches import forget_cached_programs
+from jaxmoe.janus.reshard import (
     MoveStats,
     build_rescaled,
     check_processes,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmoe.planning.profile import HostModel, ProfileError
+from jaxmoe.findep.profile import HostModel, ProfileError
 
 
 def measure_dispatch(executor, counts: tuple[int, ...] = (50, 100, 200), repeats: int = 3) -> list[list[float]]:

@@ -8,8 +8,8 @@ derived with ``profile.derive_stages``. Used to simulate GPU-sized meshes withou
 
 from __future__ import annotations
 
-from jaxmoe.planning.linear import LinearModel
-from jaxmoe.planning.profile import BaseModels, Dims, Profile, derive_stages
+from jaxmoe.findep.linear import LinearModel
+from jaxmoe.findep.profile import BaseModels, Dims, Profile, derive_stages
 
 MS = 1e-3
 FIG7_GEMM = LinearModel(alpha=0.17 * MS, betas=(8.59e-11 * MS,))

@@ -22,7 +22,7 @@ then runs as ``slot_moves`` collectives: every process calls ``build_rescaled`` 
 the attention side, before and after, must be inside one process.
 
 The engine side (background build and compile, the swap at a step boundary, the stall) is
-``jaxmoe.engine.rescale``.
+``jaxmoe.janus.live_rescale``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.mesh import ClusterSpec, Instances, MeshConfigError, SubMeshes
-from jaxmoe.runtime import expert_brownout, expert_program, slot_moves
+from jaxmoe.brownout import expert_split as expert_brownout
+from jaxmoe.runtime import expert_program, slot_moves
 from jaxmoe.runtime.attention_tp import AttentionTP
 from jaxmoe.runtime.replicas import ReplicaLayout
 

@@ -35,8 +35,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxmoe.planning.linear import LinearModel
-from jaxmoe.planning.schedule import Host
+from jaxmoe.findep.linear import LinearModel
+from jaxmoe.findep.schedule import Host
 
 PROFILE_KIND = "jaxmoe-findep-profile"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from jaxmoe.scaling.perf_model import DisaggregatedPerf, PerfModel
+from jaxmoe.janus.scaling.perf_model import DisaggregatedPerf, PerfModel
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -18,7 +18,7 @@ floating-point sums); ``bench/scaling_model.py --part ablation`` measures their 
 from __future__ import annotations
 
 from jaxmoe.mesh import ClusterSpec
-from jaxmoe.scaling.fit import build_llm
+from jaxmoe.janus.scaling.fit import build_llm
 
 VARIANTS: dict[str, tuple[bool, str]] = {
     "base": (False, "random"),

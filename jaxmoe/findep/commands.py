@@ -65,7 +65,7 @@ def register(sub, add_model_args) -> None:
 
 def _measure(model, mesh, dtype, sweep):
     from jaxmoe.llm import load_model
-    from jaxmoe.planning.measure import profile_executor
+    from jaxmoe.findep.measure import profile_executor
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
     if mesh is None:
@@ -79,7 +79,7 @@ def _measure(model, mesh, dtype, sweep):
 
 
 def cmd_profile(args) -> int:
-    from jaxmoe.planning.measure import Sweep, plot_profile
+    from jaxmoe.findep.measure import Sweep, plot_profile
 
     sweep = Sweep(
         rows=args.rows,
@@ -106,8 +106,8 @@ def cmd_profile(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from jaxmoe.planning import BatchShape, Profile, brute_force, pppipe, solve
-    from jaxmoe.planning.measure import Sweep
+    from jaxmoe.findep import BatchShape, Profile, brute_force, pppipe, solve
+    from jaxmoe.findep.measure import Sweep
 
     if args.profile:
         profile = Profile.load(args.profile)

@@ -43,9 +43,9 @@ import jax
 import numpy as np
 
 from jaxmoe.models.attention import AttentionBatch
-from jaxmoe.planning.linear import LinearModel
-from jaxmoe.planning.host import fit_host, measure_dispatch, measure_host
-from jaxmoe.planning.profile import (
+from jaxmoe.findep.linear import LinearModel
+from jaxmoe.findep.host import fit_host, measure_dispatch, measure_host
+from jaxmoe.findep.profile import (
     Profile,
     ProfileError,
     StageModels,
@@ -121,7 +121,7 @@ def time_phases(executor, args, repeats: int) -> list[dict]:
     """Run ``executor.forward(*args)`` once to compile, then ``repeats`` times in timing mode (every
     phase blocked on and timed per layer); the timing records (``executor.timings``), one per step.
     The executor's timing mode is restored afterwards. Shared by FinDEP's profile and the JANUS
-    scaling profile (``jaxmoe.scaling.fit``)."""
+    scaling profile (``jaxmoe.janus.scaling.fit``)."""
     was = executor.timing
     try:
         executor.timing = False

@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxmoe.planning.paper_profile import paper_profile
-from jaxmoe.planning.profile import Profile, dims_of, mesh_identity, model_identity
-from jaxmoe.planning.solver import BatchShape, pppipe, solve
+from jaxmoe.findep.paper_profile import paper_profile
+from jaxmoe.findep.profile import Profile, dims_of, mesh_identity, model_identity
+from jaxmoe.findep.solver import BatchShape, pppipe, solve
 from jaxmoe.runtime.pipeline import NAMES, Pipeline
 
 

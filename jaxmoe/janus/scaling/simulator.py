@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmoe.scaling.controller import DISAGG, JANUS, MONOLITHIC, Layout, Load, ScalingController, candidates
-from jaxmoe.scaling.controller import steady_state
-from jaxmoe.scaling.perf_model import PerfModel
+from jaxmoe.janus.scaling.controller import DISAGG, JANUS, MONOLITHIC, Layout, Load, ScalingController, candidates
+from jaxmoe.janus.scaling.controller import steady_state
+from jaxmoe.janus.scaling.perf_model import PerfModel
 
 FIXED = (16, 32, 64)
 

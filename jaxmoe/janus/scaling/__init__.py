@@ -5,10 +5,10 @@ and a cluster simulator that replays a synthetic diurnal, bursty trace (``jaxmoe
 Control plane only: nothing here is imported by the per-step hot path.
 """
 
-from jaxmoe.scaling.controller import Layout, ScalingController, candidates
-from jaxmoe.scaling.perf_model import DEEPSEEK_V2, H100, Hardware, ModelShape, PerfModel
-from jaxmoe.scaling.simulator import compare, simulate
-from jaxmoe.scaling.trace import TraceShape, synthesize
+from jaxmoe.janus.scaling.controller import Layout, ScalingController, candidates
+from jaxmoe.janus.scaling.perf_model import DEEPSEEK_V2, H100, Hardware, ModelShape, PerfModel
+from jaxmoe.janus.scaling.simulator import compare, simulate
+from jaxmoe.janus.scaling.trace import TraceShape, synthesize
 
 __all__ = [
     "DEEPSEEK_V2",

@@ -32,7 +32,7 @@ step       B, the parts' sum                         the engine's decode step (m
 ``TPOT = step(B, layers x attention + MoE layers x (a2e + expert + e2a))``. The activated experts
 of a prediction are the expected numbers (``perf_model.activated_per_instance``: an even share under
 AEBS, a balls-in-bins maximum under random scheduling; ``perf_model.distinct_experts`` in all). ``FittedPerfModel`` answers the scaling
-controller's ``DisaggregatedPerf`` protocol; ``jaxmoe.scaling.fit`` measures and fits a profile.
+controller's ``DisaggregatedPerf`` protocol; ``jaxmoe.janus.scaling.fit`` measures and fits a profile.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxmoe.engine.buckets import bucket
 from jaxmoe.mesh import ClusterSpec
-from jaxmoe.planning.linear import LinearModel
-from jaxmoe.planning.profile import ProfileError, read_profile
-from jaxmoe.runtime.rescale import rescaled_spec
+from jaxmoe.findep.linear import LinearModel
+from jaxmoe.findep.profile import ProfileError, read_profile
+from jaxmoe.janus.reshard import rescaled_spec
 from jaxmoe.runtime.transfer import TransferPlan, plan_transfers
 from jaxmoe.runtime.transfer_walk import host_ops
-from jaxmoe.scaling.perf_model import activated_per_instance, distinct_experts
+from jaxmoe.janus.scaling.perf_model import activated_per_instance, distinct_experts
 
 SCALING_PROFILE_KIND = "jaxmoe-scaling-profile"
 

@@ -29,11 +29,11 @@ import jax
 import numpy as np
 
 from jaxmoe.mesh import ClusterSpec
-from jaxmoe.planning.linear import LinearModel
-from jaxmoe.planning.measure import phase_per_layer, synthetic_batch, time_phases
-from jaxmoe.planning.profile import ProfileError, model_identity
+from jaxmoe.findep.linear import LinearModel
+from jaxmoe.findep.measure import phase_per_layer, synthetic_batch, time_phases
+from jaxmoe.findep.profile import ProfileError, model_identity
 from jaxmoe.runtime.transfer import plan_transfers
-from jaxmoe.scaling.fitted import (
+from jaxmoe.janus.scaling.fitted import (
     FittedPerfModel,
     ScalingDims,
     ScalingFits,

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmoe.scaling.controller import JANUS, Layout, Load, ScalingController
-from jaxmoe.scaling.fitted import FittedPerfModel, ScalingProfile, find_profile, mesh_family
-from jaxmoe.scaling.perf_model import DisaggregatedPerf, Hardware, ModelShape, PerfModel
+from jaxmoe.janus.scaling.controller import JANUS, Layout, Load, ScalingController
+from jaxmoe.janus.scaling.fitted import FittedPerfModel, ScalingProfile, find_profile, mesh_family
+from jaxmoe.janus.scaling.perf_model import DisaggregatedPerf, Hardware, ModelShape, PerfModel
 
 
 def model_shape(cfg, params_bytes: int, expert_bytes: int, dtype_bytes: int) -> ModelShape:
@@ -162,7 +162,7 @@ def fitted_model(engine, profile) -> FittedPerfModel | None:
     path of its JSON (``ProfileError`` naming the field when it was made for another mesh's devices
     and slots, model or dtype), or a directory (the profile made for this mesh, model and dtype,
     ``fitted.find_profile``; None when it has none)."""
-    from jaxmoe.planning.profile import model_identity
+    from jaxmoe.findep.profile import model_identity
 
     ex, cfg = engine.runner.executor, engine.config
     model, dtype = model_identity(ex.cfg), str(np.dtype(ex.params["embed"].dtype))

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from jaxmoe.planning.commands import int_list
+from jaxmoe.findep.commands import int_list
 
 
 def register(sub, add_model_args) -> None:
@@ -70,7 +70,7 @@ def layout_list(text: str) -> list[tuple[int, int]]:
 
 def cmd_scaling_profile(args) -> int:
     from jaxmoe.mesh import load_mesh
-    from jaxmoe.scaling.fit import FitSweep, profile_mesh
+    from jaxmoe.janus.scaling.fit import FitSweep, profile_mesh
 
     if args.mesh is None:
         raise ValueError("--mesh: the scaling model is fitted on a mesh file's devices; give one")
@@ -100,9 +100,9 @@ def cmd_scaling_profile(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from jaxmoe.scaling.perf_model import PerfModel
-    from jaxmoe.scaling.simulator import compare, plot, summary, throughput_table
-    from jaxmoe.scaling.trace import TraceShape, synthesize
+    from jaxmoe.janus.scaling.perf_model import PerfModel
+    from jaxmoe.janus.scaling.simulator import compare, plot, summary, throughput_table
+    from jaxmoe.janus.scaling.trace import TraceShape, synthesize
 
     if not 0 < args.target <= 1:
         raise ValueError(f"--target must be in (0, 1], got {args.target}")

@@ -26,8 +26,8 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 
-from jaxmoe.planning.profile import Profile
-from jaxmoe.planning.schedule import ORDERS, StageTimes, estimate
+from jaxmoe.findep.profile import Profile
+from jaxmoe.findep.schedule import ORDERS, StageTimes, estimate
 
 FINDEP_ORDERS = ("ASAS", "AASS")
 
