@@ -61,7 +61,7 @@ def heldout_prompts(n: int, length: int, skip: int) -> list[list[int]]:
     """``n`` prompts of ``length`` tokens spread over the held-out stream after its first ``skip``."""
     import numpy as np
 
-    from jaxmoe.llm import load_model
+    from jaxmoe.checkpoint.model import load_model
     from jaxmoe.train import data
     from jaxmoe.train.corpus import load_corpus
 
@@ -73,7 +73,7 @@ def heldout_prompts(n: int, length: int, skip: int) -> list[list[int]]:
 
 def heldout_windows(max_tokens: int):
     """The windows ``jaxmoe eval --max-tokens N`` scores (the same encoding and cut)."""
-    from jaxmoe.llm import load_model
+    from jaxmoe.checkpoint.model import load_model
     from jaxmoe.train import data
     from jaxmoe.train.corpus import load_corpus
 
@@ -91,7 +91,7 @@ class NextToken:
         import jax.numpy as jnp
 
         from jaxmoe.brownout.united import attach
-        from jaxmoe.llm import load_model
+        from jaxmoe.checkpoint.model import load_model
         from jaxmoe.models.experts import Brownout
         from jaxmoe.train.model import forward
 

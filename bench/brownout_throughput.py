@@ -54,12 +54,20 @@ def activated_per_decode_step(llm, prompts, n: int) -> float:
     from jaxmoe import SamplingParams
 
     seen = []
-    hook = lambda engine: seen.append(sum(o + u for o, u in engine.runner.executor.activated_experts().values()))  # noqa: E731
-    llm.engine.step_hooks.append(hook)
+
+    class Count:  # a step hook: the distinct experts each step read
+        def before_step(self, engine):
+            pass
+
+        def after_step(self, engine, outputs):
+            if engine.last_step_ran:
+                seen.append(sum(o + u for o, u in engine.executor.activated_experts().values()))
+
+    hook = llm.engine.add_hook(Count())
     try:
         llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
     finally:
-        llm.engine.step_hooks.remove(hook)
+        llm.engine.hooks.remove(hook)
     return statistics.mean(seen[1:])  # the first step is the prefill
 
 

@@ -167,7 +167,7 @@ def table(rows) -> str:
 
 
 def cpu_mode(args):
-    from jaxmoe.llm import load_model
+    from jaxmoe.checkpoint.model import load_model
 
     cfg, params, _ = load_model("tiny-random", dtype="float32")
     num_blocks, bs = args.num_blocks, args.block_size

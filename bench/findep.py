@@ -113,7 +113,7 @@ class Runner:
 def cpu_part(args):
     import jax
 
-    from jaxmoe.llm import load_model
+    from jaxmoe.checkpoint.model import load_model
     from jaxmoe.findep import BatchShape, solve
     from jaxmoe.findep.measure import Sweep, plot_profile, profile_executor
 

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     import jax
 
     from bench.findep import Runner, write_checkpoint
-    from jaxmoe.llm import load_model
+    from jaxmoe.checkpoint.model import load_model
     from jaxmoe.runtime.pipeline import Pipeline
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -30,7 +30,7 @@ from jaxmoe.config import from_hf_config
 from jaxmoe.demo import DEMO_HF_CONFIG, demo_params
 from jaxmoe.engine.engine import EngineConfig, LLMEngine
 from jaxmoe.engine.warmup import warm_up
-from jaxmoe.llm import build_executor
+from jaxmoe.assembly import QLLMConfig, RuntimeConfig, attach_features, build_executor
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.tokenizer import ByteTokenizer
 
@@ -49,18 +49,20 @@ def build_engine(
     layers: int, policy: str, layer_preemption: bool, expert_queues: int = 0, pause_every: int = 1
 ) -> LLMEngine:
     cfg = from_hf_config({**DEMO_HF_CONFIG, "num_hidden_layers": layers})
-    config = EngineConfig(
-        num_blocks=512,
-        block_size=16,
-        max_num_seqs=16,
-        max_batch_tokens=512,
-        max_prefill_chunk=256,
-        policy=policy,
-        layer_preemption=layer_preemption,
-        expert_queues=expert_queues,
-        pause_every=pause_every,
+    config = RuntimeConfig(
+        engine=EngineConfig(
+            num_blocks=512,
+            block_size=16,
+            max_num_seqs=16,
+            max_batch_tokens=512,
+            max_prefill_chunk=256,
+            policy=policy,
+            pause_every=pause_every,
+        ),
+        qllm=QLLMConfig(layer_preemption, expert_queues),
     )
-    engine = LLMEngine(cfg, build_executor(cfg, demo_params(cfg), config), ByteTokenizer(), config)
+    executor = build_executor(cfg, demo_params(cfg), config)
+    engine = attach_features(LLMEngine(cfg, executor, ByteTokenizer(), config.engine), config)
     warm_up(engine, progress=False)
     return engine
 
@@ -118,14 +120,15 @@ def counters(engine: LLMEngine) -> dict:
     return {
         "preemptions_step": sum(pre["keep_kv"].values()) + sum(pre["recompute"].values()),
         "preemptions_layer": sum(pre["pause"].values()) + sum(pre["expert_pause"].values()),
-        "layer_pauses": engine.layer_pauses,
+        "layer_pauses": engine.layer_hook.layer_pauses if engine.layer_hook else 0,
     }
 
 
 def run_trace(engine: LLMEngine, trace: list[dict]) -> dict:
     """Serve the trace on an engine that may have served others (counters as deltas)."""
     before = counters(engine)
-    engine.paused_state_bytes_max = 0
+    if engine.layer_hook is not None:
+        engine.layer_hook.paused_state_bytes_max = 0
     run = serve(engine, trace)
     after = counters(engine)
     return summarize(trace, run, engine) | {k: after[k] - before[k] for k in after}
@@ -141,7 +144,7 @@ def summarize(trace: list[dict], run: dict, engine: LLMEngine) -> dict:
         "ls_ttft_p90_s": float(np.percentile(ls, 90)) if ls else None,
         "be_throughput_tok_s": be_tokens / run["makespan"],
         "be_turnaround_mean_s": float(np.mean([run["done"][r["id"]] - arrival[r["id"]] for r in be])),
-        "saved_state_bytes_max": engine.paused_state_bytes_max,
+        "saved_state_bytes_max": engine.layer_hook.paused_state_bytes_max if engine.layer_hook else 0,
         "mean_step_ms": 1e3 * run["step_seconds"] / max(run["steps"], 1),
     }
 

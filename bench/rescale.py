@@ -46,6 +46,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxmoe.janus.live_rescale import LiveRescaler
 from jaxmoe import LLM, SamplingParams  # noqa: E402
 from jaxmoe.compilation import compile_events  # noqa: E402
 from jaxmoe.janus import live_rescale as engine_rescale  # noqa: E402
@@ -123,7 +124,7 @@ def main() -> None:
     for attention, experts in changes:
         before = [step() for _ in range(args.warm_steps)]
         ev0 = compile_events()
-        job = engine.rescale(attention, experts)
+        job = LiveRescaler.of(engine).start(attention, experts)
         during = []
         while not job.ready():
             during.append(step()[0])

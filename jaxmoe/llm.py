@@ -1,175 +1,65 @@
 """The notebook API: ``LLM("path/or/demo").generate(prompts, SamplingParams(...))``.
 
-``load_model`` resolves a model name: ``demo`` / ``tiny-random`` (built in), a directory converted by jaxmoe (Orbax),
-or a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json).
+``LLM`` takes ``build_engine``'s settings as flat keyword arguments (``jaxmoe.assembly.RuntimeConfig``
+sorts them into their sections) and steps the engine until every prompt is done.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Sequence as Seq
 
-import jax.numpy as jnp
-import numpy as np
-
-from jaxmoe.checkpoint import is_converted, load_params, restore_converted
-from jaxmoe.compilation import enable_persistent_cache
-from jaxmoe.config import ModelConfig, load_config
-from jaxmoe.demo import DEMO_DIR, TINY_RANDOM, demo_config, demo_params
-from jaxmoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from jaxmoe.janus.live_rescale import RescaleResult
+from jaxmoe.assembly import RuntimeConfig, build_engine
+from jaxmoe.checkpoint.model import load_model, model_dir
+from jaxmoe.engine.engine import RequestOutput
+from jaxmoe.janus.live_rescale import LiveRescaler, RescaleResult
 from jaxmoe.sampling import SamplingParams
-from jaxmoe.runtime.monolithic import MonolithicExecutor
-from jaxmoe.tokenizer import ByteTokenizer, load_tokenizer
 
-
-def load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object]:
-    """(config, params, tokenizer) for a built-in name (``demo``: the trained demo model shipped in
-    ``jaxmoe/assets/demo``; ``tiny-random``: a tiny random-weight model with the byte tokenizer, for
-    tests), a jaxmoe-converted directory or an HF checkpoint."""
-    if str(model) == TINY_RANDOM:
-        cfg = demo_config()
-        return cfg, demo_params(cfg, dtype=jnp.dtype(dtype or jnp.float32)), ByteTokenizer()
-    path = DEMO_DIR if str(model) == "demo" else Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model {str(model)!r} is neither a built-in name ('demo', '{TINY_RANDOM}') nor a checkpoint directory"
-        )
-    if is_converted(path):
-        params, cfg = restore_converted(path)
-    else:
-        cfg = load_config(path)
-        params = load_params(path, cfg, dtype=dtype)
-    tokenizer = load_tokenizer(path) if (path / "tokenizer.json").exists() else ByteTokenizer()
-    return cfg, params, tokenizer
-
-
-def build_executor(
-    cfg: ModelConfig,
-    params: dict,
-    engine_config: EngineConfig,
-    mesh=None,
-    executor_kwargs: dict | None = None,
-    brownout=None,
-    pipeline=None,
-    pipeline_profile=None,
-):
-    """Monolithic executor by default; with a mesh file, the disaggregated one.
-
-    ``executor_kwargs`` go to ``DisaggregatedExecutor`` (replica_policy, expert_impl, placement,
-    pipeline, ...). ``brownout``: a ``BrownoutConfig`` (either executor).
-    ``pipeline``: the disaggregated step's schedule, "sequential" (the default), "pppipe", "findep" or
-    a dict {"order", "r1", "r2"}; ``pipeline_profile``: a ``jaxmoe profile`` JSON for "pppipe" /
-    "findep" (``jaxmoe.findep.online``).
-    """
-    num_slots = engine_config.num_blocks * engine_config.block_size
-    if mesh is None and pipeline not in (None, "sequential"):
-        raise ValueError(f"pipeline {pipeline!r}: pipelined schedules run on a disaggregated mesh; give mesh=FILE")
-    if mesh is None:
-        return MonolithicExecutor(
-            cfg,
-            params,
-            num_slots,
-            engine_config.block_size,
-            brownout=brownout,
-            expert_impl=engine_config.expert_impl,
-            expert_queues=engine_config.expert_queues,
-            pause_every=engine_config.pause_every,
-        )
-    if engine_config.expert_queues:
-        raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
-    from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
-
-    kwargs = {
-        "expert_impl": engine_config.expert_impl,
-        "pause_every": engine_config.pause_every,
-        "brownout": brownout,
-        **(executor_kwargs or {}),
-    }
-    executor = DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **kwargs)
-    if pipeline is not None or pipeline_profile is not None:
-        from jaxmoe.findep.online import pipeline_chooser
-
-        dtype = np.dtype(params["embed"].dtype)
-        executor.pipeline = pipeline_chooser(
-            "sequential" if pipeline is None else pipeline,
-            cfg,
-            executor.sub.spec,
-            str(dtype),
-            dtype.itemsize,
-            profile=pipeline_profile,
-            max_rows=engine_config.max_num_seqs,
-            max_tokens=engine_config.max_batch_tokens,
-        )
-    return executor
+__all__ = ["LLM", "load_model"]
 
 
 class LLM:
     """Offline generation over a batch of prompts, with continuous batching underneath."""
 
-    def __init__(
-        self,
-        model: str | Path = "demo",
-        *,
-        dtype=None,
-        mesh=None,
-        executor_kwargs: dict | None = None,
-        rebalance_every: int = 0,
-        brownout=None,
-        pipeline=None,
-        pipeline_profile=None,
-        **engine_kwargs,
-    ):
-        """``rebalance_every``: with a mesh, re-place the expert replicas from recent activations
-        every that many steps (``runtime.controller.PlacementController``, JANUS Algorithm 2).
-        ``brownout``: a ``BrownoutConfig`` (BrownoutServe); the model directory must hold united
-        experts (``jaxmoe unite``); ``llm.executor.brownout_threshold`` may change between steps.
-        Without it, a mesh file's ``brownout:`` section turns brownout on (its start threshold and
-        mode) and, with ``salc: true``, attaches SALC (``llm.brownout_controller``).
-        ``pipeline`` / ``pipeline_profile`` (with a mesh): the step's schedule, "sequential" (default),
-        "pppipe", "findep" or {"order": "ASAS", "r1": 2, "r2": 4}, and the profile the solver uses
-        (``build_executor``, ``jaxmoe.findep.online``).
-        Compiled programs go to the persistent compilation cache (``jaxmoe.compilation``)."""
-        enable_persistent_cache()
+    def __init__(self, model="demo", **settings):
+        """``settings``: ``dtype``, ``mesh`` (a mesh file: the disaggregated executor),
+        ``executor_kwargs`` and any field of ``RuntimeConfig``'s sections by name: the engine's
+        (``max_num_seqs``, ``num_blocks``, ``policy``, ``expert_impl``, ...), JANUS's
+        (``rebalance_every``: re-place expert replicas from recent activations every that many steps),
+        FinDEP's (``pipeline``: "sequential" (default), "pppipe", "findep" or {"order": "ASAS", "r1": 2,
+        "r2": 4}; ``pipeline_profile``), QLLM's (``layer_preemption``, ``expert_queues``,
+        ``max_paused_state_bytes``) and BrownoutServe's (``brownout``: a ``BrownoutConfig``, the model
+        directory holding united experts, ``jaxmoe unite``; ``salc``; without them a mesh file's
+        ``brownout:`` section decides)."""
         self.model = model
-        self.cfg, params, self.tokenizer = load_model(model, dtype)
-        salc = None
-        if brownout is None and mesh is not None:
-            from jaxmoe.mesh import mesh_brownout
+        self.config = RuntimeConfig.from_kwargs(model, **settings)
+        self.engine_config = self.config.engine
+        self.engine = build_engine(self.config)
+        self.cfg, self.tokenizer = self.engine.cfg, self.engine.tokenizer
 
-            settings = mesh_brownout(mesh)
-            if settings is not None:
-                brownout, salc = settings.brownout(), settings.salc_config()
-        if brownout is not None:
-            from jaxmoe.brownout.united import attach
+    def _hook(self, kind: type):
+        return next((h for h in self.engine.hooks if isinstance(h, kind)), None)
 
-            params = attach(params, self.cfg, DEMO_DIR if str(model) == "demo" else model)
-        self.engine_config = EngineConfig(**engine_kwargs)
-        executor = build_executor(
-            self.cfg, params, self.engine_config, mesh, executor_kwargs, brownout, pipeline, pipeline_profile
-        )
-        self.engine = LLMEngine(self.cfg, executor, self.tokenizer, self.engine_config)
-        keep = ("replica_policy", "aebs_impl", "interpret")  # what a rescaled executor is built with too
-        self.engine.rescaler.executor_kwargs = {k: v for k, v in (executor_kwargs or {}).items() if k in keep}
-        self.brownout_controller = None
-        if salc is not None:
-            from jaxmoe.brownout.controller import BrownoutController
+    @property
+    def brownout_controller(self):
+        """SALC moving the brownout threshold (None: not attached)."""
+        from jaxmoe.brownout.controller import BrownoutController
 
-            self.brownout_controller = BrownoutController.attach(self.engine, salc)
-        self.controller = None
-        if rebalance_every:
-            from jaxmoe.janus.placement_controller import PlacementController
+        return self._hook(BrownoutController)
 
-            self.controller = PlacementController.attach(self.engine, rebalance_every)
+    @property
+    def controller(self):
+        """The expert placement controller (None: not attached, ``rebalance_every=0``)."""
+        from jaxmoe.janus.placement_controller import PlacementController
+
+        return self._hook(PlacementController)
 
     @property
     def generation_config(self) -> dict:
         """The checkpoint's suggested sampling (``generation_config.json``: temperature, top_p, top_k
         when ``do_sample``), as ``SamplingParams`` keyword arguments; {} when it has none."""
-        path = DEMO_DIR if str(self.model) == "demo" else Path(self.model)
         try:
-            conf = json.loads((path / "generation_config.json").read_text())
+            conf = json.loads((model_dir(self.model) / "generation_config.json").read_text())
         except (OSError, ValueError):
             return {}
         if not conf.get("do_sample"):
@@ -179,7 +69,7 @@ class LLM:
     @property
     def executor(self):
         """The executor serving now (``rescale`` replaces it)."""
-        return self.engine.runner.executor
+        return self.engine.executor
 
     @property
     def params(self) -> dict:
@@ -189,16 +79,18 @@ class LLM:
         self, attention: int, experts: int, slots_per_instance: int | None = None, timeout: float = 600.0
     ) -> RescaleResult:
         """Change the number of attention and expert instances (mesh file engines): returns when the
-        new layout serves, with the stall it caused (``engine.rescale``: build in the background,
-        swap at a step boundary). For an idle engine (between ``generate`` calls). Raises ``RescaleError`` naming a value that does not fit."""
+        new layout serves, with the stall it caused (``janus.live_rescale``: build in the background,
+        swap at a step boundary). For an idle engine (between ``generate`` calls). Raises
+        ``RescaleError`` naming a value that does not fit."""
+        rescaler = LiveRescaler.of(self.engine)
         if self.engine.has_work():
             raise RuntimeError(
-                "requests are in flight on this engine: call llm.engine.rescale(...) and keep stepping it"
+                "requests are in flight on this engine: call LiveRescaler.of(llm.engine).start(...) and keep stepping it"
             )
-        job = self.engine.rescale(attention, experts, slots_per_instance)
+        job = rescaler.start(attention, experts, slots_per_instance)
         if not job.wait_ready(timeout):
             raise TimeoutError(f"rescale to {job.target} not built after {timeout}s")
-        self.engine.apply_rescale()  # idle: the job is done once swapped
+        rescaler.apply()  # idle: the job is done once swapped
         return job.result()
 
     def generate(

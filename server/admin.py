@@ -13,7 +13,7 @@ import dataclasses
 import grpc
 import pydantic
 
-from jaxmoe.janus.live_rescale import RescaleError, RescaleInProgressError
+from jaxmoe.janus.live_rescale import LiveRescaler, RescaleError, RescaleInProgressError
 
 
 @dataclasses.dataclass
@@ -52,10 +52,10 @@ def rescale(async_engine, payload, timeout_s: float = 600.0) -> dict:
     in progress), 504 / DEADLINE_EXCEEDED (not done in ``timeout_s``; it goes on)."""
     req = parse_rescale(payload)
     try:
-        job = async_engine.call(lambda e: e.rescale(req.attention, req.experts, req.slots_per_instance))
+        job = async_engine.call(lambda e: LiveRescaler.of(e).start(req.attention, req.experts, req.slots_per_instance))
         if not job.wait_ready(timeout_s):
             raise TimeoutError(f"the {job.target} layout was not built in {timeout_s}s")
-        async_engine.call(lambda e: e.apply_rescale())  # swaps now when idle (else at the next step)
+        async_engine.call(lambda e: LiveRescaler.of(e).apply())  # swaps now when idle (else at the next step)
         return job.result(timeout_s).as_dict()
     except RescaleInProgressError as e:
         raise AdminError(str(e), 409, grpc.StatusCode.ABORTED) from None

@@ -14,9 +14,8 @@ import asyncio
 import dataclasses
 import threading
 
-from jaxmoe.brownout.controller import BrownoutController
 from jaxmoe.engine.async_engine import AsyncEngine
-from jaxmoe.engine.engine import EngineConfig, LLMEngine
+from jaxmoe.engine.engine import LLMEngine
 from starlette.middleware import Middleware
 
 from jaxmoe.server.grpc_service import build_grpc_server, set_serving
@@ -42,49 +41,6 @@ class ServeOptions:
     max_body_bytes: int = 4 << 20  # HTTP request bodies larger than this are refused (413)
     body_read_timeout_s: float = 30.0  # an HTTP body not fully received in this time is refused (408)
     http_limits: HttpLimits = HttpLimits()  # connections, keep-alive, request head (uvicorn)
-
-
-def load_engine(
-    model: str,
-    engine_config: EngineConfig,
-    mesh: str | None = None,
-    dtype=None,
-    rebalance_every: int = 0,
-    brownout=None,
-    salc=None,
-    *,
-    pipeline=None,
-    pipeline_profile=None,
-) -> LLMEngine:
-    """The engine ``jaxmoe serve`` runs; ``rebalance_every`` > 0 attaches the expert placement
-    controller (a mesh file is needed); ``brownout`` (a ``BrownoutConfig``, the model directory
-    holding united experts) and ``salc`` (a ``SALCConfig``: SLO-aware control of its threshold);
-    ``pipeline`` / ``pipeline_profile``: the disaggregated step's schedule (``llm.build_executor``)."""
-    from jaxmoe.compilation import enable_persistent_cache
-    from jaxmoe.llm import build_executor, load_model
-
-    enable_persistent_cache()
-    cfg, params, tokenizer = load_model(model, dtype)
-    if brownout is not None:
-        from jaxmoe.brownout.united import attach
-        from jaxmoe.demo import DEMO_DIR
-
-        params = attach(params, cfg, DEMO_DIR if str(model) == "demo" else model)
-    engine = LLMEngine(
-        cfg,
-        build_executor(
-            cfg, params, engine_config, mesh, brownout=brownout, pipeline=pipeline, pipeline_profile=pipeline_profile
-        ),
-        tokenizer,
-        engine_config,
-    )
-    if salc is not None:
-        BrownoutController.attach(engine, salc)
-    if rebalance_every:
-        from jaxmoe.janus.placement_controller import PlacementController
-
-        PlacementController.attach(engine, rebalance_every)
-    return engine
 
 
 def model_info(engine: LLMEngine, opts: ServeOptions) -> pb.ModelInfoResponse:
@@ -114,7 +70,6 @@ class JaxmoeServer:
             engine, on_finish=self.metrics.observe_finished, request_timeout_s=opts.request_timeout_s
         )
         self.metrics.watch(self.async_engine)
-        self.async_engine.brownout = next((h for h in engine.step_hooks if isinstance(h, BrownoutController)), None)
         self.ready = False
         self.grpc_port = self.http_port = None
         self.warmup_seconds = 0.0

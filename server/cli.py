@@ -195,17 +195,17 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
-def build_engine(args):
-    """(the engine, the mesh description) ``jaxmoe serve`` runs with these parsed arguments: the
-    model, the mesh file, brownout and SALC (``serve_brownout``), the pipeline and the autoscaler."""
-    from jaxmoe.engine.engine import EngineConfig
+def runtime_config(args):
+    """(the ``RuntimeConfig``, the mesh description) ``jaxmoe serve`` runs with these parsed arguments:
+    the model, the mesh file, brownout and SALC (``serve_brownout``), the pipeline and the autoscaler."""
+    from jaxmoe.assembly import BrownoutSection, FinDEPConfig, JanusConfig, QLLMConfig, RuntimeConfig
+    from jaxmoe.engine.config import EngineConfig
     from jaxmoe.engine.policies import make_policy
-    from jaxmoe.server.app import load_engine
 
     if os.getcwd() not in sys.path:  # --policy module:Class may name a module here (as uvicorn's app dir)
         sys.path.insert(0, os.getcwd())
     policy = make_policy(args.policy)  # a bad name or module:Class fails now, before the model loads
-    config = EngineConfig(
+    engine = EngineConfig(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
@@ -214,10 +214,7 @@ def build_engine(args):
         max_model_len=args.max_model_len,
         max_prefill_chunk=args.max_prefill_chunk,
         policy=policy,
-        layer_preemption=args.layer_preemption,
-        expert_queues=args.expert_queues,
         pause_every=args.pause_every,
-        max_paused_state_bytes=args.max_paused_state_bytes,
         expert_impl=args.expert_impl,
     )
     mesh_description = "monolithic: one device (no mesh file)"
@@ -228,30 +225,30 @@ def build_engine(args):
         spec = load_mesh(args.mesh)
         mesh_description = spec.describe()
     settings = serve_brownout(args, spec)
-    brownout = salc = None
+    brownout = BrownoutSection(from_mesh_file=False)  # serve_brownout merged the file's section and the flags
     if settings is not None:
-        brownout, salc = settings.brownout(), settings.salc_config()
+        brownout = BrownoutSection(settings.brownout(), settings.salc_config(), from_mesh_file=False)
     pipeline = None
     if args.pipeline is not None:
         from jaxmoe.findep.online import parse_pipeline
 
         pipeline = parse_pipeline(args.pipeline)
-    engine = load_engine(
-        args.model,
-        config,
-        args.mesh,
-        args.dtype,
-        args.rebalance_every,
-        brownout,
-        salc,
-        pipeline=pipeline,
-        pipeline_profile=args.pipeline_profile,
+    config = RuntimeConfig(
+        model=args.model,
+        dtype=args.dtype,
+        mesh=args.mesh,
+        engine=engine,
+        janus=JanusConfig(
+            rebalance_every=args.rebalance_every,
+            autoscale_slo_tpot_s=args.slo_tpot_ms / 1e3 if args.autoscale else None,
+            autoscale_interval_s=args.autoscale_interval,
+            scaling_profile=args.scaling_profile,
+        ),
+        findep=FinDEPConfig(pipeline, args.pipeline_profile),
+        brownout=brownout,
+        qllm=QLLMConfig(args.layer_preemption, args.expert_queues, args.max_paused_state_bytes),
     )
-    if args.autoscale:
-        from jaxmoe.janus.scaling.autoscale import attach
-
-        attach(engine, args.slo_tpot_ms / 1e3, args.autoscale_interval, profile=args.scaling_profile)
-    return engine, mesh_description
+    return config, mesh_description
 
 
 def cmd_serve(args) -> int:
@@ -266,7 +263,10 @@ def cmd_serve(args) -> int:
     if args.scaling_profile and not args.autoscale:
         print("jaxmoe: --scaling-profile is the --autoscale performance model: give --autoscale too", file=sys.stderr)
         return 2
-    engine, mesh_description = build_engine(args)
+    from jaxmoe.assembly import build_engine
+
+    config, mesh_description = runtime_config(args)
+    engine = build_engine(config)
     opts = ServeOptions(
         host=args.host,
         grpc_port=args.grpc_port,

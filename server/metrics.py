@@ -105,18 +105,19 @@ class _EngineCollector:
             for prio, n in per.items():
                 pre.add_metric([kind, PREEMPTION_LEVELS[kind], prio], n)
         yield pre
+        layer_preemption = snap.get("layer_preemption") or {}  # QLLM's layer hook, when the engine has one
         yield CounterMetricFamily(
             "jaxmoe_pauses_over_budget",
             "Layer-level pauses refused because the step's state exceeded max_paused_state_bytes "
             "(the latency-sensitive work waited for the step boundary)",
-            value=snap["pauses_over_budget"],
+            value=layer_preemption.get("pauses_over_budget", 0),
         )
         yield GaugeMetricFamily(
             "jaxmoe_paused_state_bytes_max",
             "The most device memory a paused step kept (hidden states, expert-queue state)",
-            value=snap["paused_state_bytes_max"],
+            value=layer_preemption.get("paused_state_bytes_max", 0),
         )
-        depth = snap["expert_queue_depth"]
+        depth = layer_preemption.get("expert_queue_depth")
         if depth is not None:
             q = GaugeMetricFamily(
                 "jaxmoe_expert_queue_depth",

@@ -184,7 +184,7 @@ def relayout(jax, llm, args) -> dict:
     import numpy as np
 
     from jaxmoe import SamplingParams
-    from jaxmoe.llm import load_model
+    from jaxmoe.checkpoint.model import load_model
     from jaxmoe.runtime.slot_moves import mover_for
 
     ex = llm.executor
@@ -242,7 +242,7 @@ def relayout(jax, llm, args) -> dict:
 
     controller = PlacementController.attach(llm.engine, 3)
     outs = llm.generate(prompts, greedy)
-    llm.engine.step_hooks.remove(controller)
+    llm.engine.hooks.remove(controller)
     out["controller"] = {
         "tokens": [list(o.token_ids) for o in outs],
         "rebalances": len(controller.history),
@@ -272,10 +272,12 @@ def rescale(jax, llm) -> dict:
             if out.finished:
                 final[out.request_id] = out
 
-    from jaxmoe.janus.live_rescale import RescaleError
+    from jaxmoe.janus.live_rescale import LiveRescaler, RescaleError
+
+    rescaler = LiveRescaler.of(engine)
 
     try:  # 5a3e: attention devices 0-4 would span both processes: refused, nothing changes
-        engine.rescale(5, 3)
+        rescaler.start(5, 3)
         refused = None
     except RescaleError as e:
         refused = str(e)
@@ -288,12 +290,12 @@ def rescale(jax, llm) -> dict:
             add(len(added))
         t = time.perf_counter()
         print(f"rescale to {attention}a{experts}e: building", flush=True)
-        job = engine.rescale(attention, experts)
+        job = rescaler.start(attention, experts)
         print(f"rescale to {attention}a{experts}e: built in {time.perf_counter() - t:.1f} s", flush=True)
         for _ in range(100):  # bounded: the swap happens before the next step
             if job.done():
                 break
-            step() if engine.has_work() else engine.apply_rescale()
+            step() if engine.has_work() else rescaler.apply()
         results.append(job.result(timeout=0).as_dict())
         print(f"rescale to {attention}a{experts}e: serving", flush=True)
         ex = llm.executor

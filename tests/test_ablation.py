@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxmoe.janus.live_rescale import LiveRescaler
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.mesh import load_mesh
 from jaxmoe.janus.scaling.ablation import VARIANTS, build_variant
@@ -25,7 +26,7 @@ def test_variants_give_the_same_greedy_tokens(checkpoint_dir):
         tokens[variant] = [o.token_ids for o in outs]
         stats = next(iter(llm.executor.transfer_stats().values()))
         strategies[variant], hops[variant] = stats["strategy"], stats["transfers_per_step"]
-        assert llm.engine.rescaler.executor_kwargs["replica_policy"] == VARIANTS[variant][1]
+        assert LiveRescaler.of(llm.engine).executor_kwargs["replica_policy"] == VARIANTS[variant][1]
     assert tokens["base"] == tokens["+2pc"] == tokens["+2pc+lb"]
     assert all(len(t) == 8 for t in tokens["base"])
     assert strategies["base"] == "direct" and strategies["+2pc"].startswith("two_phase")

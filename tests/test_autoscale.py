@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxmoe.janus.live_rescale import LiveRescaler
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.janus.scaling.autoscale import Autoscaler, attach, layouts_that_fit
 from jaxmoe.janus.scaling.controller import Layout, Load
@@ -54,7 +55,7 @@ def test_layouts_that_fit_count_instances_of_k_devices():
 
 def test_attach_builds_the_real_controller(llm):
     scaler = attach(llm.engine, slo_tpot_s=0.05, interval_s=3600)
-    assert scaler in llm.engine.step_hooks
+    assert scaler in llm.engine.hooks
     assert scaler.controller.current == Layout(8, 2, 6)
     assert Layout(8, 4, 4) in scaler.controller.layouts
     shape = scaler.controller.pm.model
@@ -63,10 +64,10 @@ def test_attach_builds_the_real_controller(llm):
         decision = scaler.decide()  # a real decision over the fitting layouts
         assert decision.layout in scaler.controller.layouts
     finally:
-        llm.engine.step_hooks.remove(scaler)
-        if llm.engine.rescaler.job is not None:  # it may have started one: let it finish
-            assert llm.engine.rescaler.job.wait_ready(300)
-            llm.engine.apply_rescale()
+        llm.engine.hooks.remove(scaler)
+        if LiveRescaler.of(llm.engine).job is not None:  # it may have started one: let it finish
+            assert LiveRescaler.of(llm.engine).job.wait_ready(300)
+            LiveRescaler.of(llm.engine).apply()
         if llm.executor.num_attention != 2:
             llm.rescale(2, 6)
 
@@ -76,7 +77,7 @@ def test_autoscaler_rescales_the_engine_when_the_decision_changes(llm):
     now = [0.0]
     ctl = Scripted([Layout(8, 2, 6), Layout(8, 4, 4)])
     scaler = Autoscaler(engine, ctl, interval_s=10.0, clock=lambda: now[0])
-    engine.step_hooks.append(scaler)
+    engine.add_hook(scaler)
     for i in range(3):
         engine.add_request([5 + i, 9, 11], SamplingParams(max_tokens=30, ignore_eos=True))
     engine.step()
@@ -88,14 +89,14 @@ def test_autoscaler_rescales_the_engine_when_the_decision_changes(llm):
     assert d.load.rate == pytest.approx(0.3) and d.load.output_tokens == 30
     now[0] = 20.0
     engine.step()
-    assert scaler.decisions[-1].started and engine.rescaler.job is not None
-    job = engine.rescaler.job
+    assert scaler.decisions[-1].started and LiveRescaler.of(engine).job is not None
+    job = LiveRescaler.of(engine).job
     for _ in range(5000):
         if job.done() or not engine.has_work():
             break
         engine.step()
     assert job.wait_ready(300)
-    engine.apply_rescale()  # idle: swapped now (serving, it is swapped at the next step)
+    LiveRescaler.of(engine).apply()  # idle: swapped now (serving, it is swapped at the next step)
     assert job.result(60).attention == 4 and llm.executor.num_attention == 4
 
 
@@ -134,7 +135,7 @@ def test_attach_uses_the_fitted_model_when_a_profile_is_given(llm, tmp_path):
         assert isinstance(scaler.controller.pm, FittedPerfModel)
         assert scaler.controller.pm.kv_capacity(2, 8) == 4  # max_num_seqs of the engine
     finally:
-        llm.engine.step_hooks.remove(scaler)
+        llm.engine.hooks.remove(scaler)
     with pytest.raises(ProfileError, match="model"):
         fitted_model(llm.engine, prof.model_copy(update={"model": "another"}))
     # a directory: the profile made for this mesh, model and dtype when it holds one, else none

@@ -289,7 +289,7 @@ def test_salc_period_spaces_the_updates(united_dir):
     for period in (100.0, 0.0):
         llm = LLM(out, dtype="float32", brownout=BrownoutConfig(threshold=1.0))
         ctl = BrownoutController(llm.executor, SALCConfig(slo_ttft_s=1e-9, period_s=period), clock=lambda: 0.0)
-        llm.engine.step_hooks.append(ctl)
+        llm.engine.add_hook(ctl)
         llm.generate(PROMPTS, GREEDY)
         got[period] = ctl.state()["threshold"]
     assert got[100.0] == pytest.approx(0.8)
@@ -318,7 +318,7 @@ def test_coactivation_grouping_recovers_planted_groups(seed, ways):
 
 def test_distil_with_coactivation_grouping(checkpoint_dir):
     from jaxmoe.brownout.united import distill_layer, group_by_coactivation
-    from jaxmoe.llm import load_model
+    from jaxmoe.checkpoint.model import load_model
     from jaxmoe.models.router import route
 
     cfg, params, _ = load_model(checkpoint_dir("mixtral"), "float32")

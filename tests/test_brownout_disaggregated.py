@@ -127,7 +127,7 @@ def test_activated_experts_follow_algorithm_1(llms, threshold, full):
 
 
 def test_bad_brownout_input_on_a_mesh(llms, checkpoint_dir):
-    from jaxmoe.llm import load_model
+    from jaxmoe.checkpoint.model import load_model
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
     with pytest.raises(BrownoutError, match="no united experts"):

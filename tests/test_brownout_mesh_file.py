@@ -166,14 +166,15 @@ def _run(engine, n=len(PROMPTS)):
 
 
 def test_a_mesh_file_with_salc_on_runs_salc_and_off_does_not(united, tmp_path):
-    from jaxmoe.server.cli import build_engine
+    from jaxmoe.assembly import build_engine
+    from jaxmoe.server.cli import runtime_config
 
     on = _write(tmp_path, SECTION, "on.yaml")
-    engine, _ = build_engine(_args("--model", str(united), "--mesh", on, *ENGINE))
-    (controller,) = [h for h in engine.step_hooks if isinstance(h, BrownoutController)]
+    engine = build_engine(runtime_config(_args("--model", str(united), "--mesh", on, *ENGINE))[0])
+    (controller,) = [h for h in engine.hooks if isinstance(h, BrownoutController)]
     assert controller.config.shrink_ratio == 0.5 and controller.config.window_s == 60.0
     _run(engine)
-    threshold = engine.runner.executor.brownout_threshold
+    threshold = engine.executor.brownout_threshold
     assert threshold < 0.9 * 0.5**3  # shrunk by 0.5 per step from the file's start threshold 0.9
     assert controller.state()["threshold"] == threshold
     text, stats = _metrics(engine)
@@ -181,17 +182,17 @@ def test_a_mesh_file_with_salc_on_runs_salc_and_off_does_not(united, tmp_path):
     assert stats["brownout"]["threshold"] == threshold
 
     off = _write(tmp_path, {**SECTION, "salc": False, "threshold": 0.6}, "off.yaml")
-    engine, _ = build_engine(_args("--model", str(united), "--mesh", off, *ENGINE))
-    assert not [h for h in engine.step_hooks if isinstance(h, BrownoutController)]
+    engine = build_engine(runtime_config(_args("--model", str(united), "--mesh", off, *ENGINE))[0])
+    assert not [h for h in engine.hooks if isinstance(h, BrownoutController)]
     _run(engine, 1)
-    assert engine.runner.executor.brownout_threshold == 0.6  # brownout at the file's threshold, never moved
+    assert engine.executor.brownout_threshold == 0.6  # brownout at the file's threshold, never moved
     text, stats = _metrics(engine)
     assert "jaxmoe_brownout_threshold" not in text and "brownout" not in stats
 
     # the flag turns the file's SALC off; the file's SALC on again with the LLM API
-    engine, _ = build_engine(_args("--model", str(united), "--mesh", on, "--no-salc", *ENGINE))
-    assert not [h for h in engine.step_hooks if isinstance(h, BrownoutController)]
-    assert engine.runner.executor.brownout_threshold == 0.9
+    engine = build_engine(runtime_config(_args("--model", str(united), "--mesh", on, "--no-salc", *ENGINE))[0])
+    assert not [h for h in engine.hooks if isinstance(h, BrownoutController)]
+    assert engine.executor.brownout_threshold == 0.9
     llm = LLM(united, dtype="float32", mesh=on, num_blocks=64, block_size=8, max_num_seqs=4)
     llm.generate(PROMPTS, GREEDY)
     assert llm.brownout_controller is not None and llm.executor.brownout_threshold < 0.9 * 0.5**3

@@ -13,7 +13,7 @@ import pytest
 
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.engine.model_runner import ModelRunner, Row
-from jaxmoe.llm import load_model
+from jaxmoe.checkpoint.model import load_model
 from jaxmoe.mesh import load_mesh
 from jaxmoe.models.router import route
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
@@ -163,7 +163,7 @@ def test_fine_grained_pipeline_equals_monolithic(llms, checkpoint_dir, order, r2
         executor_kwargs={"pipeline": {"r1": 2, "order": order, "r2": r2}},
         **ENGINE,
     )
-    executor = dis.engine.runner.executor
+    executor = dis.engine.executor
     seen = []
     executor.observer = lambda phase, layer, out: seen.append((phase, layer))
     prompts = PROMPTS + [[5, 9, 13], [60, 61, 62, 63]]  # 4 rows: 2 per attention instance

@@ -10,7 +10,7 @@ import pytest
 
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.demo import demo_config, demo_params
-from jaxmoe.engine.engine import EngineConfig
+from jaxmoe.assembly import QLLMConfig
 from jaxmoe.engine.stats import EngineStats
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.qllm.expert_queues import expert_bounds, queue_depth
@@ -121,9 +121,9 @@ def test_latency_sensitive_work_runs_between_expert_rounds_with_exact_tokens():
     _drive(llm)
     engine = llm.engine
     assert engine.scheduler.preemptions["expert_pause"]["be"] >= len(ARRIVALS)
-    depth = engine.expert_queue_depth
+    depth = engine.layer_hook.expert_queue_depth
     assert len(depth) == 8 and sum(depth) > 0
-    assert engine.paused_state_bytes_max > 0
+    assert engine.layer_hook.paused_state_bytes_max > 0
 
     class Async:  # what the server's collector reads
         compiles_after_warmup = None
@@ -135,13 +135,13 @@ def test_latency_sensitive_work_runs_between_expert_rounds_with_exact_tokens():
     assert [s.value for s in families["jaxmoe_expert_queue_depth"].samples] == depth
     levels = {s.labels["level"] for s in families["jaxmoe_preemptions"].samples if s.value}
     assert "expert" in levels
-    assert families["jaxmoe_paused_state_bytes_max"].samples[0].value == engine.paused_state_bytes_max
+    assert families["jaxmoe_paused_state_bytes_max"].samples[0].value == engine.layer_hook.paused_state_bytes_max
 
 
 def test_expert_queues_settings_are_checked():
     with pytest.raises(ValueError, match="layer_preemption"):
-        EngineConfig(expert_queues=2)
+        QLLMConfig(expert_queues=2)
     with pytest.raises(ValueError, match="expert_queues"):
-        EngineConfig(expert_queues=-1, layer_preemption=True)
+        QLLMConfig(expert_queues=-1, layer_preemption=True)
     with pytest.raises(ValueError, match="monolithic executor only"):
         LLM("tiny-random", mesh="meshes/cpu-8.yaml", layer_preemption=True, expert_queues=2, num_blocks=64)

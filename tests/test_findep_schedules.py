@@ -92,7 +92,7 @@ def reference(checkpoint_dir):
 def test_every_schedule_equals_monolithic(checkpoint_dir, reference, family, layout):
     want_logits, want_tokens = reference(family)
     llm = LLM(checkpoint_dir(family), dtype="float32", mesh=LAYOUTS[layout], **ENGINE)
-    executor = llm.engine.runner.executor
+    executor = llm.engine.executor
     ran: list[Pipeline] = []  # what each schedule's prefill ran
     more = (family, layout) in MORE_ON
     for schedule in SCHEDULES + (MORE if more else []):
@@ -112,7 +112,7 @@ def test_schedule_by_name_through_llm(checkpoint_dir, reference, tmp_path):
     path = checkpoint_dir("deepseek_v2")
     want_logits, want_tokens = reference("deepseek_v2")
     findep = LLM(path, dtype="float32", mesh=LAYOUTS["2a6e"], pipeline="findep", **ENGINE)
-    chooser = findep.engine.runner.executor.pipeline
+    chooser = findep.engine.executor.pipeline
     assert isinstance(chooser, SolverChooser) and chooser.name == "findep"
     assert _greedy(findep) == want_tokens
     for g, w in zip(_logits(findep), want_logits):
@@ -122,7 +122,7 @@ def test_schedule_by_name_through_llm(checkpoint_dir, reference, tmp_path):
     _greedy(findep)
     assert len(chooser.cache) == shapes  # the same shapes again: no new solves
     assert all(p.order in ("ASAS", "AASS") for p in chooser.cache.values())
-    pp = pipeline_chooser("pppipe", findep.cfg, findep.engine.runner.executor.sub.spec, "float32", 4)
+    pp = pipeline_chooser("pppipe", findep.cfg, findep.engine.executor.sub.spec, "float32", 4)
     assert all(pp.for_batch(4, t).order == "PP" and pp.for_batch(4, t).r2 == 1 for t in (1, 16))
 
     with pytest.raises(ValueError, match="'fastest'"):
@@ -145,14 +145,14 @@ def test_schedule_by_name_through_llm(checkpoint_dir, reference, tmp_path):
     chooser.profile.save(good)
     assert json.loads(good.read_text())["mesh"] == chooser.profile.mesh
     llm = LLM(path, dtype="float32", mesh=LAYOUTS["2a6e"], pipeline="pppipe", pipeline_profile=good, **ENGINE)
-    assert llm.engine.runner.executor.pipeline.profile.mesh == chooser.profile.mesh
+    assert llm.engine.executor.pipeline.profile.mesh == chooser.profile.mesh
 
 
 def test_serve_pipeline_option(checkpoint_dir):
     """``jaxmoe serve --pipeline``: a name or a JSON object, handed to the engine's executor."""
+    from jaxmoe.assembly import FinDEPConfig, RuntimeConfig, build_engine
     from jaxmoe.engine.config import EngineConfig
     from jaxmoe.findep.online import parse_pipeline
-    from jaxmoe.server.app import load_engine
 
     assert parse_pipeline("findep") == "findep"
     assert parse_pipeline('{"order": "AASS", "r1": 2, "r2": 2}') == {"order": "AASS", "r1": 2, "r2": 2}
@@ -160,9 +160,13 @@ def test_serve_pipeline_option(checkpoint_dir):
         parse_pipeline("{r1: 2}")
     config = EngineConfig(**ENGINE)
     path = str(checkpoint_dir("mixtral"))
-    engine = load_engine(
-        path, config, LAYOUTS["4a4e"], "float32", pipeline=parse_pipeline('{"order": "AASS", "r1": 2}')
-    )
-    assert engine.runner.executor.pipeline == Pipeline(2, "AASS", 1)
-    engine = load_engine(path, config, LAYOUTS["4a4e"], "float32", pipeline="findep")
-    assert isinstance(engine.runner.executor.pipeline, SolverChooser)
+
+    def serve(pipeline):
+        return build_engine(
+            RuntimeConfig(path, "float32", LAYOUTS["4a4e"], engine=config, findep=FinDEPConfig(pipeline))
+        )
+
+    engine = serve(parse_pipeline('{"order": "AASS", "r1": 2}'))
+    assert engine.executor.pipeline == Pipeline(2, "AASS", 1)
+    engine = serve("findep")
+    assert isinstance(engine.executor.pipeline, SolverChooser)

@@ -45,16 +45,17 @@ def _drive(llm):
                 ls_ids[prompt] = engine.add_request(prompt, LS, "ls")
                 pending.remove(((s, at), prompt))
 
-    real_between = engine._between_layers
+    hook = engine.layer_hook
+    real_between = hook.between_layers
 
-    def between(layer):
+    def between(engine, layer):
         poll.layer = layer
-        real_between(layer)
+        real_between(engine, layer)
 
     engine.poll = poll
-    engine._between_layers = between
+    hook.between_layers = between
     be_ids = {p: engine.add_request(p, BE, "be") for p in BE_PROMPTS}
-    pauses, finished, overdue = engine.layer_pauses, {}, 0
+    pauses, finished, overdue = engine.layer_hook.layer_pauses, {}, 0
     while engine.has_work() or pending:
         for (s, at), prompt in list(pending):  # overdue: its step ran fused (not pausable) or never paused
             if s < step["n"]:
@@ -68,7 +69,7 @@ def _drive(llm):
     for p, rid in {**be_ids, **ls_ids}.items():
         assert finished[rid] == alone[p], p
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    return engine.layer_pauses - pauses, overdue
+    return engine.layer_hook.layer_pauses - pauses, overdue
 
 
 @pytest.mark.parametrize("mesh", [None, "meshes/cpu-8.yaml"], ids=["monolithic", "cpu8-disaggregated"])
@@ -77,7 +78,7 @@ def test_layer_preemption_keeps_every_token(mesh):
     pauses, overdue = _drive(llm)
     assert overdue == 0  # every scripted arrival happened inside a paused BE step
     assert pauses >= len(ARRIVALS)  # LS decodes may run between later layers too
-    assert llm.engine.paused_state_bytes_max > 0 and llm.engine.pauses_over_budget == 0
+    assert llm.engine.layer_hook.paused_state_bytes_max > 0 and llm.engine.layer_hook.pauses_over_budget == 0
     assert llm.engine.scheduler.preemptions["pause"]["be"] >= len(ARRIVALS)
 
 
@@ -110,7 +111,7 @@ def test_a_step_over_the_memory_budget_is_not_paused():
         max_paused_state_bytes=1024,
     )
     pauses, overdue = _drive(llm)
-    assert pauses == 0 and llm.engine.pauses_over_budget > 0
+    assert pauses == 0 and llm.engine.layer_hook.pauses_over_budget > 0
 
 
 def test_a_user_policy_decides_the_pauses():
@@ -138,9 +139,9 @@ def test_a_failing_pause_decision_falls_back_to_qllm(caplog):
 
 def test_no_pause_without_latency_sensitive_work():
     llm = _llm(None)
-    before = llm.engine.layer_pauses
+    before = llm.engine.layer_hook.layer_pauses
     outs = llm.generate(BE_PROMPTS, BE, priority="be")
-    assert all(len(o.token_ids) == 16 for o in outs) and llm.engine.layer_pauses == before
+    assert all(len(o.token_ids) == 16 for o in outs) and llm.engine.layer_hook.layer_pauses == before
 
 
 def test_latency_sensitive_tokens_go_out_while_the_paused_step_waits():
@@ -260,4 +261,4 @@ def test_random_mixed_traces_keep_every_token(mesh, seed):
     for prompt, rid in ids.items():
         assert finished[rid] == alone[prompt], prompt
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    assert engine.layer_pauses > 0  # the trace did preempt between layers
+    assert engine.layer_hook.layer_pauses > 0  # the trace did preempt between layers

@@ -138,7 +138,7 @@ def test_controller_rebalances_between_steps_without_changing_tokens():
     assert len(history) >= 2 and all(t > 0 for r in history for t in r.tokens)
     assert sum(r.slots_moved for r in history) > 0 and ex.placement() != first
 
-    llm.engine.step_hooks.clear()
+    llm.engine.hooks.clear()
     manual = PlacementController(ex)
     before = ex.expert_coactivation()
     assert [o.token_ids for o in llm.generate(prompts[::-1], sampling)] == want[::-1]

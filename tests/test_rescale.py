@@ -13,6 +13,7 @@ import re
 import numpy as np
 import pytest
 
+from jaxmoe.janus.live_rescale import LiveRescaler
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.janus.live_rescale import RescaleError, RescaleInProgressError
 
@@ -64,7 +65,7 @@ def test_rescale_three_times_under_load(llm, mono):
     for attention, experts in CHANGES:
         for _ in range(2):
             step()
-        job = engine.rescale(attention, experts)
+        job = LiveRescaler.of(engine).start(attention, experts)
         while not job.done():  # serve while the new layout is built; the swap happens in a step
             live = len(engine.scheduler.sequences())
             if job.ready() or live > 2:
@@ -96,7 +97,7 @@ def test_rescale_three_times_under_load(llm, mono):
         assert r.stall_ratio is not None and r.normal_step_s > 0
         print(r.as_dict())
     assert any(r.kv_blocks_moved > 0 for r in results)
-    assert [h.attention for h in engine.rescaler.history] == [a for a, _ in CHANGES]
+    assert [h.attention for h in LiveRescaler.of(engine).history] == [a for a, _ in CHANGES]
 
 
 def _mappings() -> int:
@@ -146,8 +147,8 @@ def tp_llm(path):
 def test_bad_tensor_parallel_rescale_changes_nothing(tp_llm, kwargs, names):
     before = tp_llm.executor.sub.spec
     with pytest.raises(RescaleError, match=re.escape(names)):
-        tp_llm.engine.rescale(**kwargs)
-    assert tp_llm.engine.rescaler.job is None and tp_llm.executor.sub.spec == before
+        LiveRescaler.of(tp_llm.engine).start(**kwargs)
+    assert LiveRescaler.of(tp_llm.engine).job is None and tp_llm.executor.sub.spec == before
 
 
 def test_rescale_tensor_parallel_instances_under_load(tp_llm, mono):
@@ -172,7 +173,7 @@ def test_rescale_tensor_parallel_instances_under_load(tp_llm, mono):
     results = []
     for attention, experts in TP_CHANGES:
         step()
-        job = engine.rescale(attention, experts)
+        job = LiveRescaler.of(engine).start(attention, experts)
         while not job.done():
             if job.ready() or len(engine.scheduler.sequences()) > 2:
                 step()
@@ -237,17 +238,17 @@ def _layout(llm):
 def test_bad_rescale_changes_nothing(llm, kwargs, names):
     before = _layout(llm)
     with pytest.raises(RescaleError, match=re.escape(names)):
-        llm.engine.rescale(**kwargs)
-    assert llm.engine.rescaler.job is None and _layout(llm) == before
+        LiveRescaler.of(llm.engine).start(**kwargs)
+    assert LiveRescaler.of(llm.engine).job is None and _layout(llm) == before
 
 
 def test_rescale_while_one_is_in_progress(llm):
     """A second rescale is refused while the first one is built; the first one still completes."""
-    job = llm.engine.rescale(4, 4)
+    job = LiveRescaler.of(llm.engine).start(4, 4)
     with pytest.raises(RescaleInProgressError, match="a rescale to 4a4e is in progress; attention=1, experts=7"):
-        llm.engine.rescale(1, 7)
+        LiveRescaler.of(llm.engine).start(1, 7)
     assert job.wait_ready(300)
-    llm.engine.apply_rescale()
+    LiveRescaler.of(llm.engine).apply()
     assert job.result(1).attention == 4 and _layout(llm)[:2] == (4, 4)
     assert llm.rescale(2, 6).experts == 6  # the notebook API; back to the launch layout
 
@@ -257,7 +258,7 @@ def test_rescale_too_small_for_a_live_request(llm):
     rid = llm.engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=163, ignore_eos=True))
     try:
         with pytest.raises(RescaleError, match=r"attention=4: request 'req-\d+' may need 200 KV slots.*hold 128"):
-            llm.engine.rescale(4, 4)
+            LiveRescaler.of(llm.engine).start(4, 4)
     finally:
         llm.engine.abort(rid)
     assert _layout(llm)[:2] == (2, 6)
@@ -265,7 +266,7 @@ def test_rescale_too_small_for_a_live_request(llm):
 
 def test_rescale_needs_a_mesh(path):
     with pytest.raises(RescaleError, match="needs the disaggregated executor"):
-        LLM(path, **ENGINE).engine.rescale(2, 6)
+        LiveRescaler.of(LLM(path, **ENGINE).engine).start(2, 6)
 
 
 @pytest.mark.parametrize(
@@ -350,5 +351,5 @@ def test_placement_controller_follows_the_new_executor(llm):
         llm.generate([_prompt(7)], _sampling(7))
         assert controller.rebalance() is not None  # re-places the new executor's replicas
     finally:
-        llm.engine.step_hooks.remove(controller)
+        llm.engine.hooks.remove(controller)
         llm.rescale(2, 6)

@@ -223,7 +223,7 @@ def test_models_and_health(server, oai):
 
 
 def test_metrics(server, oai):
-    executor = server.async_engine.engine.runner.executor
+    executor = server.async_engine.engine.executor
     executor.expert_activation_counts = lambda: [[1, 2, 3], [4, 5, 6]]  # the lead's hook, faked
     try:
         oai.completions.create(model="demo-moe", prompt="hi", max_tokens=3, extra_headers={"X-Priority": "ls"})
@@ -375,11 +375,15 @@ def test_failure_after_a_request_finished_does_not_hang(server):
     every one of them: an error, never a stream that waits forever."""
     ae = server.async_engine
 
-    def hook(engine):
-        engine.step_hooks.remove(hook)
-        raise RuntimeError("injected bookkeeping failure")
+    class Failing:
+        def before_step(self, engine):
+            pass
 
-    ae.call(lambda e: e.step_hooks.append(hook))
+        def after_step(self, engine, outputs):
+            engine.hooks.remove(self)
+            raise RuntimeError("injected bookkeeping failure")
+
+    ae.call(lambda e: e.add_hook(Failing()))
     status, err = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
     assert status == 500 and "bookkeeping" in err["error"]["message"]
     assert wait_until(lambda: ae.snapshot()["in_flight"] == 0, timeout=10) and engine_idle_and_free(ae)

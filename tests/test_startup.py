@@ -15,7 +15,7 @@ from jaxmoe.config import from_hf_config
 from jaxmoe.demo import DEMO_HF_CONFIG, demo_params
 from jaxmoe.engine.async_engine import AsyncEngine
 from jaxmoe.engine.engine import EngineConfig, LLMEngine
-from jaxmoe.llm import build_executor
+from jaxmoe.assembly import QLLMConfig, RuntimeConfig, attach_features, build_executor
 from jaxmoe.tokenizer import ByteTokenizer
 
 TINY = dict(DEMO_HF_CONFIG, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -32,7 +32,8 @@ def _warm(layers: int) -> tuple[int, int, int]:
     jax.clear_caches()
     cfg = from_hf_config(dict(TINY, num_hidden_layers=layers))
     config = EngineConfig(max_num_seqs=4, max_prefill_chunk=32, max_model_len=256, num_blocks=64)
-    engine = LLMEngine(cfg, build_executor(cfg, demo_params(cfg, seed=layers), config), ByteTokenizer(), config)
+    executor = build_executor(cfg, demo_params(cfg, seed=layers), RuntimeConfig(engine=config))
+    engine = LLMEngine(cfg, executor, ByteTokenizer(), config)
     ae = AsyncEngine(engine).start()
     try:
         maps, programs = _mappings(), compile_events()["programs"]
@@ -139,8 +140,12 @@ def test_warmup_with_layer_preemption_covers_both_paths():
     from jaxmoe.engine.warmup import warm_up
 
     cfg = from_hf_config(dict(TINY, num_hidden_layers=2))
-    config = EngineConfig(max_num_seqs=2, max_prefill_chunk=16, max_model_len=64, num_blocks=16, layer_preemption=True)
-    engine = LLMEngine(cfg, build_executor(cfg, demo_params(cfg, seed=3), config), ByteTokenizer(), config)
+    config = RuntimeConfig(
+        engine=EngineConfig(max_num_seqs=2, max_prefill_chunk=16, max_model_len=64, num_blocks=16),
+        qllm=QLLMConfig(layer_preemption=True),
+    )
+    executor = build_executor(cfg, demo_params(cfg, seed=3), config)
+    engine = attach_features(LLMEngine(cfg, executor, ByteTokenizer(), config.engine), config)
     shapes = [(1, 1), (1, 16)]
     warm_up(engine, shapes, progress=False, workers=2)
     before = compile_events()["programs"]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxmoe.llm import load_model
+from jaxmoe.checkpoint.model import load_model
 from jaxmoe.mesh import MeshConfigError, load_mesh
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.runtime import attention_tp

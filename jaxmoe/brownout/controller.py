@@ -1,4 +1,5 @@
-"""SALC driving a running engine: a step hook that feeds the SLO analyzer and moves the threshold.
+"""SALC driving a running engine: a step hook (``jaxmoe.engine.hooks``) that feeds the SLO analyzer
+and moves the threshold.
 
 After every step: each request that got its first token in it adds a TTFT sample; a step that
 decoded adds its wall time as a TPOT sample (the time every decoding request waited for its next
@@ -17,6 +18,8 @@ from jaxmoe.runtime.executor import BrownoutCapable
 
 
 class BrownoutController:
+    stats_key = "brownout"
+
     def __init__(self, executor: BrownoutCapable, config: SALCConfig, clock=time.monotonic):
         if not isinstance(executor, BrownoutCapable) or executor.brownout is None:
             raise BrownoutError("SALC needs an executor built with brownout (LLM(dir, brownout=...))")
@@ -33,11 +36,18 @@ class BrownoutController:
 
     @classmethod
     def attach(cls, engine, config: SALCConfig) -> BrownoutController:
-        controller = cls(engine.runner.executor, config)
-        engine.step_hooks.append(controller)
-        return controller
+        return engine.add_hook(cls(engine.executor, config))
 
-    def __call__(self, engine) -> None:
+    def before_step(self, engine) -> None:
+        if engine.executor is not self.executor:  # live re-scaling swapped it in (with the threshold)
+            self.executor = engine.executor
+
+    def after_step(self, engine, outputs) -> None:
+        if engine.last_step_ran:
+            self.update(engine)
+
+    def update(self, engine) -> None:
+        """Feed the analyzer with the step's samples and move the threshold (Algorithm 2)."""
         now = self.clock()
         decoded = False
         for rid in engine.step_request_ids:
@@ -58,6 +68,9 @@ class BrownoutController:
         self._updated = now
         thresholds = [salc.update(self.analyzer.p90(phase, now)) for phase, salc in self.salc.items()]
         self.executor.brownout_threshold = min(thresholds)
+
+    def stats(self) -> dict:
+        return self.state()
 
     def state(self) -> dict:
         return {

@@ -154,7 +154,7 @@ def unite(
     progress: bool = True,
 ) -> dict:
     """Build, distil and save united experts for every MoE layer of the checkpoint in ``model_dir``."""
-    from jaxmoe.llm import load_model
+    from jaxmoe.checkpoint.model import load_model
     from jaxmoe.train import data
     from jaxmoe.train.corpus import CorpusError, documents, load_corpus
 

@@ -68,7 +68,6 @@ class AsyncEngine:
         with ``RequestTimeoutError`` (None: no deadline)."""
         self.engine = engine
         self.request_timeout_s = request_timeout_s
-        self.brownout = None  # a BrownoutController (SALC) whose state metrics export
         self._deferred: list = []  # commands that arrived while a step was paused between layers
         engine.poll = self._admit_arrivals
         engine.emit = self._deliver_all
@@ -394,4 +393,4 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         """Publish statistics for other threads (a new dict each time: readers never see it change)."""
-        self._snapshot = self._stats.snapshot(self.engine, len(self._streams), self.step_errors, self.brownout)
+        self._snapshot = self._stats.snapshot(self.engine, len(self._streams), self.step_errors)

@@ -1,5 +1,6 @@
-"""``EngineConfig``: the engine's settings (KV cache, batch budget, scheduling policy, QLLM
-preemption, the expert-FFN implementation), checked when built."""
+"""``EngineConfig``: the engine's settings (KV cache, batch budget, scheduling policy, the expert-FFN
+implementation, pause points of a step run layer by layer), checked when built. The features'
+settings are their own sections of ``jaxmoe.assembly.RuntimeConfig``."""
 
 from __future__ import annotations
 
@@ -16,23 +17,12 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position
     max_prefill_chunk: int = 512  # tokens of one prefill chunk (longer prompts are chunked)
     policy: str = "qllm"  # "qllm" | "fcfs" | "module:Class" | a SchedulingPolicy object (engine.policies)
-    layer_preemption: bool = False  # QLLM: latency-sensitive work may run between the layers of a BE step
-    max_paused_state_bytes: int | None = None  # layer preemption: a bigger step is not paused (None: any)
     expert_impl: str = "auto"  # the expert-FFN implementation (jaxmoe.pallas_kernels.expert_ffn.IMPLS)
-    # QLLM per-expert queues: a paused-able step serves each MoE layer's experts in this many rounds, with
-    # a pause point between rounds (runtime.expert_queues; needs layer_preemption; 0: off)
-    expert_queues: int = 0
-    # layer preemption: layers between two pause points, i.e. per program of a pausable step (1: after every
-    # layer; bench/qllm.py measured one-layer programs no slower than the fused step and LS TTFT P90 at 0.2-0.3x
-    # step-level preemption's, where every 4 of 16 layers did not beat step-level; BENCHMARKS.md)
+    # a step run layer by layer (a layer hook pauses it): layers between two pause points, i.e. per program
+    # (1: after every layer; bench/qllm.py measured one-layer programs no slower than the fused step)
     pause_every: int = 1
 
     def __post_init__(self):
-        q = self.expert_queues
-        if not isinstance(q, int) or isinstance(q, bool) or q < 0:
-            raise ValueError(f"expert_queues must be a non-negative integer, got {q!r}")
         every = self.pause_every
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"pause_every must be a positive integer, got {every!r}")
-        if q and not self.layer_preemption:
-            raise ValueError("expert_queues needs layer_preemption=True (its rounds are pause points of a BE step)")

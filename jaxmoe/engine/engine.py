@@ -1,4 +1,4 @@
-"""The step loop: schedule -> run the model (attention / experts) -> sample -> detokenize -> report.
+"""The step loop: schedule -> run the model (attention / experts) and sample -> postprocess -> hooks.
 
 ``LLMEngine.step`` is the whole data path of one iteration, in order:
 
@@ -6,9 +6,10 @@
 2. ``ModelRunner.run`` pads them into a batch and runs the executor — monolithic, or attention
    program -> transfer -> expert program -> transfer back per layer — then the sampler.
 3. Stop conditions (EOS, stop tokens, stop strings) are checked, ``Scheduler.postprocess`` appends
-   the tokens and frees the blocks of finished requests.
-4. One :class:`RequestOutput` per touched request is returned for streaming; ``step_hooks`` run
-   (between steps: e.g. ``runtime.controller.PlacementController`` re-places expert replicas).
+   the tokens and frees the blocks of finished requests; one :class:`RequestOutput` per touched
+   request is returned for streaming.
+4. The step hooks run (``engine.hooks``: features plugged in between steps, e.g. live re-scaling
+   or the expert placement controller); a ``LayerHook`` may pause a step between its layers.
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ import jax
 import numpy as np
 
 from jaxmoe.engine.block_manager import BlockManager
-from jaxmoe.engine.config import EngineConfig
 from jaxmoe.engine.buckets import ShapePlan
+from jaxmoe.engine.config import EngineConfig
+from jaxmoe.engine.hooks import LayerHook, StepHook
 from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
 from jaxmoe.engine.policies import make_policy
-from jaxmoe.janus.live_rescale import RescaleJob, Rescaler
-from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
-from jaxmoe.runtime.executor import ExpertQueueing
+from jaxmoe.runtime.executor import Executor
+from jaxmoe.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -45,7 +46,7 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, cfg, executor, tokenizer, config: EngineConfig = EngineConfig(), policy=None):
+    def __init__(self, cfg, executor: Executor, tokenizer, config: EngineConfig = EngineConfig(), policy=None):
         self.cfg, self.tokenizer, self.config = cfg, tokenizer, config
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         max_blocks = -(-self.max_model_len // config.block_size)
@@ -68,19 +69,26 @@ class LLMEngine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self._requests: dict[str, _RequestState] = {}
         self._counter = 0
-        self.step_hooks: list = []  # hook(engine) after every step that ran the model
         self._seeds = _unseeded_seeds()
+        self.hooks: list[StepHook] = []  # run before and after every step (``add_hook``)
+        self.layer_hook: LayerHook | None = None  # may pause a step between its layers (QLLM)
         self.step_request_ids: list[str] = []  # the requests of the last step (set before it runs)
         self.poll = None  # poll(): admit requests that arrived meanwhile (AsyncEngine; between layers)
-        self.emit = None  # emit(outputs): deliver a step run inside a paused one at once (else step() returns them)
-        self._paused: frozenset[str] = frozenset()  # the requests of a step paused between layers
-        self._inner_outputs: list[RequestOutput] = []
-        self.layer_pauses = 0  # times a step was paused between layers for latency-sensitive work
-        self.paused_state_bytes_max = 0  # the most device memory a paused step kept (hidden states)
-        self.pauses_over_budget = 0  # pauses refused: the step's state exceeded max_paused_state_bytes
-        self.expert_queue_depth: list[int] | None = None  # per expert, assignments queued at the latest expert pause
+        self.emit = None  # emit(outputs): deliver outputs made inside a step at once (else step() returns them)
+        self._delivered: list[RequestOutput] = []
         self.last_step_ran = False  # the latest step ran the model
-        self.rescaler = Rescaler(self)
+
+    def add_hook(self, hook: StepHook) -> StepHook:
+        """Run ``hook.before_step`` / ``after_step`` around every step from now on."""
+        if not isinstance(hook, StepHook):
+            raise TypeError(f"{type(hook).__name__} is not a StepHook (before_step, after_step)")
+        self.hooks.append(hook)
+        return hook
+
+    @property
+    def executor(self) -> Executor:
+        """The executor serving now."""
+        return self.runner.executor
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -127,36 +135,48 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    # -- live re-scaling (engine.rescale) ----------------------------------------------------
-    def rescale(self, attention: int, experts: int, slots_per_instance: int | None = None) -> RescaleJob:
-        """Start changing the attention / expert instances (built in the background, swapped in at a
-        step boundary); raises ``RescaleError`` naming a value that does not fit (nothing changes)."""
-        return self.rescaler.start(attention, experts, slots_per_instance)
-
-    def apply_rescale(self) -> bool:
-        """Swap in a built rescale now (between steps; e.g. while idle); whether one was swapped."""
-        return self.rescaler.apply()
-
     # -- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        return self.rescaler.around_step(self._step)
-
-    def _step(self) -> list[RequestOutput]:
+        for hook in self.hooks:
+            hook.before_step(self)
         batch = self.scheduler.schedule()
         self.last_step_ran = not batch.is_empty
-        if batch.is_empty:
-            return []
-        pausable = self.config.layer_preemption and all(s.priority is Priority.BE for s in batch.seqs)
-        outputs = self._run_batch(batch, self._between_layers if pausable else None)
-        outputs, self._inner_outputs = self._inner_outputs + outputs, []
-        for hook in self.step_hooks:  # between steps: e.g. the expert placement controller
-            hook(self)
+        outputs = self.run_batch(batch, self._pause_points(batch)) if self.last_step_ran else []
+        outputs, self._delivered = self._delivered + outputs, []
+        for hook in self.hooks:
+            hook.after_step(self, outputs)
         return outputs
 
-    def _run_batch(self, batch, between_layers=None) -> list[RequestOutput]:
-        """Run one scheduled batch through the model and record its tokens; the outputs of its
-        requests (failed ones with ``error`` set). ``between_layers``: called after each layer
-        (layer-level preemption may run another batch there)."""
+    def _pause_points(self, batch):
+        """``between_layers`` for a batch the layer hook may pause (None: one fused program)."""
+        hook = self.layer_hook
+        if hook is None or not hook.pausable(self, batch):
+            return None
+        return lambda layer: hook.between_layers(self, layer)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Outputs made inside a step (a batch run while another is paused): to their streams now
+        (``emit``), else returned with the step's own."""
+        if self.emit is not None:
+            self.emit(outputs)
+        else:
+            self._delivered += outputs
+
+    def swap_executor(self, runner: ModelRunner, move_kv) -> list[str]:
+        """Serve from ``runner.executor`` from the next step on (between steps only): every live
+        sequence's KV blocks get blocks in the new KV layout (a partition of their own), copied
+        there by ``move_kv(old executor, new executor, moves)``; a sequence that does not fit is
+        recompute-preempted (its tokens kept). Returns the ids of those."""
+        block_manager = BlockManager.for_layout(runner.executor.kv_layout)
+        moves, recomputed = self.scheduler.move_kv_to(block_manager)
+        move_kv(self.runner.executor, runner.executor, moves)
+        self.block_manager, self.runner = block_manager, runner
+        return recomputed
+
+    def run_batch(self, batch, between_layers=None) -> list[RequestOutput]:
+        """Run one scheduled batch through the model, sample and record its tokens; the outputs of
+        its requests (failed ones with ``error`` set). ``between_layers``: called at the step's pause
+        points (a layer hook may run another batch there)."""
         rows, seqs = [], []
         for seq, start, end in batch.prefills:
             rows.append(self._row(seq, seq.all_ids[start:end], start, sample=end == seq.num_tokens))
@@ -166,12 +186,9 @@ class LLMEngine:
             seqs.append(seq)
         self.step_request_ids = [seq.request_id for seq in seqs]
         errors: dict[str, str] = {}
-        if between_layers is not None:
-            self._paused = frozenset(self.step_request_ids)
         try:
             sampled = self._run_isolating(rows, seqs, errors, between_layers)
         finally:
-            self._paused = frozenset()
             self.step_request_ids = [seq.request_id for seq in seqs]
 
         self._score_prompts(batch, rows, errors)
@@ -222,44 +239,6 @@ class LLMEngine:
                 continue
             state.prompt_logprobs += [TokenLogprob(t, lp, top) for t, (lp, top) in zip(targets, scored)]
 
-    def _between_layers(self, layer: int) -> None:
-        """QLLM layer-level preemption: between two layers of a best-effort step, admit what arrived
-        and run the latency-sensitive work that waits as a step of its own; the paused step then
-        goes on from the next layer with its hidden states (kept on the device) and the KV it wrote."""
-        if self.poll is not None:
-            self.poll()
-        if not self.scheduler.pause_at_layer(self._paused, layer):
-            return
-        state = self.runner.pausable_state_bytes
-        budget = self.config.max_paused_state_bytes
-        if budget is not None and state > budget:  # too big to keep: LS work waits for the step boundary
-            self.pauses_over_budget += 1
-            return
-        inner = self.scheduler.schedule(exclude=self._paused, priority=Priority.LS)
-        if inner.is_empty:
-            return
-        self.layer_pauses += 1
-        self.paused_state_bytes_max = max(self.paused_state_bytes_max, state)
-        executor = self.runner.executor
-        depth = executor.expert_queue_depth() if isinstance(executor, ExpertQueueing) else None
-        if depth is not None:
-            self.expert_queue_depth = [int(n) for n in depth]
-        paused = self._paused
-        for rid in paused:
-            seq = self.scheduler.get(rid)
-            if seq is not None:
-                self.scheduler.preemptions["pause" if depth is None else "expert_pause"][seq.priority.value] += 1
-        self._paused = frozenset()
-        try:
-            outputs = self._run_batch(inner)
-        finally:
-            self._paused = paused
-            self.step_request_ids = sorted(paused)
-        if self.emit is not None:  # the latency-sensitive tokens go out now, not after the paused step
-            self.emit(outputs)
-        else:
-            self._inner_outputs += outputs
-
     def _run_isolating(
         self, rows: list[Row], seqs: list[Sequence], errors: dict[str, str], between_layers=None
     ) -> list:
@@ -305,7 +284,7 @@ class LLMEngine:
         """After a failed run: if the executor's KV cache is gone (a failed program that donates
         the cache deletes it), allocate a new one (every sequence that had KV recomputes it) and
         return True."""
-        executor = self.runner.executor
+        executor = self.executor
         if any(a.is_deleted() for a in jax.tree.leaves(executor.cache)):
             executor.reset_cache()
             self.scheduler.drop_all_kv()

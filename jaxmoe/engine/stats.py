@@ -1,5 +1,6 @@
 """The statistics the serving loop publishes after every step (scheduler, KV blocks, queues,
-preemptions, brownout state, expert activation counts) for metrics readers on other threads."""
+preemptions, the state of the hooks that report it, expert activation counts) for metrics readers
+on other threads."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import time
 from typing import Any
 
+from jaxmoe.engine.hooks import ReportsStats
 from jaxmoe.runtime.executor import ExpertUseCounting
 
 log = logging.getLogger(__name__)
@@ -21,29 +23,27 @@ class EngineStats:
         self._expert_counts = None
         self._activated = None
 
-    def snapshot(self, engine, in_flight: int, step_errors: int, brownout=None) -> dict[str, Any]:
+    def snapshot(self, engine, in_flight: int, step_errors: int) -> dict[str, Any]:
         snap: dict[str, Any] = dict(engine.scheduler.stats())
         snap["queues"] = engine.scheduler.queue_lengths()
         snap["preemptions"] = {k: dict(v) for k, v in engine.scheduler.preemptions.items()}
         snap["num_blocks"] = engine.block_manager.num_blocks
         snap["in_flight"] = in_flight
         snap["step_errors"] = step_errors
-        snap["pauses_over_budget"] = engine.pauses_over_budget
-        snap["paused_state_bytes_max"] = engine.paused_state_bytes_max
-        snap["expert_queue_depth"] = engine.expert_queue_depth
-        if brownout is not None:
-            snap["brownout"] = brownout.state()
+        for hook in [*engine.hooks, engine.layer_hook]:
+            if isinstance(hook, ReportsStats):
+                snap[hook.stats_key] = hook.stats()
         now = time.monotonic()
         if now - self._counts_time >= self.counts_every_s:
             try:
-                counts = engine.runner.executor.expert_activation_counts()
+                counts = engine.executor.expert_activation_counts()
                 if counts is not None:
                     self._counts_time = now
                     rows = [[int(c) for c in layer] for layer in counts]
                     moe = [i for i, is_moe in enumerate(engine.cfg.moe_layers) if is_moe]
                     layers = moe if len(moe) == len(rows) else list(range(len(rows)))
                     self._expert_counts = list(zip(layers, rows))  # (model layer index, counts)
-                executor = engine.runner.executor
+                executor = engine.executor
                 used = executor.activated_experts() if isinstance(executor, ExpertUseCounting) else None
                 if used:
                     self._activated = {

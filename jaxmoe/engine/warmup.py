@@ -62,7 +62,7 @@ def warm_up(
             bar.set_postfix_str(f"{rows}x{tokens}")
             engine.runner.warm(rows, tokens)
             bar.update()
-        if engine.config.layer_preemption:
+        if engine.layer_hook is not None:  # steps that may pause run layer by layer
             bar.total += len(todo)
             for rows, tokens in todo:
                 _check(cancel, t0)

@@ -64,18 +64,17 @@ def register(sub, add_model_args) -> None:
 
 
 def _measure(model, mesh, dtype, sweep):
-    from jaxmoe.llm import load_model
+    from jaxmoe.assembly import RuntimeConfig, build_engine
+    from jaxmoe.engine.config import EngineConfig
     from jaxmoe.findep.measure import profile_executor
-    from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
+    from jaxmoe.mesh import load_mesh
 
     if mesh is None:
         raise ValueError("--mesh: profiling measures the disaggregated runtime; give a mesh file")
-    cfg, params, _ = load_model(model, dtype)
-    block_size = 16
-    executor = DisaggregatedExecutor(cfg, params, 1, block_size, mesh)
-    slots = executor.num_attention * -(-sweep.max_context // block_size) * block_size
-    executor = DisaggregatedExecutor(cfg, params, slots, block_size, executor.sub)
-    return profile_executor(executor, sweep, progress=lambda line: print(line, file=sys.stderr))
+    spec, block_size = load_mesh(mesh), 16
+    blocks = spec.attention.count * -(-sweep.max_context // block_size)  # one longest context per instance
+    config = RuntimeConfig(model=model, dtype=dtype, mesh=spec, engine=EngineConfig(block_size, blocks))
+    return profile_executor(build_engine(config).executor, sweep, progress=lambda line: print(line, file=sys.stderr))
 
 
 def cmd_profile(args) -> int:

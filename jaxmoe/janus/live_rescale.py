@@ -1,8 +1,9 @@
 """Live re-scaling of a running engine: another number of attention and expert instances without a
-restart (JANUS 3.4 resource scaling), for the disaggregated executor.
+restart (JANUS 3.4 resource scaling), for the disaggregated executor. ``LiveRescaler`` is a step hook
+(``jaxmoe.engine.hooks``) that the assembly attaches to every disaggregated engine.
 
-``LLMEngine.rescale(attention=N, experts=M)`` checks the request at once (``RescaleError`` naming
-the value; nothing changes) and returns a ``RescaleJob``. Then:
+``LiveRescaler.of(engine).start(attention=N, experts=M)`` checks the request at once (``RescaleError``
+naming the value; nothing changes) and returns a ``RescaleJob``. Then:
 
 1. **Build, in the background** (a thread; the old executor keeps serving): the new executor on the
    new layout (``runtime.rescale.build_rescaled``: attention parameters copied to the new attention
@@ -11,11 +12,11 @@ the value; nothing changes) and returns a ``RescaleJob``. Then:
    written) -- the same shapes as warm-up. The thread runs at niceness ``BUILD_NICE`` and the GIL
    switch interval is ``BUILD_SWITCH_INTERVAL_S`` meanwhile, so the serving steps wait less for the
    host cores and the GIL.
-2. **Swap, at a step boundary** (the engine's thread, before the next step; ``apply_rescale`` when
-   the engine is idle): the KV blocks of live sequences get blocks in the new layout's allocator
-   (a partition of their own) and their KV is copied there (``runtime.rescale.move_kv``); a
-   sequence that does not fit is recompute-preempted (its tokens kept: it re-prefills over prompt
-   + generated tokens). The runner, block manager and scheduler then use the new layout.
+2. **Swap, at a step boundary** (``before_step``, on the engine's thread; ``apply`` when the engine
+   is idle): ``engine.swap_executor`` gives the KV blocks of live sequences blocks in the new
+   layout's allocator (a partition of their own) and their KV is copied there
+   (``janus.reshard.move_kv``); a sequence that does not fit is recompute-preempted (its tokens
+   kept: it re-prefills over prompt + generated tokens). The engine then serves the new layout.
 3. **Measured**: the swap time plus the first step on the new layout against a normal step is the
    stall (``RescaleResult``); the normal step is the median of the recent steps before the rescale
    started that made the same program calls (tokens per row of each call, ``ModelRunner.last_calls``)
@@ -42,11 +43,8 @@ import statistics
 import sys
 import threading
 import time
-from typing import Protocol, runtime_checkable
-
 import jax
 
-from jaxmoe.engine.block_manager import BlockManager
 from jaxmoe.engine.model_runner import ModelRunner
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import MeshConfigError
@@ -73,13 +71,6 @@ class RescaleError(ValueError):
 
 class RescaleInProgressError(RescaleError):
     """A rescale arrived while another one is being built or swapped in."""
-
-
-@runtime_checkable
-class ExecutorBound(Protocol):
-    """A step hook that holds the executor (e.g. the placement controller): moved to the new one."""
-
-    def rebind(self, executor) -> None: ...
 
 
 @dataclasses.dataclass
@@ -151,13 +142,16 @@ class RescaleJob:
         self._done.set()
 
 
-class Rescaler:
-    """The engine's live re-scaling (one at a time); ``LLMEngine.rescale`` / ``apply_rescale`` / ``step``."""
+class LiveRescaler:
+    """The engine's live re-scaling (one at a time): ``start`` a rescale, ``apply`` it when idle; a
+    step hook swaps it in at the next step boundary and measures the stall."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, executor_kwargs: dict | None = None):
+        """``executor_kwargs``: what the new executors are built with too (replica_policy, aebs_impl,
+        interpret)."""
         self.engine = engine
-        self.executor_kwargs: dict = {}  # for the new executors (replica_policy, aebs_impl, interpret)
-        ex = engine.runner.executor
+        self.executor_kwargs: dict = dict(executor_kwargs or {})
+        ex = engine.executor
         # expert slots a device's memory holds: the launch layout's mesh-file C (CPU devices report no memory
         # limit; with brownout the united experts' ceil(U / N) slots per instance come on top)
         self.max_slots_per_instance = (
@@ -167,10 +161,23 @@ class Rescaler:
         self.history: list[RescaleResult] = []
         self._step_times: collections.deque[tuple[float, tuple]] = collections.deque(maxlen=64)
         self._lock = threading.Lock()
+        self._t0 = 0.0
+
+    @classmethod
+    def attach(cls, engine, executor_kwargs: dict | None = None) -> "LiveRescaler":
+        return engine.add_hook(cls(engine, executor_kwargs))
+
+    @staticmethod
+    def of(engine) -> "LiveRescaler":
+        """The engine's rescaler; ``RescaleError`` when it has none (a monolithic engine)."""
+        for hook in engine.hooks:
+            if isinstance(hook, LiveRescaler):
+                return hook
+        raise RescaleError("rescale needs the disaggregated executor (start the engine with a mesh file)")
 
     # -- request ------------------------------------------------------------------------------
     def start(self, attention: int, experts: int, slots_per_instance: int | None = None) -> RescaleJob:
-        ex = self.engine.runner.executor
+        ex = self.engine.executor
         if not isinstance(ex, DisaggregatedExecutor):
             raise RescaleError("rescale needs the disaggregated executor (start the engine with a mesh file)")
         try:
@@ -250,7 +257,7 @@ class Rescaler:
             job.runner = ModelRunner(job.executor, runner.block_size, runner.max_blocks_per_seq, runner.plan)
             for rows, tokens in runner.plan.shapes():  # compile by running on padding rows (no KV)
                 job.runner.warm(rows, tokens)
-                if cfg.layer_preemption:
+                if self.engine.layer_hook is not None:
                     job.runner.warm(rows, tokens, layer_by_layer=True)
             jax.block_until_ready((job.executor.params, job.executor.cache))  # every copy landed
         except Exception as e:  # the old layout keeps serving
@@ -261,22 +268,23 @@ class Rescaler:
         job.build_s = time.perf_counter() - t0
         job._ready.set()
 
-    # -- at step boundaries (the engine's thread) ------------------------------------------------
-    def around_step(self, step):
-        """Swap in a built layout first, then run ``step()`` (timed)."""
+    # -- at step boundaries (the engine's thread: a step hook) -------------------------------------
+    def before_step(self, engine) -> None:
+        """Swap in a built layout, then time the step."""
         job = self.job
         if job is not None and job.ready() and job.swap_s is None:
             self._swap(job)
-        t0 = time.perf_counter()
-        outputs = step()
-        dt = time.perf_counter() - t0
-        if self.engine.last_step_ran:
-            calls = tuple(t for _, t in self.engine.runner.last_calls)
-            if job is not None and job.swap_s is not None and not job.done():
-                self._finish(job, dt, list(self.engine.runner.last_calls))
-            else:
-                self._step_times.append((dt, calls))
-        return outputs
+        self._t0 = time.perf_counter()
+
+    def after_step(self, engine, outputs) -> None:
+        dt = time.perf_counter() - self._t0
+        if not engine.last_step_ran:
+            return
+        job, calls = self.job, list(engine.runner.last_calls)
+        if job is not None and job.swap_s is not None and not job.done():
+            self._finish(job, dt, calls)
+        else:
+            self._step_times.append((dt, tuple(t for _, t in calls)))
 
     def apply(self) -> bool:
         """Swap in a built layout now (between steps); when the engine is idle the job is done at once.
@@ -299,14 +307,7 @@ class Rescaler:
                 self.job = None
             job._fail(e)
             return
-        old = engine.runner.executor
-        bm = BlockManager.for_layout(new.kv_layout)
-        moves, recomputed = engine.scheduler.move_kv_to(bm)
-        move_kv(old, new, moves, job.stats)
-        engine.block_manager, engine.runner = bm, job.runner
-        for hook in engine.step_hooks:
-            if isinstance(hook, ExecutorBound):
-                hook.rebind(new)
+        recomputed = engine.swap_executor(job.runner, lambda old, new, moves: move_kv(old, new, moves, job.stats))
         jax.block_until_ready(new.cache)
         forget_cached_programs()  # the old layout's programs go with the old executor
         job.swap_s = time.perf_counter() - t0

@@ -8,9 +8,10 @@ replication + Algorithm 2 (``jaxmoe.janus.placement``) and re-shards the replica
 unchanged by construction — any replica of an expert computes the same thing — only which
 instance does the work moves.
 
-    controller = PlacementController(llm.executor, every_steps=500)
-    llm.engine.step_hooks.append(controller)       # or PlacementController.attach(llm.engine, 500),
-                                                   # or LLM(..., rebalance_every=500)
+    controller = PlacementController.attach(llm.engine, every_steps=500)  # or LLM(..., rebalance_every=500)
+
+It is a step hook (``jaxmoe.engine.hooks``): it places the replicas of whichever executor the engine
+serves with (live re-scaling may swap it; the statistics window then starts again).
 """
 
 from __future__ import annotations
@@ -45,22 +46,21 @@ class PlacementController:
 
     @classmethod
     def attach(cls, engine, every_steps: int) -> "PlacementController":
-        """A controller for the engine's executor, run after every engine step."""
-        controller = cls(engine.runner.executor, every_steps=every_steps)
-        engine.step_hooks.append(controller)
-        return controller
+        """A controller for the engine's executor, run after every engine step that ran the model."""
+        return engine.add_hook(cls(engine.executor, every_steps=every_steps))
 
-    def rebind(self, executor: ReplicaPlacement) -> None:
-        """Place the replicas of ``executor`` from now on (live re-scaling swapped it in)."""
-        self.executor = executor
-        self._seen = executor.expert_coactivation()
+    def before_step(self, engine) -> None:
+        if engine.executor is not self.executor:  # live re-scaling swapped it in: a new window
+            self.executor = engine.executor
+            self._seen = self.executor.expert_coactivation()
 
-    def __call__(self, engine=None) -> Rebalance | None:
-        """An engine step hook: rebalance every ``every_steps`` calls (0: never)."""
+    def after_step(self, engine, outputs) -> None:
+        """Rebalance every ``every_steps`` steps that ran the model (0: never)."""
+        if not engine.last_step_ran:
+            return
         self._steps += 1
         if self.every_steps and self._steps % self.every_steps == 0:
-            return self.rebalance()
-        return None
+            self.rebalance()
 
     def rebalance(self) -> Rebalance | None:
         """Plan and apply a new placement from the window's statistics; None (nothing changed)

@@ -71,7 +71,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from jaxmoe.llm import load_model
+    from jaxmoe.checkpoint.model import load_model
     from jaxmoe.train import data
     from jaxmoe.train.corpus import load_corpus
     from jaxmoe.train.evaluate import expert_token_share, perplexity

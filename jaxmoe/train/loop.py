@@ -209,7 +209,7 @@ def finish(tc, cfg, params, tokenizer, heldout_stream, out_dir: Path, wall: floa
 
 def _load_exported(model_dir: Path) -> dict:
     """Parameters as served (read back from the exported files, so the report scores what ships)."""
-    from jaxmoe.llm import load_model
+    from jaxmoe.checkpoint.model import load_model
 
     return load_model(model_dir, dtype="float32")[1]
 

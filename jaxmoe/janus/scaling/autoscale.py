@@ -3,8 +3,8 @@
 ``Autoscaler`` is an engine step hook. Every ``interval_s`` it measures the load the engine saw
 (arrival rate since the last decision, mean requested output tokens and mean context of the live
 requests), asks ``ScalingController.decide`` for a layout among those that fit the mesh's devices
-and expert slots, and when that differs from the layout serving, starts ``engine.rescale`` (built in
-the background, swapped in at a step boundary; one at a time). The controller's hysteresis applies:
+and expert slots, and when that differs from the layout serving, starts a live rescale
+(``janus.live_rescale``: built in the background, swapped in at a step boundary; one at a time). The controller's hysteresis applies:
 up at once, down only after ``down_after`` agreeing decisions.
 
 The performance model (a ``perf_model.DisaggregatedPerf``) is the one fitted from the engine's own
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmoe.janus.live_rescale import LiveRescaler
 from jaxmoe.janus.scaling.controller import JANUS, Layout, Load, ScalingController
 from jaxmoe.janus.scaling.fitted import FittedPerfModel, ScalingProfile, find_profile, mesh_family
 from jaxmoe.janus.scaling.perf_model import DisaggregatedPerf, Hardware, ModelShape, PerfModel
@@ -99,7 +100,8 @@ class Decision:
 class Autoscaler:
     def __init__(self, engine, controller: ScalingController, interval_s: float = 30.0, clock=time.monotonic):
         self.engine, self.controller, self.interval_s, self.clock = engine, controller, interval_s, clock
-        ex = engine.runner.executor
+        self.rescaler = LiveRescaler.of(engine)
+        ex = engine.executor
         spec = ex.sub.spec
         controller.current = Layout(
             len(spec.attention.flat) + len(spec.experts.flat), ex.num_attention, ex.num_expert_instances
@@ -107,11 +109,14 @@ class Autoscaler:
         self._last, self._admitted = clock(), engine.scheduler.num_admitted
         self.decisions: list[Decision] = []
 
-    def __call__(self, engine=None) -> Decision | None:
-        """Step hook: decide when ``interval_s`` has passed since the last decision."""
-        if self.clock() - self._last < self.interval_s:
-            return None
-        return self.decide()
+    def before_step(self, engine) -> None:
+        pass
+
+    def after_step(self, engine, outputs) -> None:
+        """Step hook: decide when ``interval_s`` has passed since the last decision (only while the
+        engine runs steps)."""
+        if engine.last_step_ran and self.clock() - self._last >= self.interval_s:
+            self.decide()
 
     def measure(self) -> Load:
         now, admitted = self.clock(), self.engine.scheduler.num_admitted
@@ -125,12 +130,12 @@ class Autoscaler:
     def decide(self) -> Decision:
         load = self.measure()
         layout = self.controller.decide(load)
-        ex = self.engine.runner.executor
+        ex = self.engine.executor
         serving = (ex.num_attention, ex.num_expert_instances) == (layout.attention, layout.experts)
         decision = Decision(self.clock(), load, layout, started=False)
-        if not serving and self.engine.rescaler.job is None:
+        if not serving and self.rescaler.job is None:
             try:
-                self.engine.rescale(layout.attention, layout.experts)
+                self.rescaler.start(layout.attention, layout.experts)
                 decision.started = True
             except ValueError as e:  # RescaleError: e.g. a live request too long for the layout
                 decision.error = str(e)
@@ -143,7 +148,7 @@ def roofline_model(engine, hardware: Hardware | None = None) -> PerfModel:
     (default: the host, measured once: ``host_hardware``)."""
     import jax
 
-    ex = engine.runner.executor
+    ex = engine.executor
     params = jax.tree.leaves(ex.params)
     total = sum(p.nbytes for p in params)
     experts = sum(
@@ -164,7 +169,7 @@ def fitted_model(engine, profile) -> FittedPerfModel | None:
     ``fitted.find_profile``; None when it has none)."""
     from jaxmoe.findep.profile import model_identity
 
-    ex, cfg = engine.runner.executor, engine.config
+    ex, cfg = engine.executor, engine.config
     model, dtype = model_identity(ex.cfg), str(np.dtype(ex.params["embed"].dtype))
     if not isinstance(profile, ScalingProfile):
         if Path(profile).is_dir():
@@ -190,7 +195,7 @@ def attach(
     pm: DisaggregatedPerf | None = None if profile is None else fitted_model(engine, profile)
     if pm is None:
         pm = roofline_model(engine, hardware)
-    ex = engine.runner.executor
+    ex = engine.executor
     spec = ex.sub.spec
     layouts = layouts_that_fit(
         spec.num_devices,
@@ -199,6 +204,4 @@ def attach(
         spec.attention.devices_per_instance,
         spec.experts.devices_per_instance,
     )
-    scaler = Autoscaler(engine, ScalingController(pm, JANUS, layouts, slo_tpot_s), interval_s)
-    engine.step_hooks.append(scaler)
-    return scaler
+    return engine.add_hook(Autoscaler(engine, ScalingController(pm, JANUS, layouts, slo_tpot_s), interval_s))

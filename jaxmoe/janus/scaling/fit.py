@@ -154,7 +154,7 @@ def decode_tpot(engine, batch: int, prompt: int, output: int, seed: int = 0, rou
 
     run(3)
     tpot = min(statistics.median(run(output)[1:]) for _ in range(rounds))  # step 0 prefills every prompt
-    ex = engine.runner.executor
+    ex = engine.executor
     return StepPoint(ex.num_attention, ex.num_expert_instances, batch, prompt + output / 2, tpot)
 
 

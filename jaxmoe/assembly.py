@@ -1,0 +1,202 @@
+"""The one place an engine is put together: ``build_engine(RuntimeConfig)``.
+
+``RuntimeConfig`` holds every setting in sections: the engine (``EngineConfig``: KV cache, batch
+budget, policy, expert-FFN form), the executor (a mesh file for the disaggregated executor, its
+options) and one section per paper (``janus``, ``findep``, ``brownout``, ``qllm``). ``build_engine``
+loads the model, builds the executor (monolithic, or disaggregated with a mesh file) and plugs the
+features into the core through its declared seams: step hooks (live re-scaling, the placement
+controller, SALC, the autoscaler), the layer hook (QLLM's layer-level preemption), the expert
+routing (BrownoutServe's Algorithm 1) and the pipeline chooser (FinDEP). ``LLM``, ``jaxmoe serve``
+and the profiling commands all build their engines here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+
+from jaxmoe.brownout.config import BrownoutConfig, SALCConfig
+from jaxmoe.checkpoint.model import load_model, model_dir
+from jaxmoe.compilation import enable_persistent_cache
+from jaxmoe.config import ModelConfig
+from jaxmoe.engine.config import EngineConfig
+from jaxmoe.engine.engine import LLMEngine
+from jaxmoe.runtime.monolithic import MonolithicExecutor
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class QLLMConfig:
+    """QLLM: layer-level preemption of best-effort steps, and per-expert queues."""
+
+    layer_preemption: bool = False  # latency-sensitive work may run between the layers of a BE step
+    expert_queues: int = 0  # serve each MoE layer's experts in this many rounds (needs layer_preemption; 0: off)
+    max_paused_state_bytes: int | None = None  # a step whose paused state is bigger is not paused (None: any)
+
+    def __post_init__(self):
+        q = self.expert_queues
+        if not isinstance(q, int) or isinstance(q, bool) or q < 0:
+            raise ValueError(f"expert_queues must be a non-negative integer, got {q!r}")
+        if q and not self.layer_preemption:
+            raise ValueError("expert_queues needs layer_preemption=True (its rounds are pause points of a BE step)")
+
+
+@dataclasses.dataclass(frozen=True)
+class JanusConfig:
+    """JANUS's control plane on a mesh-file engine (live re-scaling is always attached there)."""
+
+    rebalance_every: int = 0  # re-place expert replicas from recent activations every N steps (0: never)
+    autoscale_slo_tpot_s: float | None = None  # the autoscaler's TPOT SLO (None: no autoscaler)
+    autoscale_interval_s: float = 30.0
+    scaling_profile: str | None = None  # a fitted performance model (``jaxmoe scaling-profile``)
+
+
+@dataclasses.dataclass(frozen=True)
+class FinDEPConfig:
+    """FinDEP: the disaggregated step's schedule."""
+
+    pipeline: Any = None  # "sequential" (None), "pppipe", "findep" or {"order", "r1", "r2"}
+    pipeline_profile: Any = None  # a ``jaxmoe profile`` JSON for "pppipe" / "findep"
+
+
+@dataclasses.dataclass(frozen=True)
+class BrownoutSection:
+    """BrownoutServe: brownout routing over united experts, and SALC moving its threshold."""
+
+    brownout: BrownoutConfig | None = None
+    salc: SALCConfig | None = None
+    from_mesh_file: bool = True  # without ``brownout``, the mesh file's ``brownout:`` section decides
+
+    def resolve(self, mesh) -> tuple[BrownoutConfig | None, SALCConfig | None]:
+        if self.brownout is not None or not self.from_mesh_file or mesh is None:
+            return self.brownout, self.salc
+        from jaxmoe.mesh import mesh_brownout
+
+        settings = mesh_brownout(mesh)
+        return (None, None) if settings is None else (settings.brownout(), settings.salc_config())
+
+
+SECTIONS = {"engine": EngineConfig, "janus": JanusConfig, "findep": FinDEPConfig, "qllm": QLLMConfig}
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    model: str = "demo"  # a built-in name or a checkpoint directory
+    dtype: Any = None  # the parameters' dtype (None: the checkpoint's)
+    mesh: Any = None  # a mesh file (or ``ClusterSpec``): the disaggregated executor; None: monolithic
+    executor: dict = dataclasses.field(default_factory=dict)  # DisaggregatedExecutor options
+    engine: EngineConfig = EngineConfig()
+    janus: JanusConfig = JanusConfig()
+    findep: FinDEPConfig = FinDEPConfig()
+    brownout: BrownoutSection = BrownoutSection()
+    qllm: QLLMConfig = QLLMConfig()
+
+    @classmethod
+    def from_kwargs(cls, model="demo", *, dtype=None, mesh=None, executor_kwargs=None, brownout=None, salc=None, **kw):
+        """Flat keyword arguments (``LLM``'s) sorted into their sections by name; a ``TypeError`` names
+        one that no section has."""
+        fields = {name: {} for name in SECTIONS}
+        for key, value in kw.items():
+            owner = next((n for n, c in SECTIONS.items() if key in {f.name for f in dataclasses.fields(c)}), None)
+            if owner is None:
+                raise TypeError(f"unknown setting {key!r}")
+            fields[owner][key] = value
+        return cls(
+            model=str(model),
+            dtype=dtype,
+            mesh=mesh,
+            executor=dict(executor_kwargs or {}),
+            brownout=BrownoutSection(brownout, salc),
+            **{name: SECTIONS[name](**values) for name, values in fields.items()},
+        )
+
+
+def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, brownout: BrownoutConfig | None = None):
+    """Monolithic executor by default; with a mesh file, the disaggregated one (its schedule chosen by
+    FinDEP's pipeline chooser when ``config.findep`` names one)."""
+    ec, findep = config.engine, config.findep
+    num_slots = ec.num_blocks * ec.block_size
+    if config.mesh is None and findep.pipeline not in (None, "sequential"):
+        raise ValueError(
+            f"pipeline {findep.pipeline!r}: pipelined schedules run on a disaggregated mesh; give mesh=FILE"
+        )
+    if config.mesh is None:
+        return MonolithicExecutor(
+            cfg,
+            params,
+            num_slots,
+            ec.block_size,
+            brownout=brownout,
+            expert_impl=ec.expert_impl,
+            expert_queues=config.qllm.expert_queues,
+            pause_every=ec.pause_every,
+        )
+    if config.qllm.expert_queues:
+        raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
+    from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
+
+    kwargs = {"expert_impl": ec.expert_impl, "pause_every": ec.pause_every, "brownout": brownout, **config.executor}
+    executor = DisaggregatedExecutor(cfg, params, num_slots, ec.block_size, config.mesh, **kwargs)
+    if findep.pipeline is not None or findep.pipeline_profile is not None:
+        from jaxmoe.findep.online import pipeline_chooser
+
+        dtype = np.dtype(params["embed"].dtype)
+        executor.pipeline = pipeline_chooser(
+            "sequential" if findep.pipeline is None else findep.pipeline,
+            cfg,
+            executor.sub.spec,
+            str(dtype),
+            dtype.itemsize,
+            profile=findep.pipeline_profile,
+            max_rows=ec.max_num_seqs,
+            max_tokens=ec.max_batch_tokens,
+        )
+    return executor
+
+
+# what a rescaled executor is built with too
+RESCALE_EXECUTOR_KWARGS = ("replica_policy", "aebs_impl", "interpret")
+
+
+def build_engine(config: RuntimeConfig) -> LLMEngine:
+    """Load the model, build the executor, assemble the engine and attach the features ``config`` asks
+    for. Compiled programs go to the persistent compilation cache (``jaxmoe.compilation``)."""
+    enable_persistent_cache()
+    cfg, params, tokenizer = load_model(config.model, config.dtype)
+    brownout, salc = config.brownout.resolve(config.mesh)
+    if brownout is not None:
+        from jaxmoe.brownout.united import attach
+
+        params = attach(params, cfg, model_dir(config.model))
+    engine = LLMEngine(cfg, build_executor(cfg, params, config, brownout), tokenizer, config.engine)
+    return attach_features(engine, config, salc)
+
+
+def attach_features(engine: LLMEngine, config: RuntimeConfig, salc: SALCConfig | None = None) -> LLMEngine:
+    """Plug the features ``config`` asks for into ``engine`` (``salc``: the resolved SALC settings)."""
+    if config.qllm.layer_preemption:
+        from jaxmoe.qllm.layer_preemption import LayerPreemption
+
+        engine.layer_hook = LayerPreemption(config.qllm.max_paused_state_bytes)
+    if config.mesh is not None:
+        from jaxmoe.janus.live_rescale import LiveRescaler
+
+        LiveRescaler.attach(engine, {k: v for k, v in config.executor.items() if k in RESCALE_EXECUTOR_KWARGS})
+    if salc is not None:
+        from jaxmoe.brownout.controller import BrownoutController
+
+        BrownoutController.attach(engine, salc)
+    janus = config.janus
+    if janus.rebalance_every:
+        from jaxmoe.janus.placement_controller import PlacementController
+
+        PlacementController.attach(engine, janus.rebalance_every)
+    if janus.autoscale_slo_tpot_s is not None:
+        from jaxmoe.janus.scaling.autoscale import attach
+
+        attach(engine, janus.autoscale_slo_tpot_s, janus.autoscale_interval_s, profile=janus.scaling_profile)
+    return engine

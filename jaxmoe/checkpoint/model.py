@@ -1,0 +1,40 @@
+"""A model by name: a built-in (``demo``, ``tiny-random``), a jaxmoe-converted directory (Orbax) or a
+Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jaxmoe.checkpoint.loader import load_params
+from jaxmoe.checkpoint.orbax_io import is_converted, restore_converted
+from jaxmoe.config import ModelConfig, load_config
+from jaxmoe.demo import DEMO_DIR, TINY_RANDOM, demo_config, demo_params
+from jaxmoe.tokenizer import ByteTokenizer, load_tokenizer
+
+
+def model_dir(model: str | Path) -> Path:
+    """The directory a model name stands for (``demo``: the shipped demo checkpoint)."""
+    return DEMO_DIR if str(model) == "demo" else Path(model)
+
+
+def load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object]:
+    """(config, params, tokenizer) for a built-in name (``demo``: the trained demo model shipped in
+    ``jaxmoe/assets/demo``; ``tiny-random``: a tiny random-weight model with the byte tokenizer, for
+    tests), a jaxmoe-converted directory or an HF checkpoint."""
+    if str(model) == TINY_RANDOM:
+        cfg = demo_config()
+        return cfg, demo_params(cfg, dtype=jnp.dtype(dtype or jnp.float32)), ByteTokenizer()
+    path = model_dir(model)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {str(model)!r} is neither a built-in name ('demo', '{TINY_RANDOM}') nor a checkpoint directory"
+        )
+    if is_converted(path):
+        params, cfg = restore_converted(path)
+    else:
+        cfg = load_config(path)
+        params = load_params(path, cfg, dtype=dtype)
+    tokenizer = load_tokenizer(path) if (path / "tokenizer.json").exists() else ByteTokenizer()
+    return cfg, params, tokenizer

@@ -1,0 +1,69 @@
+"""QLLM's preemption below the iteration level (arXiv:2503.09304, Sec. 3.3), as the engine's layer hook.
+
+A step whose batch is all best-effort runs layer by layer (``pausable``). At each pause point
+(``between_layers``: after every ``pause_every`` layers, and between the expert rounds of a MoE layer
+with per-expert queues) the hook admits what arrived meanwhile (``engine.poll``) and asks the
+scheduling policy whether to pause there (``Scheduler.pause_at_layer``); if so, it runs the waiting
+latency-sensitive work as a batch of its own (its tokens go out at once, ``engine.deliver``), then
+the paused step goes on from the next layer with its hidden states (kept on the device) and the KV
+it wrote. A step whose paused state (hidden states) would exceed ``max_paused_state_bytes`` is not
+paused: its latency-sensitive work waits for the step boundary.
+"""
+
+from __future__ import annotations
+
+from jaxmoe.engine.sequence import Priority
+from jaxmoe.runtime.executor import ExpertQueueing
+
+
+class LayerPreemption:
+    stats_key = "layer_preemption"
+
+    def __init__(self, max_paused_state_bytes: int | None = None):
+        self.max_paused_state_bytes = max_paused_state_bytes
+        self.layer_pauses = 0  # times a step was paused between layers for latency-sensitive work
+        self.paused_state_bytes_max = 0  # the most device memory a paused step kept (hidden states)
+        self.pauses_over_budget = 0  # pauses refused: the step's state exceeded max_paused_state_bytes
+        self.expert_queue_depth: list[int] | None = None  # per expert, assignments queued at the latest expert pause
+
+    def pausable(self, engine, batch) -> bool:
+        return all(s.priority is Priority.BE for s in batch.seqs)
+
+    def between_layers(self, engine, layer: int) -> None:
+        if engine.poll is not None:
+            engine.poll()
+        paused = frozenset(engine.step_request_ids)
+        scheduler = engine.scheduler
+        if not scheduler.pause_at_layer(paused, layer):
+            return
+        state = engine.runner.pausable_state_bytes
+        budget = self.max_paused_state_bytes
+        if budget is not None and state > budget:  # too big to keep: LS work waits for the step boundary
+            self.pauses_over_budget += 1
+            return
+        inner = scheduler.schedule(exclude=paused, priority=Priority.LS)
+        if inner.is_empty:
+            return
+        self.layer_pauses += 1
+        self.paused_state_bytes_max = max(self.paused_state_bytes_max, state)
+        executor = engine.executor
+        depth = executor.expert_queue_depth() if isinstance(executor, ExpertQueueing) else None
+        if depth is not None:
+            self.expert_queue_depth = [int(n) for n in depth]
+        for rid in paused:
+            seq = scheduler.get(rid)
+            if seq is not None:
+                scheduler.preemptions["pause" if depth is None else "expert_pause"][seq.priority.value] += 1
+        try:
+            outputs = engine.run_batch(inner)
+        finally:
+            engine.step_request_ids = sorted(paused)
+        engine.deliver(outputs)  # the latency-sensitive tokens go out now, not after the paused step
+
+    def stats(self) -> dict:
+        return {
+            "layer_pauses": self.layer_pauses,
+            "pauses_over_budget": self.pauses_over_budget,
+            "paused_state_bytes_max": self.paused_state_bytes_max,
+            "expert_queue_depth": self.expert_queue_depth,
+        }
