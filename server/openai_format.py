@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from jaxmoe.engine.outputs import RequestOutput
 
-if TYPE_CHECKING:  # the formats read its tokenizer and model name
-    from jaxmoe.server.http_service import OpenAIServer
+
+class Server(Protocol):
+    """What a response format reads of the HTTP front end (``http_service.OpenAIServer``)."""
+
+    tokenizer: Any
+    model_name: str
 
 
 def total_usage(outs) -> dict[str, int]:
@@ -31,7 +35,7 @@ def merge_final(fmts, finals) -> dict:
 class CompletionFormat:
     """``text_completion`` objects of one choice."""
 
-    def __init__(self, server: OpenAIServer, rid: str, index: int = 0, echo: bool = False):
+    def __init__(self, server: Server, rid: str, index: int = 0, echo: bool = False):
         self.server, self.rid, self.index, self.created = server, rid, index, int(time.time())
         self.tok = server.tokenizer
         self.offset = 0
@@ -145,7 +149,7 @@ class ChatFormat:
 
     pending = False
 
-    def __init__(self, server: OpenAIServer, rid: str, index: int = 0):
+    def __init__(self, server: Server, rid: str, index: int = 0):
         self.server, self.rid, self.index, self.created = server, rid, index, int(time.time())
         self.tok = server.tokenizer
 

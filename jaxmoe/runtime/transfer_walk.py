@@ -10,15 +10,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import defaultdict
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
 from jaxmoe.mesh import ClusterSpec
-
-if TYPE_CHECKING:
-    from jaxmoe.runtime.transfer import TransferPlan
+from jaxmoe.runtime.transfer_plan import TransferPlan
 
 
 def walk_a2e(spec: ClusterSpec, plan: TransferPlan, blocks: list, ops: Ops) -> list:
