@@ -19,6 +19,7 @@ from jaxmoe.config import ModelConfig, load_config
 from jaxmoe.demo import DEMO_DIR, TINY_RANDOM, demo_config, demo_params
 from jaxmoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from jaxmoe.janus.live_rescale import RescaleResult
+from jaxmoe.models.routing import TopKRouting, extra_experts
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 from jaxmoe.tokenizer import ByteTokenizer, load_tokenizer
@@ -66,15 +67,27 @@ def build_executor(
     num_slots = engine_config.num_blocks * engine_config.block_size
     if mesh is None and pipeline not in (None, "sequential"):
         raise ValueError(f"pipeline {pipeline!r}: pipelined schedules run on a disaggregated mesh; give mesh=FILE")
+    routing, routing_state = TopKRouting(), None
+    if brownout is not None:
+        from jaxmoe.brownout.routing import routing_for
+
+        routing, routing_state = routing_for(brownout)
     if mesh is None:
+        rounds = None
+        if engine_config.expert_queues:
+            from jaxmoe.qllm.expert_queues import expert_bounds
+
+            logical = cfg.moe.num_experts + extra_experts(routing, params)
+            rounds = expert_bounds(logical, engine_config.expert_queues)
         return MonolithicExecutor(
             cfg,
             params,
             num_slots,
             engine_config.block_size,
-            brownout=brownout,
+            routing=routing,
+            routing_state=routing_state,
             expert_impl=engine_config.expert_impl,
-            expert_queues=engine_config.expert_queues,
+            expert_rounds=rounds,
             pause_every=engine_config.pause_every,
         )
     if engine_config.expert_queues:
@@ -84,7 +97,8 @@ def build_executor(
     kwargs = {
         "expert_impl": engine_config.expert_impl,
         "pause_every": engine_config.pause_every,
-        "brownout": brownout,
+        "routing": routing,
+        "routing_state": routing_state,
         **(executor_kwargs or {}),
     }
     executor = DisaggregatedExecutor(cfg, params, num_slots, engine_config.block_size, mesh, **kwargs)
@@ -124,7 +138,8 @@ class LLM:
         """``rebalance_every``: with a mesh, re-place the expert replicas from recent activations
         every that many steps (``runtime.controller.PlacementController``, JANUS Algorithm 2).
         ``brownout``: a ``BrownoutConfig`` (BrownoutServe); the model directory must hold united
-        experts (``jaxmoe unite``); ``llm.executor.brownout_threshold`` may change between steps.
+        experts (``jaxmoe unite``); its threshold may change between steps
+        (``jaxmoe.brownout.routing.set_threshold(llm.executor, v)``).
         Without it, a mesh file's ``brownout:`` section turns brownout on (its start threshold and
         mode) and, with ``salc: true``, attaches SALC (``llm.brownout_controller``).
         ``pipeline`` / ``pipeline_profile`` (with a mesh): the step's schedule, "sequential" (default),

@@ -28,7 +28,7 @@ LAYERS = {
     "jaxmoe.tokenizer": 1,
     "jaxmoe.checkpoint": 1,
     "jaxmoe.brownout.config": 1,
-    "jaxmoe.brownout.routing": 1,
+    "jaxmoe.brownout.routing": 4,
     "jaxmoe.kv_layout": 1,
     "jaxmoe.mesh_file": 1,
     "jaxmoe.models": 2,

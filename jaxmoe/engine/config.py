@@ -20,7 +20,7 @@ class EngineConfig:
     max_paused_state_bytes: int | None = None  # layer preemption: a bigger step is not paused (None: any)
     expert_impl: str = "auto"  # the expert-FFN implementation (jaxmoe.pallas_kernels.expert_ffn.IMPLS)
     # QLLM per-expert queues: a paused-able step serves each MoE layer's experts in this many rounds, with
-    # a pause point between rounds (runtime.expert_queues; needs layer_preemption; 0: off)
+    # a pause point between rounds (jaxmoe.qllm.expert_queues; needs layer_preemption; 0: off)
     expert_queues: int = 0
     # layer preemption: layers between two pause points, i.e. per program of a pausable step (1: after every
     # layer; bench/qllm.py measured one-layer programs no slower than the fused step and LS TTFT P90 at 0.2-0.3x
