@@ -196,7 +196,6 @@ def set_threshold(executor, value) -> None:
     """Set the brownout threshold of ``executor``'s next steps (a number in [0, 1]; no recompile);
     a ``BrownoutError`` when it is out of range or the executor was built without brownout."""
     if not is_brownout(executor):
-        raise BrownoutError(
-            f"brownout threshold: this executor was built without brownout (routing: {executor.routing.name})"
-        )
+        routing = getattr(getattr(executor, "routing", None), "name", None)
+        raise BrownoutError(f"brownout threshold: this executor was built without brownout (routing: {routing})")
     executor.routing_state = check_threshold(value)
