@@ -92,16 +92,17 @@ class NextToken:
 
         from jaxmoe.brownout.united import attach
         from jaxmoe.checkpoint.model import load_model
-        from jaxmoe.models.experts import Brownout
+        from jaxmoe.brownout.routing import BrownoutRouting
         from jaxmoe.train.model import forward
 
         cfg, params, _ = load_model(str(model), "float32")
         if full is not None:
             params = attach(params, cfg, model)
 
+        routing = None if full is None else BrownoutRouting(full)
+
         def choose(params, window, threshold):
-            bo = None if full is None else Brownout(threshold, jnp.ones(window.shape[0], bool), full)
-            logits, _ = forward(params, cfg, window[None], capacity_factor=0.0, brownout=bo)
+            logits, _ = forward(params, cfg, window[None], 0.0, routing, threshold)
             return jnp.argmax(logits[0], -1)
 
         self.params, self.fn = params, jax.jit(choose)
@@ -138,6 +139,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from jaxmoe import LLM, BrownoutConfig, SamplingParams
+    from jaxmoe.brownout.routing import set_threshold
 
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
@@ -170,6 +172,7 @@ def main() -> int:
                 if not thresholds:
                     continue
                 llm = LLM(model, dtype="float32", brownout=BrownoutConfig(1.0, use_full_brownout=full))
+
                 next_token = NextToken(model, full)
                 for t in thresholds:
                     extra = ["--full-brownout"] if full else []
@@ -178,7 +181,7 @@ def main() -> int:
                         + ["--brownout-threshold", str(t)]
                         + extra
                     )["perplexity"]
-                    llm.executor.brownout_threshold = t
+                    set_threshold(llm.executor, t)
                     got = [o.token_ids for o in llm.generate(prompts, greedy)]
                     tok, pre = agreement(got, original)
                     teacher = float((next_token(windows, t) == original_next).mean())

@@ -24,6 +24,7 @@ from jaxmoe.compilation import enable_persistent_cache
 from jaxmoe.config import ModelConfig
 from jaxmoe.engine.config import EngineConfig
 from jaxmoe.engine.engine import LLMEngine
+from jaxmoe.models.routing import TopKRouting, extra_experts
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 
 log = logging.getLogger(__name__)
@@ -116,30 +117,50 @@ class RuntimeConfig:
 
 
 def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, brownout: BrownoutConfig | None = None):
-    """Monolithic executor by default; with a mesh file, the disaggregated one (its schedule chosen by
-    FinDEP's pipeline chooser when ``config.findep`` names one)."""
+    """Monolithic executor by default; with a mesh file, the disaggregated one. The expert routing is
+    the router's top-k, or BrownoutServe's Algorithm 1 with ``brownout``; QLLM's per-expert queues
+    give the monolithic executor its expert rounds; FinDEP's pipeline chooser picks the disaggregated
+    step's schedule when ``config.findep`` names one."""
     ec, findep = config.engine, config.findep
     num_slots = ec.num_blocks * ec.block_size
     if config.mesh is None and findep.pipeline not in (None, "sequential"):
         raise ValueError(
             f"pipeline {findep.pipeline!r}: pipelined schedules run on a disaggregated mesh; give mesh=FILE"
         )
+    routing, routing_state = TopKRouting(), None
+    if brownout is not None:
+        from jaxmoe.brownout.routing import routing_for
+
+        routing, routing_state = routing_for(brownout)
     if config.mesh is None:
+        rounds = None
+        if config.qllm.expert_queues:
+            from jaxmoe.qllm.expert_queues import expert_bounds
+
+            logical = cfg.moe.num_experts + extra_experts(routing, params)
+            rounds = expert_bounds(logical, config.qllm.expert_queues)
         return MonolithicExecutor(
             cfg,
             params,
             num_slots,
             ec.block_size,
-            brownout=brownout,
+            routing=routing,
+            routing_state=routing_state,
             expert_impl=ec.expert_impl,
-            expert_queues=config.qllm.expert_queues,
+            expert_rounds=rounds,
             pause_every=ec.pause_every,
         )
     if config.qllm.expert_queues:
         raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
-    kwargs = {"expert_impl": ec.expert_impl, "pause_every": ec.pause_every, "brownout": brownout, **config.executor}
+    kwargs = {
+        "expert_impl": ec.expert_impl,
+        "pause_every": ec.pause_every,
+        "routing": routing,
+        "routing_state": routing_state,
+        **config.executor,
+    }
     executor = DisaggregatedExecutor(cfg, params, num_slots, ec.block_size, config.mesh, **kwargs)
     if findep.pipeline is not None or findep.pipeline_profile is not None:
         from jaxmoe.findep.online import pipeline_chooser

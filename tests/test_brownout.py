@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from jaxmoe import LLM, BrownoutConfig, BrownoutError, SamplingParams
-from jaxmoe.brownout.routing import split, split_reference
+from jaxmoe.brownout.routing import BrownoutRouting, set_threshold, split, split_reference
+from jaxmoe.brownout.routing import threshold as brownout_threshold
 from jaxmoe.brownout.salc import SALC, SLOAnalyzer
 from jaxmoe.compilation import compile_events
 from jaxmoe.models.common import swiglu_mlp
-from jaxmoe.models.experts import Brownout, moe_layer
+from jaxmoe.models.experts import moe_layer
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPTS = [[3, 9, 27, 81, 11], [5, 25, 17], [2, 4, 8, 16, 32, 64]]
@@ -77,7 +78,8 @@ def _layer(rng, E=8, D=16, F=24, U=4):
 
 
 def test_moe_layer_with_brownout_equals_a_plain_reference(checkpoint_dir):
-    """eq. 5: original experts for S1, united experts (same weights g) for S2, computed per token."""
+    """eq. 5: original experts for S1, united experts (same weights g) for S2, computed per token;
+    padding tokens (not valid) activate no expert."""
     from jaxmoe.config import load_config
     from jaxmoe.models.router import route
 
@@ -86,15 +88,16 @@ def test_moe_layer_with_brownout_equals_a_plain_reference(checkpoint_dir):
     p = _layer(rng, D=cfg.hidden_size)
     x = jnp.asarray(rng.standard_normal((37, cfg.hidden_size)), jnp.float32)
     valid = jnp.asarray(rng.random(37) > 0.1)
-    plain = moe_layer(p, cfg, x)
+    plain = moe_layer(p, cfg, x, valid=valid)  # top-k
     for threshold, full in ((1.0, False), (0.55, False), (0.0, False), (0.4, True)):
-        got = moe_layer(p, cfg, x, None, Brownout(jnp.float32(threshold), valid, full))
+        routing = BrownoutRouting(full)
+        got = moe_layer(routing.logical_params(p), cfg, x, None, routing, valid, jnp.float32(threshold))
         ids, weights = route(p, cfg.moe, x)
         orig, united = split_reference(
             np.asarray(ids), np.asarray(valid), np.asarray(p["united_groups"]), threshold, full
         )
         want = np.zeros(x.shape, np.float32)
-        for t in range(x.shape[0]):
+        for t in np.flatnonzero(np.asarray(valid)):
             for j in range(ids.shape[1]):
                 g = float(weights[t, j])
                 if orig[t, j] >= 0:
@@ -137,7 +140,7 @@ def test_threshold_one_is_the_original_model_and_moving_it_does_not_recompile(un
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     before = compile_events()["programs"]
     for threshold in (0.5, 0.0, 0.8):
-        llm.executor.brownout_threshold = threshold
+        set_threshold(llm.executor, threshold)
         outs = llm.generate(PROMPTS, GREEDY)
         assert all(len(o.token_ids) == 8 for o in outs)
     assert compile_events()["programs"] == before
@@ -190,7 +193,7 @@ def test_bad_brownout_input(checkpoint_dir, tmp_path, capsys):
         LLM(checkpoint_dir("mixtral"), brownout=BrownoutConfig(0.5))
     llm = LLM(checkpoint_dir("mixtral"), dtype="float32", num_blocks=8)
     with pytest.raises(ValueError, match="built without brownout"):
-        llm.executor.brownout_threshold = 0.5
+        set_threshold(llm.executor, 0.5)
     assert main(["eval", "--model", str(checkpoint_dir("mixtral")), "--brownout-threshold", "2"]) == 2
     assert "threshold must be a number in [0, 1], got 2.0" in capsys.readouterr().err
     for kw, msg in (
@@ -261,7 +264,7 @@ def test_salc_moves_the_threshold_of_a_serving_engine(united_dir):
     ctl = BrownoutController.attach(llm.engine, SALCConfig(slo_tpot_s=1e-6, window_s=60.0))
     llm.generate(PROMPTS, GREEDY)
     assert ctl.state()["threshold"] < 0.5 and ctl.state()["p90"]["tpot"] > 1e-6
-    assert llm.executor.brownout_threshold == ctl.state()["threshold"]
+    assert brownout_threshold(llm.executor) == ctl.state()["threshold"]
     st = ServerThread(llm.engine, ServeOptions(warmup=False))
     server = st.start()
     try:

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from jaxmoe import LLM, BrownoutConfig, BrownoutError, SamplingParams
-from jaxmoe.brownout.routing import split_reference
+from jaxmoe.brownout.routing import BrownoutRouting, set_threshold, split_reference
+from jaxmoe.brownout.routing import threshold as brownout_threshold
 from jaxmoe.compilation import compile_events
 from jaxmoe.engine.model_runner import Row
 from jaxmoe.models.router import route
@@ -58,7 +59,7 @@ def llms(united):
 
 
 def _greedy(llm, threshold):
-    llm.executor.brownout_threshold = threshold
+    set_threshold(llm.executor, threshold)
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
@@ -91,7 +92,7 @@ def test_activated_experts_follow_algorithm_1(llms, threshold, full):
     directly from Algorithm 1 (``split_reference``) on the routing of the activations A2E delivered."""
     dis = llms(LAYOUTS[0], full)
     ex = dis.executor
-    ex.brownout_threshold = threshold
+    set_threshold(ex, threshold)
     sent, seen = {}, {}
 
     def observe(phase, layer, out):
@@ -123,7 +124,7 @@ def test_activated_experts_follow_algorithm_1(llms, threshold, full):
             assert want == (len(set(ids[valid].ravel())), 0)
         else:
             assert sum(want) < len(set(ids[valid].ravel()))  # brownout reads fewer weight sets
-    ex.brownout_threshold = 1.0
+    set_threshold(ex, 1.0)
 
 
 def test_bad_brownout_input_on_a_mesh(llms, checkpoint_dir):
@@ -133,13 +134,13 @@ def test_bad_brownout_input_on_a_mesh(llms, checkpoint_dir):
     with pytest.raises(BrownoutError, match="no united experts"):
         LLM(checkpoint_dir("mixtral"), mesh=LAYOUTS[0], brownout=BrownoutConfig(0.5), **ENGINE)
     cfg, params, _ = load_model(checkpoint_dir("mixtral"), "float32")
-    with pytest.raises(BrownoutError, match="MoE layer 0 has no united experts"):
-        DisaggregatedExecutor(cfg, params, 64 * 8, 8, LAYOUTS[0], brownout=BrownoutConfig(0.5))
+    with pytest.raises(BrownoutError, match="MoE layer 0: no united experts"):
+        DisaggregatedExecutor(cfg, params, 64 * 8, 8, LAYOUTS[0], routing=BrownoutRouting(), routing_state=0.5)
     ex = llms(LAYOUTS[0]).executor
     for bad in (1.5, -0.2, float("nan")):
         with pytest.raises(BrownoutError, match=f"got {bad!r}"):
-            ex.brownout_threshold = bad
-    assert 0 <= ex.brownout_threshold <= 1  # the bad values were not taken
+            set_threshold(ex, bad)
+    assert 0 <= brownout_threshold(ex) <= 1  # the bad values were not taken
 
 
 def test_activated_experts_are_exported(llms):
@@ -159,7 +160,7 @@ def test_activated_experts_are_exported(llms):
         text = conn.getresponse().read().decode()
     finally:
         st.stop()
-        dis.executor.brownout_threshold = 1.0
+        set_threshold(dis.executor, 1.0)
     united = sum(u for _, u in used.values())
     assert united > 0 and f'jaxmoe_activated_experts{{kind="united"}} {float(united)}' in text
     assert f'jaxmoe_activated_experts{{kind="original"}} {float(sum(o for o, _ in used.values()))}' in text
@@ -221,7 +222,7 @@ def test_replicated_united_experts_give_the_monolithic_tokens(llms, replicated, 
 def _observed_step(llm, threshold):
     """One forward of PROMPTS at ``threshold``: (what A2E delivered per layer, the batch)."""
     ex = llm.executor
-    ex.brownout_threshold = threshold
+    set_threshold(ex, threshold)
     sent = {}
 
     def observe(phase, layer, out):
@@ -274,7 +275,7 @@ def test_aebs_chooses_among_the_united_replicas(replicated, threshold):
         assert sum(got[i]) == sum(ex.activated_experts()[i])  # each logical expert runs on one replica
         on_united = {int(s) for s in np.asarray(phys).ravel() if s >= 0 and REPLICATED_UNITED[s] >= E}
         assert on_united and all(REPLICATED_UNITED[s] >= E for s in on_united)
-    ex.brownout_threshold = 1.0
+    set_threshold(ex, 1.0)
 
 
 def test_brownout_lowers_the_activated_experts_per_instance(replicated):
@@ -288,7 +289,7 @@ def test_brownout_lowers_the_activated_experts_per_instance(replicated):
         loads = ex.expert_side.activated_per_instance().values()
         per_instance.append(sum(sum(v) for v in loads))
         busiest.append(max(max(v) for v in loads))
-    ex.brownout_threshold = 1.0
+    set_threshold(ex, 1.0)
     assert totals == per_instance
     assert all(a >= b for a, b in zip(totals, totals[1:])) and totals[-1] < totals[0]
     assert busiest[-1] < busiest[0]  # the busiest instance runs fewer replicas (this model: 2 -> 1)
@@ -321,10 +322,10 @@ def test_live_rescale_keeps_brownout_and_the_united_experts(united, llms):
     instance on the new layout); the threshold SALC left is kept; the tokens stay the monolithic ones."""
     small = dict(ENGINE, max_prefill_chunk=16, max_batch_tokens=32)  # few shapes for the rescale to warm up
     llm = LLM(united, dtype="float32", mesh=LAYOUTS[0], brownout=BrownoutConfig(1.0), **small)
-    llm.executor.brownout_threshold = 0.5
+    set_threshold(llm.executor, 0.5)
     result = llm.rescale(2, 4)
     ex = llm.executor
-    assert (ex.num_expert_instances, ex.slots_per_instance, ex.brownout_threshold) == (4, 5, 0.5)
+    assert (ex.num_expert_instances, ex.slots_per_instance, brownout_threshold(ex)) == (4, 5, 0.5)
     assert set(ex.placement()) - {-1} == set(range(ex.cfg.moe.num_experts + 4))
     assert result is not None
     assert _greedy(llm, 0.5) == _greedy(llms(None), 0.5)

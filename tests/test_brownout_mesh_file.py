@@ -16,6 +16,7 @@ import yaml
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.brownout.config import BrownoutSettings
 from jaxmoe.brownout.controller import BrownoutController
+from jaxmoe.brownout.routing import threshold as brownout_threshold
 from jaxmoe.mesh import MeshConfigError, load_mesh
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -174,7 +175,7 @@ def test_a_mesh_file_with_salc_on_runs_salc_and_off_does_not(united, tmp_path):
     (controller,) = [h for h in engine.hooks if isinstance(h, BrownoutController)]
     assert controller.config.shrink_ratio == 0.5 and controller.config.window_s == 60.0
     _run(engine)
-    threshold = engine.executor.brownout_threshold
+    threshold = brownout_threshold(engine.executor)
     assert threshold < 0.9 * 0.5**3  # shrunk by 0.5 per step from the file's start threshold 0.9
     assert controller.state()["threshold"] == threshold
     text, stats = _metrics(engine)
@@ -185,14 +186,14 @@ def test_a_mesh_file_with_salc_on_runs_salc_and_off_does_not(united, tmp_path):
     engine = build_engine(runtime_config(_args("--model", str(united), "--mesh", off, *ENGINE))[0])
     assert not [h for h in engine.hooks if isinstance(h, BrownoutController)]
     _run(engine, 1)
-    assert engine.executor.brownout_threshold == 0.6  # brownout at the file's threshold, never moved
+    assert brownout_threshold(engine.executor) == 0.6  # brownout at the file's threshold, never moved
     text, stats = _metrics(engine)
     assert "jaxmoe_brownout_threshold" not in text and "brownout" not in stats
 
     # the flag turns the file's SALC off; the file's SALC on again with the LLM API
     engine = build_engine(runtime_config(_args("--model", str(united), "--mesh", on, "--no-salc", *ENGINE))[0])
     assert not [h for h in engine.hooks if isinstance(h, BrownoutController)]
-    assert engine.executor.brownout_threshold == 0.9
+    assert brownout_threshold(engine.executor) == 0.9
     llm = LLM(united, dtype="float32", mesh=on, num_blocks=64, block_size=8, max_num_seqs=4)
     llm.generate(PROMPTS, GREEDY)
-    assert llm.brownout_controller is not None and llm.executor.brownout_threshold < 0.9 * 0.5**3
+    assert llm.brownout_controller is not None and brownout_threshold(llm.executor) < 0.9 * 0.5**3

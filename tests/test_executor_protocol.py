@@ -9,7 +9,8 @@ import pytest
 from jaxmoe import LLM
 from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
-from jaxmoe.runtime.executor import BrownoutCapable, Executor, LowersAhead, ReplicaPlacement
+from jaxmoe.models.routing import TopKRouting
+from jaxmoe.runtime.executor import Executor, LowersAhead, ReplicaPlacement, Routed
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 
 
@@ -30,8 +31,8 @@ def test_executors_implement_the_protocol(mesh):
     counts = ex.expert_activation_counts()
     assert counts is None if mesh is None else len(counts) == llm.cfg.num_moe_layers
     assert "layers" in ex.params
-    # capabilities: replica placement on a mesh, a brownout threshold on both executors
+    # capabilities: replica placement on a mesh, an expert routing (top-k by default, no state) on both
     assert isinstance(ex, ReplicaPlacement) == bool(mesh)
-    assert isinstance(ex, BrownoutCapable) and ex.brownout is None and ex.brownout_threshold is None
+    assert isinstance(ex, Routed) and ex.routing == TopKRouting() and ex.routing_state is None
     # the fused step lowers ahead (warm-up compiles it on a pool); the disaggregated one warms by running
     assert isinstance(ex, LowersAhead) == (mesh is None)

@@ -13,8 +13,8 @@ from jaxmoe.demo import demo_config, demo_params
 from jaxmoe.assembly import QLLMConfig
 from jaxmoe.engine.stats import EngineStats
 from jaxmoe.models.attention import AttentionBatch
-from jaxmoe.qllm.expert_queues import expert_bounds, queue_depth
-from jaxmoe.runtime.monolithic import MonolithicExecutor
+from jaxmoe.qllm.expert_queues import expert_bounds
+from jaxmoe.runtime.monolithic import MonolithicExecutor, queue_depth
 from jaxmoe.server.metrics import _EngineCollector
 
 BE = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -46,7 +46,7 @@ def test_expert_rounds_give_the_fused_logits(rounds):
     cfg = demo_config()
     params = demo_params(cfg, seed=1)
     fused = MonolithicExecutor(cfg, params, 64, 8)
-    queued = MonolithicExecutor(cfg, params, 64, 8, expert_queues=rounds)
+    queued = MonolithicExecutor(cfg, params, 64, 8, expert_rounds=expert_bounds(cfg.moe.num_experts, rounds))
     rng = np.random.default_rng(rounds)
     tokens = rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32)
     positions = np.tile(np.arange(8, dtype=np.int32), (2, 1))

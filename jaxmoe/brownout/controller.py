@@ -13,19 +13,19 @@ from __future__ import annotations
 import time
 
 from jaxmoe.brownout.config import BrownoutError, SALCConfig
+from jaxmoe.brownout.routing import is_brownout, set_threshold, threshold
 from jaxmoe.brownout.salc import SALC, SLOAnalyzer
-from jaxmoe.runtime.executor import BrownoutCapable
 
 
 class BrownoutController:
     stats_key = "brownout"
 
-    def __init__(self, executor: BrownoutCapable, config: SALCConfig, clock=time.monotonic):
-        if not isinstance(executor, BrownoutCapable) or executor.brownout is None:
+    def __init__(self, executor, config: SALCConfig, clock=time.monotonic):
+        if not is_brownout(executor):
             raise BrownoutError("SALC needs an executor built with brownout (LLM(dir, brownout=...))")
         self.executor, self.config, self.clock = executor, config, clock
         self.analyzer = SLOAnalyzer(config.window_s, clock)
-        start = executor.brownout_threshold
+        start = threshold(executor)
         self.salc = {
             phase: SALC(slo, config.warning_factor, config.increment, config.shrink_ratio, start)
             for phase, slo in (("ttft", config.slo_ttft_s), ("tpot", config.slo_tpot_s))
@@ -67,13 +67,13 @@ class BrownoutController:
             return
         self._updated = now
         thresholds = [salc.update(self.analyzer.p90(phase, now)) for phase, salc in self.salc.items()]
-        self.executor.brownout_threshold = min(thresholds)
+        set_threshold(self.executor, min(thresholds))
 
     def stats(self) -> dict:
         return self.state()
 
     def state(self) -> dict:
         return {
-            "threshold": float(self.executor.brownout_threshold),
+            "threshold": threshold(self.executor),
             "p90": {phase: self.analyzer.p90(phase) for phase in ("ttft", "tpot")},
         }

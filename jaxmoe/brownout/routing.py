@@ -1,4 +1,5 @@
-"""BrownoutServe's Algorithm 1 (BrownoutMoE) as a split of every token's top-k experts.
+"""BrownoutServe's Algorithm 1 (BrownoutMoE) as an expert routing (``models.routing.ExpertRouting``)
+that both executors run: ``BrownoutRouting``.
 
 After gating, count the assignments each expert got (real tokens only), sort the experts by count
 (descending, ties by id), and give experts to S1 (their original weights) while the assignments
@@ -11,6 +12,17 @@ access and cost accuracy). Full brownout drops S2's assignments.
 Fig. 4b / 5a shows, as "the sum so far is below T": 20 assignments over counts 2, 4, 1, 5, 2, 1, 2,
 3 and threshold 0.6 give S1 = {E3, E1, E7}; ``tests/test_brownout.py`` checks that example.)
 
+United experts are logical experts like the originals: with E original and U united experts per
+layer, united expert u is logical expert ``E + u``. The executors keep a layer's E + U expert weights
+together (``BrownoutRouting.logical_params``: the monolithic executor stacks them, the disaggregated
+one places them in replica slots, C + ceil(U / N) per instance, so united experts get replicas and
+AEBS chooses among them like hot originals), and a layer makes one expert-FFN call over the logical
+ids ``route`` gives: the kept originals, then the united experts E + u, [T, 2K]. Two choices of one
+token that name two experts of one group, hence one united expert, are merged into one choice with
+the summed combine weight (g1 + g2) x FFN_u(x) (eq. 5-6), which keeps every expert at most one row
+per token. The threshold is the routing's traced state (the executor's ``routing_state``; read and set
+it with ``threshold`` / ``set_threshold``): moving it recompiles nothing.
+
 ``split`` works inside jit with ``threshold`` a traced scalar; ``split_reference`` is the direct
 numpy reading the tests compare it with. ``activated_experts`` counts the weight sets a step reads
 after the split (what brownout saves).
@@ -18,8 +30,15 @@ after the split (what brownout saves).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
+
+from jaxmoe.brownout.config import BrownoutConfig, BrownoutError, check_threshold
+from jaxmoe.config import MoEConfig
+from jaxmoe.models.router import route as top_k
+from jaxmoe.models.routing import WEIGHTS, mask_padding
 
 
 def split(ids, valid, groups, threshold, full: bool):
@@ -84,3 +103,99 @@ def split_reference(ids: np.ndarray, valid: np.ndarray, groups: np.ndarray, thre
     orig = np.where(np.isin(ids, list(to_original)), ids, -1)
     united = np.where(np.isin(ids, list(to_united)), groups[ids], -1)
     return orig, united
+
+
+def merge_same(ids, weights):
+    """Choices of one token naming the same id become one (the first), weights summed: (ids, weights)
+    [T, K] with the later duplicates -1 / 0."""
+    K = ids.shape[1]
+    same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)  # [T, j, l]
+    earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # [l, j]: j < l
+    dup = (same & earlier[None]).any(-1)  # choice l repeats an earlier one
+    merged = jnp.einsum("tjl,tl->tj", same.astype(weights.dtype), weights)
+    return jnp.where(dup, -1, ids), jnp.where(dup, 0, merged)
+
+
+def split_choices(groups, ids, weights, valid, threshold, full: bool):
+    """Algorithm 1 on the gate's output: (logical ids [T, 2K]: the kept originals, then the united
+    experts as E + u with duplicates merged; their combine weights [T, 2K]). ``groups`` [E] the united
+    expert of each expert, ``ids`` [T, K] the router's, ``valid`` [T] real tokens (padding neither counts
+    nor activates anything)."""
+    original, united = split(ids, valid, groups, threshold, full)
+    keep = valid[:, None]
+    original = jnp.where(keep, original, -1)
+    united, u_weights = merge_same(jnp.where(keep, united, -1), weights)
+    E = groups.shape[0]
+    ids_all = jnp.concatenate([original, jnp.where(united >= 0, united + E, -1)], axis=1)
+    weights_all = jnp.concatenate([jnp.where(original >= 0, weights, 0), u_weights.astype(weights.dtype)], axis=1)
+    return ids_all, weights_all
+
+
+@dataclasses.dataclass(frozen=True)
+class BrownoutRouting:
+    """Algorithm 1 as an ``ExpertRouting``: partial brownout (S2 to united experts) or, with
+    ``full``, full brownout (S2 dropped). The MoE parameters hold united experts (``united``:
+    {w_gate, w_up, w_down} [U, ...], and ``united_groups`` [E], the expert -> united expert map:
+    ``jaxmoe.brownout.united.attach``). The state is the threshold in [0, 1] (None: 1, zero brownout)."""
+
+    full: bool = False
+
+    @property
+    def name(self) -> str:
+        return "brownout (full)" if self.full else "brownout (partial)"
+
+    def extra_experts(self, moe: dict) -> int:
+        """U, the layer's united experts (the largest entry of ``united_groups`` + 1)."""
+        _check_united(moe)
+        return int(np.max(np.asarray(moe["united_groups"]))) + 1
+
+    def logical_params(self, moe: dict) -> dict:
+        """The originals' and the united experts' weights stacked [E + U, ...] (``united`` folded in),
+        ``united_groups`` kept for ``route`` (jit-able)."""
+        _check_united(moe)
+        if "united" not in moe:  # already in logical form
+            return dict(moe)
+        out = {k: v for k, v in moe.items() if k != "united"}
+        for k in WEIGHTS:
+            out[k] = jnp.concatenate([jnp.asarray(moe[k]), jnp.asarray(moe["united"][k], moe[k].dtype)])
+        return out
+
+    def route(self, moe: dict, cfg: MoEConfig, x, valid=None, state=None):
+        ids, weights = top_k(moe, cfg, x)
+        valid = jnp.ones(ids.shape[:1], bool) if valid is None else valid.reshape(-1)
+        threshold = 1.0 if state is None else state
+        return split_choices(moe["united_groups"], mask_padding(ids, valid), weights, valid, threshold, self.full)
+
+
+def _check_united(moe: dict) -> None:
+    if "united_groups" not in moe:
+        raise BrownoutError(
+            "no united experts: brownout needs a model directory made by `jaxmoe unite --model DIR --ways K --out DIR2`"
+        )
+
+
+def routing_for(config: BrownoutConfig) -> tuple[BrownoutRouting, float]:
+    """(the routing, the start threshold: the executor's ``routing_state``) that ``config`` asks for."""
+    return BrownoutRouting(config.use_full_brownout), config.threshold
+
+
+def is_brownout(executor) -> bool:
+    """Whether ``executor`` routes its MoE layers with brownout."""
+    return isinstance(getattr(executor, "routing", None), BrownoutRouting)
+
+
+def threshold(executor) -> float | None:
+    """The brownout threshold of ``executor``'s next steps (None: it was built without brownout)."""
+    if not is_brownout(executor):
+        return None
+    state = executor.routing_state
+    return 1.0 if state is None else float(state)
+
+
+def set_threshold(executor, value) -> None:
+    """Set the brownout threshold of ``executor``'s next steps (a number in [0, 1]; no recompile);
+    a ``BrownoutError`` when it is out of range or the executor was built without brownout."""
+    if not is_brownout(executor):
+        routing = getattr(getattr(executor, "routing", None), "name", None)
+        raise BrownoutError(f"brownout threshold: this executor was built without brownout (routing: {routing})")
+    executor.routing_state = check_threshold(value)

@@ -205,7 +205,7 @@ class ModelRunner:
         gating result."""
         ex, cfg = self.executor, self.executor.cfg
         hidden = num_tokens * cfg.hidden_size * jax.tree.leaves(ex.cache)[0].dtype.itemsize
-        if not (isinstance(ex, ExpertQueueing) and ex.expert_queues):
+        if not (isinstance(ex, ExpertQueueing) and ex.expert_rounds):
             return hidden
         return 2 * hidden + num_tokens * (cfg.hidden_size * 4 + cfg.moe.top_k * 8)
 

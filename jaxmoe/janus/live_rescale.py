@@ -182,7 +182,7 @@ class LiveRescaler:
             raise RescaleError("rescale needs the disaggregated executor (start the engine with a mesh file)")
         try:
             spec = rescaled_spec(ex.sub.spec, attention, experts, slots_per_instance)
-            check_processes(ex.sub, spec, ex.expert_side.brownout is not None)
+            check_processes(ex.sub, spec, ex.expert_side.num_extra > 0)
         except MeshConfigError as e:
             raise RescaleError(str(e)) from None
         C, E = spec.experts.slots_per_instance, ex.cfg.moe.num_experts

@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.mesh import ClusterSpec, Instances, MeshConfigError, SubMeshes
-from jaxmoe.brownout import expert_split as expert_brownout
+from jaxmoe.models.routing import slots_with_extra
 from jaxmoe.runtime import expert_program, slot_moves
 from jaxmoe.runtime.attention_tp import AttentionTP
 from jaxmoe.runtime.replicas import ReplicaLayout
@@ -263,13 +263,13 @@ def _reshard_collective(placed, sources, old_idx, new_idx, C_old, C, new_sub) ->
     return out
 
 
-def check_processes(old_sub: SubMeshes, spec: ClusterSpec, brownout: bool) -> None:
+def check_processes(old_sub: SubMeshes, spec: ClusterSpec, extra_experts: bool) -> None:
     """Under ``jax.distributed``: what live re-scaling from ``old_sub`` to layout ``spec`` (same
     devices) cannot do across processes yet raises ``MeshConfigError``. The expert side may span
     processes (``slot_moves`` collectives); the attention side, old and new, must be inside one
     process (its parameters are copied with ``jax.device_put`` and ``move_kv`` goes through that
-    process' host memory); brownout's united experts are placed again from host weights, so not
-    with an expert side spanning processes."""
+    process' host memory); the routing's extra logical experts (``extra_experts``: e.g. brownout's
+    united experts) are placed again from host weights, so not with an expert side spanning processes."""
     devices = old_sub.devices
     old_attn = {d.process_index for d in old_sub.attention.devices.flat}
     attention = old_attn | {devices[d].process_index for d in spec.attention.flat}
@@ -286,9 +286,9 @@ def check_processes(old_sub: SubMeshes, spec: ClusterSpec, brownout: bool) -> No
             f"{spec.source}: experts.devices_per_instance: {k} (FFN columns split) with the expert side on "
             f"processes {sorted(experts)}: collective slot moves carry whole slots only (not built)"
         )
-    if brownout and len(experts) > 1:
+    if extra_experts and len(experts) > 1:
         raise MeshConfigError(
-            f"{spec.source}: live re-scaling with brownout places the united experts from host "
+            f"{spec.source}: live re-scaling with extra experts (brownout) places them from host "
             f"weights, which an expert side on processes {sorted(experts)} does not have"
         )
 
@@ -300,13 +300,12 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
 
     sub = _sub_meshes(spec)  # cached by spec: a layout seen before reuses its meshes and programs
     side = old.expert_side
-    check_processes(old.sub, spec, side.brownout is not None)
+    check_processes(old.sub, spec, side.num_extra > 0)
     layouts, layers = dict(side.layouts), dict(side.layers)  # one snapshot (set_placement replaces both)
     first = side.moe_layers[0]
     target = spec
-    if side.brownout is not None:  # united experts take ceil(U / N) more slots per instance on the new layout
-        U = layouts[first].num_experts - old.cfg.moe.num_experts
-        C = expert_brownout.slots_per_instance(spec.experts.slots_per_instance, U, spec.experts.count)
+    if side.num_extra:  # the routing's extra experts take ceil(U / N) more slots per instance on the new layout
+        C = slots_with_extra(spec.experts.slots_per_instance, side.num_extra, spec.experts.count)
         target = dataclasses.replace(spec, experts=Instances(spec.experts.devices, C))
     placement = [reuse_placement(layouts[i], old.sub.spec, target) for i in side.moe_layers]
     new_layouts = {
@@ -330,7 +329,8 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
         sub,
         placement=placement,
         placed_experts=placed,
-        brownout=side.brownout,
+        routing=side.routing,
+        routing_state=side.routing_state,
         expert_impl=old.expert_impl,
         pause_every=old.pause_every,
         pipeline=old.pipeline,
@@ -338,8 +338,7 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
         **executor_kwargs,
     )
     ex.timing = old.timing
-    if side.brownout is not None:  # SALC may have moved it since the start
-        ex.brownout_threshold = old.brownout_threshold
+    ex.routing_state = old.routing_state  # it may have moved meanwhile (e.g. SALC's threshold)
     return ex, stats
 
 

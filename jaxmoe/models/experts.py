@@ -1,7 +1,8 @@
 """The MoE part of a layer: routed experts (expert side) and shared experts (attention side).
 
-Routed expert weights are stacked per expert: ``w_gate``/``w_up`` [E, D, F], ``w_down`` [E, F, D].
-``routed_experts`` runs the expert-FFN op (``jaxmoe.pallas_kernels.expert_ffn``) with the
+Routed expert weights are stacked per logical expert: ``w_gate``/``w_up`` [E', D, F], ``w_down``
+[E', F, D] (E' = E + U: the originals and the extra experts of the layer's routing, ``models.routing``).
+``moe_layer`` routes (``ExpertRouting.route``) and makes one ``routed_experts`` call, which runs the expert-FFN op (``jaxmoe.pallas_kernels.expert_ffn``) with the
 implementation the caller names (``EngineConfig.expert_impl``; "auto" resolves with
 ``AUTO_EXPERT_IMPL``: on XLA:CPU ``cpu_kernel``, a C++ custom call that reads each routed expert's
 weights once, in place, on the threads of XLA's pool -- on every batch where the weights are stored as
@@ -18,15 +19,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.brownout.routing import split
 from jaxmoe.config import ModelConfig
 from jaxmoe.models.common import swiglu_mlp, unpack16
-from jaxmoe.models.router import route
+from jaxmoe.models.routing import ExpertRouting, TopKRouting
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
 from jaxmoe.pallas_kernels.expert_ffn.panels import at
 
 AUTO_EXPERT_IMPL = {"cpu": "cpu_kernel", "other": "dense"}
 _NAMES = ("w_gate", "w_up", "w_down")
+TOP_K = TopKRouting()
 
 
 class LayerWeights(NamedTuple):
@@ -61,33 +62,35 @@ def routed_experts(
     return expert_ffn(x, ids, weights, experts, impl=resolve(impl, AUTO_EXPERT_IMPL))
 
 
-class Brownout(NamedTuple):
-    """Brownout inputs of one step (BrownoutServe, ``jaxmoe.brownout``): ``threshold`` a traced
-    scalar (no recompile when it changes), ``valid`` [tokens] real tokens, ``full`` static."""
-
-    threshold: jnp.ndarray
-    valid: jnp.ndarray
-    full: bool = False
+def routed_experts_in(
+    p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray, lo, hi, layer=None, impl: str = "auto"
+) -> jnp.ndarray:
+    """``routed_experts`` of only the choices whose logical expert is in [lo, hi) (``lo`` / ``hi`` may
+    be traced: one program serves every range); the others count as "no expert". The monolithic
+    executor's expert rounds (QLLM's per-expert queues) run a layer's experts this way, range by range."""
+    mine = (ids >= lo) & (ids < hi)
+    return routed_experts(p, x, jnp.where(mine, ids, -1), weights, layer, impl)
 
 
 def moe_layer(
-    p: dict, cfg: ModelConfig, x: jnp.ndarray, layer=None, brownout: Brownout | None = None, impl: str = "auto"
+    p: dict,
+    cfg: ModelConfig,
+    x: jnp.ndarray,
+    layer=None,
+    routing: ExpertRouting = TOP_K,
+    valid=None,
+    state=None,
+    impl: str = "auto",
 ) -> jnp.ndarray:
-    """Routed-experts output for normed activations x [..., D] (gate + top-k + experts + combine).
-    ``layer``: the expert weights in ``p`` are stacked over layers (``LayerWeights``); ``impl``: the
-    expert-FFN implementation (``routed_experts``).
-    ``brownout`` (with united experts ``p["united"]`` and their groups ``p["united_groups"]``): each
-    choice goes to its original expert or its group's united expert (Algorithm 1, eq. 5)."""
+    """Routed-experts output for normed activations x [..., D]: the routing's choices over logical
+    experts (``models.routing``; ``p`` in its logical form, ``valid`` the real tokens, ``state`` its
+    traced per-step value), then one expert-FFN call and the combine. ``layer``: the expert weights in
+    ``p`` are stacked over layers (``LayerWeights``); ``impl``: the expert-FFN implementation
+    (``routed_experts``)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    ids, weights = route(p, cfg.moe, x)
-    if brownout is None or "united" not in p:
-        return routed_experts(p, x, ids, weights, layer, impl).reshape(shape)
-    original, united = split(ids, brownout.valid, p["united_groups"], brownout.threshold, brownout.full)
-    y = routed_experts(p, x, original, weights, layer, impl) + routed_experts(
-        p["united"], x, united, weights, layer, impl
-    )
-    return y.reshape(shape)
+    ids, weights = routing.route(p, cfg.moe, x, None if valid is None else valid.reshape(-1), state)
+    return routed_experts(p, x, ids, weights, layer, impl).reshape(shape)
 
 
 def shared_experts(p: dict, x: jnp.ndarray) -> jnp.ndarray:

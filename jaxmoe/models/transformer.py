@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from jaxmoe.config import ModelConfig
 from jaxmoe.models.attention import AttentionBatch, attention_layer, init_layer_cache
 from jaxmoe.models.common import pack16, rms_norm, swiglu_mlp, unpack16
-from jaxmoe.models.experts import Brownout, moe_layer, shared_experts
+from jaxmoe.models.experts import TOP_K, moe_layer, shared_experts
 from jaxmoe.models.layer_matrix import LayerMatrix
+from jaxmoe.models.routing import ExpertRouting
 from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel
 from jaxmoe.pallas_kernels.expert_ffn.panels import at, is_panels, to_panels, width_for
 
@@ -67,7 +68,7 @@ def unstack_layers(stacked: dict) -> dict:
 
 
 def store_as_panels(stacked: dict) -> dict:
-    """``stacked`` with the routed expert weights (and united experts') stored as column ``Panels``,
+    """``stacked`` with the routed expert weights (every logical expert's) stored as column ``Panels``,
     the layout the CPU expert kernel reads fastest (``pallas_kernels/expert_ffn/panels.py``); weights
     whose D and F no panel width divides stay plain; 16-bit ones are stored in pairs of rows where
     the CPU has a bf16 dot (``cpu_kernel.has_bf16_dot``). The plain arrays are given up (donated). (The
@@ -165,16 +166,20 @@ def layer_step(
     cache: dict,
     block_size: int,
     index=None,
-    brownout: Brownout | None = None,
+    routing: ExpertRouting = TOP_K,
+    routing_state=None,
     expert_impl: str = "auto",
     in_place: bool = False,
 ):
     """One whole layer (attention side, then the routed experts); ``index`` as ``attention_layer``'s
-    (and, for the routed expert weights of a ``layer_view``, ``moe_layer``'s); ``expert_impl``: the
-    expert-FFN implementation (``moe_layer``); ``in_place`` as ``attention_layer``'s."""
+    (and, for the routed expert weights of a ``layer_view``, ``moe_layer``'s); ``routing`` /
+    ``routing_state``: the expert routing and its traced state (``moe_layer``; padding tokens, slot
+    -1, activate no expert); ``expert_impl``: the expert-FFN implementation (``moe_layer``);
+    ``in_place`` as ``attention_layer``'s."""
     x, xn, cache = attention_side(layer, cfg, x, batch, cache, block_size, index, in_place)
     if "moe" in layer:
-        x = x + moe_layer(layer["moe"], cfg, xn, index, brownout, expert_impl)
+        valid = (batch.slots >= 0).reshape(-1)
+        x = x + moe_layer(layer["moe"], cfg, xn, index, routing, valid, routing_state, expert_impl)
     return x, cache
 
 
@@ -186,22 +191,18 @@ def forward(
     cache: list,
     block_size: int,
     logits_index=None,
-    brownout_threshold=None,
-    full_brownout: bool = False,
+    routing: ExpertRouting = TOP_K,
+    routing_state=None,
     expert_impl: str = "auto",
 ):
     """Monolithic forward over tokens [B, T] with stacked parameters and caches (``stack_layers``,
     ``init_stacked_cache``): one ``lax.scan`` per layer group.
 
     Returns (logits, cache): logits [B, V] at ``logits_index`` [B] (the last real token of each
-    row), or [B, T, V] when ``logits_index`` is None.
+    row), or [B, T, V] when ``logits_index`` is None. The MoE layers' parameters are in
+    ``routing``'s logical form; ``routing_state`` its traced per-step value (``layer_step``).
     """
     x = embed(params, tokens)
-    brownout = (
-        None
-        if brownout_threshold is None
-        else Brownout(brownout_threshold, (batch.slots >= 0).reshape(-1), full_brownout)
-    )
     # with the CPU expert kernel, attention reads its projections and the stacked KV cache in place too
     in_place = expert_impl == "cpu_kernel"
     new_cache = []
@@ -211,7 +212,7 @@ def forward(
             x, group_cache = carry
             layer = layer_view(group, index, params["embed"].dtype, in_place=in_place)
             return layer_step(
-                layer, cfg, x, batch, group_cache, block_size, index, brownout, expert_impl, in_place
+                layer, cfg, x, batch, group_cache, block_size, index, routing, routing_state, expert_impl, in_place
             ), None
 
         n = jax.tree.leaves(group)[0].shape[0]

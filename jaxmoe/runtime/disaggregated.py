@@ -34,6 +34,11 @@ per step) the rows run as r1 micro-batches interleaved per layer, each micro-bat
 r2 chunks (``runtime.pipeline``, ``runtime.chunks``: FinDEP's ASAS / AASS orders, PPPipe's PP);
 the default is the sequential schedule.
 
+The MoE layers route with an ``ExpertRouting`` (``models.routing``; top-k by default) inside the
+expert program; its extra logical experts (e.g. BrownoutServe's united experts) are placed in replica
+slots beside the originals, and ``routing_state`` (e.g. the brownout threshold) may change between
+steps without recompiling.
+
 Same interface as ``MonolithicExecutor``: ``.params``, ``.cache``, ``forward``.
 """
 
@@ -49,17 +54,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoe.brownout.config import check_threshold
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import ClusterSpec, SubMeshes, build_meshes, load_mesh
 from jaxmoe.models.attention import AttentionBatch, init_layer_cache
+from jaxmoe.models.experts import TOP_K
+from jaxmoe.models.routing import ExpertRouting, extra_experts, slots_with_extra
 from jaxmoe.runtime.attention_program import attention_side_params, head_params, make_attention_programs
 from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
-from jaxmoe.brownout import expert_split as expert_brownout
 from jaxmoe.runtime import chunks
 from jaxmoe.runtime.pipeline import Pipeline, PipelineChooser, split_rows
 from jaxmoe.runtime.pause_points import PausePoints
@@ -110,12 +115,14 @@ class DisaggregatedExecutor:
         cache_dtype=None,
         pipeline: Pipeline | PipelineChooser | dict | str | None = None,
         pause_every: int = 1,
-        brownout=None,
+        routing: ExpertRouting = TOP_K,
+        routing_state=None,
         placed_experts: dict | None = None,
     ):
         """``pause_every``: with layer-level preemption, the pause points are every that many layers.
-        ``brownout``: a ``BrownoutConfig`` (BrownoutServe, in the expert program:
-        ``runtime.expert_brownout``); the params hold united experts.
+        ``routing`` / ``routing_state``: the MoE layers' expert routing, run in the expert program,
+        and its start state (e.g. ``jaxmoe.brownout.routing.BrownoutRouting`` and the threshold; the
+        params hold what it needs, e.g. united experts).
         ``placed_experts``: per MoE layer, its expert-side parameters already laid out on this
         expert mesh by ``placement`` (``runtime.rescale``); ``params`` then has them in that form."""
         self.cfg, self.block_size = cfg, block_size
@@ -140,10 +147,10 @@ class DisaggregatedExecutor:
 
         self.attention = make_attention_programs(cfg, block_size, self.sub)
         self.expert_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
-        if brownout is not None:  # united experts are placed in slots beside the originals
-            self.slots_per_instance = expert_brownout.slots_per_instance(
-                self.slots_per_instance, expert_brownout.num_united(params), self.num_expert_instances
-            )
+        # the routing's extra logical experts take ceil(U / N) more slots per instance
+        self.slots_per_instance = slots_with_extra(
+            self.slots_per_instance, extra_experts(routing, params), self.num_expert_instances
+        )
         self.experts = make_expert_program(
             cfg,
             self.sub,
@@ -152,7 +159,7 @@ class DisaggregatedExecutor:
             aebs_impl=aebs_impl,
             expert_impl=self.expert_impl,
             interpret=interpret,
-            brownout=None if brownout is None else ("full" if brownout.use_full_brownout else "partial"),
+            routing=routing,
         )
 
         # Attention side: everything but the routed experts, replicated on the attention mesh.
@@ -171,10 +178,9 @@ class DisaggregatedExecutor:
         self.last_pipeline: Pipeline | None = None  # what the last step ran
         # Expert side: router + slot arrays (+ shared experts) per MoE layer, on the expert mesh.
         self.expert_side = ExpertSide(
-            cfg, params, self.sub, self.experts, self.transfer, placement, brownout, placed_experts
+            cfg, params, self.sub, self.experts, self.transfer, placement, routing, routing_state, placed_experts
         )
         self.moe_layers = self.expert_side.moe_layers
-        self.slots_per_instance = self.expert_side.slots_per_instance  # + room for united experts (brownout)
 
         # KV cache: slots padded to whole blocks per attention instance, sharded P("attn").
         self.kv_layout = KVLayout.for_slots(num_slots, block_size, self.num_attention)
@@ -329,23 +335,21 @@ class DisaggregatedExecutor:
         return self.expert_side.coactivation()
 
     @property
-    def brownout(self):
-        """The ``BrownoutConfig`` it was built with (None: without); ``BrownoutCapable``."""
-        return self.expert_side.brownout
+    def routing(self) -> ExpertRouting:
+        """The MoE layers' expert routing (``executor.Routed``)."""
+        return self.expert_side.routing
 
     @property
-    def brownout_threshold(self) -> float | None:
-        """The brownout threshold of the next steps (may change between steps; no recompile)."""
-        return self.expert_side.brownout_threshold
+    def routing_state(self):
+        """The routing's state for the next steps (may change between steps; no recompile)."""
+        return self.expert_side.routing_state
 
-    @brownout_threshold.setter
-    def brownout_threshold(self, value) -> None:
-        if self.expert_side.brownout is None:
-            raise ValueError("brownout_threshold: this executor was built without brownout")
-        self.expert_side.brownout_threshold = check_threshold(value)
+    @routing_state.setter
+    def routing_state(self, value) -> None:
+        self.expert_side.routing_state = value
 
     def activated_experts(self) -> dict[int, tuple[int, int]]:
-        """Per MoE layer: distinct (original, united) experts the last step used (``ExpertSide``)."""
+        """Per MoE layer: distinct (original, extra) logical experts the last step used (``ExpertSide``)."""
         return self.expert_side.activated_experts()
 
     def activated_per_instance(self) -> dict[int, list[int]]:

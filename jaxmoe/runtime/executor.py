@@ -4,9 +4,10 @@ The engine (``ModelRunner``, ``LLMEngine``, ``AsyncEngine``) calls only what ``E
 ``MonolithicExecutor`` and ``DisaggregatedExecutor`` implement it (``tests/test_executor_protocol.py``).
 Capabilities some executors have are their own protocols, checked with ``isinstance`` by the hooks
 that need them: ``ReplicaPlacement`` (expert replicas re-placed between steps: the disaggregated
-executor; ``runtime.controller``) and ``BrownoutCapable`` (a run-time brownout threshold: both
-executors; ``brownout.controller``) and ``ExpertQueueing`` (QLLM per-expert queues: pause
-points between the expert rounds of a MoE layer; the monolithic executor) and ``LowersAhead`` (the
+executor; ``jaxmoe.janus.placement_controller``) and ``Routed`` (the expert routing it runs and its
+run-time state: both executors; e.g. ``jaxmoe.brownout`` moves the threshold) and ``ExpertQueueing``
+(per-expert queues: pause points between the expert rounds of a MoE layer; the monolithic executor,
+with rounds from ``jaxmoe.qllm``) and ``LowersAhead`` (the
 step's programs traced and lowered without running them, so warm-up can compile them in parallel:
 the monolithic executor). Layer-level preemption (QLLM) is every executor's:
 ``forward(..., between_layers=...)``.
@@ -23,6 +24,7 @@ import numpy as np
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.models.attention import AttentionBatch
+from jaxmoe.models.routing import ExpertRouting
 
 
 @runtime_checkable
@@ -72,13 +74,13 @@ class ReplicaPlacement(Protocol):
 
 
 @runtime_checkable
-class BrownoutCapable(Protocol):
-    """Routed experts that may go to united experts (BrownoutServe): ``brownout`` is the
-    ``BrownoutConfig`` it was built with (None: without), ``brownout_threshold`` may change between
-    steps without recompiling."""
+class Routed(Protocol):
+    """The MoE layers route with ``routing`` (``models.routing.ExpertRouting``, fixed at build);
+    ``routing_state`` is its traced per-step value (None for top-k), which may change between steps
+    without recompiling (e.g. BrownoutServe's threshold, ``jaxmoe.brownout.routing``)."""
 
-    brownout: Any
-    brownout_threshold: float | None
+    routing: ExpertRouting
+    routing_state: Any
 
 
 @runtime_checkable
@@ -87,20 +89,22 @@ class ExpertUseCounting(Protocol):
     brownout lowers them: united experts replace groups of originals)."""
 
     def activated_experts(self) -> dict[int, tuple[int, int]]:
-        """Per MoE layer: distinct (original, united) experts the real tokens of the last step used."""
+        """Per MoE layer: distinct (original, extra) logical experts the real tokens of the last step
+        used (extra: the routing's experts beyond the E originals, e.g. united experts)."""
         ...
 
 
 @runtime_checkable
 class ExpertQueueing(Protocol):
-    """QLLM per-expert queues (``runtime.expert_queues``): in a layer-by-layer step, each MoE layer's
-    experts are served in ``expert_queues`` rounds (0: off) with a pause point between rounds."""
+    """Per-expert queues (QLLM, ``jaxmoe.qllm.expert_queues``): in a layer-by-layer step, each MoE
+    layer's logical experts are served in the ranges [lo, hi) of ``expert_rounds`` (empty: off) with a
+    pause point between rounds."""
 
-    expert_queues: int
+    expert_rounds: list[tuple[int, int]]
 
     def expert_queue_depth(self) -> np.ndarray | None:
-        """Assignments waiting at each expert [E] while a step is paused between expert rounds
-        (None anywhere else)."""
+        """Assignments waiting at each logical expert [E + U] while a step is paused between expert
+        rounds (None anywhere else)."""
         ...
 
 

@@ -4,8 +4,9 @@ Per MoE layer, every expert instance j (a ``shard_map`` over mesh axis "expert")
 post-attention activations xn [B, T, D] (replicated by A2E: JANUS sends activations, not routing
 metadata) and runs
 
-  1. gate       ``route``: router scores, top-k logical ids [B*T, k] and combine weights
-                (padding tokens, valid == False, get id -1: they activate no expert);
+  1. gate       the executor's ``ExpertRouting.route`` (``models.routing``; top-k by default):
+                logical expert ids [B*T, K'] and combine weights (padding tokens, valid == False,
+                get id -1: they activate no expert);
   2. AEBS       ``jaxmoe.pallas_kernels.aebs.api.schedule``: logical id -> physical replica slot.
                 Inputs are identical on every instance and the policy is deterministic, so
                 every instance computes the same assignment with no synchronisation;
@@ -17,12 +18,14 @@ metadata) and runs
 and returns partial[None] [1, B, T, D] -> [N, B, T, D] sharded P("expert"); E2A sums the
 partials into the attention side. The program also adds this step's co-activation counts
 (tokens per pair of logical experts, the diagonal: tokens per expert) to a replicated on-device
-[E, E] counter ([E + U, E + U] with brownout: originals and united experts, after the split), the
-statistics of the placement controller, and returns the activated replicas per instance.
+[E', E'] counter (E' = E + U logical experts: the originals and the routing's extra experts, e.g.
+BrownoutServe's united experts, as routed), the statistics of the placement controller, and
+returns the activated replicas per instance and the distinct (original, extra) experts used.
 
-Weights: routed experts as slot arrays [S, D, F] / [S, F, D] sharded P("expert") (S = N x C,
-see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias) replicated; shared experts
-(expert side only) sharded on their hidden axis.
+Weights: the logical experts (``ExpertRouting.logical_params``) as slot arrays [S, D, F] / [S, F, D]
+sharded P("expert") (S = N x C, see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias,
+and what else the routing reads) replicated; shared experts (expert side only) sharded on their
+hidden axis.
 """
 
 from __future__ import annotations
@@ -36,12 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmoe.brownout.config import BrownoutError
 from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import EXPERT_AXES, MeshConfigError, SubMeshes
 from jaxmoe.models.experts import shared_experts
-from jaxmoe.models.router import route
-from jaxmoe.brownout import expert_split as expert_brownout
+from jaxmoe.models.experts import TOP_K
+from jaxmoe.models.routing import WEIGHTS, ExpertRouting
 from jaxmoe.runtime import slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import POLICIES, schedule
@@ -94,7 +96,7 @@ def _shardings(mesh, specs):
 
 @dataclasses.dataclass(frozen=True)
 class ExpertProgram:
-    run: Callable  # (params, tables, x, valid, step, coact, threshold) -> (partials, coact, activated, used)
+    run: Callable  # (params, tables, x, valid, step, coact, routing_state) -> (partials, coact, activated, used)
     replicated: NamedSharding  # P() on the expert mesh
     fallback_above: int | None = None  # steps of more tokens run the FFN form's fallback (expert_ffn.fallback_above)
 
@@ -109,32 +111,28 @@ def make_expert_program(
     aebs_impl: str = "reference",
     expert_impl: str = "auto",
     interpret: bool | None = None,
-    brownout: str | None = None,
+    routing: ExpertRouting = TOP_K,
 ) -> ExpertProgram:
-    """The jitted expert program (cached like ``make_attention_programs``). ``brownout``: None, or
-    "partial" / "full" (``runtime.expert_brownout``: the slot arrays hold united experts as logical
-    experts E + u, the tables cover E + U logical experts, the ``threshold`` argument is traced)."""
+    """The jitted expert program (cached like ``make_attention_programs``). ``routing``: the MoE
+    layers' expert routing (the slot arrays hold its E + U logical experts, the tables cover them;
+    its state is the program's traced ``routing_state`` argument)."""
     N, C, E = sub.spec.experts.count, slots_per_instance, cfg.moe.num_experts
     if policy not in POLICIES:  # the executor's replica_policy
         raise ValueError(f"replica_policy must be one of {POLICIES} (AEBS or random scheduling), got {policy!r}")
     tp = check_tp(cfg, sub.spec)
     ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
-    expert_brownout.check_mode(brownout)
 
-    def per_instance(p, tables, x, valid, step, threshold):
+    def per_instance(p, tables, x, valid, step, state):
         B, T, D = x.shape
         x2 = x.reshape(B * T, D)
-        # 1. gate (expert side)
-        ids, weights = route(p, cfg.moe, x2)
-        coact_ids = ids = jnp.where(valid.reshape(B * T, 1), ids, -1)
-        if brownout is not None:  # 1b. Algorithm 1: originals keep S1 (and the special case), S2 -> united E + u
-            U = tables["replica_table"].shape[0] - E  # logical experts = E originals + U united
-            ids, weights, used = expert_brownout.split_choices(
-                p, coact_ids, weights, valid.reshape(B * T), threshold, brownout == "full", U
-            )
-            coact_ids = ids  # the counters count what runs: originals and united experts
-        else:
-            used = jnp.stack([jnp.zeros((E,), bool).at[ids].set(True, mode="drop").sum(), 0]).astype(jnp.int32)
+        L = tables["replica_table"].shape[0]  # logical experts: E originals + U extras
+        # 1. gate (expert side): logical ids, what runs (the counters count it)
+        ids, weights = routing.route(p, cfg.moe, x2, valid.reshape(B * T), state)
+
+        def distinct(mask):
+            return jnp.zeros((L,), bool).at[jnp.where(mask, ids, L)].set(True, mode="drop").sum()
+
+        used = jnp.stack([distinct((ids >= 0) & (ids < E)), distinct(ids >= E)]).astype(jnp.int32)
         # 2. AEBS: logical -> physical replica, identical on every instance
         phys, activated = schedule(
             ids,
@@ -157,12 +155,11 @@ def make_expert_program(
         # 4. this instance's slice of the shared experts (shared_experts: experts)
         if "shared" in p:
             y = y + shared_experts(p["shared"], x2).astype(y.dtype)
-        L = tables["replica_table"].shape[0]  # logical experts (E, or E + U with brownout)
-        hit = jax.nn.one_hot(coact_ids, L, dtype=jnp.float32).sum(1)  # [B*T, L]: 1 where the token chose e
+        hit = jax.nn.one_hot(ids, L, dtype=jnp.float32).sum(1)  # [B*T, L]: 1 where the token chose e
         coact = jnp.round(jnp.matmul(hit.T, hit, precision="highest")).astype(jnp.int32)  # both e and f (diag: e)
         return y.reshape(1, B, T, D), coact, activated, used
 
-    def run(p, tables, x, valid, step, coact, threshold):
+    def run(p, tables, x, valid, step, coact, state):
         mapped = jax.shard_map(
             per_instance,
             mesh=sub.experts,
@@ -170,7 +167,7 @@ def make_expert_program(
             out_specs=(P(EXP), P(), P(), P()),
             check_vma=False,  # coact/used are replicated by construction (same inputs everywhere)
         )
-        partials, step_coact, activated, used = mapped(p, tables, x, valid, step, threshold)
+        partials, step_coact, activated, used = mapped(p, tables, x, valid, step, state)
         return partials, coact + step_coact, activated, used
 
     replicated = NamedSharding(sub.experts, P())
@@ -185,26 +182,27 @@ def make_expert_program(
 
 
 def place_layer(
-    layer: dict, layout: ReplicaLayout, sub: SubMeshes, shared_on_experts: bool, brownout: bool = False, index: int = 0
+    layer: dict,
+    layout: ReplicaLayout,
+    sub: SubMeshes,
+    shared_on_experts: bool,
+    routing: ExpertRouting = TOP_K,
+    index: int = 0,
 ) -> dict:
     """One MoE layer's expert-side parameters on the expert mesh.
 
-    ``layer["moe"]`` holds logical expert weights [E, ...]; slot s gets expert
-    ``layout.slot_to_expert[s]`` (zeros when -1). Each expert device receives only its own slots
+    ``layer["moe"]`` in ``routing``'s logical form (``ExpertRouting.logical_params``) holds the
+    weights of the E + U logical experts [E + U, ...]; slot s gets logical expert
+    ``layout.slot_to_expert[s]`` (zeros when -1), so the routing's extra experts (e.g. united experts,
+    E + u) are placed and replicated like the originals. Each expert device receives only its own slots
     (built from a host copy, so no device ever holds all S slots). With ``shared_on_experts`` the
     layer's shared experts come along, their hidden width zero-padded to a multiple of N and
-    split over instances. With ``brownout`` the layout's logical experts are the E originals and
-    the layer's U united experts (E + u, ``expert_brownout.logical_weights``), placed alike, and the
-    expert -> united map ``united_groups`` comes along (``index``: the layer, for errors).
+    split over instances. The routing's other per-layer arrays come along replicated (``index``: the
+    layer, for errors).
     """
-    moe = layer["moe"]
-    out = {k: v for k, v in moe.items() if k not in ("w_gate", "w_up", "w_down", "united", "united_groups")}
-    weights = {k: moe[k] for k in ("w_gate", "w_up", "w_down")}
-    if brownout:
-        if "united" not in moe or "united_groups" not in moe:
-            raise BrownoutError(f"MoE layer {index} has no united experts")
-        weights = expert_brownout.logical_weights(moe)
-        out["united_groups"] = np.asarray(moe["united_groups"], np.int32)
+    moe = routing.logical_params(layer["moe"])
+    out = {k: v for k, v in moe.items() if k not in WEIGHTS}
+    weights = {k: moe[k] for k in WEIGHTS}
     if layout.num_experts != weights["w_gate"].shape[0]:
         raise ValueError(
             f"MoE layer {index}: the placement has {layout.num_experts} logical experts, "

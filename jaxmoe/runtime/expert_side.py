@@ -2,11 +2,11 @@
 (router + routed-expert replica slots [S, ...], + shared experts when they live there), the replica
 layout and the AEBS tables, and the device-side counters the placement controller reads
 (co-activations, activated replicas per instance, distinct experts used per step). ``set_placement``
-re-lays the replicas out between steps (JANUS 3.4). With brownout (BrownoutServe) the layout's
-logical experts are the E originals and the U united experts (E + u, ``runtime.expert_brownout``)
-over C + ceil(U / N) slots per instance, so united experts are replicated, balanced by AEBS and
-re-placed like the originals; it also holds the run-time threshold (``brownout_threshold``: a traced
-input of the expert program, so moving it does not recompile)."""
+re-lays the replicas out between steps (JANUS 3.4). The layout's logical experts are those of the
+expert routing (``models.routing``): the E originals and the routing's U extra experts (E + u, e.g.
+BrownoutServe's united experts) over C + ceil(U / N) slots per instance, so extra experts are
+replicated, balanced by AEBS and re-placed like the originals; it also holds the routing's run-time
+state (``routing_state``: a traced input of the expert program, so changing it does not recompile)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import numpy as np
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import SubMeshes
-from jaxmoe.brownout import expert_split as expert_brownout
+from jaxmoe.models.experts import TOP_K
+from jaxmoe.models.routing import ExpertRouting, extra_experts, slots_with_extra
 from jaxmoe.runtime.expert_program import ExpertProgram, place_layer, place_tables, relayout_layer
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 
@@ -31,33 +32,31 @@ class ExpertSide:
         program: ExpertProgram,
         transfer,
         placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        brownout=None,
+        routing: ExpertRouting = TOP_K,
+        routing_state=None,
         placed: dict | None = None,
     ):
-        """``params``: the logical model parameters (expert weights [E, ...]); ``placement``: see
-        ``set_placement`` (default ``replicas.default_placement``); ``transfer.fetch`` reads the
-        device counters (a collective across processes). ``brownout``: a ``BrownoutConfig`` (the
-        params hold united experts, ``jaxmoe.brownout.united.attach``; the program was made with
-        ``brownout="partial"`` or ``"full"`` to match) or None. ``placed``: per MoE layer, the
-        parameters already laid out by ``placement`` on this mesh (live re-scaling), used as they are."""
+        """``params``: the model parameters (expert weights [E, ...], and what ``routing`` needs, e.g.
+        united experts); ``placement``: see ``set_placement`` (default ``replicas.default_placement``);
+        ``transfer.fetch`` reads the device counters (a collective across processes). ``routing`` /
+        ``routing_state``: the expert routing (the program was made with it) and its start state.
+        ``placed``: per MoE layer, the parameters already laid out by ``placement`` on this mesh (live
+        re-scaling), used as they are."""
         self.cfg, self.sub, self.program, self.transfer = cfg, sub, program, transfer
         spec = sub.spec
         self.num_instances, self.slots_per_instance = spec.experts.count, spec.experts.slots_per_instance
-        self.num_logical = cfg.moe.num_experts  # logical experts placed: E, or E + U with brownout
-        if brownout is not None:
-            U = expert_brownout.num_united(params)
-            self.num_logical += U
-            self.slots_per_instance = expert_brownout.slots_per_instance(self.slots_per_instance, U, self.num_instances)
+        self.num_extra = extra_experts(routing, params)  # U: the routing's logical experts beyond E
+        self.num_logical = cfg.moe.num_experts + self.num_extra
+        self.slots_per_instance = slots_with_extra(self.slots_per_instance, self.num_extra, self.num_instances)
         self.shared_here = spec.shared_experts == "experts"
         self.moe_layers = [i for i, layer in enumerate(params["layers"]) if "moe" in layer]
         self.layouts = self._layouts(placement)
-        self.brownout = brownout
-        self.brownout_threshold = None if brownout is None else brownout.threshold
-        self._threshold = (None, None)  # (value, its device copy)
+        self.routing, self.routing_state = routing, routing_state
+        self._state = (None, None)  # (the state's leaves and structure, its device copy)
         self.layers = {
             i: placed[i]
             if placed is not None
-            else place_layer(params["layers"][i], self.layouts[i], sub, self.shared_here, brownout is not None, i)
+            else place_layer(params["layers"][i], self.layouts[i], sub, self.shared_here, routing, i)
             for i in self.moe_layers
         }
         self._tables = {i: place_tables(self.layouts[i], sub) for i in self.moe_layers}
@@ -71,25 +70,24 @@ class ExpertSide:
         """Layer i's expert program on the A2E'd activations (async; gate, AEBS and grouped matmul
         all run on the expert mesh): (per-instance partial outputs, co-activation counters,
         activated replicas per instance, distinct experts used); the counters are kept here."""
-        out = self.program.run(
-            self.layers[i], self._tables[i], xe, valid, step, self._coact[i], self._threshold_array()
-        )
+        out = self.program.run(self.layers[i], self._tables[i], xe, valid, step, self._coact[i], self._state_on_mesh())
         _, self._coact[i], self._activated[i], self._used[i] = out
         return out
 
-    def _threshold_array(self):
-        """The brownout threshold on the expert mesh (copied once per new value; 1.0 without brownout)."""
-        value = 1.0 if self.brownout_threshold is None else float(self.brownout_threshold)
-        if self._threshold[0] != value:
-            self._threshold = (value, jax.device_put(np.float32(value), self.program.replicated))
-        return self._threshold[1]
+    def _state_on_mesh(self):
+        """The routing state on the expert mesh (copied once per new value; None stays None)."""
+        key = jax.tree.flatten(self.routing_state)
+        if self._state[0] != key:
+            on_mesh = jax.tree.map(lambda v: jax.device_put(np.asarray(v), self.program.replicated), self.routing_state)
+            self._state = (key, on_mesh)
+        return self._state[1]
 
     # ------------------------------------------------------------------ statistics
 
     def coactivation(self) -> list[np.ndarray]:
         """Per MoE layer: cumulative co-activation counts [E, E] int64 (tokens that chose both e
-        and f; the diagonal: tokens that chose e), the placement controller's statistics. With
-        brownout [E + U, E + U] over what ran after the split (united expert u is E + u).
+        and f; the diagonal: tokens that chose e), the placement controller's statistics, over the
+        E + U logical experts as routed (the routing's extra expert u is E + u).
 
         Counted on device (int32, per step inside the expert program); a read folds the device
         counters into host int64 totals and resets them, so they never overflow. Across
@@ -101,13 +99,13 @@ class ExpertSide:
         return [self._coact_host[i].copy() for i in self.moe_layers]
 
     def activated_experts(self) -> dict[int, tuple[int, int]]:
-        """Per MoE layer: distinct (original, united) experts the real tokens of the last step used
-        (logical experts, before replicas; without brownout the united count is 0). Brownout lowers it."""
+        """Per MoE layer: distinct (original, extra) logical experts the real tokens of the last step
+        used (before replicas; extra: ids E + u, e.g. united experts; 0 for top-k). Brownout lowers it."""
         return {i: tuple(int(v) for v in self.transfer.fetch(u)) for i, u in self._used.items()}
 
     def activated_per_instance(self) -> dict[int, list[int]]:
-        """Per MoE layer: distinct replicas (of original and, with brownout, united experts) each
-        expert instance ran in the last step (AEBS's load)."""
+        """Per MoE layer: distinct replicas (of original and extra logical experts) each expert
+        instance ran in the last step (AEBS's load)."""
         return {i: [int(v) for v in self.transfer.fetch(a)] for i, a in self._activated.items()}
 
     # ------------------------------------------------------------------ replicas

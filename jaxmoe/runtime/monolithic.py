@@ -4,6 +4,13 @@ set.  It is the baseline the disaggregated runtime is checked against, and the s
 ``forward`` returns logits that stay on device; ``ModelRunner`` samples them with the sampler's own
 program (one per batch size, shared by every token bucket: the sampler is not compiled again into
 each step program).
+
+The MoE layers route with an ``ExpertRouting`` (``models.routing``; top-k by default): their expert
+weights are stacked over the routing's E + U logical experts, and ``routing_state`` (e.g.
+BrownoutServe's threshold) is a traced argument of the step programs, so it may change between steps
+without recompiling. With ``expert_rounds`` a layer-by-layer step serves each MoE layer's logical
+experts range by range, with a pause point between ranges (QLLM's per-expert queues:
+``jaxmoe.qllm.expert_queues`` makes the ranges).
 """
 
 from __future__ import annotations
@@ -12,12 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoe.brownout.config import check_threshold
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.models.attention import AttentionBatch
-from jaxmoe.models.experts import AUTO_EXPERT_IMPL, Brownout
-from jaxmoe.models.router import route
+from jaxmoe.models.experts import AUTO_EXPERT_IMPL, TOP_K, routed_experts_in
+from jaxmoe.models.routing import ExpertRouting, extra_experts, logical_params
 from jaxmoe.models.transformer import (
     attention_side,
     embed,
@@ -31,7 +37,6 @@ from jaxmoe.models.transformer import (
     unstack_layers,
 )
 from jaxmoe.pallas_kernels.expert_ffn import resolve
-from jaxmoe.qllm.expert_queues import expert_bounds, queue_depth, serve_round
 from jaxmoe.runtime.pause_points import PausePoints
 
 
@@ -41,6 +46,37 @@ def _int32(a):
     if isinstance(a, jax.Array):
         return a if a.dtype == jnp.int32 else a.astype(jnp.int32)
     return np.asarray(a, np.int32)
+
+
+def check_rounds(rounds, num_experts: int) -> list[tuple[int, int]]:
+    """``rounds`` as a list of (lo, hi): non-empty, contiguous ranges that cover the logical experts
+    0 .. ``num_experts`` in order (None or empty: no rounds); a ``ValueError`` naming ``expert_rounds``
+    otherwise."""
+    if rounds is None or (isinstance(rounds, (list, tuple)) and not rounds):
+        return []
+    try:
+        out = [(lo, hi) for lo, hi in rounds]
+    except (TypeError, ValueError):
+        out = []
+    ints = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for r in out for v in r)
+    edges = [lo for lo, _ in out] + [out[-1][1]] if out else []
+    contiguous = all(a[1] == b[0] for a, b in zip(out, out[1:]))
+    if not (ints and contiguous and edges and edges[0] == 0 and edges[-1] == num_experts) or any(
+        lo >= hi for lo, hi in out
+    ):
+        raise ValueError(
+            f"expert_rounds must be contiguous ranges (lo, hi) covering the {num_experts} logical experts "
+            f"in order, got {rounds!r}"
+        )
+    return [(int(lo), int(hi)) for lo, hi in out]
+
+
+def queue_depth(ids: np.ndarray, served_below: int, num_experts: int) -> np.ndarray:
+    """Assignments still queued at each logical expert [E'] when the experts below ``served_below``
+    are done (``ids`` [T, K'], -1: no expert)."""
+    ids = np.asarray(ids).reshape(-1)
+    waiting = ids[ids >= served_below]
+    return np.bincount(waiting, minlength=num_experts)[:num_experts]
 
 
 class MonolithicExecutor:
@@ -56,72 +92,69 @@ class MonolithicExecutor:
         num_slots: int,
         block_size: int,
         cache_dtype=None,
-        brownout=None,
+        routing: ExpertRouting = TOP_K,
+        routing_state=None,
         expert_impl: str = "auto",
-        expert_queues: int = 0,
+        expert_rounds=None,
         pause_every: int = 1,
     ):
         """``expert_impl``: the expert-FFN implementation (``jaxmoe.pallas_kernels.expert_ffn``; "auto":
-        ``models.experts.AUTO_EXPERT_IMPL``). ``brownout``: a ``BrownoutConfig`` (the params must hold united experts,
-        ``jaxmoe.brownout.united.attach``); its threshold is ``brownout_threshold``, which may
-        change between steps (SALC) without recompiling. ``expert_queues``: in the layer-by-layer
-        mode, serve each MoE layer's expert queues in this many rounds with a pause point between
-        them (QLLM per-expert queues, ``runtime.expert_queues``; 0: one expert program per layer).
+        ``models.experts.AUTO_EXPERT_IMPL``). ``routing``: how the MoE layers choose their logical
+        experts (``models.routing``; the params must have what it needs, e.g. united experts);
+        ``routing_state``: its traced per-step value, which may change between steps without
+        recompiling (e.g. the brownout threshold, which SALC moves). ``expert_rounds``: in the
+        layer-by-layer mode, serve each MoE layer's logical experts in these contiguous ranges
+        [lo, hi) with a pause point between them (QLLM per-expert queues; None: one expert program
+        per layer).
         ``pause_every``: in the layer-by-layer mode, layers per program (pause points every that many
         layers: fewer dispatches and host checks, a longer wait for latency-sensitive work)."""
         self.cfg, self.block_size = cfg, block_size
         self.kv_layout = KVLayout.for_slots(num_slots, block_size)
         self.num_attention, self.num_cache_slots = 1, self.kv_layout.num_slots
         self.expert_impl = impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
-        self.stacked = stack_layers(params)
+        self.routing, self.routing_state = routing, routing_state
+        self.num_logical_experts = cfg.moe.num_experts + extra_experts(routing, params)
+        self.stacked = stack_layers(logical_params(routing, params))  # E + U logical experts per MoE layer
         in_place = impl == "cpu_kernel"  # weights read in place by the CPU kernel
         if in_place:  # the expert weights in the layout it reads fastest
             self.stacked = store_as_panels(self.stacked)
         dtype = cache_dtype or params["embed"].dtype
         self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, self.num_cache_slots, dtype)
         self.cache = self._new_cache()
-        self.brownout = brownout
-        self._brownout_threshold = None if brownout is None else brownout.threshold
-        full = brownout is not None and brownout.use_full_brownout
-        self.expert_queues = expert_queues
         if not isinstance(pause_every, int) or isinstance(pause_every, bool) or pause_every < 1:
             raise ValueError(
                 f"pause_every must be a positive integer (layers between pause points), got {pause_every!r}"
             )
         self.pause_every = pause_every
-        self._rounds = expert_bounds(cfg.moe.num_experts, expert_queues) if expert_queues else []
-        if self._rounds and brownout is not None:
-            raise ValueError("expert_queues and brownout cannot be combined (per-expert queues serve original experts)")
+        self.expert_rounds = check_rounds(expert_rounds, self.num_logical_experts)
         self._queued = None  # (ids, first expert not yet served) while a step waits between expert rounds
         dtype = self.stacked["embed"].dtype
 
-        def step(params, tokens, batch, cache, logits_index, threshold):
-            return forward(params, cfg, tokens, batch, cache, block_size, logits_index, threshold, full, impl)
+        def step(params, tokens, batch, cache, logits_index, state):
+            return forward(params, cfg, tokens, batch, cache, block_size, logits_index, routing, state, impl)
 
-        def some_layers(group, x, batch, group_cache, start, threshold, n):  # the layer-by-layer mode
-            brownout = None if threshold is None else Brownout(threshold, (batch.slots >= 0).reshape(-1), full)
-
+        def some_layers(group, x, batch, group_cache, start, state, n):  # the layer-by-layer mode
             def body(carry, index):
                 x, group_cache = carry
                 layer = layer_view(group, index, dtype, in_place=in_place)
-                step = layer_step(layer, cfg, x, batch, group_cache, block_size, index, brownout, impl, in_place)
+                step = layer_step(layer, cfg, x, batch, group_cache, block_size, index, routing, state, impl, in_place)
                 return step, None
 
             (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), start + jnp.arange(n))
             return x, group_cache
 
-        def gate(group, x, batch, group_cache, index):  # expert queues: attention side + gating
+        def gate(group, x, batch, group_cache, index, state):  # expert rounds: attention side + routing
             layer = layer_view(group, index, dtype, in_place=in_place)
             h, xn, group_cache = attention_side(layer, cfg, x, batch, group_cache, block_size, index, in_place)
             xn = xn.reshape(-1, xn.shape[-1])
-            ids, weights = route(layer["moe"], cfg.moe, xn)
-            ids = jnp.where((batch.slots >= 0).reshape(-1, 1), ids, -1)  # padding queues nowhere
+            valid = (batch.slots >= 0).reshape(-1)  # padding queues nowhere
+            ids, weights = routing.route(layer["moe"], cfg.moe, xn, valid, state)
             return h, xn, ids, weights, jnp.zeros(xn.shape, jnp.float32), group_cache
 
         def expert_round(group, h, xn, ids, weights, partial, index, lo, hi):
-            partial = serve_round(
-                layer_view(group, index, dtype)["moe"], xn, ids, weights, partial, lo, hi, index, impl
-            )
+            # a token's output joins the residual stream (h + partial) only after the last round
+            moe = layer_view(group, index, dtype)["moe"]
+            partial = partial + routed_experts_in(moe, xn, ids, weights, lo, hi, index, impl).astype(jnp.float32)
             return partial, h + partial.reshape(h.shape).astype(h.dtype)
 
         def head(params, x, logits_index):
@@ -137,20 +170,9 @@ class MonolithicExecutor:
         self._expert_round = jax.jit(expert_round)
 
     @property
-    def brownout_threshold(self) -> float | None:
-        """The brownout threshold of the next steps (None: built without brownout); it may change
-        between steps without recompiling."""
-        return self._brownout_threshold
-
-    @brownout_threshold.setter
-    def brownout_threshold(self, value) -> None:
-        if self.brownout is None:
-            raise ValueError("brownout_threshold: this executor was built without brownout")
-        self._brownout_threshold = check_threshold(value)
-
-    @property
     def params(self) -> dict:
-        """Per-layer parameters (views of the stacked arrays)."""
+        """Per-layer parameters (views of the stacked arrays; the MoE layers' in the routing's logical
+        form, from which an executor with the same routing can be built)."""
         return unstack_layers(self.stacked)
 
     def expert_activation_counts(self) -> None:
@@ -158,12 +180,12 @@ class MonolithicExecutor:
         return None
 
     def expert_queue_depth(self):
-        """Assignments waiting in each expert's queue [E] while a step is paused between expert
-        rounds (None anywhere else)."""
+        """Assignments waiting in each logical expert's queue [E + U] while a step is paused between
+        expert rounds (None anywhere else)."""
         if self._queued is None:
             return None
         ids, served_below = self._queued
-        return queue_depth(jax.device_get(ids), served_below, self.cfg.moe.num_experts)
+        return queue_depth(jax.device_get(ids), served_below, self.num_logical_experts)
 
     def reset_cache(self) -> None:
         """A fresh (zero) KV cache, e.g. after a failed step deleted the donated one."""
@@ -181,8 +203,7 @@ class MonolithicExecutor:
         shape (``executor.LowersAhead``): the same arguments as ``forward``'s, so compiling it fills
         the cache ``forward`` looks in."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
-        threshold = None if self.brownout_threshold is None else np.float32(self.brownout_threshold)
-        lowered = self._step.lower(self.stacked, tokens, batch, self.cache, index, threshold)
+        lowered = self._step.lower(self.stacked, tokens, batch, self.cache, index, self.routing_state)
         return [lowered], lowered.out_info[0]
 
     def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
@@ -192,13 +213,13 @@ class MonolithicExecutor:
         group, the first layer's index a traced value) and call it after each program but the
         last (``n``: the layers done); what it runs on this
         executor meanwhile (another batch, on other KV slots) does not change this step's result.
-        With ``expert_queues``, ``between_layers(n)`` is also called between the expert rounds of a
+        With ``expert_rounds``, ``between_layers(n)`` is also called between the expert rounds of a
         MoE layer (``n``: the layers done so far).
         Without it: the whole model as one fused program (the fast path)."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
-        threshold = None if self.brownout_threshold is None else np.float32(self.brownout_threshold)
+        state = self.routing_state
         if between_layers is None:
-            logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index, threshold)
+            logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index, state)
             return logits
         x = self._embed(self.stacked, tokens)
         pause = PausePoints(between_layers)
@@ -206,27 +227,27 @@ class MonolithicExecutor:
         for g, group in enumerate(self.stacked["groups"]):
             size, j = jax.tree.leaves(group)[0].shape[0], 0
             while j < size:
-                if self._rounds and "moe" in group:
-                    x, n = self._queued_layer(g, j, x, batch, lambda partial: pause(done, partial)), 1
+                if self.expert_rounds and "moe" in group:
+                    x, n = self._queued_layer(g, j, x, batch, state, lambda partial: pause(done, partial)), 1
                 else:
                     n = min(self.pause_every, size - j)
-                    x, self.cache[g] = self._layers(group, x, batch, self.cache[g], np.int32(j), threshold, n)
+                    x, self.cache[g] = self._layers(group, x, batch, self.cache[g], np.int32(j), state, n)
                 j, done = j + n, done + n
                 if done < total:
                     pause(done, x)
         return self._head(self.stacked, x, index)
 
-    def _queued_layer(self, g: int, j: int, x, batch: AttentionBatch, pause_point):
-        """Layer ``j`` of group ``g`` with per-expert queues: attention and gating, then the expert
+    def _queued_layer(self, g: int, j: int, x, batch: AttentionBatch, state, pause_point):
+        """Layer ``j`` of group ``g`` with per-expert queues: attention and routing, then the expert
         rounds with ``pause_point(partial)`` between them; the tokens' outputs join the residual stream
         after the last round."""
         group = self.stacked["groups"][g]
-        h, xn, ids, weights, partial, self.cache[g] = self._gate(group, x, batch, self.cache[g], np.int32(j))
-        for r, (lo, hi) in enumerate(self._rounds):
+        h, xn, ids, weights, partial, self.cache[g] = self._gate(group, x, batch, self.cache[g], np.int32(j), state)
+        for r, (lo, hi) in enumerate(self.expert_rounds):
             partial, x = self._expert_round(
                 group, h, xn, ids, weights, partial, np.int32(j), np.int32(lo), np.int32(hi)
             )
-            if r + 1 < len(self._rounds):
+            if r + 1 < len(self.expert_rounds):
                 self._queued = (ids, hi)
                 try:
                     pause_point(partial)

@@ -15,20 +15,18 @@ import optax
 from tqdm import tqdm
 
 from jaxmoe.config import ModelConfig
-from jaxmoe.models.experts import Brownout
+from jaxmoe.brownout.routing import BrownoutRouting
 from jaxmoe.train.model import forward
 
 
 def _scorer(cfg: ModelConfig, brownout=None):
     """``brownout``: None, or (threshold, use_full_brownout) to score through brownout routing."""
 
+    routing = None if brownout is None else BrownoutRouting(brownout[1])
+    threshold = None if brownout is None else jnp.float32(brownout[0])
+
     def score(params, window):
-        bo = (
-            None
-            if brownout is None
-            else Brownout(jnp.float32(brownout[0]), jnp.ones(window.shape[0] - 1, bool), brownout[1])
-        )
-        logits, stats = forward(params, cfg, window[None, :-1], capacity_factor=0.0, brownout=bo)
+        logits, stats = forward(params, cfg, window[None, :-1], 0.0, routing, threshold)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits[0], window[1:]).sum()
         counts = stats["counts"] if stats else jnp.zeros((0,), jnp.int32)
         return nll, counts

@@ -28,9 +28,10 @@ from jaxmoe.checkpoint.hf_names import param_plan
 from jaxmoe.checkpoint.loader import empty_tree, set_leaf
 from jaxmoe.config import ModelConfig
 from jaxmoe.models.common import rms_norm, swiglu_mlp
-from jaxmoe.models.experts import Brownout, moe_layer
+from jaxmoe.models.experts import moe_layer
 from jaxmoe.models.rope import apply_rope, rope_cos_sin
 from jaxmoe.models.router import route
+from jaxmoe.models.routing import ExpertRouting
 from jaxmoe.models.transformer import lm_head
 
 INIT_STD = 0.02
@@ -104,11 +105,16 @@ def moe_ffn(p: dict, cfg: ModelConfig, x: jnp.ndarray, capacity_factor: float) -
 
 
 def forward(
-    params: dict, cfg: ModelConfig, tokens: jnp.ndarray, capacity_factor: float = 0.0, brownout: Brownout | None = None
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jnp.ndarray,
+    capacity_factor: float = 0.0,
+    routing: ExpertRouting | None = None,
+    routing_state=None,
 ):
     """Logits [B, T, V] (fp32) for tokens [B, T], and per-MoE-layer router stats (stacked).
-    ``brownout`` (evaluation only; the layers must hold united experts): the MoE layers run the
-    serving code's ``moe_layer`` with brownout (no router stats then)."""
+    ``routing`` (evaluation only, e.g. brownout; the layers hold what it needs): the MoE layers run the
+    serving code's ``moe_layer`` with that expert routing and its state (no router stats then)."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     x = params["embed"][tokens]
@@ -119,8 +125,9 @@ def forward(
         xn = rms_norm(h, attn["post_norm"], cfg.rms_norm_eps)
         if "mlp" in layer:
             x = h + swiglu_mlp(layer["mlp"], xn)
-        elif brownout is not None:
-            x = h + moe_layer(layer["moe"], cfg, xn, None, brownout)
+        elif routing is not None:
+            moe = routing.logical_params(layer["moe"])
+            x = h + moe_layer(moe, cfg, xn, None, routing, None, routing_state)
         else:
             y, layer_stats = moe_ffn(layer["moe"], cfg, xn.reshape(B * T, -1), capacity_factor)
             x = h + y.reshape(B, T, -1)
