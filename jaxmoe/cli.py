@@ -1,5 +1,5 @@
 """The ``jaxmoe`` command line: ``generate``, ``mesh show``, ``train``, ``eval``, ``profile``, ``plan``,
-``simulate``, ``serve``, ``client``.
+``simulate``, ``serve``, ``client``, ``lower``.
 
 Each subcommand is a small function taking the parsed arguments; ``main`` only dispatches.
 """
@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("file")
     show.set_defaults(func=cmd_mesh_show)
 
+    from jaxmoe.lowering import register as register_lower_command  # lower
     from jaxmoe.planning.commands import register as register_planning_commands  # profile, plan
     from jaxmoe.scaling.commands import register as register_scaling_commands  # simulate
     from jaxmoe.train.commands import register as register_train_commands  # train, eval
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_planning_commands(sub, _add_model_args)
     register_scaling_commands(sub, _add_model_args)
     register_server_commands(sub, _add_model_args)
+    register_lower_command(sub, _add_model_args)
     return parser
 
 

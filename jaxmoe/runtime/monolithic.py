@@ -43,6 +43,18 @@ def _int32(a):
     return np.asarray(a, np.int32)
 
 
+def step_program(cfg: ModelConfig, block_size: int, impl: str, full_brownout: bool = False):
+    """The fused step, jitted: (stacked params, tokens, batch, stacked cache, logits_index, brownout
+    threshold) -> (logits, cache), every layer in one program (the cache donated). ``impl``: a
+    resolved expert-FFN implementation. What ``MonolithicExecutor.forward`` runs and ``jaxmoe lower``
+    lowers."""
+
+    def step(params, tokens, batch, cache, logits_index, threshold):
+        return forward(params, cfg, tokens, batch, cache, block_size, logits_index, threshold, full_brownout, impl)
+
+    return jax.jit(step, donate_argnums=(3,))
+
+
 class MonolithicExecutor:
     """Owns the parameters and the paged KV cache; ``forward`` runs one step over all layers.
 
@@ -95,9 +107,6 @@ class MonolithicExecutor:
         self._queued = None  # (ids, first expert not yet served) while a step waits between expert rounds
         dtype = self.stacked["embed"].dtype
 
-        def step(params, tokens, batch, cache, logits_index, threshold):
-            return forward(params, cfg, tokens, batch, cache, block_size, logits_index, threshold, full, impl)
-
         def some_layers(group, x, batch, group_cache, start, threshold, n):  # the layer-by-layer mode
             brownout = None if threshold is None else Brownout(threshold, (batch.slots >= 0).reshape(-1), full)
 
@@ -129,7 +138,7 @@ class MonolithicExecutor:
                 x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
             return lm_head(params, cfg, x)
 
-        self._step = jax.jit(step, donate_argnums=(3,))
+        self._step = step_program(cfg, block_size, impl, full)
         self._embed = jax.jit(embed)
         self._layers = jax.jit(some_layers, donate_argnums=(3,), static_argnums=(6,))
         self._head = jax.jit(head)

@@ -16,6 +16,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from ..platform import target_platform
 from . import backends as _backends
 from . import reference as _ref
 
@@ -44,11 +45,12 @@ def _prepare(topk_ids, replica_table, replica_instance, num_instances):
 
 
 def _backend(interpret):
+    """The kernel's backend on the target platform (``pallas_kernels.platform``)."""
+    platform = target_platform()
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = platform == "cpu"
     if interpret:
         return "interpret"
-    platform = jax.default_backend()
     if platform == "gpu":
         return "mosaic_gpu"
     raise NotImplementedError(
