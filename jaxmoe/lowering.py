@@ -119,20 +119,20 @@ def _step_inputs(B: int, T: int, max_blocks: int, sharding=None):
     return _sds((B, T), i32, sharding), batch, _sds((B,), i32, sharding)
 
 
-def _sampler(B: int, vocab: int, logits_dtype) -> Program:
+def _sampler(B: int, vocab: int, logits_dtype, sharding=None) -> Program:
     import jax.numpy as jnp
 
     from jaxmoe.sampling import sample
 
     def trace():
         args = (
-            _sds((B, vocab), logits_dtype),
-            _sds((B,), jnp.float32),
-            _sds((B,), jnp.int32),
-            _sds((B,), jnp.float32),
-            _sds((B,), jnp.uint32),
-            _sds((B,), jnp.int32),
-            _sds((), jnp.bool_),
+            _sds((B, vocab), logits_dtype, sharding),
+            _sds((B,), jnp.float32, sharding),
+            _sds((B,), jnp.int32, sharding),
+            _sds((B,), jnp.float32, sharding),
+            _sds((B,), jnp.uint32, sharding),
+            _sds((B,), jnp.int32, sharding),
+            _sds((), jnp.bool_, sharding),
         )
         return sample.trace(*args)
 
@@ -149,8 +149,11 @@ def _logits_dtype(params) -> object:
 # --------------------------------------------------------------------------- monolithic
 
 
-def monolithic_programs(cfg, params: dict, engine_config, shapes: list[tuple[int, int]]) -> Iterator[Program]:
-    """The programs of ``MonolithicExecutor`` + ``ModelRunner`` for each (rows, tokens) shape."""
+def monolithic_programs(
+    cfg, params: dict, engine_config, shapes: list[tuple[int, int]], devices=None
+) -> Iterator[Program]:
+    """The programs of ``MonolithicExecutor`` + ``ModelRunner`` for each (rows, tokens) shape
+    (``devices``: on the first of these, e.g. a TPU topology's, to compile ahead; None: unplaced)."""
     import jax
 
     from jaxmoe.kv_layout import KVLayout
@@ -165,18 +168,21 @@ def monolithic_programs(cfg, params: dict, engine_config, shapes: list[tuple[int
         stacked = jax.eval_shape(store_as_panels, stacked)
     slots = KVLayout.for_slots(engine_config.num_blocks * engine_config.block_size, engine_config.block_size).num_slots
     cache = jax.eval_shape(lambda s: init_stacked_cache(cfg, s, slots, params["embed"].dtype), stacked)
+    one = None if devices is None else jax.sharding.SingleDeviceSharding(devices[0])
+    if one is not None:
+        stacked, cache = _shaped(stacked, one), _shaped(cache, one)
     step = step_program(cfg, engine_config.block_size, impl)
     max_blocks = _max_blocks(cfg, engine_config)
     seen: set[int] = set()
     for rows, T in shapes:
-        tokens, batch, index = _step_inputs(rows, T, max_blocks)
+        tokens, batch, index = _step_inputs(rows, T, max_blocks, one)
         yield Program(
             f"monolithic.step[{rows}x{T}]",
             lambda tokens=tokens, batch=batch, index=index: step.trace(stacked, tokens, batch, cache, index, None),
         )
         if rows not in seen:
             seen.add(rows)
-            yield _sampler(rows, cfg.vocab_size, _logits_dtype(params))
+            yield _sampler(rows, cfg.vocab_size, _logits_dtype(params), one)
 
 
 def _max_blocks(cfg, engine_config) -> int:
@@ -187,29 +193,34 @@ def _max_blocks(cfg, engine_config) -> int:
 # --------------------------------------------------------------------------- disaggregated
 
 
-def abstract_sub_meshes(spec):
+def abstract_sub_meshes(spec, devices=None):
     """``SubMeshes`` of ``spec`` over ``jax.sharding.AbstractMesh`` (the mesh file's shape, no
-    devices): what the program factories need to trace and lower."""
+    devices): what the program factories need to trace and lower. ``devices``: concrete meshes
+    over these instead (device index d -> ``devices[d]``, e.g. a TPU topology's, to compile ahead),
+    whatever their platform."""
     import jax
-    from jax.sharding import AbstractMesh
+    from jax.sharding import AbstractMesh, Mesh
 
     from jaxmoe.mesh import ATTN_AXES, EXPERT_AXES, SubMeshes
 
     auto = (jax.sharding.AxisType.Auto,) * 2
 
     def mesh(side, axes):
+        if devices is not None:
+            grid = np.array([[devices[d] for d in inst] for inst in side.devices], dtype=object)
+            return Mesh(grid, axes, axis_types=auto)
         return AbstractMesh((side.count, side.devices_per_instance), axes, axis_types=auto)
 
     nodes = tuple(spec.node_of(d) for d in range(spec.num_devices))
-    return SubMeshes(spec, mesh(spec.attention, ATTN_AXES), mesh(spec.experts, EXPERT_AXES), (), nodes)
+    used = () if devices is None else tuple(devices[: spec.num_devices])
+    return SubMeshes(spec, mesh(spec.attention, ATTN_AXES), mesh(spec.experts, EXPERT_AXES), used, nodes)
 
 
 def _shaped(tree, shardings):
     """``tree``'s ShapeDtypeStructs with the shardings of the matching tree (or one sharding)."""
     import jax
-    from jax.sharding import NamedSharding
 
-    if isinstance(shardings, NamedSharding):
+    if isinstance(shardings, jax.sharding.Sharding):
         return jax.tree.map(lambda a: _sds(a.shape, a.dtype, shardings), tree)
     return jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), tree, shardings)
 
@@ -236,10 +247,18 @@ def _ranges(indices: list[int]) -> str:
 
 
 def disaggregated_programs(
-    cfg, params: dict, engine_config, spec, shapes: list[tuple[int, int]], replica_policy: str = "aebs", aebs_impl=None
+    cfg,
+    params: dict,
+    engine_config,
+    spec,
+    shapes: list[tuple[int, int]],
+    replica_policy: str = "aebs",
+    aebs_impl=None,
+    devices=None,
 ) -> Iterator[Program]:
     """The programs of ``DisaggregatedExecutor`` + ``ModelRunner`` on ``spec`` for each (rows per
-    attention instance, tokens) shape, on abstract sub-meshes."""
+    attention instance, tokens) shape, on abstract sub-meshes (``devices``: on these devices'
+    meshes, ``abstract_sub_meshes``)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -259,7 +278,7 @@ def disaggregated_programs(
     from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 
     spec.validate_for(cfg.moe.num_experts)
-    sub = abstract_sub_meshes(spec)
+    sub = abstract_sub_meshes(spec, devices)
     m, n = spec.attention.count, spec.experts.count
     C = spec.experts.slots_per_instance
     attention = make_attention_programs(cfg, engine_config.block_size, sub)
@@ -361,22 +380,26 @@ def disaggregated_programs(
                 lambda p=p, xe=xe, valid=valid: experts.run.trace(p, tables, xe, valid, step, coact, threshold),
             )
         if spec.nodes > 1 and moe_layers:
-            yield from _transfer_programs(spec, B, T, cfg.hidden_size, dtype, shape)
+            yield from _transfer_programs(spec, B, T, cfg.hidden_size, dtype, shape, devices)
         if B not in seen:
             seen.add(B)
-            yield _sampler(B, cfg.vocab_size, _logits_dtype(params))
+            one = None if devices is None else jax.sharding.SingleDeviceSharding(devices[0])
+            yield _sampler(B, cfg.vocab_size, _logits_dtype(params), one)
 
 
-def _transfer_programs(spec, B: int, T: int, D: int, dtype, shape: str) -> Iterator[Program]:
+def _transfer_programs(spec, B: int, T: int, D: int, dtype, shape: str, devices=None) -> Iterator[Program]:
     """A2E and E2A of a [B, T, D] step across processes (``cross_process``: one jitted ppermute
     program over all the cluster's devices each), on an abstract 1-D mesh of them."""
-    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
     from jaxmoe.runtime.cross_process import XFER, CrossProcessTransfer
     from jaxmoe.runtime.transfer import plan_transfers
 
     m = spec.attention.count
-    mesh = AbstractMesh((spec.num_devices,), (XFER,))  # the axis type CrossProcessTransfer's Mesh has
+    if devices is None:  # the default axis type, as CrossProcessTransfer's Mesh has
+        mesh = AbstractMesh((spec.num_devices,), (XFER,))
+    else:
+        mesh = Mesh(np.array(devices[: spec.num_devices], dtype=object), (XFER,))
     xfer = CrossProcessTransfer.for_lowering(spec, mesh)
     itemsize = np.dtype(dtype).itemsize
     plan = plan_transfers(spec, (B // m) * T * D * itemsize)
@@ -394,14 +417,16 @@ def _transfer_programs(spec, B: int, T: int, D: int, dtype, shape: str) -> Itera
 
 def compile_target(platform: str, num_devices: int):
     """(devices to compile for, None) where JAX can compile ahead for ``platform`` without its
-    devices, else (None, why not)."""
+    devices, else (None, why not). TPU: the devices of a v5e slice's topology description
+    (``jax.experimental.topologies``, from libtpu: ``pip install 'jaxmoe[tpu]'``)."""
     if platform == "tpu":
         try:
             from jax.experimental import topologies
 
             topology = topologies.get_topology_desc(platform="tpu", topology_name=_tpu_topology(num_devices))
         except Exception as e:  # no libtpu, or it does not describe this topology
-            return None, f"no TPU topology description here ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            return None, f"no TPU topology description here (libtpu: {type(e).__name__}: {first})"
         return list(topology.devices)[:num_devices], None
     if platform in ("cuda", "rocm"):
         return None, (
@@ -413,10 +438,11 @@ def compile_target(platform: str, num_devices: int):
 
 def _tpu_topology(num_devices: int) -> str:
     """A v5e topology name with ``num_devices`` chips (the slices meshes/ describes)."""
-    shapes = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
-    if num_devices not in shapes:
+    shapes = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+    fits = [n for n in shapes if n >= num_devices]
+    if not fits:
         raise ValueError(f"no v5e slice of {num_devices} chips")
-    return f"v5e:{shapes[num_devices]}"
+    return f"v5e:{shapes[min(fits)]}"
 
 
 def lower_all(
@@ -456,10 +482,12 @@ def lower_all(
         devices, why_not = (None, "not asked (--compile)") if not compile else compile_target(platform, _devices(spec))
         with lowering_for(platform):
             if spec is None:
-                programs = monolithic_programs(cfg, params, engine_config, shapes)
+                programs = monolithic_programs(cfg, params, engine_config, shapes, devices)
             else:
-                programs = disaggregated_programs(cfg, params, engine_config, spec, shapes, aebs_impl=aebs_impl)
-            done = _run(programs, platform, devices, results, log)
+                programs = disaggregated_programs(
+                    cfg, params, engine_config, spec, shapes, aebs_impl=aebs_impl, devices=devices
+                )
+            done = _run(programs, platform, devices is not None, results, log)
         notes[name] = (
             f"{done} programs lowered and compiled ahead"
             if devices is not None
@@ -472,7 +500,7 @@ def _devices(spec) -> int:
     return 1 if spec is None else spec.num_devices
 
 
-def _run(programs: Iterator[Program], platform: str, devices, results: list, log) -> int:
+def _run(programs: Iterator[Program], platform: str, compile: bool, results: list, log) -> int:
     count = 0
     while True:
         t0 = time.monotonic()
@@ -482,13 +510,15 @@ def _run(programs: Iterator[Program], platform: str, devices, results: list, log
             return count
         except Exception as e:  # building the programs failed (e.g. the mesh does not fit the model)
             results.append(ProgramResult("(setup)", platform, False, _error(e), seconds=time.monotonic() - t0))
+            if log is not None:
+                log(f"{platform} (setup): FAILED: {results[-1].error}")
             return count
         count += 1
         result = ProgramResult(program.name, platform, True)
         try:
             lowered = program.trace().lower(lowering_platforms=(platform,))
-            if devices is not None:
-                _compile(lowered, devices)
+            if compile:
+                lowered.compile()
                 result.compiled = True
         except Exception as e:  # reported per program; the others still lower
             result.ok, result.error = False, _error(e)
@@ -496,17 +526,6 @@ def _run(programs: Iterator[Program], platform: str, devices, results: list, log
         results.append(result)
         if log is not None:
             log(f"{platform} {program.name}: {'ok' if result.ok else 'FAILED: ' + result.error}")
-
-
-def _compile(lowered, devices) -> None:
-    lowered.compile(device_assignment=tuple(devices[: _num_devices(lowered)]))
-
-
-def _num_devices(lowered) -> int:
-    text = lowered.as_text()
-    marker = "mhlo.num_partitions = "
-    at = text.find(marker)
-    return int(text[at + len(marker) :].split(" ", 1)[0]) if at >= 0 else 1
 
 
 def _error(e: BaseException) -> str:

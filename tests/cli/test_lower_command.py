@@ -3,6 +3,7 @@ CPU-only machine, monolithic and disaggregated; a program that cannot lower is r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 
@@ -98,3 +99,21 @@ def test_bad_platform_is_a_clear_error(capsys, checkpoint_dir):
     code = main(["lower", "--model", str(checkpoint_dir("mixtral")), "--platforms", "vulkan"])
     assert code == 2
     assert "--platforms: unknown platform 'vulkan'" in capsys.readouterr().err
+
+
+def test_compile_ahead_where_jax_can(capsys, checkpoint_dir):
+    """``--compile``: TPU programs compile against libtpu's topology description when libtpu is
+    installed (``jaxmoe[tpu]``), else they are lowered only, with the reason; CUDA programs are
+    lowered only (this jaxlib has no GPU compiler to target without a GPU)."""
+    code, report = lower(capsys, "--model", str(checkpoint_dir("mixtral")), "--platforms", "cuda,tpu", "--compile")
+    assert code == 0 and report["ok"], [p for p in report["programs"] if not p["ok"]]
+    cuda = [p for p in report["programs"] if p["platform"] == "cuda"]
+    tpu = [p for p in report["programs"] if p["platform"] == "tpu"]
+    assert cuda and not any(p["compiled"] for p in cuda)
+    assert "lowered only" in report["notes"]["cuda"] and "GPU" in report["notes"]["cuda"]
+    if importlib.util.find_spec("libtpu") is None:
+        assert not any(p["compiled"] for p in tpu)
+        assert "lowered only: no TPU topology description here" in report["notes"]["tpu"]
+    else:
+        assert tpu and all(p["compiled"] for p in tpu)
+        assert report["notes"]["tpu"] == f"{len(tpu)} programs lowered and compiled ahead"
