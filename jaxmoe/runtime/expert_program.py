@@ -43,7 +43,7 @@ from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.router import route
 from jaxmoe.runtime import expert_brownout, slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
-from jaxmoe.pallas_kernels.aebs.api import POLICIES, schedule
+from jaxmoe.pallas_kernels.aebs.api import POLICIES, resolve_impl, schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, fallback_above, resolve
 
 EXP, ETP = EXPERT_AXES
@@ -105,7 +105,7 @@ def make_expert_program(
     slots_per_instance: int,
     *,
     policy: str = "aebs",
-    aebs_impl: str = "reference",
+    aebs_impl: str = "auto",
     expert_impl: str = "auto",
     interpret: bool | None = None,
     brownout: str | None = None,
@@ -118,6 +118,7 @@ def make_expert_program(
         raise ValueError(f"replica_policy must be one of {POLICIES} (AEBS or random scheduling), got {policy!r}")
     tp = check_tp(cfg, sub.spec)
     ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
+    aebs_impl = resolve_impl(aebs_impl, policy)  # "auto": the platform's form (pallas_kernels.aebs.AUTO_IMPL)
     expert_brownout.check_mode(brownout)
 
     def per_instance(p, tables, x, valid, step, threshold):
