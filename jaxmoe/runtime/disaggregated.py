@@ -59,7 +59,7 @@ from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
-from jaxmoe.runtime import chunks, expert_brownout
+from jaxmoe.runtime import chunks, expert_brownout, op_impls
 from jaxmoe.runtime.pipeline import Pipeline, PipelineChooser, split_rows
 from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
@@ -154,6 +154,16 @@ class DisaggregatedExecutor:
             interpret=interpret,
             brownout=None if brownout is None else ("full" if brownout.use_full_brownout else "partial"),
         )
+
+        self._op_impls = op_impls.build(
+            requested_expert_impl=expert_impl,
+            expert_impl=self.expert_impl,
+            defaults=AUTO_EXPERT_IMPL,
+            reads_in_place=False,
+            mla=cfg.attn.kind == "mla",
+            aebs=op_impls.aebs(replica_policy, self.experts.aebs_impl),
+        )
+        op_impls.log("disaggregated", self._op_impls)
 
         # Attention side: everything but the routed experts, replicated on the attention mesh.
         rep = self.attention.replicated
@@ -308,6 +318,10 @@ class DisaggregatedExecutor:
         return bool(slots_ok.all() and (kv.instance_of_block(batch.block_tables) == inst).all())
 
     # ------------------------------------------------------------------ observability
+
+    def op_impls(self) -> dict[str, str]:
+        """Op -> the implementation this executor's programs run (``runtime.op_impls``)."""
+        return dict(self._op_impls)
 
     @property
     def shared_layers(self) -> list[int]:

@@ -96,6 +96,7 @@ class ExpertProgram:
     run: Callable  # (params, tables, x, valid, step, coact, threshold) -> (partials, coact, activated, used)
     replicated: NamedSharding  # P() on the expert mesh
     fallback_above: int | None = None  # steps of more tokens run the FFN form's fallback (expert_ffn.fallback_above)
+    aebs_impl: str = "reference"  # the AEBS form it runs (pallas_kernels.aebs.resolve_impl)
 
 
 @functools.lru_cache(maxsize=32)
@@ -178,6 +179,7 @@ def make_expert_program(
         run=jax.jit(run, donate_argnums=(5,)),
         replicated=replicated,
         fallback_above=fallback_above(ffn_impl, C, cfg.moe.top_k),
+        aebs_impl=aebs_impl,
     )
 
 

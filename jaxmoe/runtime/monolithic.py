@@ -31,6 +31,7 @@ from jaxmoe.models.transformer import (
     unstack_layers,
 )
 from jaxmoe.pallas_kernels.expert_ffn import resolve
+from jaxmoe.runtime import op_impls
 from jaxmoe.runtime.expert_queues import expert_bounds, queue_depth, serve_round
 from jaxmoe.runtime.pause_points import PausePoints
 
@@ -87,6 +88,14 @@ class MonolithicExecutor:
         self.expert_impl = impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
         self.stacked = stack_layers(params)
         in_place = impl == "cpu_kernel"  # weights read in place by the CPU kernel
+        self._op_impls = op_impls.build(
+            requested_expert_impl=expert_impl,
+            expert_impl=impl,
+            defaults=AUTO_EXPERT_IMPL,
+            reads_in_place=in_place,
+            mla=cfg.attn.kind == "mla",
+        )
+        op_impls.log("monolithic", self._op_impls)
         if in_place:  # the expert weights in the layout it reads fastest
             self.stacked = store_as_panels(self.stacked)
         dtype = cache_dtype or params["embed"].dtype
@@ -161,6 +170,10 @@ class MonolithicExecutor:
     def params(self) -> dict:
         """Per-layer parameters (views of the stacked arrays)."""
         return unstack_layers(self.stacked)
+
+    def op_impls(self) -> dict[str, str]:
+        """Op -> the implementation this executor's programs run (``runtime.op_impls``)."""
+        return dict(self._op_impls)
 
     def expert_activation_counts(self) -> None:
         """The fused program does not count expert activations."""
