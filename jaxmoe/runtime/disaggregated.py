@@ -83,8 +83,8 @@ class DisaggregatedExecutor:
       replica_policy: AEBS policy, "aebs" | "aebs_plus" | "random".
       expert_impl: the expert-FFN op's implementation (``jaxmoe.pallas_kernels.expert_ffn``:
         "auto" = cpu_kernel on CPU (where it builds), ragged_dot elsewhere; or "pallas", "ragged_dot", ...).
-      aebs_impl: "auto" (the target platform's form, ``pallas_kernels.aebs.AUTO_IMPL``: the Pallas
-        kernel on GPU / TPU, the jnp reference on CPU) | "reference" (jnp Algorithm 1) | "kernel" (Pallas).
+      aebs_impl: "auto" (per target platform and policy, ``pallas_kernels.aebs.AUTO_IMPL``: the Pallas
+        kernel on GPU / TPU, the faster measured form on CPU) | "reference" (jnp / numpy) | "kernel" (Pallas).
       interpret: Pallas interpret mode for both kernels (None: on CPU only).
       placement: slot -> logical expert list [S] (-1 = unused), the same for every MoE layer,
         or one list per MoE layer; default ``replicas.default_placement``.

@@ -62,19 +62,25 @@ def _backend(interpret):
     )
 
 
-AUTO_IMPL = {"gpu": "kernel", "tpu": "kernel", "cpu": "reference"}
+# "auto" per target platform and policy: the compiled kernels on GPU and TPU (TPU: Algorithm 1 only,
+# kernel_tpu); on CPU the fastest measured form (BENCHMARKS.md, "Scheduling overhead",
+# bench/aebs_overhead.py): the jnp reference for aebs (44-107 us vs 79-284 us interpreted), the
+# interpreted kernel for aebs_plus (232-444 us vs 1-11 ms through the numpy callback).
+AUTO_IMPL = {
+    ("gpu", "aebs"): "kernel",
+    ("gpu", "aebs_plus"): "kernel",
+    ("tpu", "aebs"): "kernel",
+    ("tpu", "aebs_plus"): "reference",
+    ("cpu", "aebs"): "reference",
+    ("cpu", "aebs_plus"): "kernel",
+}
 
 
 def resolve_impl(impl: str, policy: str = "aebs") -> str:
-    """``impl`` checked against ``IMPLS``; ``"auto"`` becomes the form for the target platform
-    (``AUTO_IMPL``: the compiled kernel on GPU and TPU; on CPU the jnp reference, which the
-    interpreted kernel is far slower than, bench/results/2026-11-27-accelerators.md). On TPU
-    ``aebs_plus`` has no kernel (``kernel_tpu``), so auto gives the reference there."""
+    """``impl`` checked against ``IMPLS``; ``"auto"`` becomes ``AUTO_IMPL[target platform, policy]``
+    (``pallas_kernels.platform``; the "random" policy ignores it)."""
     if impl == "auto":
-        platform = target_platform()
-        impl = AUTO_IMPL.get(platform, "reference")
-        if platform == "tpu" and policy != "aebs":
-            impl = "reference"
+        impl = AUTO_IMPL.get((target_platform(), policy), "reference")
     if impl not in IMPLS:
         raise ValueError(f"aebs_impl must be 'auto' or one of {IMPLS}, got {impl!r}")
     return impl

@@ -58,7 +58,7 @@ def test_cpu_only_kernel_is_a_failed_program_and_exit_1(capsys, checkpoint_dir):
 
 
 def test_disaggregated_with_tensor_parallel_attention(capsys, checkpoint_dir):
-    """cpu-8-tp2: two nodes, attention heads split over two devices per instance."""
+    """cpu-8-tp2: two nodes, attention heads split over two devices per instance; bf16 weights."""
     code, report = lower(
         capsys,
         "--model",
@@ -67,6 +67,8 @@ def test_disaggregated_with_tensor_parallel_attention(capsys, checkpoint_dir):
         str(MESHES / "cpu-8-tp2.yaml"),
         "--platforms",
         "tpu",
+        "--dtype",
+        "bfloat16",
     )
     assert code == 0 and report["ok"], [p for p in report["programs"] if not p["ok"]]
     got = names(report, "tpu")
