@@ -541,7 +541,8 @@ def register(sub, add_model_args) -> None:
     p = sub.add_parser(
         "lower",
         help="lower every program serving a model would compile, for CUDA / TPU, without their devices",
-        description=__doc__.splitlines()[0],
+        description="Lower every program serving a model would compile (each warm-up shape, both executors, the "
+        "kernels the platform picks) for CUDA / TPU without their devices; --compile also compiles where JAX can.",
     )
     add_model_args(p)
     p.add_argument("--platforms", default=None, help="comma-separated: cuda, tpu, rocm, cpu (default: cuda,tpu)")
