@@ -1,5 +1,5 @@
 """The ``jaxmoe`` command line: ``generate``, ``mesh show``, ``train``, ``eval``, ``profile``, ``plan``,
-``simulate``, ``serve``, ``client``.
+``simulate``, ``serve``, ``client``, ``lower``.
 
 Each subcommand is a small function taking the parsed arguments; ``main`` only dispatches.
 """
@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jaxmoe.findep.commands import register as register_planning_commands  # profile, plan
     from jaxmoe.janus.scaling.commands import register as register_scaling_commands  # simulate
+    from jaxmoe.lowering import register as register_lower_command  # lower
     from jaxmoe.train.commands import register as register_train_commands  # train, eval
     from jaxmoe.server.cli import register as register_server_commands  # serve, client
 
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_planning_commands(sub, _add_model_args)
     register_scaling_commands(sub, _add_model_args)
     register_server_commands(sub, _add_model_args)
+    register_lower_command(sub, _add_model_args)
     return parser
 
 

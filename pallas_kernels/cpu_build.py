@@ -23,6 +23,8 @@ import tempfile
 
 import jax
 
+from .platform import target_platform
+
 COMMON = pathlib.Path(__file__).with_name("cpu")  # common.h, included by every source
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
 
@@ -99,8 +101,9 @@ class CppKernels:
         why not."""
         if os.environ.get("JAXMOE_CPU_KERNEL", "1") == "0":
             return "turned off by JAXMOE_CPU_KERNEL=0"
-        if jax.default_backend() != "cpu":
-            return f"it is an XLA:CPU kernel and this process's backend is {jax.default_backend()}"
+        target = target_platform()
+        if target != "cpu":
+            return f"it is an XLA:CPU kernel and the target platform is {target}"
         if self._loaded is False:
             self._loaded = self._load()
         return self._loaded

@@ -59,7 +59,14 @@ def model_info(engine: LLMEngine, opts: ServeOptions) -> pb.ModelInfoResponse:
         max_num_seqs=ec.max_num_seqs,
         num_kv_blocks=ec.num_blocks,
         kv_block_size=ec.block_size,
+        op_impls=op_impls(engine),
     )
+
+
+def op_impls(engine: LLMEngine) -> dict[str, str]:
+    """Op -> implementation of the executor serving now (``runtime.op_impls``; {} if it has no report)."""
+    report = getattr(engine.runner.executor, "op_impls", None)
+    return report() if callable(report) else {}
 
 
 class JaxmoeServer:

@@ -134,6 +134,14 @@ class _EngineCollector:
             "Scheduling-policy decisions that raised or were invalid (the default policy decided instead)",
             value=snap["policy_errors"],
         )
+        report = getattr(self.async_engine.engine.runner.executor, "op_impls", None)
+        if callable(report):
+            info = GaugeMetricFamily(
+                "jaxmoe_op_impl", "The implementation each op runs (1 per op)", labels=["op", "impl"]
+            )
+            for op, impl in report().items():
+                info.add_metric([op, impl], 1)
+            yield info
         xla = compile_events()
         yield CounterMetricFamily("jaxmoe_xla_compiles", "XLA programs compiled by this process", value=xla["compiles"])
         yield CounterMetricFamily(

@@ -114,6 +114,13 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._where[name].header[name]["shape"])
 
+    def dtype(self, name: str) -> np.dtype:
+        """The tensor's dtype as stored (read from the header, no data)."""
+        code = self._where[name].header[name]["dtype"]
+        if code not in _DTYPES:
+            raise CheckpointError(f"tensor {name!r} has unsupported dtype {code}")
+        return np.dtype(_DTYPES[code])
+
     def nbytes(self, name: str) -> int:
         start, end = self._where[name].header[name]["data_offsets"]
         return end - start

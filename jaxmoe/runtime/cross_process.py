@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmoe.mesh import SubMeshes
+from jaxmoe.mesh import ClusterSpec, SubMeshes
 from jaxmoe.runtime.transfer import Transfer, TransferCounts, TransferPlan, check_input, plan_transfers
 from jaxmoe.runtime.transfer_rounds import (
     XFER,
@@ -97,6 +97,14 @@ class CrossProcessTransfer:
         self._zeros: dict = {}
         self.counts = {"a2e": TransferCounts(), "e2a": TransferCounts(), "fetch": TransferCounts()}
         self.collectives = {"a2e": 0, "e2a": 0, "fetch": 0}
+
+    @classmethod
+    def for_lowering(cls, spec: ClusterSpec, mesh) -> CrossProcessTransfer:
+        """An instance that only builds the A2E / E2A programs (``_build_a2e`` / ``_build_e2a``) over
+        ``mesh``, e.g. a ``jax.sharding.AbstractMesh`` of ``spec.num_devices`` (``jaxmoe lower``)."""
+        self = cls.__new__(cls)
+        self.spec, self.mesh = spec, mesh
+        return self
 
     # ------------------------------------------------------------------ A2E / E2A
 

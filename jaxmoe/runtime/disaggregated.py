@@ -65,7 +65,7 @@ from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
-from jaxmoe.runtime import chunks
+from jaxmoe.runtime import chunks, op_impls
 from jaxmoe.runtime.pipeline import Pipeline, PipelineChooser, split_rows
 from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
@@ -89,7 +89,8 @@ class DisaggregatedExecutor:
       replica_policy: AEBS policy, "aebs" | "aebs_plus" | "random".
       expert_impl: the expert-FFN op's implementation (``jaxmoe.pallas_kernels.expert_ffn``:
         "auto" = cpu_kernel on CPU (where it builds), ragged_dot elsewhere; or "pallas", "ragged_dot", ...).
-      aebs_impl: "reference" (jnp Algorithm 1) | "kernel" (Pallas).
+      aebs_impl: "auto" (per target platform and policy, ``pallas_kernels.aebs.AUTO_IMPL``: the Pallas
+        kernel on GPU / TPU, the faster measured form on CPU) | "reference" (jnp / numpy) | "kernel" (Pallas).
       interpret: Pallas interpret mode for both kernels (None: on CPU only).
       placement: slot -> logical expert list [S] (-1 = unused), the same for every MoE layer,
         or one list per MoE layer; default ``replicas.default_placement``.
@@ -108,7 +109,7 @@ class DisaggregatedExecutor:
         *,
         replica_policy: str = "aebs",
         expert_impl: str = "auto",
-        aebs_impl: str = "reference",
+        aebs_impl: str = "auto",
         interpret: bool | None = None,
         placement: Sequence[int] | Sequence[Sequence[int]] | None = None,
         transfer=None,
@@ -161,6 +162,16 @@ class DisaggregatedExecutor:
             interpret=interpret,
             routing=routing,
         )
+
+        self._op_impls = op_impls.build(
+            requested_expert_impl=expert_impl,
+            expert_impl=self.expert_impl,
+            defaults=AUTO_EXPERT_IMPL,
+            reads_in_place=False,
+            mla=cfg.attn.kind == "mla",
+            aebs=op_impls.aebs(replica_policy, self.experts.aebs_impl),
+        )
+        op_impls.log("disaggregated", self._op_impls)
 
         # Attention side: everything but the routed experts, replicated on the attention mesh.
         rep = self.attention.replicated
@@ -314,6 +325,10 @@ class DisaggregatedExecutor:
         return bool(slots_ok.all() and (kv.instance_of_block(batch.block_tables) == inst).all())
 
     # ------------------------------------------------------------------ observability
+
+    def op_impls(self) -> dict[str, str]:
+        """Op -> the implementation this executor's programs run (``runtime.op_impls``)."""
+        return dict(self._op_impls)
 
     @property
     def shared_layers(self) -> list[int]:

@@ -46,7 +46,7 @@ from jaxmoe.models.experts import TOP_K
 from jaxmoe.models.routing import WEIGHTS, ExpertRouting
 from jaxmoe.runtime import slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
-from jaxmoe.pallas_kernels.aebs.api import POLICIES, schedule
+from jaxmoe.pallas_kernels.aebs.api import POLICIES, resolve_impl, schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, fallback_above, resolve
 
 EXP, ETP = EXPERT_AXES
@@ -99,6 +99,7 @@ class ExpertProgram:
     run: Callable  # (params, tables, x, valid, step, coact, routing_state) -> (partials, coact, activated, used)
     replicated: NamedSharding  # P() on the expert mesh
     fallback_above: int | None = None  # steps of more tokens run the FFN form's fallback (expert_ffn.fallback_above)
+    aebs_impl: str = "reference"  # the AEBS form it runs (pallas_kernels.aebs.resolve_impl)
 
 
 @functools.lru_cache(maxsize=32)
@@ -108,7 +109,7 @@ def make_expert_program(
     slots_per_instance: int,
     *,
     policy: str = "aebs",
-    aebs_impl: str = "reference",
+    aebs_impl: str = "auto",
     expert_impl: str = "auto",
     interpret: bool | None = None,
     routing: ExpertRouting = TOP_K,
@@ -121,6 +122,7 @@ def make_expert_program(
         raise ValueError(f"replica_policy must be one of {POLICIES} (AEBS or random scheduling), got {policy!r}")
     tp = check_tp(cfg, sub.spec)
     ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
+    aebs_impl = resolve_impl(aebs_impl, policy)  # "auto": the platform's form (pallas_kernels.aebs.AUTO_IMPL)
 
     def per_instance(p, tables, x, valid, step, state):
         B, T, D = x.shape
@@ -175,6 +177,7 @@ def make_expert_program(
         run=jax.jit(run, donate_argnums=(5,)),
         replicated=replicated,
         fallback_above=fallback_above(ffn_impl, C, cfg.moe.top_k),
+        aebs_impl=aebs_impl,
     )
 
 

@@ -37,6 +37,7 @@ from jaxmoe.models.transformer import (
     unstack_layers,
 )
 from jaxmoe.pallas_kernels.expert_ffn import resolve
+from jaxmoe.runtime import op_impls
 from jaxmoe.runtime.pause_points import PausePoints
 
 
@@ -79,6 +80,18 @@ def queue_depth(ids: np.ndarray, served_below: int, num_experts: int) -> np.ndar
     return np.bincount(waiting, minlength=num_experts)[:num_experts]
 
 
+def step_program(cfg: ModelConfig, block_size: int, impl: str, routing):
+    """The fused step, jitted: (stacked params, tokens, batch, stacked cache, logits_index, routing
+    state) -> (logits, cache), every layer in one program (the cache donated). ``impl``: a resolved
+    expert-FFN implementation; ``routing``: the expert routing. What ``MonolithicExecutor.forward``
+    runs and ``jaxmoe lower`` lowers."""
+
+    def step(params, tokens, batch, cache, logits_index, state):
+        return forward(params, cfg, tokens, batch, cache, block_size, logits_index, routing, state, impl)
+
+    return jax.jit(step, donate_argnums=(3,))
+
+
 class MonolithicExecutor:
     """Owns the parameters and the paged KV cache; ``forward`` runs one step over all layers.
 
@@ -116,6 +129,14 @@ class MonolithicExecutor:
         self.num_logical_experts = cfg.moe.num_experts + extra_experts(routing, params)
         self.stacked = stack_layers(logical_params(routing, params))  # E + U logical experts per MoE layer
         in_place = impl == "cpu_kernel"  # weights read in place by the CPU kernel
+        self._op_impls = op_impls.build(
+            requested_expert_impl=expert_impl,
+            expert_impl=impl,
+            defaults=AUTO_EXPERT_IMPL,
+            reads_in_place=in_place,
+            mla=cfg.attn.kind == "mla",
+        )
+        op_impls.log("monolithic", self._op_impls)
         if in_place:  # the expert weights in the layout it reads fastest
             self.stacked = store_as_panels(self.stacked)
         dtype = cache_dtype or params["embed"].dtype
@@ -129,9 +150,6 @@ class MonolithicExecutor:
         self.expert_rounds = check_rounds(expert_rounds, self.num_logical_experts)
         self._queued = None  # (ids, first expert not yet served) while a step waits between expert rounds
         dtype = self.stacked["embed"].dtype
-
-        def step(params, tokens, batch, cache, logits_index, state):
-            return forward(params, cfg, tokens, batch, cache, block_size, logits_index, routing, state, impl)
 
         def some_layers(group, x, batch, group_cache, start, state, n):  # the layer-by-layer mode
             def body(carry, index):
@@ -162,7 +180,7 @@ class MonolithicExecutor:
                 x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
             return lm_head(params, cfg, x)
 
-        self._step = jax.jit(step, donate_argnums=(3,))
+        self._step = step_program(cfg, block_size, impl, routing)
         self._embed = jax.jit(embed)
         self._layers = jax.jit(some_layers, donate_argnums=(3,), static_argnums=(6,))
         self._head = jax.jit(head)
@@ -174,6 +192,10 @@ class MonolithicExecutor:
         """Per-layer parameters (views of the stacked arrays; the MoE layers' in the routing's logical
         form, from which an executor with the same routing can be built)."""
         return unstack_layers(self.stacked)
+
+    def op_impls(self) -> dict[str, str]:
+        """Op -> the implementation this executor's programs run (``runtime.op_impls``)."""
+        return dict(self._op_impls)
 
     def expert_activation_counts(self) -> None:
         """The fused program does not count expert activations."""

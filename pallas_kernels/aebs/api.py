@@ -1,7 +1,9 @@
 """Public entry point of the AEBS op: ``schedule`` (policy x implementation dispatch).
 
-``impl="kernel"`` runs the Pallas kernel (``kernel.py``): interpreted on CPU,
-Mosaic GPU on NVIDIA GPUs (lowering checked, execution unverified here).
+``impl="kernel"`` runs the Pallas kernel: ``kernel.py`` interpreted on CPU, Mosaic GPU on NVIDIA
+GPUs (lowering checked, execution unverified here); ``kernel_tpu.py`` (Mosaic TPU, policy "aebs")
+on TPUs (lowered and compiled ahead against libtpu in tests, not run on a TPU).
+``resolve_impl("auto")`` picks the form per target platform (``AUTO_IMPL``).
 ``impl="reference"`` runs the jnp Algorithm 1 (``aebs``) or the numpy
 ``aebs_plus`` through ``jax.pure_callback`` (so both stay usable under jit).
 ``policy="random"`` is reference-only: it ignores ``impl``.
@@ -16,7 +18,9 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from ..platform import target_platform
 from . import backends as _backends
+from . import kernel_tpu as _tpu
 from . import reference as _ref
 
 POLICIES = ("aebs", "aebs_plus", "random")
@@ -44,22 +48,55 @@ def _prepare(topk_ids, replica_table, replica_instance, num_instances):
 
 
 def _backend(interpret):
+    """The kernel's backend on the target platform (``pallas_kernels.platform``): the Pallas
+    interpreter on CPU (or when asked), Mosaic GPU on GPUs, Mosaic TPU on TPUs."""
+    platform = target_platform()
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = platform == "cpu"
     if interpret:
         return "interpret"
-    platform = jax.default_backend()
-    if platform == "gpu":
-        return "mosaic_gpu"
+    if platform in ("gpu", "tpu"):
+        return {"gpu": "mosaic_gpu", "tpu": "mosaic_tpu"}[platform]
     raise NotImplementedError(
-        f"AEBS kernel has no compiled lowering for backend {platform!r}; use interpret=True or impl='reference'."
+        f"AEBS kernel has no compiled lowering for platform {platform!r}; use interpret=True or impl='reference'."
     )
+
+
+# "auto" per target platform and policy: the compiled kernels on GPU and TPU (TPU: Algorithm 1 only,
+# kernel_tpu); on CPU the fastest measured form (BENCHMARKS.md, "Scheduling overhead",
+# bench/aebs_overhead.py): the jnp reference for aebs (44-107 us vs 79-284 us interpreted), the
+# interpreted kernel for aebs_plus (232-444 us vs 1-11 ms through the numpy callback).
+AUTO_IMPL = {
+    ("gpu", "aebs"): "kernel",
+    ("gpu", "aebs_plus"): "kernel",
+    ("tpu", "aebs"): "kernel",
+    ("tpu", "aebs_plus"): "reference",
+    ("cpu", "aebs"): "reference",
+    ("cpu", "aebs_plus"): "kernel",
+}
+
+
+def resolve_impl(impl: str, policy: str = "aebs") -> str:
+    """``impl`` checked against ``IMPLS``; ``"auto"`` becomes ``AUTO_IMPL[target platform, policy]``
+    (``pallas_kernels.platform``; the "random" policy ignores it)."""
+    if impl == "auto":
+        impl = AUTO_IMPL.get((target_platform(), policy), "reference")
+    if impl not in IMPLS:
+        raise ValueError(f"aebs_impl must be 'auto' or one of {IMPLS}, got {impl!r}")
+    return impl
 
 
 @functools.partial(jax.jit, static_argnames=("num_instances", "policy", "backend", "max_moves"))
 def _kernel_schedule(topk_ids, replica_table, replica_instance, *, num_instances, policy, backend, max_moves):
     T, k = topk_ids.shape
     E, R = replica_table.shape
+    if backend in ("mosaic_tpu", "mosaic_tpu_interpret"):
+        if policy != "aebs":
+            raise NotImplementedError(f"AEBS on TPU: the Mosaic TPU kernel runs policy 'aebs' only, not {policy!r}")
+        ids, rt, it = _tpu.prepare(topk_ids, replica_table, replica_instance)
+        fn = _tpu.build(E, num_instances, R, T * k, interpret=backend == "mosaic_tpu_interpret")
+        phys, loads = fn(ids, rt, it)
+        return phys.reshape(T, k), loads
     ids, rt, it, tkp, width = _prepare(topk_ids, replica_table, replica_instance, num_instances)
     fn = _backends.build(E, num_instances, R, tkp, width, policy=policy, max_moves=max_moves, backend=backend)
     phys, loads = fn(ids, rt, it, jnp.arange(width, dtype=jnp.int32))

@@ -11,10 +11,8 @@ One kernel body, three ways to run it (``backends.build``, chosen by ``jaxmoe.pa
   Lowering to the Mosaic GPU MLIR module is checked on CPU by the tests
   (cross-platform lowering); compiling and running it on a GPU is NOT verified
   here.
-* TPU: no lowering. Mosaic TPU wants scalars in SMEM and (8, 128)-tiled
-  vectors in VMEM, which this body (scalar and vector access to the same refs)
-  does not arrange, and TPU lowering cannot be checked without a TPU here;
-  ``api`` raises NotImplementedError rather than pretending.
+* TPU: not this body (scalar and vector access to the same refs, which Mosaic TPU does not
+  take): ``kernel_tpu.py`` is Algorithm 1 on the scalar core, every array in SMEM.
 
 Data layout (prepared by ``api._prepare``; all int32):
   ids   [TKp]       flattened top-k logical ids, -1 = empty slot, padded with -1

@@ -35,6 +35,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import jax
 
+from ..platform import target_platform
 from . import cpu_kernel, reference, xla
 
 
@@ -101,10 +102,11 @@ CPU_KERNEL_FALLBACK = "bucketed_loop"  # what a default of "cpu_kernel" becomes 
 
 
 def resolve(impl: str, defaults: dict[str, str]) -> str:
-    """``impl`` checked against ``IMPLS``; ``"auto"`` becomes ``defaults[backend]`` (or
-    ``defaults["other"]``) for the current JAX backend."""
+    """``impl`` checked against ``IMPLS``; ``"auto"`` becomes ``defaults[platform]`` (or
+    ``defaults["other"]``) for the target platform (``pallas_kernels.platform``: this process's
+    backend, or the platform programs are lowered for)."""
     if impl == "auto":
-        impl = defaults.get(jax.default_backend(), defaults["other"])
+        impl = defaults.get(target_platform(), defaults["other"])
         if impl == "cpu_kernel" and not cpu_kernel.available():
             impl = CPU_KERNEL_FALLBACK
     if impl not in IMPLS:

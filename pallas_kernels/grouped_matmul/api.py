@@ -22,21 +22,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..platform import lowering_ahead, target_platform
 from . import kernel, reference
 
 IMPLS = ("pallas", "ragged_dot", "loop", "einsum")
 
 
 def _pallas_backend(interpret) -> str:
-    """'interpret' | 'tpu' | 'gpu' for impl='pallas' (raises if unsupported)."""
-    platform = jax.default_backend()
+    """'interpret' | 'tpu' | 'gpu' for impl='pallas' on the target platform
+    (``pallas_kernels.platform``; raises if unsupported). Lowered ahead for a GPU (no GPU here),
+    the GPU is taken to be the Hopper the kernel is written for."""
+    platform = target_platform()
     if interpret is None:
         interpret = platform == "cpu"
     if interpret:
         return "interpret"
     if platform == "tpu":
         return "tpu"
-    if platform in ("gpu", "cuda"):
+    if platform == "gpu":
+        if lowering_ahead():
+            return "gpu"
         dev = jax.devices()[0]
         cc = str(getattr(dev, "compute_capability", ""))  # "9.0" on H100/H200
         if cc.split(".")[0] == "9":

@@ -107,7 +107,14 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "family", "vocab_size", "max_context", "num_layers", "num_moe_layers", "num_experts", "experts_per_token", "mesh", "policy", "max_num_seqs", "num_kv_blocks", "kv_block_size")
+    __slots__ = ("model", "family", "vocab_size", "max_context", "num_layers", "num_moe_layers", "num_experts", "experts_per_token", "mesh", "policy", "max_num_seqs", "num_kv_blocks", "kv_block_size", "op_impls")
+    class OpImplsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +128,7 @@ class ModelInfoResponse(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OP_IMPLS_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     vocab_size: int
@@ -134,7 +142,8 @@ class ModelInfoResponse(_message.Message):
     max_num_seqs: int
     num_kv_blocks: int
     kv_block_size: int
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_moe_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., mesh: _Optional[str] = ..., policy: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
+    op_impls: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_moe_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., mesh: _Optional[str] = ..., policy: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., op_impls: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RescaleRequest(_message.Message):
     __slots__ = ("attention", "experts", "slots_per_instance")

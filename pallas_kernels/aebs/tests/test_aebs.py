@@ -297,3 +297,47 @@ def test_compiled_gpu_kernel(policy):
         O_ref, load_ref = REFS[policy](ids, rt, ri, 8)
         np.testing.assert_array_equal(O, O_ref)
         np.testing.assert_array_equal(load, load_ref)
+
+
+def test_mosaic_tpu_kernel_matches_jnp_reference_in_interpret_mode():
+    """The Mosaic TPU form (``kernel_tpu``) through the TPU interpreter, on random placements and
+    routings (one shape, so one compile), equals the jnp Algorithm 1."""
+    E, N, T, k = 16, 4, 6, 3
+    f = jax.jit(
+        lambda a, b, c: api._kernel_schedule(
+            a, b, c, num_instances=N, policy="aebs", backend="mosaic_tpu_interpret", max_moves=0
+        )
+    )
+    rng = np.random.default_rng(30)
+    for case in range(4):
+        rt, ri = make_placement(rng, E, N, extra=8, shuffle_rows=case % 2 == 1)
+        ids = make_topk(rng, T, k, E, empty_frac=0.2)
+        ids[0, 0] = E + 3  # outside [0, E): an empty slot
+        O, load = f(jnp.asarray(ids), jnp.asarray(rt), jnp.asarray(ri))
+        O_ref, load_ref = aebs_jnp(jnp.asarray(ids), jnp.asarray(rt), jnp.asarray(ri), N)
+        np.testing.assert_array_equal(np.asarray(O), np.asarray(O_ref))
+        np.testing.assert_array_equal(np.asarray(load), np.asarray(load_ref))
+        check_valid(np.where((ids >= 0) & (ids < E), ids, -1), rt, ri, N, O, load)
+
+
+def test_platform_picks_the_aebs_form_and_tpu_lowers_to_mosaic():
+    """``schedule(impl="kernel")`` traced for TPU is the Mosaic TPU kernel (a tpu_custom_call), for
+    CUDA the Mosaic GPU one; ``auto`` is the kernel there, on CPU the faster measured form."""
+    from jaxmoe.pallas_kernels.aebs import resolve_impl
+    from jaxmoe.pallas_kernels.platform import lowering_for
+
+    T, k, E, N, R = 16, 8, 128, 12, 2
+    args = (jnp.zeros((T, k), jnp.int32), jnp.zeros((E, R), jnp.int32), jnp.zeros((N * 12,), jnp.int32))
+    for platform, want in (("tpu", "tpu_custom_call"), ("cuda", "mosaic_gpu")):
+        with lowering_for(platform):
+            assert resolve_impl("auto") == "kernel"
+            f = jax.jit(lambda a, b, c: schedule(a, b, c, N, impl="kernel"))
+            assert want in f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    with lowering_for("tpu"):
+        assert resolve_impl("auto", policy="aebs_plus") == "reference"
+        with pytest.raises(NotImplementedError, match="policy 'aebs' only"):
+            jax.jit(lambda a, b, c: schedule(a, b, c, N, policy="aebs_plus", impl="kernel")).trace(*args)
+    with lowering_for("cpu"):  # the faster form on CPU per policy (BENCHMARKS.md)
+        assert resolve_impl("auto") == "reference" and resolve_impl("auto", policy="aebs_plus") == "kernel"
+    with pytest.raises(ValueError, match="aebs_impl must be"):
+        resolve_impl("fast")
