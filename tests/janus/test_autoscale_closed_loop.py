@@ -365,3 +365,42 @@ def test_urgent_decision_before_the_interval_when_the_window_violates():
     d = scaler.tick()
     assert d is not None and d.urgent and d.started and d.layout.gpus > 7
     assert math.isclose(d.window.duration, scaler.check_s)
+
+
+@pytest.mark.slow
+def test_a_real_engine_feeds_the_loop(checkpoint_dir):
+    """On the 8-device CPU mesh (2 attention, 6 expert instances): the hook counts every decode token
+    of real requests, times them, and reads KV use per attention partition and activated replicas
+    per expert instance from the executor; the decision compares the roofline's prediction with it."""
+    from jaxmoe import LLM, SamplingParams
+    from jaxmoe.janus.scaling.autoscale import attach
+
+    llm = LLM(
+        checkpoint_dir("mixtral"),
+        mesh="meshes/cpu-8.yaml",
+        dtype="float32",
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=4,
+        max_prefill_chunk=16,
+        max_batch_tokens=32,
+    )
+    engine = llm.engine
+    scaler = attach(engine, slo_tpot_s=10.0, interval_s=3600)
+    for i in range(3):
+        engine.add_request([5 + i, 9, 11, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work() and not scaler.decisions
+    d = scaler.decide()
+    w = d.window
+    assert w.tokens == 3 * 7  # 8 tokens each, the first one from the prefill
+    assert w.tpot_mean_s > 0 and w.tpot_p90_s >= w.tpot_mean_s * 0.5  # compiling steps count too
+    assert 1 <= w.batch <= 3 and w.context > 4 and w.ttft_p90_s is not None and w.arrivals == 3
+    assert len(w.attention_util) == 2 and max(w.attention_util) > 0
+    assert w.expert_util is not None and len(w.expert_util) == 6 and 0 < max(w.expert_util) <= 1
+    stats = scaler.stats()
+    assert stats["tpot_measured_s"] == pytest.approx(w.tpot_mean_s) and stats["tpot_predicted_s"] > 0
+    assert (stats["attention"], stats["experts"]) == (2, 6) and d.layout in scaler.controller.layouts

@@ -1,19 +1,21 @@
-"""``jaxmoe serve --autoscale``: the scaling controller driving live re-scaling of the running engine.
+"""``jaxmoe serve --autoscale``: the closed scaling loop driving live re-scaling of the running engine.
 
-``Autoscaler`` is an engine step hook. Every ``interval_s`` it measures the load the engine saw
-(arrival rate since the last decision, mean requested output tokens and mean context of the live
-requests), asks ``ScalingController.decide`` for a layout among those that fit the mesh's devices
-and expert slots, and when that differs from the layout serving, starts a live rescale
-(``janus.live_rescale``: built in the background, swapped in at a step boundary; one at a time). The controller's hysteresis applies:
-up at once, down only after ``down_after`` agreeing decisions.
+``Autoscaler`` is an engine step hook (and ``ReportsStats`` under ``autoscale``). After every step
+that ran the model it measures (``closed_loop.WindowMeter``): per-token decode time, SLO
+violations, waiting requests and time to first token, KV blocks in use per attention instance and
+activated replicas per expert instance. Every ``interval_s`` (or at once when the window so far is
+over the SLO) it hands the window to ``closed_loop.ClosedLoopController`` (one controller per
+sub-cluster, the performance model checked against the measured TPOT) and, when the layout it
+decides differs from the one serving, starts a live rescale (``janus.live_rescale``: built in the
+background, swapped in at a step boundary; one at a time). docs/scaling.md states the rules.
 
 The performance model (a ``perf_model.DisaggregatedPerf``) is the one fitted from the engine's own
 measurements on this mesh when a scaling profile for the mesh's devices, the model and the dtype is
 given or exists in the directory given (``fitted.FittedPerfModel``; ``jaxmoe serve
 --scaling-profile FILE|DIR``; made by ``jaxmoe scaling-profile --out FILE|DIR``), else ``perf_model.PerfModel`` with the served model's shape
 (``model_shape``) on ``hardware``: on the CPU mesh ``host_hardware`` measures the host's copy
-bandwidth and matmul rate once (a rough roofline, not fitted per layout). It runs only while the
-engine steps (an idle engine keeps its layout).
+bandwidth and matmul rate once (a rough roofline; the loop's correction factor absorbs its scale).
+It runs only while the engine steps (an idle engine keeps its layout).
 """
 
 from __future__ import annotations
@@ -186,12 +188,17 @@ class Autoscaler:
 
     def tick(self, now: float | None = None) -> Decision | None:
         """Decide if it is time: the interval ended, or (checked every ``check_s``) the window so far
-        is over the SLO. A window during which the serving layout changed is dropped."""
+        is over the SLO. No decision while a rescale is in progress; a window during which the
+        serving layout changed is dropped."""
         now = self.clock() if now is None else now
         serving = self.serving()
         if serving != self._window_layout:  # a rescale was swapped in: measure the new layout afresh
             self._window_layout = serving
             self._close(now)
+            return None
+        if self.rescaler.job is not None:  # one rescale at a time; its build competes with the steps
+            if now - self.meter.start >= self.interval_s:
+                self._close(now)  # what the steps measured meanwhile says little about either layout
             return None
         if now - self.meter.start >= self.interval_s:
             return self.decide(now)
