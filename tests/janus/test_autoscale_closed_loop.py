@@ -404,3 +404,17 @@ def test_a_real_engine_feeds_the_loop(checkpoint_dir):
     stats = scaler.stats()
     assert stats["tpot_measured_s"] == pytest.approx(w.tpot_mean_s) and stats["tpot_predicted_s"] > 0
     assert (stats["attention"], stats["experts"]) == (2, 6) and d.layout in scaler.controller.layouts
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_at_the_device_limit_a_violation_never_shrinks_the_layout(fallback):
+    """8 devices hold 1A6E, 1A7E and 2A6E of DeepSeek-V2: violated on 2A6E, neither side can grow, so
+    the layout stays (no request that the devices cannot hold turns into a smaller layout)."""
+    ctl = ClosedLoopController(PerfModel(), layouts_that_fit(8, 160, SLOTS), SLO)
+    assert {lay.name for lay in ctl.layouts} == {"1A6E", "1A7E", "2A6E"}
+    ctl.fallback = fallback
+    ctl._gap_windows = 5 if fallback else 0
+    cur = Layout(8, 2, 6)
+    raw = ctl.model.raw_tpot(64, CONTEXT, 2, 6)
+    bad = window(tpot_mean_s=raw * (3 if fallback else 1.1), tpot_p90_s=3 * SLO, violations=0.8, expert_util=[1.0] * 6)
+    assert ctl.decide(bad, cur) == cur

@@ -383,12 +383,18 @@ class ClosedLoopController:
                 counts[s] = n
                 self.sides[s].last = SideDecision(n, reason)
         if violated and (counts["attention"], counts["experts"]) == (cur.attention, cur.experts):
-            # measured over the SLO although the model says the layout suffices: the measurement wins, one
-            # instance more on the side with the larger share
-            s = order[0]
-            counts[s] += 1
-            self.sides[s].last = SideDecision(counts[s], "up:measured")
+            # measured over the SLO although the model says nothing better is needed or possible: the
+            # measurement wins, one instance more on the side with the larger share that the devices allow
+            for s in order:
+                grown = dict(counts, **{s: counts[s] + 1})
+                if self._layout(grown["attention"], grown["experts"]) is not None:
+                    counts = grown
+                    self.sides[s].last = SideDecision(counts[s], "up:measured")
+                    break
         return counts["attention"], counts["experts"]
+
+    def _layout(self, a: int, e: int) -> Layout | None:
+        return next((lay for lay in self.layouts if (lay.attention, lay.experts) == (a, e)), None)
 
     def _least(self, side: str, other: int, demand: Load, lower: int, upper: int | None) -> int | None:
         """The least count of ``side`` in [lower, upper] (None: no upper bound) that a layout with the
@@ -412,34 +418,43 @@ class ClosedLoopController:
         return (counts[-1] if best is None else best) if grow else None
 
     def _measured_rule(self, w: Window, cur: Layout, violated: bool, down: dict) -> tuple[int, int]:
-        """The model is not trusted: one instance more on the busier side when the SLO is violated;
-        one fewer on the idler side when both sides agreed to shrink."""
+        """The model is not trusted: one instance more on the busier side when the SLO is violated
+        (the other side if the devices hold no more of it); one fewer on the idler side when both
+        sides agreed to shrink. Only layouts that fit: the model is not asked."""
         util = {s: self.sides[s].utilization(w) for s in SIDES}
         u = {s: 0.5 if v is None else v for s, v in util.items()}
         a, e = cur.attention, cur.experts
         if violated:
-            s = "attention" if self.sides["attention"].pressure(w) or u["attention"] > u["experts"] else "experts"
-            a, e = (a + 1, e) if s == "attention" else (a, e + 1)
-            self.sides[s].last = SideDecision(a if s == "attention" else e, "up:measured")
+            first = "attention" if self.sides["attention"].pressure(w) or u["attention"] > u["experts"] else "experts"
+            for s in (first, _other(first)):  # the busier side, unless the devices hold no more of it
+                grown = (a + 1, e) if s == "attention" else (a, e + 1)
+                if self._layout(*grown) is not None:
+                    a, e = grown
+                    self.sides[s].last = SideDecision(a if s == "attention" else e, "up:measured")
+                    break
         elif down["attention"] and down["experts"]:
             s = "attention" if u["attention"] <= u["experts"] else "experts"
             n = cur_count(cur, s)
-            if n > 1 and u[s] * n / (n - 1) < self.sides[s].util_high:
-                a, e = (a - 1, e) if s == "attention" else (a, e - 1)
+            shrunk = (a - 1, e) if s == "attention" else (a, e - 1)
+            if n > 1 and u[s] * n / (n - 1) < self.sides[s].util_high and self._layout(*shrunk) is not None:
+                a, e = shrunk
                 self.sides[s].last = SideDecision(n - 1, "down:measured")
         return a, e
 
     def _fit(self, a: int, e: int, cur: Layout, demand: Load) -> Layout:
         """The combined request as a layout that fits the devices: (a, e) itself, else among the
         layouts with at most a and e instances the one with the lowest predicted TPOT (ties: the
-        cheapest)."""
-        for lay in self.layouts:
-            if (lay.attention, lay.experts) == (a, e):
-                return lay
+        cheapest; when none keeps up: the largest)."""
+        exact = self._layout(a, e)
+        if exact is not None:
+            return exact
         within = [lay for lay in self.layouts if lay.attention <= a and lay.experts <= e]
         if not within:
             return cur
-        return min(within, key=lambda lay: (self.predict(lay.attention, lay.experts, demand), lay))
+        predicted = {lay: self.predict(lay.attention, lay.experts, demand) for lay in within}
+        if all(math.isinf(t) for t in predicted.values()):  # none keeps up: the most instances
+            return max(within, key=lambda lay: (lay.gpus, lay))
+        return min(within, key=lambda lay: (predicted[lay], lay))
 
     def stats(self) -> dict:
         return {
