@@ -215,7 +215,7 @@ class CorrectedPerf:
 @dataclasses.dataclass
 class SideDecision:
     count: int  # what this sub-cluster's controller asks for
-    reason: str  # hold | up:slo | up:queue | up:kv | down | up:measured | down:measured
+    reason: str  # hold | up:slo | up:kv | up:measured | down | down:measured
 
 
 class SideController:
@@ -351,7 +351,8 @@ class ClosedLoopController:
         if self.fallback:
             a, e = self._measured_rule(w, cur, violated, down)
         else:
-            a, e = self._model_rule(w, cur, violated, down, demand)
+            rising = violated or (w.tpot_p90_s is not None and w.tpot_p90_s > self.margin * self.slo)
+            a, e = self._model_rule(w, cur, violated, rising, down, demand)
         want = self._fit(a, e, cur, demand)
         if want != cur:
             for c in self.sides.values():
@@ -359,7 +360,9 @@ class ClosedLoopController:
         self.current = want
         return want
 
-    def _model_rule(self, w: Window, cur: Layout, violated: bool, down: dict, demand: Load) -> tuple[int, int]:
+    def _model_rule(
+        self, w: Window, cur: Layout, violated: bool, rising: bool, down: dict, demand: Load
+    ) -> tuple[int, int]:
         """Each side's controller proposes its count with the other side held at its latest proposal;
         the bottleneck side (the larger share of the predicted step) proposes first; two rounds, so
         the first side can give back what the second side's growth made unneeded."""
@@ -370,7 +373,7 @@ class ClosedLoopController:
             for s in order:
                 other, now = counts[_other(s)], cur_count(cur, s)
                 n, reason = now, "hold"
-                if violated:  # the measurement triggers; the model picks the least count predicted to recover
+                if rising:  # the measurement triggers; the model picks the least count predicted to recover
                     n = self._least(s, other, demand, now, None)
                     n = now if n is None else n
                     reason = "up:slo" if n > now else "hold"
