@@ -418,3 +418,29 @@ def test_at_the_device_limit_a_violation_never_shrinks_the_layout(fallback):
     raw = ctl.model.raw_tpot(64, CONTEXT, 2, 6)
     bad = window(tpot_mean_s=raw * (3 if fallback else 1.1), tpot_p90_s=3 * SLO, violations=0.8, expert_util=[1.0] * 6)
     assert ctl.decide(bad, cur) == cur
+
+
+@pytest.mark.parametrize(
+    "batch, context, grows, holds",
+    [(256, 4000, "attention", "experts"), (64, 144, "experts", "attention")],
+)
+def test_each_sub_cluster_controller_grows_its_own_side(batch, context, grows, holds):
+    """Long contexts make attention the larger share of the step (its controller adds instances, the
+    expert controller holds); short contexts at batch 64 make it the experts'. The measured TPOT
+    matches the (re-fitted) model, so the model ranks the counts (reason ``up:slo``)."""
+    ctl = controller()
+    ctl.model.factor = 1.9 if grows == "experts" else 1.0
+    shares = ctl.model.shares(batch, context, 1, 6)
+    assert shares[grows] > shares[holds]
+    mean = ctl.model.tpot_disaggregated(batch, context, 1, 6)
+    w = window(batch=float(batch), context=float(context), tpot_mean_s=mean, tpot_p90_s=1.2 * SLO, violations=0.3)
+    got = ctl.decide(w, Layout(7, 1, 6))
+    assert ctl.refits == 0
+    assert ctl.sides[grows].last.reason == "up:slo" and ctl.sides[holds].last.reason == "hold"
+    count = {"attention": got.attention, "experts": got.experts}
+    assert (
+        count[grows] > {"attention": 1, "experts": 6}[grows] and count[holds] == {"attention": 1, "experts": 6}[holds]
+    )
+    assert ctl.meets(got.attention, got.experts, ctl.demand(w))  # the least count predicted to recover
+    smaller = dict(count, **{grows: count[grows] - 1})
+    assert not ctl.meets(smaller["attention"], smaller["experts"], ctl.demand(w))
