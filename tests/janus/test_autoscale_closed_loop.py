@@ -99,7 +99,7 @@ def run_trace(rates: np.ndarray, dt: float, true_factor, start=(1, 6), delay_s: 
         now[0] += dt
         a, e = engine.executor.num_attention, engine.executor.num_expert_instances
         scaler.meter.observe(
-            m["tpot"], [1] * m["batch"], [CONTEXT], steps=m["steps"], waiting=engine.scheduler.num_waiting
+            m["tpot"], np.ones(m["batch"], int), [CONTEXT], steps=m["steps"], waiting=engine.scheduler.num_waiting
         )
         act = activated_per_instance(160, 6, m["batch"], e, SLOTS, True)
         scaler.meter.utilization(attention=[engine.batch / m["cap"]] * a, experts=[act / SLOTS] * e)

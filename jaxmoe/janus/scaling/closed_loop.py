@@ -100,14 +100,15 @@ class WindowMeter:
         """One step (or ``steps`` alike) of ``step_s`` seconds each; ``decoded[i]``: decode tokens the
         step gave request i (each request's per-token time is ``step_s / decoded[i]``);
         ``contexts[i]``: its tokens attended."""
-        decoded = [d for d in decoded if d > 0]
-        if decoded:
-            per, count = np.unique(np.asarray(decoded), return_counts=True)
+        decoded = np.asarray(decoded, dtype=np.int64)
+        decoded = decoded[decoded > 0]
+        if decoded.size:
+            per, count = np.unique(decoded, return_counts=True)
             for d, n in zip(per.tolist(), count.tolist()):
                 self._tpot.append((step_s / d, d * n * steps))
             self.decode_steps += steps
-            self._batch_sum += len(decoded) * steps
-            self._batch_sq += len(decoded) * sum(decoded) * steps
+            self._batch_sum += decoded.size * steps
+            self._batch_sq += decoded.size * int(decoded.sum()) * steps
             if contexts:
                 self._context_sum += float(np.mean(contexts)) * len(decoded) * steps
         self._ttft.extend(ttft)
@@ -285,6 +286,7 @@ class ClosedLoopController:
         self.predicted_s: float | None = None  # the corrected model's TPOT of the serving layout, last window
         self.measured_s: float | None = None
         self.gap: float | None = None
+        self._predicted: dict[tuple, float] = {}
 
     # -- the model check -------------------------------------------------------------------------
     def check_model(self, w: Window, layout: Layout) -> None:
@@ -332,13 +334,17 @@ class ClosedLoopController:
     def predict(self, a: int, e: int, demand: Load) -> float:
         """The corrected model's TPOT of aXeY at its steady state under ``demand`` (inf: it cannot
         keep up or hold the batch)."""
-        state = steady_state(self.model, JANUS, Layout(a + e, a, e), demand)
-        return math.inf if state is None else state[1]
+        key = (a, e, demand, self.model.factor)
+        if key not in self._predicted:  # one decision asks for the same layouts several times
+            state = steady_state(self.model, JANUS, Layout(a + e, a, e), demand)
+            self._predicted[key] = math.inf if state is None else state[1]
+        return self._predicted[key]
 
     def meets(self, a: int, e: int, demand: Load) -> bool:
         return self.predict(a, e, demand) <= self.margin * self.slo
 
     def decide(self, w: Window, serving: Layout | None = None) -> Layout:
+        self._predicted.clear()
         cur = serving or self.current or self.layouts[0]
         self.current = cur
         self.check_model(w, cur)
