@@ -171,6 +171,7 @@ class _EngineCollector:
                 if value is not None:
                     p90.add_metric([phase], value)
             yield p90
+        yield from _autoscale_metrics(snap.get("autoscale"))
         used = snap.get("activated_experts")
         if used is not None:
             g = GaugeMetricFamily(
@@ -191,3 +192,43 @@ class _EngineCollector:
                 for expert, n in enumerate(row):
                     act.add_metric([str(layer), str(expert)], n)
             yield act
+
+
+def _autoscale_metrics(scale: dict | None):
+    """The closed scaling loop (``janus.scaling.autoscale.Autoscaler``), when the engine has one."""
+    if scale is None:
+        return
+    for name, key, text in (
+        ("jaxmoe_tpot_predicted_seconds", "tpot_predicted_s", "Model TPOT of the serving layout at the measured batch"),
+        ("jaxmoe_tpot_measured_seconds", "tpot_measured_s", "Measured per-token decode time, last decision window"),
+    ):
+        if scale.get(key) is not None:
+            yield GaugeMetricFamily(name, text + " (autoscaler)", value=scale[key])
+    window = scale.get("window") or {}
+    if window.get("tokens"):
+        yield GaugeMetricFamily(
+            "jaxmoe_autoscale_slo_violation_ratio",
+            "Share of decode tokens over the TPOT SLO, last decision window",
+            value=window["violations"],
+        )
+    yield CounterMetricFamily(
+        "jaxmoe_autoscale_model_refits", "Performance-model re-fits (gap > 20 %)", value=scale.get("model_refits", 0)
+    )
+    yield CounterMetricFamily(
+        "jaxmoe_autoscale_model_fallbacks",
+        "Switches to the measured-only scaling rule (the model stayed > 20 % off after re-fits)",
+        value=scale.get("model_fallbacks", 0),
+    )
+    inst = GaugeMetricFamily("jaxmoe_autoscale_instances", "Instances serving, per sub-cluster", labels=["side"])
+    inst.add_metric(["attention"], scale["attention"])
+    inst.add_metric(["experts"], scale["experts"])
+    yield inst
+    util = GaugeMetricFamily(
+        "jaxmoe_autoscale_instance_utilization",
+        "Per instance: attention KV blocks in use (now), expert replicas run of its slots (last window)",
+        labels=["side", "instance"],
+    )
+    for side, values in (("attention", scale.get("attention_utilization")), ("experts", window.get("expert_util"))):
+        for i, v in enumerate(values or []):
+            util.add_metric([side, str(i)], v)
+    yield util

@@ -8,7 +8,7 @@ import pytest
 from jaxmoe.janus.live_rescale import LiveRescaler
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.janus.scaling.autoscale import Autoscaler, attach, layouts_that_fit
-from jaxmoe.janus.scaling.controller import Layout, Load
+from jaxmoe.janus.scaling.controller import Layout
 
 ENGINE = dict(dtype="float32", num_blocks=64, block_size=8, max_num_seqs=4, max_prefill_chunk=16, max_batch_tokens=32)
 
@@ -19,13 +19,14 @@ def llm(checkpoint_dir):
 
 
 class Scripted:
-    """A controller that answers the next layout of its script (``ScalingController``'s interface)."""
+    """A controller that answers the next layout of its script (the ``Autoscaler``'s controller
+    interface: ``decide(window, serving)``)."""
 
     def __init__(self, script):
         self.script, self.current, self.loads = list(script), None, []
 
-    def decide(self, load: Load) -> Layout:
-        self.loads.append(load)
+    def decide(self, window, serving: Layout) -> Layout:
+        self.loads.append(window.load)
         self.current = self.script.pop(0)
         return self.current
 
