@@ -32,7 +32,7 @@ def cmd_generate(args) -> int:
         if v is not None
     }
     # the checkpoint's generation_config.json fills what the command line leaves unset (else greedy)
-    sampling = {**llm.generation_config, **chosen} if not chosen else chosen
+    sampling = {**llm.generation_config, **chosen}
     params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop or ()), **sampling)
     prompts = args.prompt or ["Hello"]
     for prompt, out in zip(prompts, llm.generate(prompts, params, priority=args.priority)):

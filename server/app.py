@@ -78,6 +78,9 @@ def load_engine(
         tokenizer,
         engine_config,
     )
+    from jaxmoe.llm import generation_config
+
+    engine.sampling_defaults = generation_config(model)  # what requests leave unset (else greedy)
     if salc is not None:
         BrownoutController.attach(engine, salc)
     if rebalance_every:

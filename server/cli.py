@@ -179,7 +179,9 @@ def register(sub, add_model_args) -> None:
     client.add_argument("--target", default="127.0.0.1:50051")
     client.add_argument("--prompt", default="Hello")
     client.add_argument("--max-tokens", type=int, default=32)
-    client.add_argument("--temperature", type=float, default=0.0)
+    client.add_argument(
+        "--temperature", type=float, default=None, help="0 = greedy (default: the server's, see docs/serving.md)"
+    )
     client.add_argument("--top-k", type=int, default=0)
     client.add_argument("--top-p", type=float, default=None)
     client.add_argument("--seed", type=int, default=None)

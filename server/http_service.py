@@ -157,11 +157,11 @@ class OpenAIServer:
         self._check_model(req.model)
         try:
             if chat:
-                sampling = req.to_sampling(self.engine.engine.max_model_len)
+                sampling = req.to_sampling(self.engine.engine.max_model_len, self.engine.engine.sampling_defaults)
                 text = self.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True)
                 prompts = [self.tokenizer.encode(text)]
             else:
-                sampling = req.to_sampling()
+                sampling = req.to_sampling(self.engine.engine.sampling_defaults)
                 prompts = req.prompts()
         except SamplingParamsError as e:
             raise bad(str(e), e.param) from None
@@ -170,12 +170,16 @@ class OpenAIServer:
         return prompts, sampling
 
     async def _admit(self, prompts, sampling, priority, prefix: str) -> list:
+        """One stream per prompt and completion (``sampling.num_sequences`` per prompt, prompt-major)."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
-                rid = prefix + uuid.uuid4().hex
                 try:
-                    streams.append(await self.engine.add_async(prompt, sampling, priority, rid))
+                    for j in range(sampling.num_sequences):
+                        rid = prefix + uuid.uuid4().hex
+                        streams.append(await self.engine.add_async(prompt, sampling.for_index(j), priority, rid))
+                except SamplingParamsError as e:
+                    raise bad(str(e), e.param) from None
                 except ValueError as e:
                     raise bad(str(e), "prompt" if len(prompts) == 1 else f"prompt.{i}") from None
                 except OverloadedError as e:
@@ -205,10 +209,11 @@ class OpenAIServer:
             ChatFormat(self, rid, i) if chat else CompletionFormat(self, rid, i, echo=req.echo)
             for i in range(len(streams))
         ]
+        per_prompt = sampling.num_sequences
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._events(streams, fmts, include_usage),
+                self._events(streams, fmts, include_usage, per_prompt),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -225,14 +230,14 @@ class OpenAIServer:
             log.info("client disconnected from %s; aborted it", rid)
             return Response(status_code=499)
         try:
-            return JSONResponse(merge_final(fmts, finals.result()))
+            return JSONResponse(merge_final(fmts, finals.result(), per_prompt, sampling.n))
         except EngineStepError as e:
             timeout = isinstance(e, RequestTimeoutError)
             return error_response(
                 ApiError(504 if timeout else 500, str(e), "server_error", "timeout" if timeout else "internal_error")
             )
 
-    async def _events(self, streams, fmts, include_usage: bool):
+    async def _events(self, streams, fmts, include_usage: bool, per_prompt: int = 1):
         """The SSE body; if it stops early (the client went away) the requests are aborted."""
         last: dict[int, RequestOutput] = {}
         done = False
@@ -254,7 +259,7 @@ class OpenAIServer:
                 yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": code}})
             else:
                 if include_usage and last:
-                    yield _sse(fmts[0].usage_chunk(total_usage(last.values())))
+                    yield _sse(fmts[0].usage_chunk(total_usage([last[i] for i in sorted(last)], per_prompt)))
             yield b"data: [DONE]\n\n"
             done = True
         finally:

@@ -27,7 +27,7 @@ from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
 from jaxmoe.engine.policies import make_policy
 from jaxmoe.engine.rescale import RescaleJob, Rescaler
-from jaxmoe.sampling import SamplingParams
+from jaxmoe.sampling import SamplingParams, SamplingParamsError
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
 from jaxmoe.runtime.executor import ExpertQueueing
@@ -42,6 +42,7 @@ class _RequestState:
     sent_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float = 0.0
 
 
 class LLMEngine:
@@ -81,6 +82,8 @@ class LLMEngine:
         self.expert_queue_depth: list[int] | None = None  # per expert, assignments queued at the latest expert pause
         self.last_step_ran = False  # the latest step ran the model
         self.rescaler = Rescaler(self)
+        # what a front end's request leaves unset takes these (the checkpoint's generation_config)
+        self.sampling_defaults: dict = {}
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -93,6 +96,17 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError on bad input, OverloadedError when full."""
         sampling = sampling or SamplingParams()
         sampling.validate()
+        if sampling.num_sequences != 1:
+            raise SamplingParamsError(
+                "n",
+                f"the engine runs one sequence per request, got n={sampling.n}, best_of={sampling.best_of} "
+                "(LLM.generate and the servers split them: SamplingParams.for_index)",
+            )
+        for t in sampling.logit_bias or ():
+            if t >= self.cfg.vocab_size:
+                raise SamplingParamsError(
+                    "logit_bias", f"token id {t} is outside the vocabulary [0, {self.cfg.vocab_size})"
+                )
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -189,8 +203,14 @@ class LLMEngine:
                 errors[seq.request_id] = f"{type(e).__name__}: {e}"
                 continue
             new_tokens[seq.request_id] = s.token_id
+            state.cumulative_logprob += s.logprob
             if state.logprobs is not None:
-                state.logprobs.append(TokenLogprob(s.token_id, s.logprob, s.top))
+                decode = self.tokenizer.decode
+                state.logprobs.append(
+                    TokenLogprob(
+                        s.token_id, s.logprob, s.top, s.rank, decode([s.token_id]), [decode([t]) for t, _ in s.top]
+                    )
+                )
             if reason:
                 finished[seq.request_id] = reason
         failed = [self._failed(seq, errors[seq.request_id]) for seq in seqs if seq.request_id in errors]
@@ -220,7 +240,11 @@ class LLMEngine:
             except Exception as e:
                 errors[seq.request_id] = f"scoring the prompt failed: {type(e).__name__}: {e}"
                 continue
-            state.prompt_logprobs += [TokenLogprob(t, lp, top) for t, (lp, top) in zip(targets, scored)]
+            decode = self.tokenizer.decode
+            state.prompt_logprobs += [
+                TokenLogprob(t, lp, top, None, decode([t]), [decode([a]) for a, _ in top])
+                for t, (lp, top) in zip(targets, scored)
+            ]
 
     def _between_layers(self, layer: int) -> None:
         """QLLM layer-level preemption: between two layers of a best-effort step, admit what arrived
@@ -314,8 +338,16 @@ class LLMEngine:
 
     def _row(self, seq: Sequence, tokens: list[int], start: int, sample: bool) -> Row:
         state = self._requests[seq.request_id]
+        penalized = sample and state.sampling.adjusts_logits
         return Row(
-            tokens, start, list(seq.block_table), state.sampling if sample else None, state.seed, seq.num_output_tokens
+            tokens,
+            start,
+            list(seq.block_table),
+            state.sampling if sample else None,
+            state.seed,
+            seq.num_output_tokens,
+            history=seq.prompt_ids + seq.output_ids if penalized else None,
+            num_prompt=len(seq.prompt_ids),
         )
 
     def _stop_reason(self, state: _RequestState, token: int) -> str | None:
@@ -354,6 +386,7 @@ class LLMEngine:
             priority=seq.priority.value,
             ttft=seq.ttft,
             tpot=seq.tpot,
+            cumulative_logprob=state.cumulative_logprob,
             prompt_logprobs=list(state.prompt_logprobs)
             if state.prompt_logprobs is not None and (seq.is_finished or first)
             else None,

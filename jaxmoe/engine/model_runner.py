@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
-from jaxmoe.sampling import SamplingParams, sample
+from jaxmoe.sampling import MAX_LOGIT_BIAS, SamplingParams, sample, sample_adjusted
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.runtime.executor import ExpertQueueing, LowersAhead
 
@@ -40,6 +40,8 @@ class Row:
     sampling: SamplingParams | None = None  # None: no token is sampled (a non-final prefill chunk)
     seed: int = 0
     step: int = 0  # tokens generated so far (varies the random key)
+    history: list[int] | None = None  # prompt + output ids, for penalties (``SamplingParams.adjusts_logits``)
+    num_prompt: int = 0  # how many of ``history`` are the prompt
 
 
 @dataclasses.dataclass
@@ -47,6 +49,7 @@ class Sampled:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # top alternatives (token id, logprob), when asked
+    rank: int | None = None  # of the token in the model's distribution (1 = most likely), when asked
 
 
 class ModelRunner:
@@ -125,6 +128,9 @@ class ModelRunner:
         programs, logits = self.executor.lower(*self._empty(B, tokens))
         if sampler:
             programs.append(sample.lower(logits, *_sampling_arrays(B), np.bool_(False)))
+            programs.append(
+                sample_adjusted.lower(logits, *_sampling_arrays(B), np.bool_(False), *self._adjusted_arrays(B))
+            )
         return programs
 
     def score(self, row: Row, targets: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -174,30 +180,69 @@ class ModelRunner:
         """Forward + sample one padded batch; only the sampled tokens (and logprobs) come back."""
         tokens_in, batch, last, where = self.prepare(rows)
         self.last_calls.append(tuple(tokens_in.shape))
-        sampling = _sampling_arrays(tokens_in.shape[0], rows, where)
+        B = tokens_in.shape[0]
+        adjusted = any(r.sampling is not None and r.sampling.adjusts_logits for r in rows)
+        sampling = _sampling_arrays(B, rows, where)
+        extras = self._adjusted_arrays(B, rows, where) if adjusted else None
         want_logprobs = any(r.sampling is not None and r.sampling.logprobs is not None for r in rows)
-        tokens, chosen, top_ids, top_lp = self._execute(tokens_in, batch, last, sampling, want_logprobs, between_layers)
+        tokens, chosen, rank, top_ids, top_lp = self._execute(
+            tokens_in, batch, last, sampling, want_logprobs, between_layers, extras
+        )
         out: list[Sampled | None] = []
         for i, r in zip(where, rows):
             if r.sampling is None:
                 out.append(None)
                 continue
-            n = r.sampling.logprobs or 0
-            top = [(int(t), float(lp)) for t, lp in zip(top_ids[i, :n], top_lp[i, :n])]
-            out.append(Sampled(int(tokens[i]), float(chosen[i]), top))
+            n = r.sampling.logprobs
+            top = [(int(t), float(lp)) for t, lp in zip(top_ids[i, : n or 0], top_lp[i, : n or 0])]
+            out.append(Sampled(int(tokens[i]), float(chosen[i]), top, None if n is None else int(rank[i])))
         return out
 
-    def _execute(self, tokens, batch, last, sampling, want_logprobs: bool, between_layers=None):
+    def _adjusted_arrays(self, B: int, rows: list[Row] = (), where=()) -> tuple[np.ndarray, ...]:
+        """What ``sample_adjusted`` takes beyond ``sample``'s arguments: min_p, presence, frequency, repetition [B], history [B, W], num_prompt [B], bias ids / values
+        [B, MAX_LOGIT_BIAS]; W = the longest sequence the block tables hold (one shape per batch size)."""
+        W = self.max_blocks_per_seq * self.block_size
+        min_p, presence, frequency = (np.zeros(B, np.float32) for _ in range(3))
+        repetition = np.ones(B, np.float32)
+        history = np.full((B, W), -1, np.int32)
+        num_prompt = np.zeros(B, np.int32)
+        bias_ids = np.full((B, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((B, MAX_LOGIT_BIAS), np.float32)
+        for i, r in zip(where, rows):
+            s = r.sampling
+            if s is None or not s.adjusts_logits:
+                continue
+            min_p[i], presence[i], frequency[i], repetition[i] = (
+                s.min_p,
+                s.presence_penalty,
+                s.frequency_penalty,
+                s.repetition_penalty,
+            )
+            if r.history is not None:
+                h = r.history[-W:]
+                history[i, : len(h)] = h
+                num_prompt[i] = max(0, r.num_prompt - (len(r.history) - len(h)))
+            if s.logit_bias:
+                bias_ids[i, : len(s.logit_bias)] = list(s.logit_bias)
+                bias_values[i, : len(s.logit_bias)] = list(s.logit_bias.values())
+        return min_p, presence, frequency, repetition, history, num_prompt, bias_ids, bias_values
+
+    def _execute(self, tokens, batch, last, sampling, want_logprobs: bool, between_layers=None, extras=None):
         """The executor's forward pass, then the sampler as its own program (compiled once per batch
         size, shared by every token bucket); only the sampled tokens come back to the host.
-        ``between_layers``: the executor runs layer by layer and calls it between layers."""
+        ``between_layers``: the executor runs layer by layer and calls it between layers. ``extras``:
+        the arguments of the adjusted sampler (``_adjusted_arrays``), None for the plain one."""
         if between_layers is None:
             logits = self.executor.forward(tokens, batch, last)
         else:
             self.pausable_state_bytes = self._pause_state_bytes(int(np.prod(np.shape(tokens))))
             logits = self.executor.forward(tokens, batch, last, between_layers=between_layers)
-        result = sample(logits, *sampling, np.bool_(want_logprobs))
-        return jax.device_get(result)  # one host transfer for all four
+        flag = np.bool_(want_logprobs)
+        if extras is None:
+            result = sample(logits, *sampling, flag)
+        else:
+            result = sample_adjusted(logits, *sampling, flag, *extras)
+        return jax.device_get(result)  # one host transfer for all five
 
     def _pause_state_bytes(self, num_tokens: int) -> int:
         """What a pause keeps on the device: the step's hidden states [B, T, D]; between expert
