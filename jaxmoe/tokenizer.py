@@ -1,5 +1,10 @@
 """Tokenizers: a checkpoint's ``tokenizer.json`` (via ``tokenizers``) with its chat template, and
-the byte-level tokenizer of the built-in demo model."""
+the byte-level tokenizer of the built-in demo model.
+
+A chat template comes with the checkpoint, so it is untrusted code: it renders in jinja2's
+``ImmutableSandboxedEnvironment`` (as transformers does), where reaching Python internals
+(``''.__class__``, ``obj.__globals__``) or mutating arguments is refused with ``ChatTemplateError``.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,20 @@ import json
 from pathlib import Path
 
 import jinja2
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The checkpoint's chat template failed or tried something the sandbox refuses."""
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Refuses an unsafe attribute at once (jinja2's sandbox renders a lone ``{{ x.__class__ }}``
+    as an empty string and only fails when it is used further)."""
+
+    def unsafe_undefined(self, obj, attribute):
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
 
 
 class ByteTokenizer:
@@ -66,11 +85,16 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this checkpoint's tokenizer has no chat template")
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self._special
-        )
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._special
+            )
+        except SecurityError as e:
+            raise ChatTemplateError(
+                f"the chat template tried an unsafe operation, refused by the sandbox: {e}"
+            ) from None
 
 
 def _content(token):
