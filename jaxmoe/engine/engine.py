@@ -31,6 +31,7 @@ from jaxmoe.sampling import SamplingParams, SamplingParamsError
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
 from jaxmoe.runtime.executor import ExpertQueueing
+from jaxmoe.tokenizer import Detokenizer
 
 
 @dataclasses.dataclass
@@ -43,6 +44,7 @@ class _RequestState:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cumulative_logprob: float = 0.0
+    detok: Detokenizer | None = None  # streaming detokenization (each token decoded once)
 
 
 class LLMEngine:
@@ -131,6 +133,7 @@ class LLMEngine:
             seed,
             logprobs=[] if sampling.logprobs is not None else None,
             prompt_logprobs=[None] if sampling.prompt_logprobs is not None else None,
+            detok=Detokenizer(self.tokenizer),
         )
         return request_id
 
@@ -351,25 +354,31 @@ class LLMEngine:
         )
 
     def _stop_reason(self, state: _RequestState, token: int) -> str | None:
+        """Detokenize the new token (incrementally) and say whether it ends the request: a stop
+        token, EOS, or a stop string that ends in the new text."""
         s = state.sampling
+        before = len(state.detok.text)
+        piece = state.detok.add(token)
         if token in s.stop_token_ids or (token in self.eos_ids and not s.ignore_eos):
             return "stop"
-        if s.stop:
-            text = self.tokenizer.decode(state.seq.output_ids + [token])
+        if s.stop and piece:
+            text = state.detok.text
             for stop in s.stop:
-                if stop and stop in text[max(0, len(state.text) - len(stop)) :]:
+                if stop and stop in text[max(0, before - len(stop) + 1) :]:
                     return "stop"
         return None
 
     def _output(self, state: _RequestState) -> RequestOutput:
         seq = state.seq
         ids = seq.output_ids
-        text = self.tokenizer.decode(ids)
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
-            text = _cut_at_stop(text, state.sampling.stop)
-        elif text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
-            text = state.text
+            text = _cut_at_stop(state.detok.finish(ids), state.sampling.stop)
+        else:  # a character split over tokens appears once complete
+            text = state.detok.text
+            hold = max((len(x) for x in state.sampling.stop), default=1) - 1
+            if hold:  # text that may be the start of a stop string waits (vLLM's stop buffer)
+                text = text[: max(len(state.text), len(text) - hold)]
         delta_text, state.text = text[len(state.text) :], text
         first = state.sent_tokens == 0 and len(ids) > 0  # the prompt is fully scored by now
         delta_ids, state.sent_tokens = ids[state.sent_tokens :], len(ids)
