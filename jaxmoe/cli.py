@@ -45,7 +45,14 @@ def cmd_generate(args) -> int:
 def cmd_mesh_show(args) -> int:
     from jaxmoe.mesh import load_mesh
 
-    print(load_mesh(args.file).describe())
+    spec = load_mesh(args.file)
+    text = spec.describe()
+    if spec.brownout is not None:  # validated and described by the brownout package
+        from jaxmoe.brownout.config import describe, mesh_brownout
+
+        head, _, _ = text.rpartition("\n  brownout: ")
+        text = f"{head}\n  brownout: {describe(mesh_brownout(spec))}"
+    print(text)
     return 0
 
 

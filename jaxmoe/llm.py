@@ -154,7 +154,7 @@ class LLM:
         self.cfg, params, self.tokenizer = load_model(model, dtype)
         salc = None
         if brownout is None and mesh is not None:
-            from jaxmoe.mesh import mesh_brownout
+            from jaxmoe.brownout.config import mesh_brownout
 
             settings = mesh_brownout(mesh)
             if settings is not None:
