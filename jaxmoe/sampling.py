@@ -5,12 +5,13 @@ Everything is per row, so one jitted call serves a batch mixing greedy and sampl
 The random key of a row is derived from (seed, number of tokens generated so far): the same seed
 gives the same tokens whatever else is in the batch.
 
-Two programs: ``sample`` (temperature, top-k, top-p: the common case, as fast as it can be) and
-``sample_adjusted`` (also logit bias, penalties and min-p), which a step runs only when one of its
-rows asks for one of those (``SamplingParams.adjusts_logits``). The adjusted program takes each
-row's token history (prompt + output ids, padded to a fixed width so one program serves every step
-of a batch size) and counts the tokens on the device. The logprobs both return are those of the
-model's own distribution (before bias, penalties and temperature), as vLLM's default.
+``sample`` draws the tokens (temperature, top-k, top-p, min-p: each filter behind a cond, so a
+batch that does not use it does not pay for it). Logit bias and penalties are ``adjust_logits``, a
+small program of its own that a step runs before ``sample`` only when one of its rows asks for one
+(``SamplingParams.adjusts_logits``): it takes each row's token history (prompt + output ids, padded
+to a fixed width so one program serves every step of a batch size) and counts the tokens on the
+device. Logprobs are those of the model's own distribution (before bias, penalties and
+temperature), as vLLM's default.
 """
 
 from __future__ import annotations
@@ -144,13 +145,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether this request needs the adjusted sampler program (bias, penalties or min-p)."""
+        """Whether this request needs ``adjust_logits`` (logit bias or penalties)."""
         return bool(
-            self.logit_bias
-            or self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.min_p
+            self.logit_bias or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
 
     @property
@@ -220,15 +217,19 @@ def _argmax_and_max(logits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1), m
 
 
-def _choose(logits, temperature, top_k, top_p, seeds, steps, min_p=None):
+def _min_p(scaled, min_p):
+    """Drop tokens with p < min_p * p_max, i.e. logit < max + log(min_p) (rows with min_p 0 keep all)."""
+    floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
+    return jnp.where((min_p[:, None] > 0) & (scaled < floor), -jnp.inf, scaled)
+
+
+def _choose(logits, temperature, top_k, top_p, seeds, steps, min_p):
     """The token of each row of ``logits`` [B, V] (float32): greedy where temperature is 0."""
     greedy, _ = _argmax_and_max(logits)
 
     def random_tokens(logits):
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        if min_p is not None:  # drop tokens with p < min_p * p_max, i.e. logit < max + log(min_p)
-            floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
-            scaled = jnp.where((min_p[:, None] > 0) & (scaled < floor), -jnp.inf, scaled)
+        scaled = jax.lax.cond(jnp.any(min_p > 0), lambda l: _min_p(l, min_p), lambda l: l, scaled)
         # The top-k / top-p filter sorts the vocabulary of every row (slow on CPU): only when asked.
         scaled = jax.lax.cond(
             jnp.any((top_k > 0) | (top_p < 1)), lambda l: _filter(l, top_k, top_p), lambda l: l, scaled
@@ -262,39 +263,25 @@ def _logprobs(logits, tokens, want_logprobs):
 
 
 @jax.jit
-def sample(logits, temperature, top_k, top_p, seeds, steps, want_logprobs=False):
+def sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs=False):
     """Returns (tokens [B], logprob of token [B], rank of token [B], top ids [B, MAX_LOGPROBS], top
-    logprobs [B, MAX_LOGPROBS]). Rank and the top alternatives are computed only when
-    ``want_logprobs`` (a traced flag: one program serves steps with and without logprobs);
-    otherwise they are zeros."""
+    logprobs [B, MAX_LOGPROBS]). Tokens are drawn from ``logits`` (``adjust_logits``' output, or the
+    model's logits themselves); logprobs, rank and the top alternatives are those of ``raw_logits``
+    (the model's). Rank and the top alternatives are computed only when ``want_logprobs`` (a traced
+    flag: one program serves steps with and without logprobs); otherwise they are zeros."""
     logits = logits.astype(jnp.float32)
-    tokens = _choose(logits, temperature, top_k, top_p, seeds, steps)
-    return (tokens, *_logprobs(logits, tokens, want_logprobs))
+    raw_logits = raw_logits.astype(jnp.float32)
+    tokens = _choose(logits, temperature, top_k, top_p, seeds, steps, min_p)
+    return (tokens, *_logprobs(raw_logits, tokens, want_logprobs))
 
 
 @jax.jit
-def sample_adjusted(
-    logits,
-    temperature,
-    top_k,
-    top_p,
-    seeds,
-    steps,
-    want_logprobs,
-    min_p,
-    presence,
-    frequency,
-    repetition,
-    history,
-    num_prompt,
-    bias_ids,
-    bias_values,
-):
-    """``sample`` with logit bias, penalties and min-p (vLLM's order: bias, then penalties, then
-    temperature, min-p, top-k, top-p). Per row: ``min_p``, ``presence`` / ``frequency`` /
-    ``repetition`` penalties [B]; ``history`` [B, W] the prompt then the output ids (padding: -1),
-    ``num_prompt`` [B] how many of them are the prompt; ``bias_ids`` / ``bias_values`` [B, K]
-    (padding id: -1). Logprobs are those of the unadjusted ``logits``."""
+def adjust_logits(logits, presence, frequency, repetition, history, num_prompt, bias_ids, bias_values):
+    """Logit bias, then presence / frequency / repetition penalties (vLLM's order), per row:
+    ``presence`` / ``frequency`` / ``repetition`` [B]; ``history`` [B, W] the prompt then the output
+    ids (padding: -1), ``num_prompt`` [B] how many of them are the prompt; ``bias_ids`` /
+    ``bias_values`` [B, K] (padding id: -1). A small program of its own (a scatter and a few
+    element-wise ops), run before ``sample`` only for steps where a request sets one of them."""
     raw = logits.astype(jnp.float32)
     B, V = raw.shape
     rows = jnp.arange(B)[:, None]
@@ -306,6 +293,4 @@ def sample_adjusted(
     adjusted = raw.at[rows, jnp.where(bias_ids >= 0, bias_ids, V)].add(bias_values, mode="drop")
     rep = repetition[:, None]
     adjusted = jnp.where(seen, jnp.where(adjusted > 0, adjusted / rep, adjusted * rep), adjusted)
-    adjusted = adjusted - frequency[:, None] * counts - presence[:, None] * (counts > 0)
-    tokens = _choose(adjusted, temperature, top_k, top_p, seeds, steps, min_p)
-    return (tokens, *_logprobs(raw, tokens, want_logprobs))
+    return adjusted - frequency[:, None] * counts - presence[:, None] * (counts > 0)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
-from jaxmoe.sampling import MAX_LOGIT_BIAS, SamplingParams, sample, sample_adjusted
+from jaxmoe.sampling import MAX_LOGIT_BIAS, SamplingParams, adjust_logits, sample
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.runtime.executor import ExpertQueueing, LowersAhead
 
@@ -127,10 +127,8 @@ class ModelRunner:
         B = self.num_instances * rows_per_instance
         programs, logits = self.executor.lower(*self._empty(B, tokens))
         if sampler:
-            programs.append(sample.lower(logits, *_sampling_arrays(B), np.bool_(False)))
-            programs.append(
-                sample_adjusted.lower(logits, *_sampling_arrays(B), np.bool_(False), *self._adjusted_arrays(B))
-            )
+            programs.append(sample.lower(logits, logits, *_sampling_arrays(B), np.bool_(False)))
+            programs.append(adjust_logits.lower(logits, *self._adjusted_arrays(B)))
         return programs
 
     def score(self, row: Row, targets: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -199,10 +197,10 @@ class ModelRunner:
         return out
 
     def _adjusted_arrays(self, B: int, rows: list[Row] = (), where=()) -> tuple[np.ndarray, ...]:
-        """What ``sample_adjusted`` takes beyond ``sample``'s arguments: min_p, presence, frequency, repetition [B], history [B, W], num_prompt [B], bias ids / values
+        """What ``adjust_logits`` takes beyond the logits: presence, frequency, repetition [B], history [B, W], num_prompt [B], bias ids / values
         [B, MAX_LOGIT_BIAS]; W = the longest sequence the block tables hold (one shape per batch size)."""
         W = self.max_blocks_per_seq * self.block_size
-        min_p, presence, frequency = (np.zeros(B, np.float32) for _ in range(3))
+        presence, frequency = np.zeros(B, np.float32), np.zeros(B, np.float32)
         repetition = np.ones(B, np.float32)
         history = np.full((B, W), -1, np.int32)
         num_prompt = np.zeros(B, np.int32)
@@ -212,12 +210,7 @@ class ModelRunner:
             s = r.sampling
             if s is None or not s.adjusts_logits:
                 continue
-            min_p[i], presence[i], frequency[i], repetition[i] = (
-                s.min_p,
-                s.presence_penalty,
-                s.frequency_penalty,
-                s.repetition_penalty,
-            )
+            presence[i], frequency[i], repetition[i] = s.presence_penalty, s.frequency_penalty, s.repetition_penalty
             if r.history is not None:
                 h = r.history[-W:]
                 history[i, : len(h)] = h
@@ -225,23 +218,21 @@ class ModelRunner:
             if s.logit_bias:
                 bias_ids[i, : len(s.logit_bias)] = list(s.logit_bias)
                 bias_values[i, : len(s.logit_bias)] = list(s.logit_bias.values())
-        return min_p, presence, frequency, repetition, history, num_prompt, bias_ids, bias_values
+        return presence, frequency, repetition, history, num_prompt, bias_ids, bias_values
 
     def _execute(self, tokens, batch, last, sampling, want_logprobs: bool, between_layers=None, extras=None):
         """The executor's forward pass, then the sampler as its own program (compiled once per batch
         size, shared by every token bucket); only the sampled tokens come back to the host.
         ``between_layers``: the executor runs layer by layer and calls it between layers. ``extras``:
-        the arguments of the adjusted sampler (``_adjusted_arrays``), None for the plain one."""
+        the arguments of ``adjust_logits`` (``_adjusted_arrays``), None when no row needs it."""
         if between_layers is None:
             logits = self.executor.forward(tokens, batch, last)
         else:
             self.pausable_state_bytes = self._pause_state_bytes(int(np.prod(np.shape(tokens))))
             logits = self.executor.forward(tokens, batch, last, between_layers=between_layers)
         flag = np.bool_(want_logprobs)
-        if extras is None:
-            result = sample(logits, *sampling, flag)
-        else:
-            result = sample_adjusted(logits, *sampling, flag, *extras)
+        adjusted = logits if extras is None else adjust_logits(logits, *extras)
+        result = sample(adjusted, logits, *sampling, flag)
         return jax.device_get(result)  # one host transfer for all five
 
     def _pause_state_bytes(self, num_tokens: int) -> int:
@@ -264,16 +255,17 @@ def _score(logits, targets, top: int):
 
 
 def _sampling_arrays(B: int, rows: list[Row] = (), where=()) -> tuple[np.ndarray, ...]:
-    """Per padded row: temperature, top_k, top_p, seed, step (greedy for padding and unsampled rows)."""
+    """Per padded row: temperature, top_k, top_p, min_p, seed, step (greedy for padding and unsampled rows)."""
     temperature = np.zeros(B, np.float32)
     top_k = np.zeros(B, np.int32)
     top_p = np.ones(B, np.float32)
+    min_p = np.zeros(B, np.float32)
     seeds = np.zeros(B, np.uint32)
     steps = np.zeros(B, np.int32)
     for i, r in zip(where, rows):
         if r.sampling is None:
             continue
         s = r.sampling
-        temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
+        temperature[i], top_k[i], top_p[i], min_p[i] = s.temperature, s.top_k, s.top_p, s.min_p
         seeds[i], steps[i] = r.seed % (1 << 32), r.step
-    return temperature, top_k, top_p, seeds, steps
+    return temperature, top_k, top_p, min_p, seeds, steps

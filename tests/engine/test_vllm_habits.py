@@ -9,7 +9,7 @@ import pytest
 
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.engine.outputs import CompletionOutput, Logprob
-from jaxmoe.sampling import SamplingParamsError, sample, sample_adjusted
+from jaxmoe.sampling import SamplingParamsError, adjust_logits, sample
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +108,12 @@ def _reference(logits, history, num_prompt, presence, frequency, repetition, bia
     return out
 
 
-def test_adjusted_sampler_matches_a_numpy_reference_and_keeps_raw_logprobs():
+def test_adjusted_logits_match_a_numpy_reference_and_logprobs_stay_raw():
     rng = np.random.default_rng(0)
     B, V, W, K = 4, 50, 16, 8
     logits = rng.normal(size=(B, V)).astype(np.float32) * 3
     zeros, ones = np.zeros(B, np.float32), np.ones(B, np.float32)
-    base = (zeros, np.zeros(B, np.int32), ones, np.zeros(B, np.uint32), np.zeros(B, np.int32))
+    greedy = (zeros, np.zeros(B, np.int32), ones, zeros, np.zeros(B, np.uint32), np.zeros(B, np.int32))
     history = np.full((B, W), -1, np.int32)
     num_prompt = np.array([3, 2, 0, 4], np.int32)
     seqs = [[int(logits[0].argmax())] * 2 + [1, 2, 2], [7, 8, 9], [], [5, 5, 5, 5, 6, 6]]
@@ -127,65 +127,28 @@ def test_adjusted_sampler_matches_a_numpy_reference_and_keeps_raw_logprobs():
     bias = [{}, {3: 5.0}, {4: -100.0, 10: 2.0}, {}]
     for i, d in enumerate(bias):
         bias_ids[i, : len(d)], bias_values[i, : len(d)] = list(d), list(d.values())
-    tokens, chosen, rank, _, _ = sample_adjusted(
-        logits,
-        *base,
-        np.bool_(True),
-        zeros,
-        presence,
-        frequency,
-        repetition,
-        history,
-        num_prompt,
-        bias_ids,
-        bias_values,
-    )
+    adjusted = adjust_logits(logits, presence, frequency, repetition, history, num_prompt, bias_ids, bias_values)
+    tokens, chosen, rank, _, _ = sample(adjusted, logits, *greedy, np.bool_(True))
     for i in range(B):
         ref = _reference(logits[i], seqs[i], int(num_prompt[i]), presence[i], frequency[i], repetition[i], bias[i])
+        np.testing.assert_allclose(np.asarray(adjusted[i]), ref, rtol=1e-5, atol=1e-5)
         assert int(tokens[i]) == int(ref.argmax())
         raw = logits[i] - np.log(np.exp(logits[i].astype(np.float64)).sum())
         assert float(chosen[i]) == pytest.approx(raw[int(tokens[i])], abs=1e-4)  # the model's own logprob
         assert int(rank[i]) == 1 + int((logits[i] > logits[i][int(tokens[i])]).sum())
-    # no adjustment at all: the same tokens as the plain sampler
-    plain = sample(logits, *base, np.bool_(False))[0]
-    same = sample_adjusted(
-        logits,
-        *base,
-        np.bool_(False),
-        zeros,
-        zeros,
-        zeros,
-        ones,
-        history * 0 - 1,
-        num_prompt * 0,
-        bias_ids * 0 - 1,
-        bias_values * 0,
-    )[0]
-    np.testing.assert_array_equal(np.asarray(plain), np.asarray(same))
+    # no adjustment at all: the logits unchanged
+    none = adjust_logits(logits, zeros, zeros, ones, history * 0 - 1, num_prompt * 0, bias_ids * 0 - 1, bias_values * 0)
+    np.testing.assert_array_equal(np.asarray(none), logits)
 
 
 def test_min_p_keeps_only_tokens_near_the_most_likely():
     B = 2
     logits = np.log(np.array([[0.5, 0.3, 0.1, 0.05, 0.03, 0.02]] * B, np.float32))
-    temperature = np.ones(B, np.float32)
+    ones = np.ones(B, np.float32)
     hits = set()
     for seed in range(40):
-        tokens = sample_adjusted(
-            logits,
-            temperature,
-            np.zeros(B, np.int32),
-            np.ones(B, np.float32),
-            np.full(B, seed, np.uint32),
-            np.arange(B, dtype=np.int32),
-            np.bool_(False),
-            np.full(B, 0.5, np.float32),
-            *(np.zeros(B, np.float32),) * 2,
-            np.ones(B, np.float32),
-            np.full((B, 4), -1, np.int32),
-            np.zeros(B, np.int32),
-            np.full((B, 2), -1, np.int32),
-            np.zeros((B, 2), np.float32),
-        )[0]
+        args = (ones, np.zeros(B, np.int32), ones, np.full(B, 0.5, np.float32), np.full(B, seed, np.uint32))
+        tokens = sample(logits, logits, *args, np.arange(B, dtype=np.int32), np.bool_(False))[0]
         hits.update(int(t) for t in tokens)
     assert hits == {0, 1}  # 0.3 >= 0.5 * 0.5 survives, 0.1 does not
 
