@@ -11,13 +11,12 @@ for ``--shutdown-grace`` seconds (aborting what is left, ``finish_reason="abort"
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
 import sys
 
-from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
+from jaxmoe.cli import EXPERT_IMPLS
 from jaxmoe.server.brownout_flags import add_brownout_args, serve_brownout
 
 
@@ -257,6 +256,8 @@ def build_engine(args):
 
 
 def cmd_serve(args) -> int:
+    import asyncio  # here, not at the top: ``jaxmoe --help`` and ``jaxmoe client`` stay fast
+
     from jaxmoe.server.app import ServeOptions
     from jaxmoe.server.http_server import HttpLimits
     from jaxmoe.server.security import SecurityOptions
@@ -300,6 +301,8 @@ def cmd_serve(args) -> int:
 
 
 async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:
+    import asyncio
+
     from jaxmoe.engine.async_engine import WarmupCancelled
     from jaxmoe.server.app import JaxmoeServer
 

@@ -5,10 +5,33 @@ and a cluster simulator that replays a synthetic diurnal, bursty trace (``jaxmoe
 Control plane only: nothing here is imported by the per-step hot path.
 """
 
-from jaxmoe.scaling.controller import Layout, ScalingController, candidates
-from jaxmoe.scaling.perf_model import DEEPSEEK_V2, H100, Hardware, ModelShape, PerfModel
-from jaxmoe.scaling.simulator import compare, simulate
-from jaxmoe.scaling.trace import TraceShape, synthesize
+import importlib
+
+# imported on first use (PEP 562): the command line registers its subcommands without importing these
+_EXPORTS = {
+    "Layout": "jaxmoe.scaling.controller",
+    "ScalingController": "jaxmoe.scaling.controller",
+    "candidates": "jaxmoe.scaling.controller",
+    "DEEPSEEK_V2": "jaxmoe.scaling.perf_model",
+    "H100": "jaxmoe.scaling.perf_model",
+    "Hardware": "jaxmoe.scaling.perf_model",
+    "ModelShape": "jaxmoe.scaling.perf_model",
+    "PerfModel": "jaxmoe.scaling.perf_model",
+    "compare": "jaxmoe.scaling.simulator",
+    "simulate": "jaxmoe.scaling.simulator",
+    "TraceShape": "jaxmoe.scaling.trace",
+    "synthesize": "jaxmoe.scaling.trace",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DEEPSEEK_V2",
