@@ -23,14 +23,33 @@ EXPERT_IMPLS = (
 )
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_dtype(text: str) -> str | None:
+    """``--dtype``: checked when the command line is parsed, before anything loads; ``auto`` (None)
+    keeps the checkpoint's ``torch_dtype``."""
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)}, got {text!r}")
+    return None if text == "auto" else text
+
+
+def _add_model_args(p: argparse.ArgumentParser, mesh: bool = True, dtype: bool = True) -> None:
     p.add_argument(
         "--model",
         default="demo",
         help="checkpoint directory, 'demo' (the built-in trained model) or 'tiny-random' (a test fixture)",
     )
-    p.add_argument("--mesh", default=None, help="mesh file (meshes/*.yaml); default: monolithic on one device")
-    p.add_argument("--dtype", default=None, help="parameter dtype (float32, bfloat16); default: checkpoint's")
+    if mesh:
+        p.add_argument("--mesh", default=None, help="mesh file (meshes/*.yaml); default: monolithic on one device")
+    if dtype:
+        p.add_argument(
+            "--dtype",
+            type=parse_dtype,
+            default=None,
+            metavar="{" + ",".join(DTYPES) + "}",
+            help="parameter dtype (default auto: the checkpoint's torch_dtype)",
+        )
 
 
 def cmd_generate(args) -> int:
@@ -67,8 +86,15 @@ def cmd_mesh_show(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """One line per mistake (not the whole usage of a command with fifty options)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxmoe", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="jaxmoe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")

@@ -213,6 +213,11 @@ def build_meshes(spec: ClusterSpec, devices: Sequence | None = None) -> SubMeshe
         raise MeshConfigError(
             f"{src}: nodes: the file describes {spec.nodes} nodes x {spec.devices_per_node} devices = "
             f"{spec.num_devices} devices but only {len(devices)} jax devices exist"
+            + (
+                f" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={spec.num_devices} before starting)"
+                if spec.platform == "cpu" or devices[0].platform == "cpu"
+                else ""
+            )
         )
     devices = devices[: spec.num_devices]
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(devices[0].platform, devices[0].platform)

@@ -2,8 +2,8 @@
 
 ``jaxmoe serve`` loads the model, warms up, then prints one line per front end::
 
-    jaxmoe: grpc listening on 127.0.0.1:50051
-    jaxmoe: http listening on 127.0.0.1:8000
+    jaxmoe: grpc listening on 127.0.0.1:50151
+    jaxmoe: http listening on 127.0.0.1:8100
 
 and serves until SIGTERM / SIGINT: it then stops taking requests, lets in-flight streams finish
 for ``--shutdown-grace`` seconds (aborting what is left, ``finish_reason="abort"``) and exits 0.
@@ -20,14 +20,27 @@ from jaxmoe.cli import EXPERT_IMPLS
 from jaxmoe.server.brownout_flags import add_brownout_args, serve_brownout
 
 
+DEFAULT_HTTP_PORT = 8100  # beside a vLLM server (8000) on the same host
+DEFAULT_GRPC_PORT = 50151  # beside the usual gRPC 50051
+
+
 def register(sub, add_model_args) -> None:
     serve = sub.add_parser("serve", help="serve a model over gRPC and OpenAI-compatible HTTP")
     add_model_args(serve)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 exposes the server)"
     )
-    serve.add_argument("--grpc-port", type=int, default=50051, help="0 = pick a free port")
-    serve.add_argument("--http-port", type=int, default=8000, help="0 = pick a free port")
+    serve.add_argument(
+        "--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help=f"0 = pick a free port (default {DEFAULT_GRPC_PORT})"
+    )
+    serve.add_argument(
+        "--port",
+        "--http-port",
+        dest="http_port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help=f"HTTP (OpenAI API) port; 0 = pick a free port (default {DEFAULT_HTTP_PORT}: not vLLM's 8000)",
+    )
     serve.add_argument("--served-model-name", default=None, help="name in /v1/models (default: --model)")
     serve.add_argument(
         "--policy",
@@ -175,7 +188,7 @@ def register(sub, add_model_args) -> None:
     serve.set_defaults(func=cmd_serve)
 
     client = sub.add_parser("client", help="talk to a running server over gRPC")
-    client.add_argument("--target", default="127.0.0.1:50051")
+    client.add_argument("--target", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}")
     client.add_argument("--prompt", default="Hello")
     client.add_argument("--max-tokens", type=int, default=32)
     client.add_argument(

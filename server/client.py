@@ -1,6 +1,6 @@
 """A small Python client for the jaxmoe gRPC API.
 
-    with JaxmoeClient("127.0.0.1:50051") as c:
+    with JaxmoeClient("127.0.0.1:50151") as c:
         for chunk in c.generate("Hello", max_tokens=16, priority="ls"):
             print(chunk.delta_text, end="")
         print(c.model_info())
