@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import sys
 import threading
 import time
 
-from tqdm import tqdm
+from jaxmoe.progress import progress as progress_reporter
 
 ENV_WORKERS = "JAXMOE_COMPILE_WORKERS"
 
@@ -47,13 +46,13 @@ def warm_up(
     instance, tokens per row): lowered ahead and compiled on ``workers`` threads (default
     ``compile_workers()``) where the executor allows, else by running the shape once on padding
     rows that write no KV (and layer by layer too when the engine may pause a step). Returns the
-    seconds spent. ``progress``: a tqdm bar on stderr (None: when stderr is a terminal).
+    seconds spent. ``progress``: True a tqdm bar on stderr, False nothing, None (default) a bar on a
+    terminal and otherwise a line when it starts, every 10 s and when it ends (``jaxmoe.progress``).
     ``cancel``: set it to stop (``WarmupCancelled``); compiles already started finish in the
     background."""
     t0 = time.monotonic()
     todo = list(shapes if shapes is not None else engine.runner.plan.shapes())
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(total=len(todo), desc="jaxmoe warm-up", unit="program", file=sys.stderr, disable=not show)
+    bar = progress_reporter("jaxmoe warm-up", len(todo), "program", progress)
     pool = concurrent.futures.ThreadPoolExecutor(workers or compile_workers(), thread_name_prefix="jaxmoe-compile")
     try:
         run_instead = _lower_and_compile(engine.runner, todo, pool, bar, cancel, t0)
