@@ -11,6 +11,7 @@ for ``--shutdown-grace`` seconds (aborting what is left, ``finish_reason="abort"
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -103,6 +104,15 @@ def register(sub, add_model_args) -> None:
     )
     serve.add_argument(
         "--max-prefill-chunk", type=int, default=512, help="tokens of one prefill chunk (longer prompts are chunked)"
+    )
+    serve.add_argument(
+        "--log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one log line per request: id, route, prompt / output tokens, TTFT, status (default on)",
+    )
+    serve.add_argument(
+        "--quiet", action="store_true", help="log warnings and errors only (no request lines, no progress)"
     )
     serve.add_argument(
         "--no-warmup",
@@ -275,7 +285,11 @@ def cmd_serve(args) -> int:
     from jaxmoe.server.http_server import HttpLimits
     from jaxmoe.server.security import SecurityOptions
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not args.log_requests:
+        logging.getLogger("jaxmoe.requests").setLevel(logging.WARNING)
     if args.autoscale and not (args.mesh and args.slo_tpot_ms):
         print("jaxmoe: --autoscale needs --mesh and --slo-tpot-ms", file=sys.stderr)
         return 2
@@ -290,6 +304,7 @@ def cmd_serve(args) -> int:
         model_name=args.served_model_name or str(args.model),
         mesh_description=mesh_description,
         warmup=not args.no_warmup,
+        warmup_progress=False if args.quiet else None,
         request_timeout_s=args.request_timeout or None,
         max_body_bytes=args.max_body_bytes,
         body_read_timeout_s=args.body_read_timeout,

@@ -29,6 +29,7 @@ from jaxmoe.engine.sequence import Priority
 from jaxmoe.server import admin
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
+from jaxmoe.server.request_log import log_request
 from jaxmoe.server.security import ApiKeyInterceptor, SecurityOptions
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxmoe"].full_name  # "jaxmoe.v1.Jaxmoe"
@@ -169,20 +170,23 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
             )
         except EngineClosedError as e:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "unavailable", str(e))
-        finished = False
+        finished, last, status = False, None, "OK"
         try:
             async for out in stream:
+                last = out
                 yield output_to_proto(out, self.tokenizer)
             finished = True
         except RequestTimeoutError as e:
-            finished = True
+            finished, status = True, "DEADLINE_EXCEEDED"
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except EngineStepError as e:
-            finished = True
+            finished, status = True, "INTERNAL"
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
             if not finished:  # cancelled by the client (or its deadline): free the KV blocks
+                status = "CANCELLED"
                 self.engine.abort(rid)
+            log_request("grpc Generate", rid, status, [last])
 
     async def ModelInfo(self, request, context):
         if isinstance(request, Undecodable):

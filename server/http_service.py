@@ -39,6 +39,7 @@ from jaxmoe.server import openai_protocol as protocol
 from jaxmoe.server.http_body import BodyGuard
 from jaxmoe.server.http_errors import ApiError, ErrorResponse, bad, error_response, install_error_handlers
 from jaxmoe.server.openai_format import ChatFormat, CompletionFormat, merge_final, total_usage
+from jaxmoe.server.request_log import log_request
 
 log = logging.getLogger(__name__)
 
@@ -197,12 +198,14 @@ class OpenAIServer:
             self.engine.abort(st.request_id)
 
     async def _generate(self, request: Request, req, chat: bool) -> Response:
+        route = request.url.path
         try:
             prompts, sampling = self._prepare(req, chat)
             priority = _priority(request, req.priority)
             streams = await self._admit(prompts, sampling, priority, "chatcmpl-" if chat else "cmpl-")
         except ApiError as e:
             self._reject(e.status)
+            log_request(route, "-", e.status)
             return error_response(e)
         rid = streams[0].request_id
         fmts = [
@@ -213,7 +216,7 @@ class OpenAIServer:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._events(streams, fmts, include_usage, per_prompt),
+                self._events(streams, fmts, include_usage, per_prompt, route),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -228,19 +231,23 @@ class OpenAIServer:
                 self._abort(streams)
         if not finals.done() or finals.cancelled():
             log.info("client disconnected from %s; aborted it", rid)
+            log_request(route, rid, 499)
             return Response(status_code=499)
         try:
-            return JSONResponse(merge_final(fmts, finals.result(), per_prompt, sampling.n))
+            body = merge_final(fmts, finals.result(), per_prompt, sampling.n)
+            log_request(route, rid, 200, finals.result(), per_prompt)
+            return JSONResponse(body)
         except EngineStepError as e:
             timeout = isinstance(e, RequestTimeoutError)
+            log_request(route, rid, 504 if timeout else 500)
             return error_response(
                 ApiError(504 if timeout else 500, str(e), "server_error", "timeout" if timeout else "internal_error")
             )
 
-    async def _events(self, streams, fmts, include_usage: bool, per_prompt: int = 1):
+    async def _events(self, streams, fmts, include_usage: bool, per_prompt: int = 1, route: str = ""):
         """The SSE body; if it stops early (the client went away) the requests are aborted."""
         last: dict[int, RequestOutput] = {}
-        done = False
+        done, status = False, 200
         try:
             try:
                 for chunk in fmts[0].first_chunks():
@@ -256,6 +263,7 @@ class OpenAIServer:
                         yield _sse(fmts[i].chunk(out))
             except EngineStepError as e:
                 code = "timeout" if isinstance(e, RequestTimeoutError) else "internal_error"
+                status = 504 if code == "timeout" else 500
                 yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": code}})
             else:
                 if include_usage and last:
@@ -266,6 +274,9 @@ class OpenAIServer:
             if not done:
                 log.info("client disconnected from %s; aborting it", streams[0].request_id)
                 self._abort(streams)
+                status = 499
+            outs = [last.get(i) for i in range(len(streams))]
+            log_request(route + " (stream)", streams[0].request_id, status, outs, per_prompt)
 
 
 def _echo_ready(fmt, out: RequestOutput) -> bool:
