@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions`` (one prompt or a list of them, one choice each) and
 ``POST /v1/chat/completions`` (both with ``"stream": true`` as server-sent events ending in
-``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, the Prometheus
+``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, vLLM's
+``POST /tokenize`` / ``POST /detokenize`` / ``GET /version``, the Prometheus
 ``GET /metrics`` and the OpenAPI schema ``GET /openapi.json`` (generated from the request models).
 Request bodies are validated by strict pydantic models (``jaxmoe.server.openai_protocol``).
 Extension: ``"priority": "ls" | "be"`` in the body, or an ``X-Priority`` header (the body wins);
@@ -90,6 +91,9 @@ class OpenAIServer:
         app.add_api_route("/v1/models", self.models, methods=["GET"], responses=ERRORS)
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"], responses=ERRORS)
         app.add_api_route("/health", self.health, methods=["GET"], responses=ERRORS)
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"], responses=ERRORS)
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"], responses=ERRORS)
+        app.add_api_route("/version", self.version, methods=["GET"], responses=ERRORS)
         app.add_api_route("/admin/rescale", self.admin_rescale, methods=["POST"], responses=ERRORS)
         app.add_api_route(
             "/metrics", self.prometheus, methods=["GET"], responses={**ERRORS, 200: {"content": {"text/plain": {}}}}
@@ -126,6 +130,42 @@ class OpenAIServer:
     async def health(self) -> JSONResponse:
         ok = self.ready() and self.engine.running
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    async def tokenize(self, body: protocol.TokenizeRequest) -> dict:
+        """Token ids of a prompt, or of chat messages through the chat template (vLLM's ``/tokenize``)."""
+        self._check_model(body.model)
+        if body.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    [
+                        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in body.messages
+                    ],
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+            except (ValueError, TemplateError) as e:
+                raise bad(str(e), "messages") from None
+        else:
+            text = body.prompt
+        tokens = self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": self.engine.engine.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, body: protocol.DetokenizeRequest) -> dict:
+        """The text of token ids (vLLM's ``/detokenize``); 400 naming an id outside the vocabulary."""
+        self._check_model(body.model)
+        vocab = self.engine.engine.cfg.vocab_size
+        for i, t in enumerate(body.tokens):
+            if t >= vocab:
+                raise bad(f"tokens.{i}: token id {t} is outside the vocabulary [0, {vocab})", f"tokens.{i}")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    async def version(self) -> dict:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return {"version": version("jaxmoe")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
 
     async def admin_rescale(self, body: admin.RescaleRequest) -> dict:
         """Live re-scaling (``server.admin.rescale``): answers once the new layout serves, with the

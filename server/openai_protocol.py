@@ -6,7 +6,9 @@ Strict: a field of the wrong JSON type is refused, never coerced (``"stream": "f
 API's (``n``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` with token ids as string
 keys, completions' ``best_of``) and vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``). Fields the OpenAI API defines that jaxmoe does not implement
-are refused when set to a value that would change the output (``suffix``); other unknown fields
+are refused when set to a value that would change the output (``suffix``, ``response_format``
+other than text, ``tools``, ``tool_choice`` other than none, vLLM's ``guided_*``), a 400 naming the
+field, never silently ignored; other unknown fields
 are ignored, as the OpenAI API and vLLM do. Unset temperature / top_p / top_k come from the
 checkpoint's ``generation_config.json`` (when it sets ``do_sample``), else greedy: the one default
 every front end shares (docs/serving.md); completions' ``max_tokens`` defaults to 16.
@@ -77,6 +79,27 @@ class _Common(BaseModel):
     logit_bias: dict[str, Number] | None = None  # token id (as a string) -> bias in [-100, 100]
     priority: Text | None = None  # extension: "ls" | "be" (QLLM); the X-Priority header otherwise
     user: Text | None = None
+    # fields that would change the output and are not implemented: refused (400 naming the field)
+    # rather than silently ignored, unless set to their no-op value
+    response_format: Any = None
+    guided_json: Any = None  # vLLM's structured-output extras
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @model_validator(mode="after")
+    def _not_implemented(self):
+        rf = self.response_format
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise ValueError(
+                "response_format: structured output (json_object, json_schema) is not supported by this server; "
+                'omit it or send {"type": "text"}'
+            )
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: structured output is not supported by this server")
+        return self
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -191,6 +214,26 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+
+    @model_validator(mode="after")
+    def _chat_not_implemented(self):
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported by this server; omit tools")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError('tool_choice: tool calling is not supported by this server; omit it or send "none"')
+        for name in ("functions", "function_call", "audio", "prediction"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not supported by this server")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise ValueError('modalities: only ["text"] is supported')
+        return self
 
     def to_sampling(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -202,6 +245,33 @@ class ChatCompletionRequest(_Common):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (as vLLM's): a ``prompt``, or chat ``messages`` rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (as vLLM's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
 
 
 class RequestError(ValueError):
