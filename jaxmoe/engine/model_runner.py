@@ -18,14 +18,13 @@ Results come back in the callers' row order.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
-from jaxmoe.sampling import MAX_LOGIT_BIAS, SamplingParams, adjust_logits, sample
+from jaxmoe.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, adjust_logits, sample
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.runtime.executor import ExpertQueueing, LowersAhead
 
@@ -135,10 +134,22 @@ class ModelRunner:
         """Logprob of each of ``targets`` (the tokens after each of the row's positions) and the top
         alternatives, from the logits at every position of the row (another forward over the same
         chunk: it writes the same KV again)."""
-        logits = self.forward([row], all_logits=True)[0, : len(targets)]
-        lp, ids, tops = _score(logits, jnp.asarray(targets, jnp.int32), top)
-        lp, ids, tops = jax.device_get((lp, ids, tops))
-        return [(float(lp[i]), [(int(t), float(v)) for t, v in zip(ids[i], tops[i])]) for i in range(len(targets))]
+        logits = self.forward([row], all_logits=True)  # [1, T, V], T the chunk's token bucket
+        padded = np.zeros(logits.shape[1], np.int32)  # one program per token bucket, whatever the length
+        padded[: len(targets)] = targets
+        lp, ids, tops = jax.device_get(_score(logits, padded))
+        return [
+            (float(lp[i]), [(int(t), float(v)) for t, v in zip(ids[i, :top], tops[i, :top])])
+            for i in range(len(targets))
+        ]
+
+    def warm_scoring(self, tokens: int) -> None:
+        """Compile (by running, on padding that writes no KV) what ``score`` runs for a prefill chunk
+        of ``tokens`` tokens: the all-positions forward, the row gather and ``_score``."""
+        B = self.num_instances * bucket(1)
+        padding, batch, _ = self._empty(B, tokens)
+        logits = self.executor.forward(padding, batch, None)[np.zeros(1, dtype=np.int64)]
+        jax.block_until_ready(_score(logits, np.zeros(tokens, np.int32)))
 
     def forward(self, rows: list[Row], all_logits: bool = False):
         """Logits of the rows, in their order: [len(rows), V] at each row's last token, or
@@ -246,11 +257,13 @@ class ModelRunner:
         return 2 * hidden + num_tokens * (cfg.hidden_size * 4 + cfg.moe.top_k * 8)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _score(logits, targets, top: int):
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+@jax.jit
+def _score(logits, targets):
+    """Logprob of ``targets`` [T] at each position of ``logits`` [1, T, V], and the top
+    ``MAX_LOGPROBS`` alternatives (the caller keeps as many as asked)."""
+    lp = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
-    tops, ids = jax.lax.top_k(lp, top) if top else (lp[:, :0], jnp.zeros((lp.shape[0], 0), jnp.int32))
+    tops, ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, lp.shape[-1]))
     return chosen, ids, tops
 
 
