@@ -43,9 +43,21 @@ def sampling_from_proto(s: pb.SamplingParams, defaults: dict | None = None) -> S
     kw.update(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
     if s.top_k:
         kw["top_k"] = s.top_k
-    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+    ):
         if s.HasField(name):
             kw[name] = getattr(s, name)
+    if s.logit_bias:
+        kw["logit_bias"] = dict(s.logit_bias)
     return SamplingParams(**kw)
 
 
