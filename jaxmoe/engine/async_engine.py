@@ -161,6 +161,7 @@ class AsyncEngine:
         shapes: list[tuple[int, int]] | None = None,
         progress: bool | None = None,
         cancel: threading.Event | None = None,
+        scoring: bool = False,
     ) -> float:
         """Compile the step program of every shape serving can meet (``runner.plan.shapes()``:
         (rows per attention instance, tokens per row)), by running each once on padding rows that
@@ -169,7 +170,7 @@ class AsyncEngine:
         Afterwards ``compiles_after_warmup`` counts programs compiled while serving."""
 
         def run(engine: LLMEngine) -> float:
-            seconds = warm_up(engine, shapes, progress, cancel)
+            seconds = warm_up(engine, shapes, progress, cancel, scoring=scoring)
             self._compiles_at_ready = compile_events()["programs"]
             return seconds
 

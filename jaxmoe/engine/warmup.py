@@ -41,13 +41,14 @@ def warm_up(
     progress: bool | None = None,
     cancel: threading.Event | None = None,
     workers: int | None = None,
+    scoring: bool = False,
 ) -> float:
     """Compile the programs of each shape of ``engine.runner.plan.shapes()`` (rows per attention
     instance, tokens per row): lowered ahead and compiled on ``workers`` threads (default
     ``compile_workers()``) where the executor allows, else by running the shape once on padding
-    rows that write no KV (and layer by layer too when the engine may pause a step); then, per
-    prefill token bucket, the programs of prompt scoring (``echo`` with logprobs, ``prompt_logprobs``),
-    by running them on padding. Returns the
+    rows that write no KV (and layer by layer too when the engine may pause a step). With
+    ``scoring`` (what ``jaxmoe serve`` does), also the programs of prompt scoring (``echo`` with
+    logprobs, ``prompt_logprobs``) per prefill token bucket, by running them on padding. Returns the
     seconds spent. ``progress``: True a tqdm bar on stderr, False nothing, None (default) a bar on a
     terminal and otherwise a line when it starts, every 10 s and when it ends (``jaxmoe.progress``).
     ``cancel``: set it to stop (``WarmupCancelled``); compiles already started finish in the
@@ -63,9 +64,9 @@ def warm_up(
             bar.set_postfix_str(f"{rows}x{tokens}")
             engine.runner.warm(rows, tokens)
             bar.update()
-        scoring = sorted({tokens for _, tokens in todo if tokens > 1})  # prompt logprobs (echo, scoring)
-        bar.total += len(scoring)
-        for tokens in scoring:
+        buckets = sorted({tokens for _, tokens in todo if tokens > 1}) if scoring else []  # prompt logprobs
+        bar.total += len(buckets)
+        for tokens in buckets:
             _check(cancel, t0)
             bar.set_postfix_str(f"scoring {tokens} tokens")
             engine.runner.warm_scoring(tokens)
