@@ -215,13 +215,16 @@ def probe(server: Server, prompts, max_tokens: int, concurrency: int, seconds: f
     }
 
 
-def plot(results: dict, path: str, slo_ttft: float, slo_tpot: float, burst_at: float) -> None:
+def plot(results: dict, path: str, slo_ttft: float, slo_tpot: float, burst_at: float, setting: str = "") -> None:
+    """Three panels (P90 TTFT, P90 TPOT, SALC's threshold over time); ``setting`` (the run's load and
+    SALC period) goes into the title, so the pictures of different runs say which is which; legends
+    sit to the right of the panels, over no data."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     for mode, style in (("off", "tab:red"), ("salc", "tab:blue")):
         w = results[mode]["summary"]["windows"]
         for ax, name in zip(axes[:2], ("ttft", "tpot")):
@@ -234,16 +237,16 @@ def plot(results: dict, path: str, slo_ttft: float, slo_tpot: float, burst_at: f
         ax.axhline(slo, color="k", ls="--", lw=1, label=f"{name} SLO")
         ax.set_ylabel(f"P90 {name} (s, {WINDOW_S:.0f} s windows)")
         ax.set_yscale("log")
-    axes[2].set_ylabel("brownout threshold")
+    axes[2].set_ylabel("brownout threshold (share kept)")
     axes[2].set_ylim(-0.05, 1.05)
     axes[2].set_xlabel("time since the trace started (s)")
     for ax in axes:
         ax.axvline(burst_at, color="gray", ls=":", lw=1)
-        ax.legend(loc="upper left", fontsize=8)
-    axes[0].set_title("jaxmoe serve, demo model: request rate doubles at the dotted line")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
+    axes[0].set_title(f"jaxmoe serve, demo model{setting}: request rate doubles at the dotted line", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def perplexity(model: str, threshold: float | None, max_tokens: int) -> float:
@@ -318,7 +321,8 @@ def main() -> int:
     info["ppl_at_mean_threshold"] = perplexity(args.united, mean_t, args.ppl_tokens)
     info["mean_threshold_after_burst"] = mean_t
     info["min_threshold"] = min((v for _, v in results["salc"]["thresholds"]), default=1.0)
-    plot(results, args.png, info["slo_ttft"], info["slo_tpot"], burst_at)
+    setting = f" (load {args.load:g} of capacity, SALC period {args.salc_period:g} s)"
+    plot(results, args.png, info["slo_ttft"], info["slo_tpot"], burst_at, setting)
     n = len(info["trace"])
     print(
         f"\ntrace: {n} requests over {args.duration:.0f} s, {info['base_rate']:.2f} req/s then "

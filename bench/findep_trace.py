@@ -66,17 +66,22 @@ class StreamTracer:
 
 
 def plot_timelines(predicted: list[dict], measured: list[dict], path, title: str) -> None:
-    """Two panels (predicted, measured), one row per stream, one bar per task (ms from the layer's start)."""
+    """Two panels (predicted, measured), one row per stream, one bar per task (ms from the layer's
+    start), coloured by micro-batch; the legend (which colour is which micro-batch) sits to the right."""
+    from matplotlib.patches import Patch
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(11, 5.5), sharex=True)
     colors = plt.get_cmap("tab10")
+    batches = set()
     for ax, tasks, name in ((axes[0], predicted, "predicted (event model)"), (axes[1], measured, "measured")):
         for row, stream in enumerate(STREAMS):
             for k, t in enumerate(x for x in tasks if x["stream"] == stream):
+                batches.add(t.get("micro_batch", k) % 10)
                 ax.broken_barh(
                     [(t["start"] * 1e3, max(1e-3, (t["end"] - t["start"]) * 1e3))],
                     (row - 0.4, 0.8),
@@ -87,8 +92,11 @@ def plot_timelines(predicted: list[dict], measured: list[dict], path, title: str
         ax.set_yticks(range(len(STREAMS)), STREAMS)
         ax.invert_yaxis()
         ax.set_title(name, fontsize=9)
-    axes[1].set_xlabel("ms since the layer's first task")
+        ax.set_ylabel("stream")
+    axes[1].set_xlabel("time since the layer's first task (ms)")
+    handles = [Patch(color=colors(b), label=f"micro-batch {b}") for b in sorted(batches)]
+    axes[0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

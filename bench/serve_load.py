@@ -42,7 +42,8 @@ from jaxmoe.engine.buckets import bucket as _bucket
 from jaxmoe.engine.model_runner import Row
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.engine.scheduler import OverloadedError
-from jaxmoe.llm import build_executor, load_model
+from jaxmoe.assembly import RuntimeConfig, build_executor
+from jaxmoe.checkpoint.model import load_model
 
 
 @dataclasses.dataclass
@@ -202,7 +203,7 @@ def main(argv=None) -> None:
         max_waiting=100_000,
         max_model_len=args.max_model_len,
     )
-    executor = build_executor(cfg, params, base)
+    executor = build_executor(cfg, params, RuntimeConfig(engine=base))
     shapes = track_shapes(executor)
     n = precompile(LLMEngine(cfg, executor, tokenizer, base))
     print(f"compiled {n} step shapes in {time.monotonic() - t_start:.1f}s", flush=True)

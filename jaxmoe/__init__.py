@@ -9,16 +9,48 @@ Public API::
     engine = build_engine(RuntimeConfig(model="demo", mesh="meshes/cpu-8.yaml"))  # the engine itself
 """
 
-from jaxmoe.assembly import RuntimeConfig, build_engine
-from jaxmoe.brownout import BrownoutConfig, BrownoutError
-from jaxmoe.checkpoint import CheckpointError, load_params, restore_converted, save_converted
-from jaxmoe.config import ModelConfig, UnsupportedModelError, from_hf_config, load_config
-from jaxmoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from jaxmoe.engine.hooks import LayerHook, StepHook
-from jaxmoe.sampling import SamplingParams
-from jaxmoe.engine.scheduler import OverloadedError
-from jaxmoe.engine.sequence import Priority
-from jaxmoe.llm import LLM, load_model
+import importlib
+
+# name -> module: imported on first use (PEP 562), so ``jaxmoe --help`` and ``jaxmoe client`` do not
+# pay for importing JAX
+_EXPORTS = {
+    "BrownoutConfig": "jaxmoe.brownout",
+    "BrownoutError": "jaxmoe.brownout",
+    "CheckpointError": "jaxmoe.checkpoint",
+    "load_params": "jaxmoe.checkpoint",
+    "restore_converted": "jaxmoe.checkpoint",
+    "save_converted": "jaxmoe.checkpoint",
+    "ModelConfig": "jaxmoe.config",
+    "UnsupportedModelError": "jaxmoe.config",
+    "from_hf_config": "jaxmoe.config",
+    "load_config": "jaxmoe.config",
+    "EngineConfig": "jaxmoe.engine.engine",
+    "LLMEngine": "jaxmoe.engine.engine",
+    "RequestOutput": "jaxmoe.engine.engine",
+    "SamplingParams": "jaxmoe.sampling",
+    "OverloadedError": "jaxmoe.engine.scheduler",
+    "Priority": "jaxmoe.engine.sequence",
+    "LLM": "jaxmoe.llm",
+    "load_model": "jaxmoe.checkpoint.model",
+    "RuntimeConfig": "jaxmoe.assembly",
+    "build_engine": "jaxmoe.assembly",
+    "StepHook": "jaxmoe.engine.hooks",
+    "LayerHook": "jaxmoe.engine.hooks",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxmoe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "LLM",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxmoe.brownout.config import BrownoutConfig, SALCConfig
-from jaxmoe.checkpoint.model import load_model, model_dir
+from jaxmoe.checkpoint.model import generation_config, load_model, model_dir
 from jaxmoe.compilation import enable_persistent_cache
 from jaxmoe.config import ModelConfig
 from jaxmoe.engine.config import EngineConfig
@@ -194,6 +194,7 @@ def build_engine(config: RuntimeConfig) -> LLMEngine:
 
         params = attach(params, cfg, model_dir(config.model))
     engine = LLMEngine(cfg, build_executor(cfg, params, config, brownout), tokenizer, config.engine)
+    engine.sampling_defaults = generation_config(config.model)  # what requests leave unset (else greedy)
     return attach_features(engine, config, salc)
 
 

@@ -9,17 +9,47 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
+# the expert-FFN implementations (``jaxmoe.pallas_kernels.expert_ffn.IMPLS``, which imports JAX: the
+# help and the client must not); a test keeps the two in step
+EXPERT_IMPLS = (
+    "reference",
+    "dense",
+    "bucketed_loop",
+    "grouped",
+    "ragged_dot",
+    "padded_einsum",
+    "pallas",
+    "cpu_kernel",
+)
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_dtype(text: str) -> str | None:
+    """``--dtype``: checked when the command line is parsed, before anything loads; ``auto`` (None)
+    keeps the checkpoint's ``torch_dtype``."""
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)}, got {text!r}")
+    return None if text == "auto" else text
+
+
+def _add_model_args(p: argparse.ArgumentParser, mesh: bool = True, dtype: bool = True) -> None:
     p.add_argument(
         "--model",
         default="demo",
         help="checkpoint directory, 'demo' (the built-in trained model) or 'tiny-random' (a test fixture)",
     )
-    p.add_argument("--mesh", default=None, help="mesh file (meshes/*.yaml); default: monolithic on one device")
-    p.add_argument("--dtype", default=None, help="parameter dtype (float32, bfloat16); default: checkpoint's")
+    if mesh:
+        p.add_argument("--mesh", default=None, help="mesh file (meshes/*.yaml); default: monolithic on one device")
+    if dtype:
+        p.add_argument(
+            "--dtype",
+            type=parse_dtype,
+            default=None,
+            metavar="{" + ",".join(DTYPES) + "}",
+            help="parameter dtype (default auto: the checkpoint's torch_dtype)",
+        )
 
 
 def cmd_generate(args) -> int:
@@ -32,7 +62,7 @@ def cmd_generate(args) -> int:
         if v is not None
     }
     # the checkpoint's generation_config.json fills what the command line leaves unset (else greedy)
-    sampling = {**llm.generation_config, **chosen} if not chosen else chosen
+    sampling = {**llm.generation_config, **chosen}
     params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop or ()), **sampling)
     prompts = args.prompt or ["Hello"]
     for prompt, out in zip(prompts, llm.generate(prompts, params, priority=args.priority)):
@@ -45,12 +75,26 @@ def cmd_generate(args) -> int:
 def cmd_mesh_show(args) -> int:
     from jaxmoe.mesh import load_mesh
 
-    print(load_mesh(args.file).describe())
+    spec = load_mesh(args.file)
+    text = spec.describe()
+    if spec.brownout is not None:  # validated and described by the brownout package
+        from jaxmoe.brownout.config import describe, mesh_brownout
+
+        head, _, _ = text.rpartition("\n  brownout: ")
+        text = f"{head}\n  brownout: {describe(mesh_brownout(spec))}"
+    print(text)
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """One line per mistake (not the whole usage of a command with fifty options)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxmoe", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="jaxmoe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")

@@ -6,11 +6,10 @@ sorts them into their sections) and steps the engine until every prompt is done.
 
 from __future__ import annotations
 
-import json
 from typing import Sequence as Seq
 
 from jaxmoe.assembly import RuntimeConfig, build_engine
-from jaxmoe.checkpoint.model import load_model, model_dir
+from jaxmoe.checkpoint.model import generation_config, load_model
 from jaxmoe.engine.engine import RequestOutput
 from jaxmoe.janus.live_rescale import LiveRescaler, RescaleResult
 from jaxmoe.sampling import SamplingParams
@@ -56,15 +55,14 @@ class LLM:
 
     @property
     def generation_config(self) -> dict:
-        """The checkpoint's suggested sampling (``generation_config.json``: temperature, top_p, top_k
-        when ``do_sample``), as ``SamplingParams`` keyword arguments; {} when it has none."""
-        try:
-            conf = json.loads((model_dir(self.model) / "generation_config.json").read_text())
-        except (OSError, ValueError):
-            return {}
-        if not conf.get("do_sample"):
-            return {}
-        return {k: conf[k] for k in ("temperature", "top_p", "top_k") if isinstance(conf.get(k), (int, float))}
+        """The checkpoint's suggested sampling (``generation_config``), as ``SamplingParams`` keyword
+        arguments; {} when it has none."""
+        return generation_config(self.model)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` use when given no ``SamplingParams`` (as vLLM): the
+        checkpoint's generation_config, else greedy."""
+        return SamplingParams(**self.generation_config)
 
     @property
     def executor(self):
@@ -99,17 +97,53 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         priority: str = "be",
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for each prompt (text or token ids); outputs come back in prompt order, one
+        ``RequestOutput`` per prompt whose ``outputs`` hold its ``n`` completions (vLLM). With
+        ``n`` > 1 or ``best_of``, each completion is its own request sharing the prompt
+        (``SamplingParams.for_index``); of ``best_of`` the ``n`` with the highest cumulative logprob
+        are kept, best first. The request's own fields (``text``, ``token_ids``, ...) are those of
+        ``outputs[0]``."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, s, priority) for p, s in zip(prompts, sampling_params)]
+        ids = []
+        try:
+            for p, s in zip(prompts, sampling_params):
+                ids.append([self.engine.add_request(p, s.for_index(i), priority) for i in range(s.num_sequences)])
+        except Exception:
+            for rid in (r for group in ids for r in group):  # all or nothing
+                self.engine.abort(rid)
+            raise
         final = self.engine.run_until_done()
-        return [final[i] for i in ids]
+        return [_merge([final[r] for r in group], s, p) for group, s, p in zip(ids, sampling_params, prompts)]
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([self.tokenizer.encode(prompt)], sampling_params)[0]
+    def chat(
+        self,
+        messages: list[dict] | Seq[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> RequestOutput | list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages: one ``RequestOutput``)
+        or to a list of conversations (a list of outputs, in order, as vLLM's ``LLM.chat``), each
+        rendered with the checkpoint's chat template."""
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages)
+        prompts = [
+            self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt=True))
+            for c in conversations
+        ]
+        outs = self.generate(prompts, sampling_params)
+        return outs[0] if one else outs
+
+
+def _merge(outs: list[RequestOutput], sampling: SamplingParams, prompt) -> RequestOutput:
+    """One prompt's request outputs as one ``RequestOutput`` with ``n`` completions."""
+    if len(outs) > sampling.n:  # best_of: keep the n most likely
+        outs = sorted(outs, key=lambda o: -(o.cumulative_logprob or 0.0))[: sampling.n]
+    first = outs[0]
+    first.prompt = prompt if isinstance(prompt, str) else None
+    if len(outs) > 1 or sampling.num_sequences > 1:
+        first.outputs = [o.completion(i) for i, o in enumerate(outs)]
+    return first

@@ -22,8 +22,6 @@ from typing import Any
 import numpy as np
 import yaml
 
-from jaxmoe.brownout.config import BrownoutSettings
-
 PLATFORMS = ("cpu", "gpu", "tpu")
 TRANSFER_MODES = ("adaptive", "direct", "two_phase")
 SHARED_EXPERTS = ("attention", "experts")
@@ -83,9 +81,10 @@ class ClusterSpec:
     transfer: TransferPolicy = TransferPolicy()
     monolithic: bool = False
     source: str = "<dict>"
-    # the ``brownout:`` section (BrownoutServe: start threshold, SALC on/off and its parameters); None:
-    # no brownout. A serving setting, not part of the layout: equality and hashing ignore it.
-    brownout: BrownoutSettings | None = dataclasses.field(default=None, compare=False)
+    # the ``brownout:`` section as written (a mapping; ``jaxmoe.brownout.config.mesh_brownout``
+    # validates it); None: no brownout. A serving setting, not part of the layout: equality and
+    # hashing ignore it.
+    brownout: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def num_devices(self) -> int:
@@ -151,7 +150,7 @@ class ClusterSpec:
                 " per attention node, else multicast inside each expert node",
             ]
         if self.brownout is not None:
-            lines.append(f"  brownout: {_describe_brownout(self.brownout)}")
+            lines.append(f"  brownout: {', '.join(f'{k} {v}' for k, v in self.brownout.items())}")
         return "\n".join(lines)
 
 
@@ -185,18 +184,6 @@ class SubMeshes:
         return _named(self.experts, EXPERT_AXES[0])
 
 
-def _describe_brownout(b: BrownoutSettings) -> str:
-    mode = "full" if b.use_full_brownout else "partial"
-    text = f"start threshold {b.threshold:g} ({mode} brownout), SALC "
-    if not b.salc:
-        return text + "off"
-    slos = [f"{p} {s * 1e3:g} ms" for p, s in (("TTFT", b.slo_ttft_s), ("TPOT", b.slo_tpot_s)) if s is not None]
-    return (
-        text + f"on: P90 SLO {', '.join(slos)}, tw {b.window_s:g} s, warning_factor {b.warning_factor:g}, "
-        f"increment {b.increment:g}, shrink_ratio {b.shrink_ratio:g}, period {b.period_s:g} s"
-    )
-
-
 def load_mesh(path_or_dict: str | Path | Mapping[str, Any]) -> ClusterSpec:
     """Read and validate a mesh file (a path) or an already-parsed mapping."""
     from jaxmoe.mesh_file import parse  # the field-by-field validation (imports this module's types)
@@ -213,15 +200,6 @@ def load_mesh(path_or_dict: str | Path | Mapping[str, Any]) -> ClusterSpec:
     return parse(raw, source)
 
 
-def mesh_brownout(mesh) -> BrownoutSettings | None:
-    """The ``brownout:`` section of ``mesh`` (a mesh file path, a parsed dict, a ``ClusterSpec`` or
-    ``SubMeshes``); None when it has none."""
-    if isinstance(mesh, SubMeshes):
-        mesh = mesh.spec
-    spec = mesh if isinstance(mesh, ClusterSpec) else load_mesh(mesh)
-    return spec.brownout
-
-
 def build_meshes(spec: ClusterSpec, devices: Sequence | None = None) -> SubMeshes:
     """Attention and expert meshes for `spec` over `devices` (default: all jax devices)."""
     import jax
@@ -235,6 +213,11 @@ def build_meshes(spec: ClusterSpec, devices: Sequence | None = None) -> SubMeshe
         raise MeshConfigError(
             f"{src}: nodes: the file describes {spec.nodes} nodes x {spec.devices_per_node} devices = "
             f"{spec.num_devices} devices but only {len(devices)} jax devices exist"
+            + (
+                f" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={spec.num_devices} before starting)"
+                if spec.platform == "cpu" or devices[0].platform == "cpu"
+                else ""
+            )
         )
     devices = devices[: spec.num_devices]
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(devices[0].platform, devices[0].platform)

@@ -11,7 +11,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jaxmoe.brownout.config import BrownoutError, BrownoutSettings, check_salc, check_threshold
 from jaxmoe.mesh import (
     PLATFORMS,
     SHARED_EXPERTS,
@@ -35,18 +34,6 @@ _TOP = (
 )
 _SIDE = ("instances", "devices_per_instance", "devices")
 _TRANSFER = tuple(f.name for f in dataclasses.fields(TransferPolicy))
-# brownout: key -> (BrownoutSettings field, check_salc name, scale to the field's unit); threshold,
-# use_full_brownout and salc are checked on their own
-_BROWNOUT_NUMBERS = {
-    "slo_ttft_ms": ("slo_ttft_s", "slo_ttft_ms", 1e-3),
-    "slo_tpot_ms": ("slo_tpot_s", "slo_tpot_ms", 1e-3),
-    "tw": ("window_s", "window", 1.0),
-    "warning_factor": ("warning_factor", "warning_factor", 1.0),
-    "increment": ("increment", "increment", 1.0),
-    "shrink_ratio": ("shrink_ratio", "shrink_ratio", 1.0),
-    "period": ("period_s", "period", 1.0),
-}
-_BROWNOUT = ("salc", "threshold", "use_full_brownout", *_BROWNOUT_NUMBERS)
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -187,35 +174,11 @@ def parse(raw: Any, src: str) -> ClusterSpec:
         ),
     )
     brownout = None
-    if "brownout" in top:
-        brownout = _brownout(mapping(top["brownout"], "brownout", _BROWNOUT), err)
+    if "brownout" in top:  # handed over as written: the brownout package validates it (mesh_brownout)
+        if not isinstance(top["brownout"], Mapping):
+            raise err("brownout", f"expected a mapping, got {type(top['brownout']).__name__}")
+        brownout = dict(top["brownout"])
     return ClusterSpec(platform, nodes, per_node, attention, experts, shared, policy, monolithic, src, brownout)
-
-
-def _brownout(section: Mapping, err) -> BrownoutSettings:
-    """The ``brownout:`` section: each value checked with the SALC / threshold checks (the error
-    names the field and the value)."""
-    fields: dict[str, Any] = {}
-    for key in ("salc", "use_full_brownout"):
-        if key in section:
-            if not isinstance(section[key], bool):
-                raise err(f"brownout.{key}", f"expected true or false, got {section[key]!r}")
-            fields[key] = section[key]
-    try:
-        if "threshold" in section:
-            fields["threshold"] = check_threshold(section["threshold"])
-    except BrownoutError as exc:
-        raise err("brownout.threshold", str(exc)) from None
-    for key, (name, check_name, scale) in _BROWNOUT_NUMBERS.items():
-        if key in section:
-            try:
-                check_salc(**{check_name: section[key]})
-            except BrownoutError as exc:
-                raise err(f"brownout.{key}", str(exc)) from None
-            fields[name] = section[key] * scale
-    if fields.get("salc") and "slo_ttft_s" not in fields and "slo_tpot_s" not in fields:
-        raise err("brownout.salc", "SALC needs an SLO: give slo_ttft_ms and/or slo_tpot_ms")
-    return BrownoutSettings(**fields)
 
 
 def _join(field: str, key: Any) -> str:

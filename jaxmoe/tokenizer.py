@@ -1,12 +1,32 @@
 """Tokenizers: a checkpoint's ``tokenizer.json`` (via ``tokenizers``) with its chat template, and
-the byte-level tokenizer of the built-in demo model."""
+the byte-level tokenizer of the built-in demo model.
+
+A chat template comes with the checkpoint, so it is untrusted code: it renders in jinja2's
+``ImmutableSandboxedEnvironment`` (as transformers does), where reaching Python internals
+(``''.__class__``, ``obj.__globals__``) or mutating arguments is refused with ``ChatTemplateError``.
+"""
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 
 import jinja2
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The checkpoint's chat template failed or tried something the sandbox refuses."""
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Refuses an unsafe attribute at once (jinja2's sandbox renders a lone ``{{ x.__class__ }}``
+    as an empty string and only fails when it is used further)."""
+
+    def unsafe_undefined(self, obj, attribute):
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
 
 
 class ByteTokenizer:
@@ -23,6 +43,11 @@ class ByteTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def decode_stream(self):
+        """An incremental decoder: ``.step(token_id)`` -> the new text, or None while a UTF-8
+        character is incomplete."""
+        return _ByteStream()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
@@ -63,14 +88,78 @@ class HFTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self):
+        """An incremental decoder (``tokenizers.decoders.DecodeStream``): ``.step(token_id)`` -> the
+        new text, or None while it waits for the rest of a character."""
+        return _HFStream(self._tok)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this checkpoint's tokenizer has no chat template")
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self._special
-        )
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._special
+            )
+        except SecurityError as e:
+            raise ChatTemplateError(
+                f"the chat template tried an unsafe operation, refused by the sandbox: {e}"
+            ) from None
+
+
+class _HFStream:
+    def __init__(self, tok):
+        from tokenizers.decoders import DecodeStream
+
+        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str | None:
+        return self._stream.step(self._tok, token_id)
+
+
+class _ByteStream:
+    def __init__(self):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str | None:
+        if not 0 <= token_id < 256:  # BOS / EOS: no text
+            return None
+        return self._utf8.decode(bytes((token_id,))) or None
+
+
+class Detokenizer:
+    """One request's streaming detokenization: each token's text is decoded once (the tokenizer's
+    ``decode_stream``), so a stream of n tokens costs O(n), not O(n^2) re-decoding the whole output
+    every step. ``text`` is all the text so far (a character split over tokens appears when it is
+    complete); ``finish(ids)`` gives the final text, the tokenizer's own ``decode`` of the whole
+    output when that extends what was streamed (one full decode per request)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._stream = tokenizer.decode_stream()
+        self._pieces: list[str] = []
+        self._text = ""
+        self._joined = 0  # pieces already in _text
+
+    def add(self, token_id: int) -> str:
+        """Decode one more token; returns its new text ("" while a character is incomplete)."""
+        piece = self._stream.step(token_id) or ""
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+    @property
+    def text(self) -> str:
+        if self._joined < len(self._pieces):
+            self._text += "".join(self._pieces[self._joined :])
+            self._joined = len(self._pieces)
+        return self._text
+
+    def finish(self, ids) -> str:
+        full = self._tok.decode(ids)
+        streamed = self.text
+        return full if full.startswith(streamed) else streamed
 
 
 def _content(token):

@@ -7,7 +7,9 @@ header (``cpu/common.h``), the flags, the compiler's version, jax's FFI headers 
 flags, so a changed source or another machine builds anew; written to a temporary file and renamed, so
 processes building at once do not see half a library. ``JAXMOE_CPU_KERNEL=0`` turns every kernel
 off; with no compiler (or a failed build) ``CppKernels.unavailable_reason()`` says why, and the ops
-fall back to their XLA forms.
+fall back to their XLA forms. A build prints a line when it starts and when it ends (it takes tens of
+seconds, once per machine); a kernel that cannot be built or loaded prints one warning line saying
+which slower path runs instead and why.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import pathlib
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 
 import jax
 
@@ -64,8 +68,9 @@ def _compiler() -> str:
 class CppKernels:
     """One C++ source's library: ``targets`` maps each FFI target name to its handler symbol."""
 
-    def __init__(self, source: pathlib.Path, targets: dict[str, str]):
-        self.source, self.targets = source, targets
+    def __init__(self, source: pathlib.Path, targets: dict[str, str], fallback: str = "its XLA form"):
+        """``fallback``: what runs instead when this library is unavailable (named in the warning)."""
+        self.source, self.targets, self.fallback = source, targets, fallback
         self._loaded: str | None | bool = False  # False: not tried yet; then None (loaded) or why not
 
     def library_path(self) -> pathlib.Path:
@@ -89,7 +94,19 @@ class CppKernels:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         cmd = [_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{COMMON}", str(self.source), "-o", tmp]
+        print(
+            f"jaxmoe: building the C++ CPU kernel {self.source.name} (once per machine) ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        t0 = time.monotonic()
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        print(
+            f"jaxmoe: C++ CPU kernel {self.source.name} {'built' if done.returncode == 0 else 'failed'} "
+            f"in {time.monotonic() - t0:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         if done.returncode != 0:
             os.unlink(tmp)
             raise KernelUnavailable(f"building {self.source.name} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
@@ -114,5 +131,12 @@ class CppKernels:
             for target, symbol in self.targets.items():
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
         except (KernelUnavailable, OSError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(
+                f"jaxmoe: warning: the C++ CPU kernel {self.source.stem} is unavailable ({first}); "
+                f"running {self.fallback} instead (slower)",
+                file=sys.stderr,
+                flush=True,
+            )
             return str(e)
         return None

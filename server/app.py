@@ -35,6 +35,7 @@ class ServeOptions:
     mesh_description: str = "monolithic: one device (no mesh file)"
     warmup: bool = True
     warmup_shapes: tuple[tuple[int, int], ...] | None = None  # None: every shape of the engine's ShapePlan
+    warmup_scoring: bool = True  # also the prompt-scoring programs (echo with logprobs): none compile later
     warmup_progress: bool | None = None  # tqdm bar on stderr (None: when stderr is a terminal)
     security: SecurityOptions = SecurityOptions()  # API key, allowed hosts and origins
     request_timeout_s: float | None = 600.0  # a request still running after this long is ended (None: never)
@@ -89,7 +90,10 @@ class JaxmoeServer:
         o = self.opts
         if o.warmup:
             self.warmup_seconds = await loop.run_in_executor(
-                None, lambda: self.async_engine.warmup(o.warmup_shapes, o.warmup_progress, self.cancel_warmup)
+                None,
+                lambda: self.async_engine.warmup(
+                    o.warmup_shapes, o.warmup_progress, self.cancel_warmup, scoring=o.warmup_scoring
+                ),
             )
         info = model_info(self.async_engine.engine, o)
         self._grpc, self.grpc_port, self._health = build_grpc_server(

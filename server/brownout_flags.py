@@ -47,9 +47,9 @@ def serve_brownout(args, spec=None):
     (``spec.brownout``), each flag given overriding its field; None (no brownout) when the mesh file
     has no such section and no flag among ``--brownout-threshold``, ``--full-brownout``, ``--salc``
     is given. Raises ``BrownoutError`` naming a value out of range."""
-    from jaxmoe.brownout.config import BrownoutSettings
+    from jaxmoe.brownout.config import BrownoutSettings, mesh_brownout
 
-    base = spec.brownout if spec is not None else None
+    base = mesh_brownout(spec) if spec is not None else None
     if base is None and args.brownout_threshold is None and not args.full_brownout and not args.salc:
         return None
     ms = lambda v: None if v is None else v / 1e3  # noqa: E731

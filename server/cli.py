@@ -2,8 +2,8 @@
 
 ``jaxmoe serve`` loads the model, warms up, then prints one line per front end::
 
-    jaxmoe: grpc listening on 127.0.0.1:50051
-    jaxmoe: http listening on 127.0.0.1:8000
+    jaxmoe: grpc listening on 127.0.0.1:50151
+    jaxmoe: http listening on 127.0.0.1:8100
 
 and serves until SIGTERM / SIGINT: it then stops taking requests, lets in-flight streams finish
 for ``--shutdown-grace`` seconds (aborting what is left, ``finish_reason="abort"``) and exits 0.
@@ -11,14 +11,18 @@ for ``--shutdown-grace`` seconds (aborting what is left, ``finish_reason="abort"
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import logging
 import os
 import signal
 import sys
 
-from jaxmoe.pallas_kernels.expert_ffn import IMPLS as EXPERT_IMPLS
+from jaxmoe.cli import EXPERT_IMPLS
 from jaxmoe.server.brownout_flags import add_brownout_args, serve_brownout
+
+
+DEFAULT_HTTP_PORT = 8100  # beside a vLLM server (8000) on the same host
+DEFAULT_GRPC_PORT = 50151  # beside the usual gRPC 50051
 
 
 def register(sub, add_model_args) -> None:
@@ -27,8 +31,17 @@ def register(sub, add_model_args) -> None:
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 exposes the server)"
     )
-    serve.add_argument("--grpc-port", type=int, default=50051, help="0 = pick a free port")
-    serve.add_argument("--http-port", type=int, default=8000, help="0 = pick a free port")
+    serve.add_argument(
+        "--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help=f"0 = pick a free port (default {DEFAULT_GRPC_PORT})"
+    )
+    serve.add_argument(
+        "--port",
+        "--http-port",
+        dest="http_port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help=f"HTTP (OpenAI API) port; 0 = pick a free port (default {DEFAULT_HTTP_PORT}: not vLLM's 8000)",
+    )
     serve.add_argument("--served-model-name", default=None, help="name in /v1/models (default: --model)")
     serve.add_argument(
         "--policy",
@@ -91,6 +104,15 @@ def register(sub, add_model_args) -> None:
     )
     serve.add_argument(
         "--max-prefill-chunk", type=int, default=512, help="tokens of one prefill chunk (longer prompts are chunked)"
+    )
+    serve.add_argument(
+        "--log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one log line per request: id, route, prompt / output tokens, TTFT, status (default on)",
+    )
+    serve.add_argument(
+        "--quiet", action="store_true", help="log warnings and errors only (no request lines, no progress)"
     )
     serve.add_argument(
         "--no-warmup",
@@ -176,10 +198,12 @@ def register(sub, add_model_args) -> None:
     serve.set_defaults(func=cmd_serve)
 
     client = sub.add_parser("client", help="talk to a running server over gRPC")
-    client.add_argument("--target", default="127.0.0.1:50051")
+    client.add_argument("--target", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}")
     client.add_argument("--prompt", default="Hello")
     client.add_argument("--max-tokens", type=int, default=32)
-    client.add_argument("--temperature", type=float, default=0.0)
+    client.add_argument(
+        "--temperature", type=float, default=None, help="0 = greedy (default: the server's, see docs/serving.md)"
+    )
     client.add_argument("--top-k", type=int, default=0)
     client.add_argument("--top-p", type=float, default=None)
     client.add_argument("--seed", type=int, default=None)
@@ -252,11 +276,17 @@ def runtime_config(args):
 
 
 def cmd_serve(args) -> int:
+    import asyncio  # here, not at the top: ``jaxmoe --help`` and ``jaxmoe client`` stay fast
+
     from jaxmoe.server.app import ServeOptions
     from jaxmoe.server.http_server import HttpLimits
     from jaxmoe.server.security import SecurityOptions
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not args.log_requests:
+        logging.getLogger("jaxmoe.requests").setLevel(logging.WARNING)
     if args.autoscale and not (args.mesh and args.slo_tpot_ms):
         print("jaxmoe: --autoscale needs --mesh and --slo-tpot-ms", file=sys.stderr)
         return 2
@@ -274,6 +304,7 @@ def cmd_serve(args) -> int:
         model_name=args.served_model_name or str(args.model),
         mesh_description=mesh_description,
         warmup=not args.no_warmup,
+        warmup_progress=False if args.quiet else None,
         request_timeout_s=args.request_timeout or None,
         max_body_bytes=args.max_body_bytes,
         body_read_timeout_s=args.body_read_timeout,
@@ -298,6 +329,8 @@ def cmd_serve(args) -> int:
 
 
 async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:
+    import asyncio
+
     from jaxmoe.engine.async_engine import WarmupCancelled
     from jaxmoe.server.app import JaxmoeServer
 

@@ -1,6 +1,6 @@
 """A small Python client for the jaxmoe gRPC API.
 
-    with JaxmoeClient("127.0.0.1:50051") as c:
+    with JaxmoeClient("127.0.0.1:50151") as c:
         for chunk in c.generate("Hello", max_tokens=16, priority="ls"):
             print(chunk.delta_text, end="")
         print(c.model_info())
@@ -33,6 +33,11 @@ def make_request(
     logprobs: int | None = None,
     priority: str = "be",
     request_id: str = "",
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    min_p: float | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(
         top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
@@ -43,9 +48,14 @@ def make_request(
         ("top_p", top_p),
         ("seed", seed),
         ("logprobs", logprobs),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+        ("repetition_penalty", repetition_penalty),
+        ("min_p", min_p),
     ):
         if value is not None:
             setattr(sampling, name, value)
+    sampling.logit_bias.update(logit_bias or {})
     req = pb.GenerateRequest(request_id=request_id, sampling=sampling, priority=priority)
     if isinstance(prompt, str):
         req.text = prompt

@@ -8,7 +8,7 @@ answer under any load; RESOURCE_EXHAUSTED (waiting queue full) carries a ``retry
 trailer and is counted in ``jaxmoe_requests_rejected_total``. Status codes: INVALID_ARGUMENT for bad input
 (the message names the field), RESOURCE_EXHAUSTED when the waiting queue is full, UNAVAILABLE while
 shutting down, DEADLINE_EXCEEDED when the server's request deadline passed, INTERNAL when the
-engine failed the request. An unset temperature is 1.0 (the OpenAI API's default, as over HTTP). A client cancel (or deadline) aborts
+engine failed the request. Unset sampling fields take the checkpoint's generation_config, else greedy (as over HTTP). A client cancel (or deadline) aborts
 the request in the engine, which frees its KV blocks.
 """
 
@@ -29,28 +29,39 @@ from jaxmoe.engine.sequence import Priority
 from jaxmoe.server import admin
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
+from jaxmoe.server.request_log import log_request
 from jaxmoe.server.security import ApiKeyInterceptor, SecurityOptions
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxmoe"].full_name  # "jaxmoe.v1.Jaxmoe"
 
 
-def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
-    """The shared validator (``SamplingParams``: raises ``SamplingParamsError`` naming the field) with
-    the defaults of the HTTP API: an unset temperature is 1.0, as in the OpenAI API."""
-    kw = dict(
-        top_k=s.top_k,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        temperature=1.0,
-    )
-    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
+def sampling_from_proto(s: pb.SamplingParams, defaults: dict | None = None) -> SamplingParams:
+    """The shared validator (``SamplingParams``: raises ``SamplingParamsError`` naming the field);
+    unset fields take ``defaults`` (the checkpoint's generation_config: ``LLMEngine.sampling_defaults``)
+    and otherwise ``SamplingParams``' own (greedy), as over HTTP."""
+    kw = dict(defaults or {})
+    kw.update(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    if s.top_k:
+        kw["top_k"] = s.top_k
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+    ):
         if s.HasField(name):
             kw[name] = getattr(s, name)
+    if s.logit_bias:
+        kw["logit_bias"] = dict(s.logit_bias)
     return SamplingParams(**kw)
 
 
-def request_from_proto(req: pb.GenerateRequest):
+def request_from_proto(req: pb.GenerateRequest, defaults: dict | None = None):
     """(prompt, SamplingParams, Priority); raises ValueError."""
     which = req.WhichOneof("prompt")
     if which is None:
@@ -58,7 +69,7 @@ def request_from_proto(req: pb.GenerateRequest):
     prompt = req.text if which == "text" else list(req.token_ids.ids)
     if not prompt:
         raise ValueError("empty prompt")
-    return prompt, sampling_from_proto(req.sampling), Priority.parse(req.priority or "be")
+    return prompt, sampling_from_proto(req.sampling, defaults), Priority.parse(req.priority or "be")
 
 
 def output_to_proto(out: RequestOutput, tokenizer) -> pb.GenerateResponse:
@@ -153,7 +164,7 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
                 f"the request is not a GenerateRequest ({request.error})",
             )
         try:
-            prompt, sampling, priority = request_from_proto(request)
+            prompt, sampling, priority = request_from_proto(request, self.engine.engine.sampling_defaults)
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
         rid = request.request_id or f"grpc-{uuid.uuid4().hex[:16]}"
@@ -171,20 +182,23 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
             )
         except EngineClosedError as e:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "unavailable", str(e))
-        finished = False
+        finished, last, status = False, None, "OK"
         try:
             async for out in stream:
+                last = out
                 yield output_to_proto(out, self.tokenizer)
             finished = True
         except RequestTimeoutError as e:
-            finished = True
+            finished, status = True, "DEADLINE_EXCEEDED"
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except EngineStepError as e:
-            finished = True
+            finished, status = True, "INTERNAL"
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
             if not finished:  # cancelled by the client (or its deadline): free the KV blocks
+                status = "CANCELLED"
                 self.engine.abort(rid)
+            log_request("grpc Generate", rid, status, [last])
 
     async def ModelInfo(self, request, context):
         if isinstance(request, Undecodable):

@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions`` (one prompt or a list of them, one choice each) and
 ``POST /v1/chat/completions`` (both with ``"stream": true`` as server-sent events ending in
-``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, the Prometheus
+``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, vLLM's
+``POST /tokenize`` / ``POST /detokenize`` / ``GET /version``, the Prometheus
 ``GET /metrics`` and the OpenAPI schema ``GET /openapi.json`` (generated from the request models).
 Request bodies are validated by strict pydantic models (``jaxmoe.server.openai_protocol``).
 Extension: ``"priority": "ls" | "be"`` in the body, or an ``X-Priority`` header (the body wins);
@@ -39,6 +40,7 @@ from jaxmoe.server import openai_protocol as protocol
 from jaxmoe.server.http_body import BodyGuard
 from jaxmoe.server.http_errors import ApiError, ErrorResponse, bad, error_response, install_error_handlers
 from jaxmoe.server.openai_format import ChatFormat, CompletionFormat, merge_final, total_usage
+from jaxmoe.server.request_log import log_request
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,9 @@ class OpenAIServer:
         app.add_api_route("/v1/models", self.models, methods=["GET"], responses=ERRORS)
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"], responses=ERRORS)
         app.add_api_route("/health", self.health, methods=["GET"], responses=ERRORS)
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"], responses=ERRORS)
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"], responses=ERRORS)
+        app.add_api_route("/version", self.version, methods=["GET"], responses=ERRORS)
         app.add_api_route("/admin/rescale", self.admin_rescale, methods=["POST"], responses=ERRORS)
         app.add_api_route(
             "/metrics", self.prometheus, methods=["GET"], responses={**ERRORS, 200: {"content": {"text/plain": {}}}}
@@ -126,6 +131,42 @@ class OpenAIServer:
         ok = self.ready() and self.engine.running
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
+    async def tokenize(self, body: protocol.TokenizeRequest) -> dict:
+        """Token ids of a prompt, or of chat messages through the chat template (vLLM's ``/tokenize``)."""
+        self._check_model(body.model)
+        if body.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    [
+                        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in body.messages
+                    ],
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+            except (ValueError, TemplateError) as e:
+                raise bad(str(e), "messages") from None
+        else:
+            text = body.prompt
+        tokens = self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": self.engine.engine.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, body: protocol.DetokenizeRequest) -> dict:
+        """The text of token ids (vLLM's ``/detokenize``); 400 naming an id outside the vocabulary."""
+        self._check_model(body.model)
+        vocab = self.engine.engine.cfg.vocab_size
+        for i, t in enumerate(body.tokens):
+            if t >= vocab:
+                raise bad(f"tokens.{i}: token id {t} is outside the vocabulary [0, {vocab})", f"tokens.{i}")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    async def version(self) -> dict:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return {"version": version("jaxmoe")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
     async def admin_rescale(self, body: admin.RescaleRequest) -> dict:
         """Live re-scaling (``server.admin.rescale``): answers once the new layout serves, with the
         stall it caused; behind the API key like every route."""
@@ -157,11 +198,11 @@ class OpenAIServer:
         self._check_model(req.model)
         try:
             if chat:
-                sampling = req.to_sampling(self.engine.engine.max_model_len)
+                sampling = req.to_sampling(self.engine.engine.max_model_len, self.engine.engine.sampling_defaults)
                 text = self.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True)
                 prompts = [self.tokenizer.encode(text)]
             else:
-                sampling = req.to_sampling()
+                sampling = req.to_sampling(self.engine.engine.sampling_defaults)
                 prompts = req.prompts()
         except SamplingParamsError as e:
             raise bad(str(e), e.param) from None
@@ -170,12 +211,16 @@ class OpenAIServer:
         return prompts, sampling
 
     async def _admit(self, prompts, sampling, priority, prefix: str) -> list:
+        """One stream per prompt and completion (``sampling.num_sequences`` per prompt, prompt-major)."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
-                rid = prefix + uuid.uuid4().hex
                 try:
-                    streams.append(await self.engine.add_async(prompt, sampling, priority, rid))
+                    for j in range(sampling.num_sequences):
+                        rid = prefix + uuid.uuid4().hex
+                        streams.append(await self.engine.add_async(prompt, sampling.for_index(j), priority, rid))
+                except SamplingParamsError as e:
+                    raise bad(str(e), e.param) from None
                 except ValueError as e:
                     raise bad(str(e), "prompt" if len(prompts) == 1 else f"prompt.{i}") from None
                 except OverloadedError as e:
@@ -193,22 +238,25 @@ class OpenAIServer:
             self.engine.abort(st.request_id)
 
     async def _generate(self, request: Request, req, chat: bool) -> Response:
+        route = request.url.path
         try:
             prompts, sampling = self._prepare(req, chat)
             priority = _priority(request, req.priority)
             streams = await self._admit(prompts, sampling, priority, "chatcmpl-" if chat else "cmpl-")
         except ApiError as e:
             self._reject(e.status)
+            log_request(route, "-", e.status)
             return error_response(e)
         rid = streams[0].request_id
         fmts = [
             ChatFormat(self, rid, i) if chat else CompletionFormat(self, rid, i, echo=req.echo)
             for i in range(len(streams))
         ]
+        per_prompt = sampling.num_sequences
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._events(streams, fmts, include_usage),
+                self._events(streams, fmts, include_usage, per_prompt, route),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -223,19 +271,23 @@ class OpenAIServer:
                 self._abort(streams)
         if not finals.done() or finals.cancelled():
             log.info("client disconnected from %s; aborted it", rid)
+            log_request(route, rid, 499)
             return Response(status_code=499)
         try:
-            return JSONResponse(merge_final(fmts, finals.result()))
+            body = merge_final(fmts, finals.result(), per_prompt, sampling.n)
+            log_request(route, rid, 200, finals.result(), per_prompt)
+            return JSONResponse(body)
         except EngineStepError as e:
             timeout = isinstance(e, RequestTimeoutError)
+            log_request(route, rid, 504 if timeout else 500)
             return error_response(
                 ApiError(504 if timeout else 500, str(e), "server_error", "timeout" if timeout else "internal_error")
             )
 
-    async def _events(self, streams, fmts, include_usage: bool):
+    async def _events(self, streams, fmts, include_usage: bool, per_prompt: int = 1, route: str = ""):
         """The SSE body; if it stops early (the client went away) the requests are aborted."""
         last: dict[int, RequestOutput] = {}
-        done = False
+        done, status = False, 200
         try:
             try:
                 for chunk in fmts[0].first_chunks():
@@ -251,16 +303,20 @@ class OpenAIServer:
                         yield _sse(fmts[i].chunk(out))
             except EngineStepError as e:
                 code = "timeout" if isinstance(e, RequestTimeoutError) else "internal_error"
+                status = 504 if code == "timeout" else 500
                 yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": code}})
             else:
                 if include_usage and last:
-                    yield _sse(fmts[0].usage_chunk(total_usage(last.values())))
+                    yield _sse(fmts[0].usage_chunk(total_usage([last[i] for i in sorted(last)], per_prompt)))
             yield b"data: [DONE]\n\n"
             done = True
         finally:
             if not done:
                 log.info("client disconnected from %s; aborting it", streams[0].request_id)
                 self._abort(streams)
+                status = 499
+            outs = [last.get(i) for i in range(len(streams))]
+            log_request(route + " (stream)", streams[0].request_id, status, outs, per_prompt)
 
 
 def _echo_ready(fmt, out: RequestOutput) -> bool:

@@ -16,19 +16,33 @@ class Server(Protocol):
     model_name: str
 
 
-def total_usage(outs) -> dict[str, int]:
+def total_usage(outs, per_prompt: int = 1) -> dict[str, int]:
+    """Usage of the requests ``outs`` (prompt-major, ``per_prompt`` completions of each prompt):
+    each prompt counts once, every generated token counts (``best_of`` included)."""
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    for out in outs:
-        for k, v in out.usage.items():
-            usage[k] += v
+    for i, out in enumerate(outs):
+        if i % per_prompt == 0:
+            usage["prompt_tokens"] += len(out.prompt_token_ids)
+        usage["completion_tokens"] += len(out.token_ids)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     return usage
 
 
-def merge_final(fmts, finals) -> dict:
-    obj = fmts[0].final(finals[0])
-    for fmt, out in zip(fmts[1:], finals[1:]):
-        obj["choices"] += fmt.final(out)["choices"]
-    obj["usage"] = total_usage(finals)
+def merge_final(fmts, finals, per_prompt: int = 1, n: int = 1) -> dict:
+    """One response of every prompt's choices: of each prompt's ``per_prompt`` requests (``best_of``)
+    the ``n`` with the highest cumulative logprob, numbered in order."""
+    choices, obj = [], None
+    for start in range(0, len(finals), per_prompt):
+        group = list(zip(fmts[start : start + per_prompt], finals[start : start + per_prompt]))
+        if per_prompt > n:
+            group = sorted(group, key=lambda fo: -(fo[1].cumulative_logprob or 0.0))[:n]
+        for fmt, out in group:
+            fmt.index = len(choices)
+            part = fmt.final(out)
+            obj = obj or part
+            choices += part["choices"]
+    obj["choices"] = choices
+    obj["usage"] = total_usage(finals, per_prompt)
     return obj
 
 

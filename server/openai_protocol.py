@@ -2,11 +2,16 @@
 ``/v1/chat/completions`` accept), and their translation into jaxmoe's ``SamplingParams``.
 
 Strict: a field of the wrong JSON type is refused, never coerced (``"stream": "false"``,
-``"max_tokens": true``, ``"seed": 1.5`` are 400s naming the field). Fields the OpenAI API defines
-that jaxmoe does not implement are refused when set to a value that would change the output
-(``n`` > 1, penalties, ``logit_bias``, ``suffix``, ``best_of`` > 1); other unknown fields are ignored, as the OpenAI
-API and vLLM do. Defaults follow the OpenAI API (temperature 1.0, top_p 1.0, completions
-``max_tokens`` 16).
+``"max_tokens": true``, ``"seed": 1.5`` are 400s naming the field). Sampling fields: the OpenAI
+API's (``n``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` with token ids as string
+keys, completions' ``best_of``) and vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``). Fields the OpenAI API defines that jaxmoe does not implement
+are refused when set to a value that would change the output (``suffix``, ``response_format``
+other than text, ``tools``, ``tool_choice`` other than none, vLLM's ``guided_*``), a 400 naming the
+field, never silently ignored; other unknown fields
+are ignored, as the OpenAI API and vLLM do. Unset temperature / top_p / top_k come from the
+checkpoint's ``generation_config.json`` (when it sets ``do_sample``), else greedy: the one default
+every front end shares (docs/serving.md); completions' ``max_tokens`` defaults to 16.
 """
 
 from __future__ import annotations
@@ -69,32 +74,68 @@ class _Common(BaseModel):
     n: StrictInt = 1
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
-    logit_bias: dict[str, Any] | None = None
+    repetition_penalty: Number | None = None  # extension (vLLM)
+    min_p: Number | None = None  # extension (vLLM)
+    logit_bias: dict[str, Number] | None = None  # token id (as a string) -> bias in [-100, 100]
     priority: Text | None = None  # extension: "ls" | "be" (QLLM); the X-Priority header otherwise
     user: Text | None = None
+    # fields that would change the output and are not implemented: refused (400 naming the field)
+    # rather than silently ignored, unless set to their no-op value
+    response_format: Any = None
+    guided_json: Any = None  # vLLM's structured-output extras
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @model_validator(mode="after")
-    def _unsupported(self):
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported (send the request n times)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name}: not supported (must be 0 or absent)")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported")
+    def _not_implemented(self):
+        rf = self.response_format
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise ValueError(
+                "response_format: structured output (json_object, json_schema) is not supported by this server; "
+                'omit it or send {"type": "text"}'
+            )
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: structured output is not supported by this server")
         return self
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise SamplingParamsError("logit_bias", f"keys are token ids, got {key!r}")
+            bias[int(key)] = value
+        return bias
+
     def sampling(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        best_of: int | None = None,
+        defaults: dict | None = None,
     ) -> SamplingParams:
-        """The shared validator (``SamplingParams``) with the OpenAI API's defaults."""
+        """The shared validator (``SamplingParams``); temperature, top_p and top_k the request leaves
+        unset take ``defaults`` (the checkpoint's generation_config), else greedy."""
         stop = self.stop if self.stop is not None else ()
+        defaults = defaults or {}
         return SamplingParams(
+            n=self.n,
+            best_of=best_of,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias=self._logit_bias(),
             prompt_logprobs=prompt_logprobs,
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            temperature=defaults.get("temperature", 0.0) if self.temperature is None else self.temperature,
+            top_p=defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=defaults.get("top_k", 0) if self.top_k is None else self.top_k,
             seed=self.seed,
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -123,8 +164,8 @@ class CompletionRequest(_Common):
     def _completion_unsupported(self):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 needs echo (prompt scoring); otherwise at least 1")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of: only 1 is supported")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of: must equal n when streaming (the best completions are known at the end)")
         if self.suffix:
             raise ValueError("suffix: not supported")
         return self
@@ -136,13 +177,13 @@ class CompletionRequest(_Common):
             return [p]
         return list(p)
 
-    def to_sampling(self) -> SamplingParams:
+    def to_sampling(self, defaults: dict | None = None) -> SamplingParams:
         """With ``echo`` and ``logprobs`` the prompt tokens are scored too (their logprobs come first)."""
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         prompt_logprobs = None
         if self.echo and (self.logprobs is not None or max_tokens == 0):
             prompt_logprobs = self.logprobs or 0
-        return self.sampling(max_tokens, self.logprobs, prompt_logprobs)
+        return self.sampling(max_tokens, self.logprobs, prompt_logprobs, self.best_of, defaults)
 
 
 class TextPart(BaseModel):
@@ -173,15 +214,64 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
 
-    def to_sampling(self, default_max_tokens: int) -> SamplingParams:
+    @model_validator(mode="after")
+    def _chat_not_implemented(self):
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported by this server; omit tools")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError('tool_choice: tool calling is not supported by this server; omit it or send "none"')
+        for name in ("functions", "function_call", "audio", "prediction"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not supported by this server")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise ValueError('modalities: only ["text"] is supported')
+        return self
+
+    def to_sampling(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling(
-            default_max_tokens if limit is None else limit, (self.top_logprobs or 0) if self.logprobs else None
+            default_max_tokens if limit is None else limit,
+            (self.top_logprobs or 0) if self.logprobs else None,
+            defaults=defaults,
         )
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (as vLLM's): a ``prompt``, or chat ``messages`` rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (as vLLM's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
 
 
 class RequestError(ValueError):

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from jaxmoe import LLM, SamplingParams
-from jaxmoe.brownout.config import BrownoutSettings
+from jaxmoe.brownout.config import BrownoutSettings, mesh_brownout
 from jaxmoe.brownout.controller import BrownoutController
 from jaxmoe.brownout.routing import threshold as brownout_threshold
 from jaxmoe.mesh import MeshConfigError, load_mesh
@@ -67,9 +67,12 @@ def united(checkpoint_dir, tmp_path_factory):
     return out
 
 
-def test_the_brownout_section_is_read():
+def test_the_brownout_section_is_read(capsys):
+    from jaxmoe.cli import main
+
     spec = load_mesh(_mesh(SECTION))
-    assert spec.brownout == BrownoutSettings(
+    assert spec.brownout == SECTION  # handed over as written: the brownout package validates it
+    assert mesh_brownout(spec) == BrownoutSettings(
         threshold=0.9,
         salc=True,
         slo_ttft_s=2.0,
@@ -79,14 +82,15 @@ def test_the_brownout_section_is_read():
         increment=0.2,
         shrink_ratio=0.5,
     )
-    assert spec.brownout.salc_config().slo_tpot_s == pytest.approx(1e-6)
-    assert "brownout: start threshold 0.9 (partial brownout), SALC on: P90 SLO TTFT 2000 ms" in spec.describe()
+    assert mesh_brownout(spec).salc_config().slo_tpot_s == pytest.approx(1e-6)
+    assert main(["mesh", "show", "meshes/cpu-8-brownout.yaml"]) == 0
+    assert "brownout: start threshold 1 (partial brownout), SALC on: P90 SLO TTFT 2000 ms" in capsys.readouterr().out
     off = load_mesh(_mesh({"use_full_brownout": True, "threshold": 0.4}))
-    assert off.brownout == BrownoutSettings(threshold=0.4, use_full_brownout=True)
-    assert off.brownout.salc_config() is None and "(full brownout), SALC off" in off.describe()
-    assert load_mesh(_mesh()).brownout is None
+    assert mesh_brownout(off) == BrownoutSettings(threshold=0.4, use_full_brownout=True)
+    assert mesh_brownout(off).salc_config() is None
+    assert load_mesh(_mesh()).brownout is None and mesh_brownout(_mesh()) is None
     shipped = load_mesh("meshes/cpu-8-brownout.yaml")
-    assert shipped.brownout == BrownoutSettings(salc=True, slo_ttft_s=2.0, slo_tpot_s=0.15)
+    assert mesh_brownout(shipped) == BrownoutSettings(salc=True, slo_ttft_s=2.0, slo_tpot_s=0.15)
     layout = load_mesh("meshes/cpu-8.yaml")
     assert (shipped.attention, shipped.experts, shipped.transfer) == (layout.attention, layout.experts, layout.transfer)
     assert load_mesh(_mesh(SECTION)) == load_mesh(_mesh())  # a serving setting, not part of the layout
@@ -113,7 +117,7 @@ def test_the_brownout_section_is_read():
 )
 def test_bad_values_name_the_field_and_the_value(section, message):
     with pytest.raises(MeshConfigError, match=rf"<dict>: {message}"):
-        load_mesh(_mesh(section))
+        mesh_brownout(_mesh(section))
 
 
 def test_flags_override_the_mesh_file(tmp_path, capsys):
@@ -122,7 +126,7 @@ def test_flags_override_the_mesh_file(tmp_path, capsys):
 
     path = _write(tmp_path, SECTION)
     spec = load_mesh(path)
-    assert serve_brownout(_args("--mesh", path), spec) == spec.brownout
+    assert serve_brownout(_args("--mesh", path), spec) == mesh_brownout(spec)
     got = serve_brownout(
         _args("--mesh", path, "--brownout-threshold", "0.3", "--salc-shrink-ratio", "0.9", "--slo-tpot-ms", "40"), spec
     )

@@ -144,7 +144,7 @@ BAD = [
     ({"prompt": [1, 2, 999]}, "outside the vocabulary"),
     ({"prompt": "x" * 300}, "context"),
     ({"prompt": "hi", "priority": "urgent"}, "unknown priority"),
-    ({"prompt": "hi", "n": 2}, "n=1"),
+    ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": ["a", 5]}, "prompt"),
     # each of these once passed validation and broke the step of every co-batched request
     ({"prompt": "hi", "seed": "1"}, "seed"),
@@ -263,7 +263,7 @@ def test_errors_name_the_field(server):
         ("/v1/completions", {"prompt": "hi", "seed": "1"}, "seed"),
         ("/v1/completions", {"prompt": "hi", "stop": ["ok", 1]}, "stop"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 2.5}, "logprobs"),
-        ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
         ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages.0.role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 2}, "top_p"),
     ]

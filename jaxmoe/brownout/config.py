@@ -138,3 +138,77 @@ class BrownoutSettings:
     def replace(self, **overrides) -> BrownoutSettings:
         """These settings with the fields of ``overrides`` that are not None replaced (flags given)."""
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# the mesh file's ``brownout:`` keys -> (BrownoutSettings field, check_salc name, scale to the field's
+# unit); threshold, use_full_brownout and salc are checked on their own
+_MESH_NUMBERS = {
+    "slo_ttft_ms": ("slo_ttft_s", "slo_ttft_ms", 1e-3),
+    "slo_tpot_ms": ("slo_tpot_s", "slo_tpot_ms", 1e-3),
+    "tw": ("window_s", "window", 1.0),
+    "warning_factor": ("warning_factor", "warning_factor", 1.0),
+    "increment": ("increment", "increment", 1.0),
+    "shrink_ratio": ("shrink_ratio", "shrink_ratio", 1.0),
+    "period": ("period_s", "period", 1.0),
+}
+MESH_KEYS = ("salc", "threshold", "use_full_brownout", *_MESH_NUMBERS)
+
+
+def settings_from_mesh(section, src: str = "<dict>") -> BrownoutSettings:
+    """A mesh file's ``brownout:`` section (``ClusterSpec.brownout``, handed over as written) as
+    ``BrownoutSettings``; a ``MeshConfigError`` names the file, the field and the value otherwise."""
+    from jaxmoe.mesh import MeshConfigError
+
+    def err(field: str, msg: str) -> MeshConfigError:
+        return MeshConfigError(f"{src}: brownout{'.' + field if field else ''}: {msg}")
+
+    if not isinstance(section, dict):
+        raise err("", f"expected a mapping, got {type(section).__name__}")
+    for key in section:
+        if key not in MESH_KEYS:
+            raise err(str(key), f"unknown key (expected one of: {', '.join(MESH_KEYS)})")
+    fields: dict = {}
+    for key in ("salc", "use_full_brownout"):
+        if key in section:
+            if not isinstance(section[key], bool):
+                raise err(key, f"expected true or false, got {section[key]!r}")
+            fields[key] = section[key]
+    if "threshold" in section:
+        try:
+            fields["threshold"] = check_threshold(section["threshold"])
+        except BrownoutError as exc:
+            raise err("threshold", str(exc)) from None
+    for key, (name, check_name, scale) in _MESH_NUMBERS.items():
+        if key in section:
+            try:
+                check_salc(**{check_name: section[key]})
+            except BrownoutError as exc:
+                raise err(key, str(exc)) from None
+            fields[name] = section[key] * scale
+    if fields.get("salc") and "slo_ttft_s" not in fields and "slo_tpot_s" not in fields:
+        raise err("salc", "SALC needs an SLO: give slo_ttft_ms and/or slo_tpot_ms")
+    return BrownoutSettings(**fields)
+
+
+def mesh_brownout(mesh) -> BrownoutSettings | None:
+    """The validated ``brownout:`` section of ``mesh`` (a mesh file path, a parsed dict, a
+    ``ClusterSpec`` or ``SubMeshes``); None when it has none."""
+    from jaxmoe.mesh import ClusterSpec, SubMeshes, load_mesh
+
+    if isinstance(mesh, SubMeshes):
+        mesh = mesh.spec
+    spec = mesh if isinstance(mesh, ClusterSpec) else load_mesh(mesh)
+    return None if spec.brownout is None else settings_from_mesh(spec.brownout, spec.source)
+
+
+def describe(b: BrownoutSettings) -> str:
+    """One line: the start threshold, the mode and SALC's parameters (``jaxmoe mesh show``)."""
+    mode = "full" if b.use_full_brownout else "partial"
+    text = f"start threshold {b.threshold:g} ({mode} brownout), SALC "
+    if not b.salc:
+        return text + "off"
+    slos = [f"{p} {s * 1e3:g} ms" for p, s in (("TTFT", b.slo_ttft_s), ("TPOT", b.slo_tpot_s)) if s is not None]
+    return (
+        text + f"on: P90 SLO {', '.join(slos)}, tw {b.window_s:g} s, warning_factor {b.warning_factor:g}, "
+        f"increment {b.increment:g}, shrink_ratio {b.shrink_ratio:g}, period {b.period_s:g} s"
+    )

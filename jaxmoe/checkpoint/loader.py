@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
+from jaxmoe.progress import progress as progress_reporter
 
 from jaxmoe.checkpoint.hf_names import param_plan
 from jaxmoe.checkpoint.safetensors_reader import CheckpointError, SafetensorsCheckpoint
@@ -66,8 +66,9 @@ def load_params(
 
     ``dtype`` converts every tensor (default: keep the checkpoint's dtype); ``place(path, array)``
     puts one converted host array where it belongs (default: the default device).  ``progress``
-    shows a tqdm bar on stderr (bytes read, checkpoint tensors done): True / False force it on / off, None (the
-    default) shows it when the checkpoint holds more than 1 GiB.
+    reports on stderr (bytes read, checkpoint tensors done; a tqdm bar on a terminal, else lines:
+    ``jaxmoe.progress``): True / False force it on / off, None (the default) reports when the
+    checkpoint holds more than 1 GiB.
     """
     ckpt = SafetensorsCheckpoint(directory)
     check_checkpoint(ckpt, cfg)
@@ -78,8 +79,8 @@ def load_params(
         progress = total > _PROGRESS_BYTES
     place = place or (lambda path, x: jnp.asarray(x))
     params = empty_tree(cfg)
-    with tqdm(
-        total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress
+    with progress_reporter(
+        "loading weights", total, "B", None if progress else False, unit_scale=True, unit_divisor=1024
     ) as bar:
         for leaf, size in zip(plan, sizes):
             arrays = [ckpt.read(s) for s in leaf.sources]

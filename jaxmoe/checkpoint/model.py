@@ -3,6 +3,7 @@ Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json)."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -38,3 +39,20 @@ def load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object
         params = load_params(path, cfg, dtype=dtype)
     tokenizer = load_tokenizer(path) if (path / "tokenizer.json").exists() else ByteTokenizer()
     return cfg, params, tokenizer
+
+
+def generation_config(model: str | Path) -> dict:
+    """A model's suggested sampling: its ``generation_config.json``'s temperature, top_p and top_k
+    when it sets ``do_sample``, as ``SamplingParams`` keyword arguments; {} otherwise (greedy). Every
+    front end fills the fields a request leaves unset from it (docs/serving.md)."""
+    try:
+        conf = json.loads((model_dir(model) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(conf, dict) or not conf.get("do_sample"):
+        return {}
+    return {
+        k: conf[k]
+        for k in ("temperature", "top_p", "top_k")
+        if isinstance(conf.get(k), (int, float)) and not isinstance(conf.get(k), bool)
+    }

@@ -160,15 +160,16 @@ class AsyncEngine:
         shapes: list[tuple[int, int]] | None = None,
         progress: bool | None = None,
         cancel: threading.Event | None = None,
+        scoring: bool = False,
     ) -> float:
         """Compile the step program of every shape serving can meet (``runner.plan.shapes()``:
         (rows per attention instance, tokens per row)), by running each once on padding rows that
-        write no KV. Returns the seconds spent. ``progress``: a tqdm bar on stderr (None: when
-        stderr is a terminal). ``cancel``: set it to stop between two shapes (``WarmupCancelled``).
+        write no KV. Returns the seconds spent. ``progress``: on stderr, a tqdm bar on a terminal
+        and lines otherwise (``jaxmoe.progress``; False: none). ``cancel``: set it to stop between two shapes (``WarmupCancelled``).
         Afterwards ``compiles_after_warmup`` counts programs compiled while serving."""
 
         def run(engine: LLMEngine) -> float:
-            seconds = warm_up(engine, shapes, progress, cancel)
+            seconds = warm_up(engine, shapes, progress, cancel, scoring=scoring)
             self._compiles_at_ready = compile_events()["programs"]
             return seconds
 

@@ -31,7 +31,8 @@ from jaxmoe.engine.policies import make_policy
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
 from jaxmoe.runtime.executor import Executor
-from jaxmoe.sampling import SamplingParams
+from jaxmoe.sampling import SamplingParams, SamplingParamsError
+from jaxmoe.tokenizer import Detokenizer
 
 
 @dataclasses.dataclass
@@ -43,6 +44,8 @@ class _RequestState:
     sent_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float = 0.0
+    detok: Detokenizer | None = None  # streaming detokenization (each token decoded once)
 
 
 class LLMEngine:
@@ -77,6 +80,8 @@ class LLMEngine:
         self.emit = None  # emit(outputs): deliver outputs made inside a step at once (else step() returns them)
         self._delivered: list[RequestOutput] = []
         self.last_step_ran = False  # the latest step ran the model
+        # what a front end's request leaves unset takes these (the checkpoint's generation_config)
+        self.sampling_defaults: dict = {}
 
     def add_hook(self, hook: StepHook) -> StepHook:
         """Run ``hook.before_step`` / ``after_step`` around every step from now on."""
@@ -101,6 +106,17 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError on bad input, OverloadedError when full."""
         sampling = sampling or SamplingParams()
         sampling.validate()
+        if sampling.num_sequences != 1:
+            raise SamplingParamsError(
+                "n",
+                f"the engine runs one sequence per request, got n={sampling.n}, best_of={sampling.best_of} "
+                "(LLM.generate and the servers split them: SamplingParams.for_index)",
+            )
+        for t in sampling.logit_bias or ():
+            if t >= self.cfg.vocab_size:
+                raise SamplingParamsError(
+                    "logit_bias", f"token id {t} is outside the vocabulary [0, {self.cfg.vocab_size})"
+                )
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -125,6 +141,7 @@ class LLMEngine:
             seed,
             logprobs=[] if sampling.logprobs is not None else None,
             prompt_logprobs=[None] if sampling.prompt_logprobs is not None else None,
+            detok=Detokenizer(self.tokenizer),
         )
         return request_id
 
@@ -206,8 +223,14 @@ class LLMEngine:
                 errors[seq.request_id] = f"{type(e).__name__}: {e}"
                 continue
             new_tokens[seq.request_id] = s.token_id
+            state.cumulative_logprob += s.logprob
             if state.logprobs is not None:
-                state.logprobs.append(TokenLogprob(s.token_id, s.logprob, s.top))
+                decode = self.tokenizer.decode
+                state.logprobs.append(
+                    TokenLogprob(
+                        s.token_id, s.logprob, s.top, s.rank, decode([s.token_id]), [decode([t]) for t, _ in s.top]
+                    )
+                )
             if reason:
                 finished[seq.request_id] = reason
         failed = [self._failed(seq, errors[seq.request_id]) for seq in seqs if seq.request_id in errors]
@@ -237,7 +260,11 @@ class LLMEngine:
             except Exception as e:
                 errors[seq.request_id] = f"scoring the prompt failed: {type(e).__name__}: {e}"
                 continue
-            state.prompt_logprobs += [TokenLogprob(t, lp, top) for t, (lp, top) in zip(targets, scored)]
+            decode = self.tokenizer.decode
+            state.prompt_logprobs += [
+                TokenLogprob(t, lp, top, None, decode([t]), [decode([a]) for a, _ in top])
+                for t, (lp, top) in zip(targets, scored)
+            ]
 
     def _run_isolating(
         self, rows: list[Row], seqs: list[Sequence], errors: dict[str, str], between_layers=None
@@ -293,30 +320,44 @@ class LLMEngine:
 
     def _row(self, seq: Sequence, tokens: list[int], start: int, sample: bool) -> Row:
         state = self._requests[seq.request_id]
+        penalized = sample and state.sampling.adjusts_logits
         return Row(
-            tokens, start, list(seq.block_table), state.sampling if sample else None, state.seed, seq.num_output_tokens
+            tokens,
+            start,
+            list(seq.block_table),
+            state.sampling if sample else None,
+            state.seed,
+            seq.num_output_tokens,
+            history=seq.prompt_ids + seq.output_ids if penalized else None,
+            num_prompt=len(seq.prompt_ids),
         )
 
     def _stop_reason(self, state: _RequestState, token: int) -> str | None:
+        """Detokenize the new token (incrementally) and say whether it ends the request: a stop
+        token, EOS, or a stop string that ends in the new text."""
         s = state.sampling
+        before = len(state.detok.text)
+        piece = state.detok.add(token)
         if token in s.stop_token_ids or (token in self.eos_ids and not s.ignore_eos):
             return "stop"
-        if s.stop:
-            text = self.tokenizer.decode(state.seq.output_ids + [token])
+        if s.stop and piece:
+            text = state.detok.text
             for stop in s.stop:
-                if stop and stop in text[max(0, len(state.text) - len(stop)) :]:
+                if stop and stop in text[max(0, before - len(stop) + 1) :]:
                     return "stop"
         return None
 
     def _output(self, state: _RequestState) -> RequestOutput:
         seq = state.seq
         ids = seq.output_ids
-        text = self.tokenizer.decode(ids)
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
-            text = _cut_at_stop(text, state.sampling.stop)
-        elif text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
-            text = state.text
+            text = _cut_at_stop(state.detok.finish(ids), state.sampling.stop)
+        else:  # a character split over tokens appears once complete
+            text = state.detok.text
+            hold = max((len(x) for x in state.sampling.stop), default=1) - 1
+            if hold:  # text that may be the start of a stop string waits (vLLM's stop buffer)
+                text = text[: max(len(state.text), len(text) - hold)]
         delta_text, state.text = text[len(state.text) :], text
         first = state.sent_tokens == 0 and len(ids) > 0  # the prompt is fully scored by now
         delta_ids, state.sent_tokens = ids[state.sent_tokens :], len(ids)
@@ -333,6 +374,7 @@ class LLMEngine:
             priority=seq.priority.value,
             ttft=seq.ttft,
             tpot=seq.tpot,
+            cumulative_logprob=state.cumulative_logprob,
             prompt_logprobs=list(state.prompt_logprobs)
             if state.prompt_logprobs is not None and (seq.is_finished or first)
             else None,

@@ -18,14 +18,13 @@ Results come back in the callers' row order.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
-from jaxmoe.sampling import SamplingParams, sample
+from jaxmoe.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, adjust_logits, sample
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.runtime.executor import ExpertQueueing, LowersAhead
 
@@ -40,6 +39,8 @@ class Row:
     sampling: SamplingParams | None = None  # None: no token is sampled (a non-final prefill chunk)
     seed: int = 0
     step: int = 0  # tokens generated so far (varies the random key)
+    history: list[int] | None = None  # prompt + output ids, for penalties (``SamplingParams.adjusts_logits``)
+    num_prompt: int = 0  # how many of ``history`` are the prompt
 
 
 @dataclasses.dataclass
@@ -47,6 +48,7 @@ class Sampled:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # top alternatives (token id, logprob), when asked
+    rank: int | None = None  # of the token in the model's distribution (1 = most likely), when asked
 
 
 class ModelRunner:
@@ -124,17 +126,30 @@ class ModelRunner:
         B = self.num_instances * rows_per_instance
         programs, logits = self.executor.lower(*self._empty(B, tokens))
         if sampler:
-            programs.append(sample.lower(logits, *_sampling_arrays(B), np.bool_(False)))
+            programs.append(sample.lower(logits, logits, *_sampling_arrays(B), np.bool_(False)))
+            programs.append(adjust_logits.lower(logits, *self._adjusted_arrays(B)))
         return programs
 
     def score(self, row: Row, targets: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
         """Logprob of each of ``targets`` (the tokens after each of the row's positions) and the top
         alternatives, from the logits at every position of the row (another forward over the same
         chunk: it writes the same KV again)."""
-        logits = self.forward([row], all_logits=True)[0, : len(targets)]
-        lp, ids, tops = _score(logits, jnp.asarray(targets, jnp.int32), top)
-        lp, ids, tops = jax.device_get((lp, ids, tops))
-        return [(float(lp[i]), [(int(t), float(v)) for t, v in zip(ids[i], tops[i])]) for i in range(len(targets))]
+        logits = self.forward([row], all_logits=True)  # [1, T, V], T the chunk's token bucket
+        padded = np.zeros(logits.shape[1], np.int32)  # one program per token bucket, whatever the length
+        padded[: len(targets)] = targets
+        lp, ids, tops = jax.device_get(_score(logits, padded))
+        return [
+            (float(lp[i]), [(int(t), float(v)) for t, v in zip(ids[i, :top], tops[i, :top])])
+            for i in range(len(targets))
+        ]
+
+    def warm_scoring(self, tokens: int) -> None:
+        """Compile (by running, on padding that writes no KV) what ``score`` runs for a prefill chunk
+        of ``tokens`` tokens: the all-positions forward, the row gather and ``_score``."""
+        B = self.num_instances * bucket(1)
+        padding, batch, _ = self._empty(B, tokens)
+        logits = self.executor.forward(padding, batch, None)[np.zeros(1, dtype=np.int64)]
+        jax.block_until_ready(_score(logits, np.zeros(tokens, np.int32)))
 
     def forward(self, rows: list[Row], all_logits: bool = False):
         """Logits of the rows, in their order: [len(rows), V] at each row's last token, or
@@ -174,30 +189,62 @@ class ModelRunner:
         """Forward + sample one padded batch; only the sampled tokens (and logprobs) come back."""
         tokens_in, batch, last, where = self.prepare(rows)
         self.last_calls.append(tuple(tokens_in.shape))
-        sampling = _sampling_arrays(tokens_in.shape[0], rows, where)
+        B = tokens_in.shape[0]
+        adjusted = any(r.sampling is not None and r.sampling.adjusts_logits for r in rows)
+        sampling = _sampling_arrays(B, rows, where)
+        extras = self._adjusted_arrays(B, rows, where) if adjusted else None
         want_logprobs = any(r.sampling is not None and r.sampling.logprobs is not None for r in rows)
-        tokens, chosen, top_ids, top_lp = self._execute(tokens_in, batch, last, sampling, want_logprobs, between_layers)
+        tokens, chosen, rank, top_ids, top_lp = self._execute(
+            tokens_in, batch, last, sampling, want_logprobs, between_layers, extras
+        )
         out: list[Sampled | None] = []
         for i, r in zip(where, rows):
             if r.sampling is None:
                 out.append(None)
                 continue
-            n = r.sampling.logprobs or 0
-            top = [(int(t), float(lp)) for t, lp in zip(top_ids[i, :n], top_lp[i, :n])]
-            out.append(Sampled(int(tokens[i]), float(chosen[i]), top))
+            n = r.sampling.logprobs
+            top = [(int(t), float(lp)) for t, lp in zip(top_ids[i, : n or 0], top_lp[i, : n or 0])]
+            out.append(Sampled(int(tokens[i]), float(chosen[i]), top, None if n is None else int(rank[i])))
         return out
 
-    def _execute(self, tokens, batch, last, sampling, want_logprobs: bool, between_layers=None):
+    def _adjusted_arrays(self, B: int, rows: list[Row] = (), where=()) -> tuple[np.ndarray, ...]:
+        """What ``adjust_logits`` takes beyond the logits: presence, frequency, repetition [B], history [B, W], num_prompt [B], bias ids / values
+        [B, MAX_LOGIT_BIAS]; W = the longest sequence the block tables hold (one shape per batch size)."""
+        W = self.max_blocks_per_seq * self.block_size
+        presence, frequency = np.zeros(B, np.float32), np.zeros(B, np.float32)
+        repetition = np.ones(B, np.float32)
+        history = np.full((B, W), -1, np.int32)
+        num_prompt = np.zeros(B, np.int32)
+        bias_ids = np.full((B, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((B, MAX_LOGIT_BIAS), np.float32)
+        for i, r in zip(where, rows):
+            s = r.sampling
+            if s is None or not s.adjusts_logits:
+                continue
+            presence[i], frequency[i], repetition[i] = s.presence_penalty, s.frequency_penalty, s.repetition_penalty
+            if r.history is not None:
+                h = r.history[-W:]
+                history[i, : len(h)] = h
+                num_prompt[i] = max(0, r.num_prompt - (len(r.history) - len(h)))
+            if s.logit_bias:
+                bias_ids[i, : len(s.logit_bias)] = list(s.logit_bias)
+                bias_values[i, : len(s.logit_bias)] = list(s.logit_bias.values())
+        return presence, frequency, repetition, history, num_prompt, bias_ids, bias_values
+
+    def _execute(self, tokens, batch, last, sampling, want_logprobs: bool, between_layers=None, extras=None):
         """The executor's forward pass, then the sampler as its own program (compiled once per batch
         size, shared by every token bucket); only the sampled tokens come back to the host.
-        ``between_layers``: the executor runs layer by layer and calls it between layers."""
+        ``between_layers``: the executor runs layer by layer and calls it between layers. ``extras``:
+        the arguments of ``adjust_logits`` (``_adjusted_arrays``), None when no row needs it."""
         if between_layers is None:
             logits = self.executor.forward(tokens, batch, last)
         else:
             self.pausable_state_bytes = self._pause_state_bytes(int(np.prod(np.shape(tokens))))
             logits = self.executor.forward(tokens, batch, last, between_layers=between_layers)
-        result = sample(logits, *sampling, np.bool_(want_logprobs))
-        return jax.device_get(result)  # one host transfer for all four
+        flag = np.bool_(want_logprobs)
+        adjusted = logits if extras is None else adjust_logits(logits, *extras)
+        result = sample(adjusted, logits, *sampling, flag)
+        return jax.device_get(result)  # one host transfer for all five
 
     def _pause_state_bytes(self, num_tokens: int) -> int:
         """What a pause keeps on the device: the step's hidden states [B, T, D]; between expert
@@ -210,25 +257,28 @@ class ModelRunner:
         return 2 * hidden + num_tokens * (cfg.hidden_size * 4 + cfg.moe.top_k * 8)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _score(logits, targets, top: int):
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+@jax.jit
+def _score(logits, targets):
+    """Logprob of ``targets`` [T] at each position of ``logits`` [1, T, V], and the top
+    ``MAX_LOGPROBS`` alternatives (the caller keeps as many as asked)."""
+    lp = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
-    tops, ids = jax.lax.top_k(lp, top) if top else (lp[:, :0], jnp.zeros((lp.shape[0], 0), jnp.int32))
+    tops, ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, lp.shape[-1]))
     return chosen, ids, tops
 
 
 def _sampling_arrays(B: int, rows: list[Row] = (), where=()) -> tuple[np.ndarray, ...]:
-    """Per padded row: temperature, top_k, top_p, seed, step (greedy for padding and unsampled rows)."""
+    """Per padded row: temperature, top_k, top_p, min_p, seed, step (greedy for padding and unsampled rows)."""
     temperature = np.zeros(B, np.float32)
     top_k = np.zeros(B, np.int32)
     top_p = np.ones(B, np.float32)
+    min_p = np.zeros(B, np.float32)
     seeds = np.zeros(B, np.uint32)
     steps = np.zeros(B, np.int32)
     for i, r in zip(where, rows):
         if r.sampling is None:
             continue
         s = r.sampling
-        temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
+        temperature[i], top_k[i], top_p[i], min_p[i] = s.temperature, s.top_k, s.top_p, s.min_p
         seeds[i], steps[i] = r.seed % (1 << 32), r.step
-    return temperature, top_k, top_p, seeds, steps
+    return temperature, top_k, top_p, min_p, seeds, steps

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import sys
 import threading
 import time
 
-from tqdm import tqdm
+from jaxmoe.progress import progress as progress_reporter
 
 ENV_WORKERS = "JAXMOE_COMPILE_WORKERS"
 
@@ -42,18 +41,21 @@ def warm_up(
     progress: bool | None = None,
     cancel: threading.Event | None = None,
     workers: int | None = None,
+    scoring: bool = False,
 ) -> float:
     """Compile the programs of each shape of ``engine.runner.plan.shapes()`` (rows per attention
     instance, tokens per row): lowered ahead and compiled on ``workers`` threads (default
     ``compile_workers()``) where the executor allows, else by running the shape once on padding
-    rows that write no KV (and layer by layer too when the engine may pause a step). Returns the
-    seconds spent. ``progress``: a tqdm bar on stderr (None: when stderr is a terminal).
+    rows that write no KV (and layer by layer too when the engine may pause a step). With
+    ``scoring`` (what ``jaxmoe serve`` does), also the programs of prompt scoring (``echo`` with
+    logprobs, ``prompt_logprobs``) per prefill token bucket, by running them on padding. Returns the
+    seconds spent. ``progress``: True a tqdm bar on stderr, False nothing, None (default) a bar on a
+    terminal and otherwise a line when it starts, every 10 s and when it ends (``jaxmoe.progress``).
     ``cancel``: set it to stop (``WarmupCancelled``); compiles already started finish in the
     background."""
     t0 = time.monotonic()
     todo = list(shapes if shapes is not None else engine.runner.plan.shapes())
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(total=len(todo), desc="jaxmoe warm-up", unit="program", file=sys.stderr, disable=not show)
+    bar = progress_reporter("jaxmoe warm-up", len(todo), "program", progress)
     pool = concurrent.futures.ThreadPoolExecutor(workers or compile_workers(), thread_name_prefix="jaxmoe-compile")
     try:
         run_instead = _lower_and_compile(engine.runner, todo, pool, bar, cancel, t0)
@@ -61,6 +63,13 @@ def warm_up(
             _check(cancel, t0)
             bar.set_postfix_str(f"{rows}x{tokens}")
             engine.runner.warm(rows, tokens)
+            bar.update()
+        buckets = sorted({tokens for _, tokens in todo if tokens > 1}) if scoring else []  # prompt logprobs
+        bar.total += len(buckets)
+        for tokens in buckets:
+            _check(cancel, t0)
+            bar.set_postfix_str(f"scoring {tokens} tokens")
+            engine.runner.warm_scoring(tokens)
             bar.update()
         if engine.layer_hook is not None:  # steps that may pause run layer by layer
             bar.total += len(todo)

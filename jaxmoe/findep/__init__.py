@@ -1,10 +1,40 @@
 """Planning (control plane, never imported by the per-step hot path): FinDEP's performance models,
 the time model of a pipelined disaggregated step, and its configuration solver."""
 
-from jaxmoe.findep.linear import LinearModel
-from jaxmoe.findep.profile import BaseModels, Dims, Profile, ProfileError, StageModels, derive_stages
-from jaxmoe.findep.schedule import ORDERS, Event, StageTimes, estimate, simulate
-from jaxmoe.findep.solver import BatchShape, Limits, Plan, PlanError, brute_force, pppipe, solve
+import importlib
+
+# imported on first use (PEP 562): the command line registers its subcommands without importing these
+_EXPORTS = {
+    "LinearModel": "jaxmoe.findep.linear",
+    "BaseModels": "jaxmoe.findep.profile",
+    "Dims": "jaxmoe.findep.profile",
+    "Profile": "jaxmoe.findep.profile",
+    "ProfileError": "jaxmoe.findep.profile",
+    "StageModels": "jaxmoe.findep.profile",
+    "derive_stages": "jaxmoe.findep.profile",
+    "ORDERS": "jaxmoe.findep.schedule",
+    "Event": "jaxmoe.findep.schedule",
+    "StageTimes": "jaxmoe.findep.schedule",
+    "estimate": "jaxmoe.findep.schedule",
+    "simulate": "jaxmoe.findep.schedule",
+    "BatchShape": "jaxmoe.findep.solver",
+    "Limits": "jaxmoe.findep.solver",
+    "Plan": "jaxmoe.findep.solver",
+    "PlanError": "jaxmoe.findep.solver",
+    "brute_force": "jaxmoe.findep.solver",
+    "pppipe": "jaxmoe.findep.solver",
+    "solve": "jaxmoe.findep.solver",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ORDERS",

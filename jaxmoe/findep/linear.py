@@ -12,7 +12,41 @@ from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from scipy.optimize import nnls
+
+
+def nnls(A: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
+    """Non-negative least squares, min ||A x - b|| with x >= 0 (Lawson and Hanson's active-set
+    method, "Solving Least Squares Problems", ch. 23): (x, residual norm), as
+    ``scipy.optimize.nnls``. The fits here have a handful of columns, so numpy's ``lstsq`` on the
+    passive set is all it needs."""
+    A, b = np.asarray(A, float), np.asarray(b, float)
+    m, n = A.shape
+    passive = np.zeros(n, bool)
+    x = np.zeros(n)
+    tol = 10 * np.finfo(float).eps * np.abs(A).sum(axis=0).max(initial=0.0) * max(m, n)
+
+    def solve(mask):
+        s = np.zeros(n)
+        if mask.any():
+            s[mask] = np.linalg.lstsq(A[:, mask], b, rcond=None)[0]
+        return s
+
+    for _ in range(3 * n + 1):
+        w = A.T @ (b - A @ x)
+        if passive.all() or np.where(passive, -np.inf, w).max() <= tol:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, w))] = True
+        s = solve(passive)
+        for _ in range(3 * n + 1):  # step back until every passive coefficient is positive
+            bad = passive & (s <= tol)
+            if not bad.any():
+                break
+            alpha = np.min(x[bad] / (x[bad] - s[bad]))
+            x = x + alpha * (s - x)
+            passive &= x > tol
+            s = solve(passive)
+        x = s
+    return x, float(np.linalg.norm(A @ x - b))
 
 
 class LinearModel(BaseModel):

@@ -1,5 +1,5 @@
 """The runtime's layout-keyed caches of compiled programs, and letting go of them after a live
-rescale (``engine.rescale`` calls ``forget_cached_programs`` at the swap)."""
+rescale (``live_rescale`` calls ``forget_cached_programs`` at the swap)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def register(sub, add_model_args) -> None:
     tr.set_defaults(func=cmd_train)
 
     ev = sub.add_parser("eval", help="held-out perplexity of a model on the standard library's held-out part")
-    add_model_args(ev)
+    add_model_args(ev, mesh=False)  # scored on one device
     ev.add_argument("--corpus", default="stdlib", help="text to score: its held-out part (as in training)")
     ev.add_argument("--text-file", default=None, help="score this text file instead (all of it)")
     ev.add_argument("--heldout-fraction", type=float, default=0.05)
@@ -42,7 +42,7 @@ def register(sub, add_model_args) -> None:
     ev.set_defaults(func=cmd_eval)
 
     un = sub.add_parser("unite", help="distil united experts (BrownoutServe) for a checkpoint")
-    add_model_args(un)
+    add_model_args(un, mesh=False, dtype=False)  # distilled in float32 on one device
     un.add_argument("--ways", type=int, required=True, help="experts per united expert (k)")
     un.add_argument("--grouping", default="index", choices=["index", "similarity", "coactivation"])
     un.add_argument("--tokens", type=int, default=8192, help="tokens of text whose hidden states train them")

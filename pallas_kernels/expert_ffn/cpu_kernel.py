@@ -44,7 +44,11 @@ PLAIN_ROWS_PER_EXPERT = 8  # plain weights: the kernel runs up to this many rows
 # faster at 16 rows in bfloat16.
 MATMUL_MAX_ROWS = {"float32": 2, "bfloat16": 32}
 
-LIBRARY = CppKernels(SOURCE, {TARGET: "JaxmoeExpertFfn", MATMUL_TARGET: "JaxmoeLayerMatmul"})
+LIBRARY = CppKernels(
+    SOURCE,
+    {TARGET: "JaxmoeExpertFfn", MATMUL_TARGET: "JaxmoeLayerMatmul"},
+    fallback="the XLA expert FFN (bucketed_loop)",
+)
 
 
 def build() -> pathlib.Path:

@@ -20,7 +20,7 @@ SOURCE = pathlib.Path(__file__).with_name("cpu") / "paged_attention.cc"
 TARGET = "jaxmoe_paged_attention"
 VECTOR = 16  # head_dim must be a multiple of this (the kernel's vector width in floats)
 MAX_HEAD_DIM = 128  # and at most this (a head's query and accumulator stay in registers)
-LIBRARY = CppKernels(SOURCE, {TARGET: "JaxmoePagedAttention"})
+LIBRARY = CppKernels(SOURCE, {TARGET: "JaxmoePagedAttention"}, fallback="the XLA paged attention")
 
 
 def unavailable_reason() -> str | None:

@@ -24,39 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n jaxmoe/server/proto/jaxmoe.proto\x12\tjaxmoe.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x89\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.jaxmoe.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.jaxmoe.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\tB\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.jaxmoe.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\x88\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ndelta_text\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65lta_token_ids\x18\x03 \x03(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.jaxmoe.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.jaxmoe.v1.Usage\x12\x10\n\x08priority\x18\x07 \x01(\t\x12\x13\n\x06ttft_s\x18\x08 \x01(\x02H\x00\x88\x01\x01\x12\x13\n\x06tpot_s\x18\t \x01(\x02H\x01\x88\x01\x01\x42\t\n\x07_ttft_sB\t\n\x07_tpot_s\"\x12\n\x10ModelInfoRequest\"\x86\x03\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x16\n\x0enum_moe_layers\x18\x06 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x07 \x01(\x05\x12\x19\n\x11\x65xperts_per_token\x18\x08 \x01(\x05\x12\x0c\n\x04mesh\x18\t \x01(\t\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x0c \x01(\x05\x12\x15\n\rkv_block_size\x18\r \x01(\x05\x12;\n\x08op_impls\x18\x0e \x03(\x0b\x32).jaxmoe.v1.ModelInfoResponse.OpImplsEntry\x1a.\n\x0cOpImplsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"l\n\x0eRescaleRequest\x12\x11\n\tattention\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x01(\x05\x12\x1f\n\x12slots_per_instance\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x15\n\x13_slots_per_instance\"\x95\x03\n\x0fRescaleResponse\x12\x11\n\tattention\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x01(\x05\x12\x1a\n\x12slots_per_instance\x18\x03 \x01(\x05\x12\x10\n\x08previous\x18\x04 \x01(\t\x12\x0f\n\x07\x62uild_s\x18\x05 \x01(\x01\x12\x0e\n\x06swap_s\x18\x06 \x01(\x01\x12\x19\n\x0c\x66irst_step_s\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rnormal_step_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x0bstall_ratio\x18\t \x01(\x01H\x02\x88\x01\x01\x12\x17\n\x0fkv_blocks_moved\x18\n \x01(\x05\x12\x1c\n\x14sequences_recomputed\x18\x0b \x01(\x05\x12\x1a\n\x12\x65xpert_slots_local\x18\x0c \x01(\x05\x12\x1b\n\x13\x65xpert_slots_copied\x18\r \x01(\x05\x12\x1b\n\x13\x65xpert_bytes_copied\x18\x0e \x01(\x03\x42\x0f\n\r_first_step_sB\x10\n\x0e_normal_step_sB\x0e\n\x0c_stall_ratio2\xd9\x01\n\x06Jaxmoe\x12\x45\n\x08Generate\x12\x1a.jaxmoe.v1.GenerateRequest\x1a\x1b.jaxmoe.v1.GenerateResponse0\x01\x12\x46\n\tModelInfo\x12\x1b.jaxmoe.v1.ModelInfoRequest\x1a\x1c.jaxmoe.v1.ModelInfoResponse\x12@\n\x07Rescale\x12\x19.jaxmoe.v1.RescaleRequest\x1a\x1a.jaxmoe.v1.RescaleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n jaxmoe/server/proto/jaxmoe.proto\x12\tjaxmoe.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb9\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.jaxmoe.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.jaxmoe.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.jaxmoe.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\tB\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.jaxmoe.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\x88\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ndelta_text\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65lta_token_ids\x18\x03 \x03(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.jaxmoe.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.jaxmoe.v1.Usage\x12\x10\n\x08priority\x18\x07 \x01(\t\x12\x13\n\x06ttft_s\x18\x08 \x01(\x02H\x00\x88\x01\x01\x12\x13\n\x06tpot_s\x18\t \x01(\x02H\x01\x88\x01\x01\x42\t\n\x07_ttft_sB\t\n\x07_tpot_s\"\x12\n\x10ModelInfoRequest\"\x86\x03\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x16\n\x0enum_moe_layers\x18\x06 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x07 \x01(\x05\x12\x19\n\x11\x65xperts_per_token\x18\x08 \x01(\x05\x12\x0c\n\x04mesh\x18\t \x01(\t\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x0c \x01(\x05\x12\x15\n\rkv_block_size\x18\r \x01(\x05\x12;\n\x08op_impls\x18\x0e \x03(\x0b\x32).jaxmoe.v1.ModelInfoResponse.OpImplsEntry\x1a.\n\x0cOpImplsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"l\n\x0eRescaleRequest\x12\x11\n\tattention\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x01(\x05\x12\x1f\n\x12slots_per_instance\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x15\n\x13_slots_per_instance\"\x95\x03\n\x0fRescaleResponse\x12\x11\n\tattention\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x01(\x05\x12\x1a\n\x12slots_per_instance\x18\x03 \x01(\x05\x12\x10\n\x08previous\x18\x04 \x01(\t\x12\x0f\n\x07\x62uild_s\x18\x05 \x01(\x01\x12\x0e\n\x06swap_s\x18\x06 \x01(\x01\x12\x19\n\x0c\x66irst_step_s\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rnormal_step_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x0bstall_ratio\x18\t \x01(\x01H\x02\x88\x01\x01\x12\x17\n\x0fkv_blocks_moved\x18\n \x01(\x05\x12\x1c\n\x14sequences_recomputed\x18\x0b \x01(\x05\x12\x1a\n\x12\x65xpert_slots_local\x18\x0c \x01(\x05\x12\x1b\n\x13\x65xpert_slots_copied\x18\r \x01(\x05\x12\x1b\n\x13\x65xpert_bytes_copied\x18\x0e \x01(\x03\x42\x0f\n\r_first_step_sB\x10\n\x0e_normal_step_sB\x0e\n\x0c_stall_ratio2\xd9\x01\n\x06Jaxmoe\x12\x45\n\x08Generate\x12\x1a.jaxmoe.v1.GenerateRequest\x1a\x1b.jaxmoe.v1.GenerateResponse0\x01\x12\x46\n\tModelInfo\x12\x1b.jaxmoe.v1.ModelInfoRequest\x1a\x1c.jaxmoe.v1.ModelInfoResponse\x12@\n\x07Rescale\x12\x19.jaxmoe.v1.RescaleRequest\x1a\x1a.jaxmoe.v1.RescaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxmoe.server.proto.jaxmoe_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFORESPONSE_OPIMPLSENTRY']._loaded_options = None
   _globals['_MODELINFORESPONSE_OPIMPLSENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=47
   _globals['_TOKENIDS']._serialized_end=70
   _globals['_SAMPLINGPARAMS']._serialized_start=73
-  _globals['_SAMPLINGPARAMS']._serialized_end=338
-  _globals['_GENERATEREQUEST']._serialized_start=341
-  _globals['_GENERATEREQUEST']._serialized_end=509
-  _globals['_TOPLOGPROB']._serialized_start=511
-  _globals['_TOPLOGPROB']._serialized_end=573
-  _globals['_TOKENLOGPROB']._serialized_start=575
-  _globals['_TOKENLOGPROB']._serialized_end=675
-  _globals['_USAGE']._serialized_start=677
-  _globals['_USAGE']._serialized_end=756
-  _globals['_GENERATERESPONSE']._serialized_start=759
-  _globals['_GENERATERESPONSE']._serialized_end=1023
-  _globals['_MODELINFOREQUEST']._serialized_start=1025
-  _globals['_MODELINFOREQUEST']._serialized_end=1043
-  _globals['_MODELINFORESPONSE']._serialized_start=1046
-  _globals['_MODELINFORESPONSE']._serialized_end=1436
-  _globals['_MODELINFORESPONSE_OPIMPLSENTRY']._serialized_start=1390
-  _globals['_MODELINFORESPONSE_OPIMPLSENTRY']._serialized_end=1436
-  _globals['_RESCALEREQUEST']._serialized_start=1438
-  _globals['_RESCALEREQUEST']._serialized_end=1546
-  _globals['_RESCALERESPONSE']._serialized_start=1549
-  _globals['_RESCALERESPONSE']._serialized_end=1954
-  _globals['_JAXMOE']._serialized_start=1957
-  _globals['_JAXMOE']._serialized_end=2174
+  _globals['_SAMPLINGPARAMS']._serialized_end=642
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=455
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=503
+  _globals['_GENERATEREQUEST']._serialized_start=645
+  _globals['_GENERATEREQUEST']._serialized_end=813
+  _globals['_TOPLOGPROB']._serialized_start=815
+  _globals['_TOPLOGPROB']._serialized_end=877
+  _globals['_TOKENLOGPROB']._serialized_start=879
+  _globals['_TOKENLOGPROB']._serialized_end=979
+  _globals['_USAGE']._serialized_start=981
+  _globals['_USAGE']._serialized_end=1060
+  _globals['_GENERATERESPONSE']._serialized_start=1063
+  _globals['_GENERATERESPONSE']._serialized_end=1327
+  _globals['_MODELINFOREQUEST']._serialized_start=1329
+  _globals['_MODELINFOREQUEST']._serialized_end=1347
+  _globals['_MODELINFORESPONSE']._serialized_start=1350
+  _globals['_MODELINFORESPONSE']._serialized_end=1740
+  _globals['_MODELINFORESPONSE_OPIMPLSENTRY']._serialized_start=1694
+  _globals['_MODELINFORESPONSE_OPIMPLSENTRY']._serialized_end=1740
+  _globals['_RESCALEREQUEST']._serialized_start=1742
+  _globals['_RESCALEREQUEST']._serialized_end=1850
+  _globals['_RESCALERESPONSE']._serialized_start=1853
+  _globals['_RESCALERESPONSE']._serialized_end=2258
+  _globals['_JAXMOE']._serialized_start=2261
+  _globals['_JAXMOE']._serialized_end=2478
 # @@protoc_insertion_point(module_scope)

@@ -18,7 +18,7 @@ from jaxmoe.brownout.routing import BrownoutRouting, set_threshold, split_refere
 from jaxmoe.compilation import compile_events
 from jaxmoe.config import from_hf_config
 from jaxmoe.demo import DEMO_HF_CONFIG, demo_params
-from jaxmoe.llm import load_model
+from jaxmoe.checkpoint.model import load_model
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.models.router import route
 from jaxmoe.models.routing import ExpertRouting, TopKRouting, extra_experts, logical_params

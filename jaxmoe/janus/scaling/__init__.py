@@ -5,10 +5,33 @@ and a cluster simulator that replays a synthetic diurnal, bursty trace (``jaxmoe
 Control plane only: nothing here is imported by the per-step hot path.
 """
 
-from jaxmoe.janus.scaling.controller import Layout, ScalingController, candidates
-from jaxmoe.janus.scaling.perf_model import DEEPSEEK_V2, H100, Hardware, ModelShape, PerfModel
-from jaxmoe.janus.scaling.simulator import compare, simulate
-from jaxmoe.janus.scaling.trace import TraceShape, synthesize
+import importlib
+
+# imported on first use (PEP 562): the command line registers its subcommands without importing these
+_EXPORTS = {
+    "Layout": "jaxmoe.janus.scaling.controller",
+    "ScalingController": "jaxmoe.janus.scaling.controller",
+    "candidates": "jaxmoe.janus.scaling.controller",
+    "DEEPSEEK_V2": "jaxmoe.janus.scaling.perf_model",
+    "H100": "jaxmoe.janus.scaling.perf_model",
+    "Hardware": "jaxmoe.janus.scaling.perf_model",
+    "ModelShape": "jaxmoe.janus.scaling.perf_model",
+    "PerfModel": "jaxmoe.janus.scaling.perf_model",
+    "compare": "jaxmoe.janus.scaling.simulator",
+    "simulate": "jaxmoe.janus.scaling.simulator",
+    "TraceShape": "jaxmoe.janus.scaling.trace",
+    "synthesize": "jaxmoe.janus.scaling.trace",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DEEPSEEK_V2",

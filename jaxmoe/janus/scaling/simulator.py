@@ -187,9 +187,10 @@ def plot(result: dict, rates: np.ndarray, path) -> None:
     import matplotlib.pyplot as plt
 
     hours = np.arange(len(rates)) / 60.0
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True)
-    ax1.plot(hours, rates, lw=0.7, color="gray")
-    ax1.set_ylabel("requests / s")
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    ax1.plot(hours, rates, lw=0.7, color="gray", label="request rate")
+    ax1.set_ylabel("request rate (requests / s)")
+    ax1.set_title("synthesised trace (top) and the GPUs each scaling policy holds (bottom)", fontsize=10)
     for key, style in (("janus", "-"), ("monolithic_best", "--"), ("disagg", ":")):
         r = result[key]
         ax2.plot(
@@ -198,8 +199,9 @@ def plot(result: dict, rates: np.ndarray, path) -> None:
             style,
             label=f"{key} ({r['policy']}): {r['gpu_hours']:.0f} GPU-h, SLO {100 * r['slo_attainment']:.1f} %",
         )
-    ax2.set(xlabel="hours", ylabel="GPUs")
-    ax2.legend(fontsize=8)
+    ax2.set(xlabel="time (hours)", ylabel="GPUs held")
+    # below the panels, over no data
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=1, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
