@@ -189,20 +189,23 @@ class GuardedPolicy:
             return fallback()
 
 
-POLICIES: dict[str, type] = {"fcfs": FCFSPolicy}  # by name; feature packages add theirs (register_policy)
-DEFAULT_POLICY = "qllm"  # the engine's default and the guard's fallback, when registered (else FCFS)
+# by name: a class, or the "module:Class" of a feature's policy (imported when first asked for, so
+# the core imports no feature); ``register_policy`` adds more
+POLICIES: dict[str, type | str] = {"fcfs": FCFSPolicy, "qllm": "jaxmoe.qllm.policy:QLLMPolicy"}
+DEFAULT_POLICY = "qllm"  # the engine's default and the guard's fallback
 
 
-def register_policy(name: str, cls: type) -> None:
-    """Make ``cls`` (a ``SchedulingPolicy`` built with no arguments) available by ``name``."""
+def register_policy(name: str, cls: type | str) -> None:
+    """Make ``cls`` (a ``SchedulingPolicy`` built with no arguments, or its "module:Class") available
+    by ``name``."""
     POLICIES[name] = cls
 
 
 def make_policy(spec) -> SchedulingPolicy:
-    """A policy from a built-in name ("qllm", "fcfs"; case-insensitive), a ``"module:Class"`` spec (the
-    class is imported and built with no arguments) or a policy object (returned as it is)."""
-    if spec == DEFAULT_POLICY and spec not in POLICIES:
-        spec = "fcfs"
+    """A policy from a registered name ("qllm", "fcfs"; case-insensitive), a ``"module:Class"`` spec
+    (the class is imported and built with no arguments) or a policy object (returned as it is)."""
+    if isinstance(spec, str) and isinstance(POLICIES.get(spec.strip().lower()), str):
+        spec = POLICIES[spec.strip().lower()]
     if not isinstance(spec, str):
         if not isinstance(spec, SchedulingPolicy):
             raise ValueError(f"policy: {spec!r} is not a SchedulingPolicy (order, victim, pause_at_layer, name)")

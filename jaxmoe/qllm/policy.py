@@ -1,9 +1,9 @@
 """QLLM's batch selection (arXiv:2503.09304, Sec. 3.2): the scheduling policy that puts
-latency-sensitive work first, registered with the engine's policies as ``"qllm"``."""
+latency-sensitive work first, the engine's ``"qllm"`` policy (``engine.policies.POLICIES``)."""
 
 from __future__ import annotations
 
-from jaxmoe.engine.policies import Budget, Policy, Queues, register_policy
+from jaxmoe.engine.policies import Budget, Policy, Queues
 from jaxmoe.engine.sequence import Sequence
 
 
@@ -49,6 +49,3 @@ class QLLMPolicy(Policy):
         # "If there are no LS jobs, it simply executes BE jobs, prioritizing
         #  decode over prefill (lines 16-19)."
         return q.be_decode + q.be_prefill
-
-
-register_policy("qllm", QLLMPolicy)
