@@ -24,6 +24,7 @@ from jaxmoe.server.http_server import HttpLimits, HttpServer
 from jaxmoe.server.http_service import OpenAIServer
 from jaxmoe.server.metrics import ServerMetrics
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
+from jaxmoe.server.prompts import PromptPreparer
 from jaxmoe.server.security import HttpGuard, SecurityOptions
 
 
@@ -118,6 +119,7 @@ class JaxmoeServer:
         self.ready = False
         self.grpc_port = self.http_port = None
         self.warmup_seconds = 0.0
+        self.prompts = PromptPreparer(engine)  # tokenization and chat templates, shared by both front ends
         self.cancel_warmup = threading.Event()  # set it to stop start() between two warm-up compiles
         self._grpc = self._health = self._http = None
 
@@ -131,7 +133,7 @@ class JaxmoeServer:
             )
         info = model_info(self.async_engine.engine, o)
         self._grpc, self.grpc_port, self._health = build_grpc_server(
-            self.async_engine, info, o.host, o.grpc_port, self.metrics, o.security
+            self.async_engine, info, o.host, o.grpc_port, self.metrics, o.security, self.prompts
         )
         await set_serving(self._health, False)
         http = OpenAIServer(
@@ -141,9 +143,12 @@ class JaxmoeServer:
             ready=lambda: self.ready,
             max_body_bytes=o.max_body_bytes,
             body_read_timeout_s=o.body_read_timeout_s,
+            prompts=self.prompts,
         )
         guard = Middleware(HttpGuard, opts=o.security, bind_host=o.host, port_of=lambda: self.http_port)
-        self._http = HttpServer(http.app(guard), o.host, o.http_port, o.http_limits)
+        self._http = HttpServer(
+            http.app(guard), o.host, o.http_port, o.http_limits, on_refuse=lambda: self.metrics.reject("connections")
+        )
         self.http_port = self._http.port
         await self._http.start()
         await self._grpc.start()
@@ -163,6 +168,7 @@ class JaxmoeServer:
             await grpc_done
         if self._http is not None:
             await self._http.stop()
+        self.prompts.close()
 
     @property
     def grpc_target(self) -> str:

@@ -29,6 +29,7 @@ from jaxmoe.engine.sequence import Priority
 from jaxmoe.server import admin
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
+from jaxmoe.server.prompts import PromptPreparer
 from jaxmoe.server.security import ApiKeyInterceptor, SecurityOptions
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxmoe"].full_name  # "jaxmoe.v1.Jaxmoe"
@@ -131,11 +132,12 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
     event loop, so health checks and ModelInfo answer under any number of open streams; how many
     streams may wait is the engine's admission (``--max-waiting``), not a thread pool's."""
 
-    def __init__(self, async_engine, model_info: pb.ModelInfoResponse, metrics=None):
+    def __init__(self, async_engine, model_info: pb.ModelInfoResponse, metrics=None, prompts=None):
         self.engine = async_engine
         self.info = model_info
         self.metrics = metrics
         self.tokenizer = async_engine.engine.tokenizer
+        self.prompts = prompts or PromptPreparer(async_engine.engine)  # tokenization off the loop
 
     async def _reject(self, context, code, reason: str, message: str, retry_after_s: float | None = None):
         if self.metrics is not None:
@@ -154,6 +156,7 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
             )
         try:
             prompt, sampling, priority = request_from_proto(request)
+            prompt = await self.prompts.prompt_ids(prompt)  # refused by length first, then tokenized off the loop
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
         rid = request.request_id or f"grpc-{uuid.uuid4().hex[:16]}"
@@ -223,21 +226,26 @@ def build_grpc_server(
     port: int,
     metrics=None,
     security: SecurityOptions | None = None,
+    prompts=None,
 ):
     """A ``grpc.aio.Server`` bound to host:port (0 = pick), not started (``await server.start()``
     on the serving event loop). Returns (server, port, health). With an API key in ``security``,
     RPCs need ``authorization: Bearer <key>`` metadata."""
     interceptors = [ApiKeyInterceptor(security)] if security is not None and security.api_key else []
-    server = grpc.aio.server(interceptors=interceptors)
-    add_servicer(JaxmoeServicer(async_engine, model_info, metrics), server)
+    # no SO_REUSEPORT: a port another server listens on is an error, not a silently shared port
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    add_servicer(JaxmoeServicer(async_engine, model_info, metrics, prompts), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{_host(host)}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{_host(host)}:{port}")
+    except RuntimeError as e:  # grpcio raises RuntimeError for a port it cannot bind
+        raise OSError(f"--grpc-port: cannot listen on {host}:{port}: {e}") from None
     if bound == 0:
-        raise OSError(f"cannot bind gRPC to {host}:{port}")
+        raise OSError(f"--grpc-port: cannot listen on {host}:{port}")
     return server, bound, health_servicer
 
 

@@ -38,9 +38,11 @@ from jaxmoe.server import admin
 from jaxmoe.server import openai_protocol as protocol
 from jaxmoe.server.http_body import BodyGuard
 from jaxmoe.server.http_errors import ApiError, ErrorResponse, bad, error_response, install_error_handlers
+from jaxmoe.server.prompts import PromptPreparer, PromptTooLong
 from jaxmoe.server.openai_format import ChatFormat, CompletionFormat, merge_final, total_usage
 
 log = logging.getLogger(__name__)
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (the waiting queue is full)
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 408, 413, 415, 421, 429, 500, 503, 504)}
 STREAMED = {**ERRORS, 200: {"content": {"application/json": {}, "text/event-stream": {}}}}
@@ -63,8 +65,10 @@ class OpenAIServer:
         ready=lambda: True,
         max_body_bytes: int = 4 << 20,
         body_read_timeout_s: float = 30.0,
+        prompts: PromptPreparer | None = None,
     ):
         self.engine = async_engine
+        self.prompts = prompts or PromptPreparer(async_engine.engine)  # tokenization off the loop
         self.model_name = model_name
         self.metrics = metrics
         self.ready = ready  # False until warmed up and while shutting down
@@ -152,17 +156,23 @@ class OpenAIServer:
         if self.metrics is not None:
             self.metrics.reject({400: "invalid", 429: "overloaded"}.get(status, "unavailable"))
 
-    def _prepare(self, req, chat: bool):
-        """(prompts, SamplingParams); raises ApiError (400 naming the field, 404 model)."""
+    async def _prepare(self, req, chat: bool):
+        """(prompts as token ids, SamplingParams); raises ApiError (400 naming the field, 404 model).
+        Prompts are checked by length first, then tokenized off the event loop (``PromptPreparer``)."""
         self._check_model(req.model)
         try:
             if chat:
                 sampling = req.to_sampling(self.engine.engine.max_model_len)
-                text = self.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True)
-                prompts = [self.tokenizer.encode(text)]
+                prompts = [await self.prompts.chat_ids(req.conversation())]
             else:
                 sampling = req.to_sampling()
-                prompts = req.prompts()
+                texts = req.prompts()
+                for i, p in enumerate(texts):  # all are refused by length before any is tokenized
+                    if isinstance(p, str):
+                        self.prompts.check_chars(len(p), _prompt_param(texts, i))
+                prompts = [await self.prompts.prompt_ids(p, _prompt_param(texts, i)) for i, p in enumerate(texts)]
+        except PromptTooLong as e:
+            raise bad(str(e), e.param) from None
         except SamplingParamsError as e:
             raise bad(str(e), e.param) from None
         except (ValueError, TemplateError) as e:  # chat template errors
@@ -194,12 +204,12 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, req, chat: bool) -> Response:
         try:
-            prompts, sampling = self._prepare(req, chat)
+            prompts, sampling = await self._prepare(req, chat)
             priority = _priority(request, req.priority)
             streams = await self._admit(prompts, sampling, priority, "chatcmpl-" if chat else "cmpl-")
         except ApiError as e:
             self._reject(e.status)
-            return error_response(e)
+            return error_response(e, {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None)
         rid = streams[0].request_id
         fmts = [
             ChatFormat(self, rid, i) if chat else CompletionFormat(self, rid, i, echo=req.echo)
@@ -261,6 +271,10 @@ class OpenAIServer:
             if not done:
                 log.info("client disconnected from %s; aborting it", streams[0].request_id)
                 self._abort(streams)
+
+
+def _prompt_param(prompts: list, i: int) -> str:
+    return "prompt" if len(prompts) == 1 else f"prompt.{i}"
 
 
 def _echo_ready(fmt, out: RequestOutput) -> bool:

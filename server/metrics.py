@@ -43,7 +43,7 @@ class ServerMetrics:
         )
         self.rejected = Counter(
             "jaxmoe_requests_rejected", "Requests refused at admission", ["reason"], registry=r
-        )  # invalid | overloaded | unavailable
+        )  # invalid | overloaded (waiting queue full) | connections (HTTP connection limit) | unavailable
         self.prompt_tokens = Counter(
             "jaxmoe_prompt_tokens", "Prompt tokens of finished requests", ["priority"], registry=r
         )

@@ -94,3 +94,50 @@ def failing_steps(async_engine, message: str = "injected device failure"):
         yield broken
     finally:
         async_engine.call(lambda e: setattr(runner, "run", real_run))
+
+
+async def http_burst(port: int, n: int, body: dict, path: str = "/v1/completions", timeout: float = 300.0) -> list:
+    """``n`` HTTP requests over ``n`` simultaneous loopback connections (every connection is opened
+    before any request is sent). Returns one (status, parsed JSON body or None, headers) per request;
+    status 0: the connection failed or was closed without an answer."""
+    import asyncio
+    import json
+
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+
+    async def connect():
+        try:
+            return await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+        except OSError:
+            return None
+
+    async def one(conn):
+        if conn is None:
+            return 0, None, {}
+        reader, writer = conn
+        try:
+            writer.write(head + data)
+            await writer.drain()
+            raw = await reader.read()
+        except OSError:
+            return 0, None, {}
+        finally:
+            writer.close()
+        status_line, _, rest = raw.partition(b"\r\n")
+        headers_raw, _, payload = rest.partition(b"\r\n\r\n")
+        if not status_line.startswith(b"HTTP/1.1 "):
+            return 0, None, {}
+        headers = dict(line.decode("latin-1").split(": ", 1) for line in headers_raw.split(b"\r\n") if b": " in line)
+        headers = {k.lower(): v for k, v in headers.items()}
+        try:
+            parsed = json.loads(payload) if payload.startswith(b"{") else None
+        except ValueError:
+            parsed = None
+        return int(status_line.split()[1]), parsed, headers
+
+    conns = await asyncio.gather(*(connect() for _ in range(n)))
+    return await asyncio.wait_for(asyncio.gather(*(one(c) for c in conns)), timeout)
