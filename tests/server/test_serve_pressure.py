@@ -246,3 +246,23 @@ def test_health_answers_past_the_connection_limit():
         for sock in idle:
             sock.close()
         st.stop(abort_inflight=True)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_compressed_bomb_is_413_at_once(server, encoding):
+    """64 MiB of zeros compressed to ~64 KiB: decompression stops at the body limit and the 413
+    comes at once, not after the body read timeout."""
+    import zlib
+
+    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+    packer = zlib.compressobj(9, zlib.DEFLATED, wbits)
+    bomb = packer.compress(b"0" * (64 << 20)) + packer.flush()
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    t0 = time.monotonic()
+    conn.request("POST", "/v1/completions", bomb, {"Content-Type": "application/json", "Content-Encoding": encoding})
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    took = time.monotonic() - t0
+    conn.close()
+    assert resp.status == 413 and body["error"]["code"] == "request_too_large", body
+    assert took < 5.0, took  # the read timeout is 30 s
