@@ -29,6 +29,7 @@ from jaxmoe.engine.sequence import Priority
 from jaxmoe.server import admin
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
+from jaxmoe.server.grpc_junk import UndecodableInterceptor
 from jaxmoe.server.prompts import PromptPreparer
 from jaxmoe.server.security import ApiKeyInterceptor, SecurityOptions
 
@@ -232,6 +233,7 @@ def build_grpc_server(
     on the serving event loop). Returns (server, port, health). With an API key in ``security``,
     RPCs need ``authorization: Bearer <key>`` metadata."""
     interceptors = [ApiKeyInterceptor(security)] if security is not None and security.api_key else []
+    interceptors.append(UndecodableInterceptor())  # junk bytes: INVALID_ARGUMENT from every method
     # no SO_REUSEPORT: a port another server listens on is an error, not a silently shared port
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     add_servicer(JaxmoeServicer(async_engine, model_info, metrics, prompts), server)

@@ -14,6 +14,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxmoe.engine.prompt_limits import max_prompt_chars
 from jaxmoe.server.app import ServeOptions, ServerThread
@@ -266,3 +267,29 @@ def test_compressed_bomb_is_413_at_once(server, encoding):
     conn.close()
     assert resp.status == 413 and body["error"]["code"] == "request_too_large", body
     assert took < 5.0, took  # the read timeout is 30 s
+
+
+@pytest.mark.parametrize(
+    "method, streaming",
+    [
+        ("/grpc.health.v1.Health/Check", False),
+        ("/grpc.health.v1.Health/Watch", True),
+        ("/jaxmoe.v1.Jaxmoe/ModelInfo", False),
+        ("/jaxmoe.v1.Jaxmoe/Generate", True),
+        ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "bidi"),
+    ],
+)
+def test_grpc_junk_bytes_are_invalid_argument_everywhere(server, method, streaming):
+    junk = b"\xff\xff\xff\xff\x0f junk"
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            if streaming == "bidi":
+                list(ch.stream_stream(method)(iter([junk]), timeout=30))
+            elif streaming:
+                list(ch.unary_stream(method)(junk, timeout=30))
+            else:
+                ch.unary_unary(method)(junk, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.value.code(), err.value.details())
+        # and the server still answers properly
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
