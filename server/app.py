@@ -22,6 +22,7 @@ from starlette.middleware import Middleware
 from jaxmoe.server.grpc_service import build_grpc_server, set_serving
 from jaxmoe.server.http_server import HttpLimits, HttpServer
 from jaxmoe.server.http_service import OpenAIServer
+from jaxmoe.server.layout import current_layout
 from jaxmoe.server.metrics import ServerMetrics
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.prompts import PromptPreparer
@@ -89,7 +90,9 @@ def load_engine(
 
 
 def model_info(engine: LLMEngine, opts: ServeOptions) -> pb.ModelInfoResponse:
+    """``ModelInfo``, read when asked: after a live rescale it describes the new layout."""
     cfg, ec = engine.cfg, engine.config
+    layout = current_layout(engine)
     return pb.ModelInfoResponse(
         model=opts.model_name,
         family=cfg.family,
@@ -99,7 +102,7 @@ def model_info(engine: LLMEngine, opts: ServeOptions) -> pb.ModelInfoResponse:
         num_moe_layers=cfg.num_moe_layers,
         num_experts=cfg.moe.num_experts,
         experts_per_token=cfg.moe.top_k,
-        mesh=opts.mesh_description,
+        mesh=opts.mesh_description if layout is None else layout[0],
         policy=engine.scheduler.policy.name,
         max_num_seqs=ec.max_num_seqs,
         num_kv_blocks=ec.num_blocks,
@@ -131,7 +134,7 @@ class JaxmoeServer:
             self.warmup_seconds = await loop.run_in_executor(
                 None, lambda: self.async_engine.warmup(o.warmup_shapes, o.warmup_progress, self.cancel_warmup)
             )
-        info = model_info(self.async_engine.engine, o)
+        info = lambda: model_info(self.async_engine.engine, o)  # noqa: E731  (the layout serving now)
         self._grpc, self.grpc_port, self._health = build_grpc_server(
             self.async_engine, info, o.host, o.grpc_port, self.metrics, o.security, self.prompts
         )
@@ -159,6 +162,9 @@ class JaxmoeServer:
         """Stop taking requests, finish (or abort) the in-flight ones, close both servers."""
         loop = asyncio.get_running_loop()
         self.ready = False
+        rescaler = getattr(self.async_engine.engine, "rescaler", None)
+        if rescaler is not None:  # a rescale build in flight is cancelled: its callers get UNAVAILABLE / 503
+            rescaler.cancel()
         if self._health is not None:
             await set_serving(self._health, False)
         # new RPCs are refused at once; open streams end when the engine finishes or aborts them

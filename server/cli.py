@@ -315,7 +315,14 @@ def cmd_serve(args) -> int:
         print(
             f"jaxmoe: warning: binding {args.host} without --api-key: anyone who reaches it can use it", file=sys.stderr
         )
-    return asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace))
+    code = asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace))
+    # Everything is stopped and drained: exit now. The interpreter's own teardown (the XLA client and
+    # gRPC core freeing their thread pools, a cancelled rescale build finishing its compile) takes
+    # seconds more and does nothing a server needs.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:

@@ -133,7 +133,8 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
     event loop, so health checks and ModelInfo answer under any number of open streams; how many
     streams may wait is the engine's admission (``--max-waiting``), not a thread pool's."""
 
-    def __init__(self, async_engine, model_info: pb.ModelInfoResponse, metrics=None, prompts=None):
+    def __init__(self, async_engine, model_info, metrics=None, prompts=None):
+        """``model_info``: the ``ModelInfoResponse``, or a function returning the current one."""
         self.engine = async_engine
         self.info = model_info
         self.metrics = metrics
@@ -198,7 +199,7 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
                 "invalid",
                 f"the request is not a ModelInfoRequest ({request.error})",
             )
-        return self.info
+        return self.info() if callable(self.info) else self.info
 
     async def Rescale(self, request, context):
         """Live re-scaling: answers when the new layout serves (``server.admin.rescale`` in a thread)."""
@@ -222,7 +223,7 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
 
 def build_grpc_server(
     async_engine,
-    model_info: pb.ModelInfoResponse,
+    model_info,
     host: str,
     port: int,
     metrics=None,

@@ -38,6 +38,7 @@ from jaxmoe.server import admin
 from jaxmoe.server import openai_protocol as protocol
 from jaxmoe.server.http_body import BodyGuard
 from jaxmoe.server.http_errors import ApiError, ErrorResponse, bad, error_response, install_error_handlers
+from jaxmoe.server.layout import current_layout
 from jaxmoe.server.prompts import PromptPreparer, PromptTooLong
 from jaxmoe.server.openai_format import ChatFormat, CompletionFormat, merge_final, total_usage
 
@@ -107,6 +108,7 @@ class OpenAIServer:
             "created": 0,
             "owned_by": "jaxmoe",
             "max_model_len": self.engine.engine.max_model_len,
+            **_layout_fields(self.engine.engine),
         }
 
     async def models(self) -> dict:
@@ -137,7 +139,9 @@ class OpenAIServer:
             return await asyncio.to_thread(admin.rescale, self.engine, body.model_dump(exclude_none=True))
         except admin.AdminError as e:
             kind = "invalid_request_error" if e.http_status < 500 else "server_error"
-            code = {409: "rescale_in_progress", 504: "timeout"}.get(e.http_status, "invalid_argument")
+            code = {409: "rescale_in_progress", 503: "unavailable", 504: "timeout"}.get(
+                e.http_status, "invalid_argument"
+            )
             raise ApiError(e.http_status, str(e), kind, code) from None
 
     async def prometheus(self) -> Response:
@@ -271,6 +275,14 @@ class OpenAIServer:
             if not done:
                 log.info("client disconnected from %s; aborting it", streams[0].request_id)
                 self._abort(streams)
+
+
+def _layout_fields(engine) -> dict:
+    """The layout serving now (after a live rescale, the new one): attention / expert instances."""
+    layout = current_layout(engine)
+    if layout is None:
+        return {}
+    return {"attention_instances": layout[1], "expert_instances": layout[2], "layout": f"{layout[1]}a{layout[2]}e"}
 
 
 def _prompt_param(prompts: list, i: int) -> str:

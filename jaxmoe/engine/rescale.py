@@ -71,6 +71,10 @@ class RescaleError(ValueError):
     """A rescale that cannot be done (names the value); nothing was changed."""
 
 
+class RescaleCancelledError(RescaleError):
+    """The build was cancelled (the server is shutting down): the old layout stays."""
+
+
 class RescaleInProgressError(RescaleError):
     """A rescale arrived while another one is being built or swapped in."""
 
@@ -124,6 +128,7 @@ class RescaleJob:
         self.before: list[tuple[float, tuple]] = []  # (time, tokens per row of each call) of recent steps
         self.previous = ""
         self.inline = False  # built in the caller's thread, between steps (jax.distributed)
+        self.cancelled = False  # Rescaler.cancel(): the build stops before its next compile
 
     @property
     def target(self) -> str:
@@ -249,6 +254,8 @@ class Rescaler:
             runner = self.engine.runner
             job.runner = ModelRunner(job.executor, runner.block_size, runner.max_blocks_per_seq, runner.plan)
             for rows, tokens in runner.plan.shapes():  # compile by running on padding rows (no KV)
+                if job.cancelled:
+                    return  # cancel() failed the job already
                 job.runner.warm(rows, tokens)
                 if cfg.layer_preemption:
                     job.runner.warm(rows, tokens, layer_by_layer=True)
@@ -259,7 +266,8 @@ class Rescaler:
             job._fail(RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}"))
             return
         job.build_s = time.perf_counter() - t0
-        job._ready.set()
+        if not job.cancelled:
+            job._ready.set()
 
     # -- at step boundaries (the engine's thread) ------------------------------------------------
     def around_step(self, step):
@@ -277,6 +285,19 @@ class Rescaler:
             else:
                 self._step_times.append((dt, calls))
         return outputs
+
+    def cancel(self) -> bool:
+        """Cancel a build in flight (any thread; shutting down): its waiters get
+        ``RescaleCancelledError`` at once, the build thread stops before its next compile, the old
+        layout stays. A layout already built is left to its swap. Returns whether one was cancelled."""
+        with self._lock:
+            job = self.job
+            if job is None or job.ready():
+                return False
+            job.cancelled = True
+            self.job = None
+        job._fail(RescaleCancelledError(f"the rescale to {job.target} was cancelled: the server is shutting down"))
+        return True
 
     def apply(self) -> bool:
         """Swap in a built layout now (between steps); when the engine is idle the job is done at once.

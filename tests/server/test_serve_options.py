@@ -92,3 +92,33 @@ def test_cli_busy_port_one_line_no_traceback(which):
     err = proc.stderr.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert err.startswith(f"jaxmoe: {which}: cannot listen on 127.0.0.1:{port}"), err
+
+
+def test_cli_sigterm_when_idle_exits_within_a_second():
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "jaxmoe.cli", "serve", "--model", "tiny-random", "--no-warmup"]
+    proc = subprocess.Popen(
+        [*cmd, "--http-port", "0", "--grpc-port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if "http listening" in line or (not line and proc.poll() is not None):
+                break
+        assert "http listening" in line, line
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0 and took < 1.0, (code, took)
