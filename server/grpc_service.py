@@ -33,6 +33,8 @@ from jaxmoe.server.grpc_junk import UndecodableInterceptor
 from jaxmoe.server.prompts import PromptPreparer
 from jaxmoe.server.security import ApiKeyInterceptor, SecurityOptions
 
+UNREQUESTED_CALL_WAIT_S = 600  # seconds a call may wait for the server to take it up
+MAX_PENDING_CALLS = 16384  # calls that may wait so
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxmoe"].full_name  # "jaxmoe.v1.Jaxmoe"
 
 
@@ -235,8 +237,18 @@ def build_grpc_server(
     RPCs need ``authorization: Bearer <key>`` metadata."""
     interceptors = [ApiKeyInterceptor(security)] if security is not None and security.api_key else []
     interceptors.append(UndecodableInterceptor())  # junk bytes: INVALID_ARGUMENT from every method
-    # no SO_REUSEPORT: a port another server listens on is an error, not a silently shared port
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    options = [
+        # no SO_REUSEPORT: a port another server listens on is an error, not a silently shared port
+        ("grpc.so_reuseport", 0),
+        # grpc core drops calls that wait for the (busy) event loop to take them up once more than
+        # max_pending_requests (default 1,000) wait, or after 30 s: in a burst of streams on one
+        # channel that ended innocent calls. They wait their turn instead, and the engine's
+        # admission answers them (RESOURCE_EXHAUSTED with a retry hint when the queue is full).
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
+        ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_WAIT_S),
+    ]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     add_servicer(JaxmoeServicer(async_engine, model_info, metrics, prompts), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -293,3 +293,37 @@ def test_grpc_junk_bytes_are_invalid_argument_everywhere(server, method, streami
         # and the server still answers properly
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30).status
         assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_grpc_burst_of_1400_streams_on_one_channel_cancels_none(server):
+    """1,400 streams at once on one channel: each is served or refused (RESOURCE_EXHAUSTED with a
+    retry hint); none is cancelled by the server while it waits its turn."""
+    ae = server.async_engine
+    old = ae.call(lambda e: e.scheduler.max_waiting)
+    ae.call(lambda e: setattr(e.scheduler, "max_waiting", 1024))
+
+    async def burst():
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            stub = pb_grpc.JaxmoeStub(channel)
+
+            async def one(i):
+                call = stub.Generate(make_request(f"s{i}", max_tokens=1, temperature=0), timeout=600)
+                try:
+                    async for _ in call:
+                        pass
+                    return "OK", True
+                except grpc.aio.AioRpcError as e:
+                    return e.code().name, any(k == "retry-after-ms" for k, _ in (e.trailing_metadata() or ()))
+
+            return await asyncio.gather(*(one(i) for i in range(1400)))
+
+    try:
+        results = asyncio.run(burst())
+    finally:
+        ae.call(lambda e: setattr(e.scheduler, "max_waiting", old))
+    codes = [c for c, _ in results]
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, {c: codes.count(c) for c in set(codes)}
+    assert all(hint for _, hint in results) and codes.count("OK") >= 700
+    assert wait_until(lambda: ae.snapshot()["in_flight"] == 0, timeout=120) and engine_idle_and_free(ae)
