@@ -34,6 +34,7 @@ def _gauge(text: str, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
+@pytest.mark.slow
 def test_layout_reported_after_rescale_and_shutdown_cancels_a_build(checkpoint_dir):
     llm = LLM(checkpoint_dir("mixtral"), mesh="meshes/cpu-8.yaml", **ENGINE)
     st = ServerThread(llm.engine, ServeOptions(warmup=False))

@@ -94,6 +94,7 @@ def test_cli_busy_port_one_line_no_traceback(which):
     assert err.startswith(f"jaxmoe: {which}: cannot listen on 127.0.0.1:{port}"), err
 
 
+@pytest.mark.slow
 def test_cli_sigterm_when_idle_exits_within_a_second():
     import signal
     import time
