@@ -49,14 +49,23 @@ def engine_idle_and_free(async_engine) -> bool:
 
 def burst_into_full_queue(async_engine, send, n: int = 12, max_waiting: int = 2) -> list:
     """Send ``n`` requests at once (``send(i)`` from n threads) while the engine loop is held
-    busy and at most ``max_waiting`` requests may wait: ``max_waiting`` are admitted, the rest
+    busy (until all n are queued) and at most ``max_waiting`` requests may wait: ``max_waiting`` are admitted, the rest
     are overloaded. Returns the ``send`` results in order; restores the queue bound."""
     old = async_engine.call(lambda e: e.scheduler.max_waiting)
     async_engine.call(lambda e: setattr(e.scheduler, "max_waiting", max_waiting))
     barrier = threading.Barrier(n)
-    busy = threading.Thread(target=async_engine.call, args=(lambda engine: time.sleep(1.0),), daemon=True)
+
+    holding = threading.Event()
+
+    def hold(engine):  # the loop waits until all n requests are queued (prompts are tokenized first, elsewhere)
+        holding.set()
+        deadline = time.monotonic() + 60
+        while async_engine._commands.qsize() < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    busy = threading.Thread(target=async_engine.call, args=(hold,), daemon=True)
     busy.start()
-    time.sleep(0.05)  # let the blocking call reach the loop first: all n requests arrive meanwhile
+    holding.wait(60)  # the blocking call holds the loop first: all n requests arrive meanwhile
 
     def one(i):
         barrier.wait(10)
