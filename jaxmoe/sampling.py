@@ -31,6 +31,7 @@ MAX_LOGIT_BIAS = 256  # entries of logit_bias (one fixed width: one program)
 MAX_N = 128  # completions per request (n, best_of)
 MAX_TOKENS_LIMIT = 1 << 20  # the context length clamps it further (``LLMEngine.add_request``)
 TOP_K_LIMIT = (1 << 31) - 1
+MAX_TEMPERATURE = 100.0  # far past any useful value (logits / 100 is near uniform); 1e308 would be inf on device
 SEED_RANGE = (-(1 << 63), 1 << 64)  # a signed or unsigned 64-bit integer
 
 
@@ -109,7 +110,7 @@ class SamplingParams:
             _int_in("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         # 0 new tokens only makes sense when scoring the prompt (lm-evaluation-harness loglikelihood)
         _int_in("max_tokens", self.max_tokens, 0 if self.prompt_logprobs is not None else 1, MAX_TOKENS_LIMIT)
-        _real_in("temperature", self.temperature, 0.0, math.inf)
+        _real_in("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _real_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _int_in("top_k", self.top_k, 0, TOP_K_LIMIT)
         if self.seed is not None:

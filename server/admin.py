@@ -13,7 +13,7 @@ import dataclasses
 import grpc
 import pydantic
 
-from jaxmoe.janus.live_rescale import LiveRescaler, RescaleError, RescaleInProgressError
+from jaxmoe.janus.live_rescale import LiveRescaler, RescaleCancelledError, RescaleError, RescaleInProgressError
 
 
 @dataclasses.dataclass
@@ -55,8 +55,11 @@ def rescale(async_engine, payload, timeout_s: float = 600.0) -> dict:
         job = async_engine.call(lambda e: LiveRescaler.of(e).start(req.attention, req.experts, req.slots_per_instance))
         if not job.wait_ready(timeout_s):
             raise TimeoutError(f"the {job.target} layout was not built in {timeout_s}s")
-        async_engine.call(lambda e: LiveRescaler.of(e).apply())  # swaps now when idle (else at the next step)
+        if not job.done():  # built (not failed nor cancelled): swap now when idle, else at the next step
+            async_engine.call(lambda e: LiveRescaler.of(e).apply())
         return job.result(timeout_s).as_dict()
+    except RescaleCancelledError as e:
+        raise AdminError(str(e), 503, grpc.StatusCode.UNAVAILABLE) from None
     except RescaleInProgressError as e:
         raise AdminError(str(e), 409, grpc.StatusCode.ABORTED) from None
     except RescaleError as e:

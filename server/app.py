@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import threading
 
+from jaxmoe.janus.live_rescale import LiveRescaler
 from jaxmoe.engine.async_engine import AsyncEngine
 from jaxmoe.engine.engine import LLMEngine
 from starlette.middleware import Middleware
@@ -21,8 +22,10 @@ from starlette.middleware import Middleware
 from jaxmoe.server.grpc_service import build_grpc_server, set_serving
 from jaxmoe.server.http_server import HttpLimits, HttpServer
 from jaxmoe.server.http_service import OpenAIServer
+from jaxmoe.server.layout import current_layout
 from jaxmoe.server.metrics import ServerMetrics
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
+from jaxmoe.server.prompts import PromptPreparer
 from jaxmoe.server.security import HttpGuard, SecurityOptions
 
 
@@ -45,7 +48,9 @@ class ServeOptions:
 
 
 def model_info(engine: LLMEngine, opts: ServeOptions) -> pb.ModelInfoResponse:
+    """``ModelInfo``, read when asked: after a live rescale it describes the new layout."""
     cfg, ec = engine.cfg, engine.config
+    layout = current_layout(engine)
     return pb.ModelInfoResponse(
         model=opts.model_name,
         family=cfg.family,
@@ -55,7 +60,7 @@ def model_info(engine: LLMEngine, opts: ServeOptions) -> pb.ModelInfoResponse:
         num_moe_layers=cfg.num_moe_layers,
         num_experts=cfg.moe.num_experts,
         experts_per_token=cfg.moe.top_k,
-        mesh=opts.mesh_description,
+        mesh=opts.mesh_description if layout is None else layout[0],
         policy=engine.scheduler.policy.name,
         max_num_seqs=ec.max_num_seqs,
         num_kv_blocks=ec.num_blocks,
@@ -81,6 +86,7 @@ class JaxmoeServer:
         self.ready = False
         self.grpc_port = self.http_port = None
         self.warmup_seconds = 0.0
+        self.prompts = PromptPreparer(engine)  # tokenization and chat templates, shared by both front ends
         self.cancel_warmup = threading.Event()  # set it to stop start() between two warm-up compiles
         self._grpc = self._health = self._http = None
 
@@ -95,9 +101,9 @@ class JaxmoeServer:
                     o.warmup_shapes, o.warmup_progress, self.cancel_warmup, scoring=o.warmup_scoring
                 ),
             )
-        info = model_info(self.async_engine.engine, o)
+        info = lambda: model_info(self.async_engine.engine, o)  # noqa: E731  (the layout serving now)
         self._grpc, self.grpc_port, self._health = build_grpc_server(
-            self.async_engine, info, o.host, o.grpc_port, self.metrics, o.security
+            self.async_engine, info, o.host, o.grpc_port, self.metrics, o.security, self.prompts
         )
         await set_serving(self._health, False)
         http = OpenAIServer(
@@ -107,9 +113,12 @@ class JaxmoeServer:
             ready=lambda: self.ready,
             max_body_bytes=o.max_body_bytes,
             body_read_timeout_s=o.body_read_timeout_s,
+            prompts=self.prompts,
         )
         guard = Middleware(HttpGuard, opts=o.security, bind_host=o.host, port_of=lambda: self.http_port)
-        self._http = HttpServer(http.app(guard), o.host, o.http_port, o.http_limits)
+        self._http = HttpServer(
+            http.app(guard), o.host, o.http_port, o.http_limits, on_refuse=lambda: self.metrics.reject("connections")
+        )
         self.http_port = self._http.port
         await self._http.start()
         await self._grpc.start()
@@ -120,6 +129,9 @@ class JaxmoeServer:
         """Stop taking requests, finish (or abort) the in-flight ones, close both servers."""
         loop = asyncio.get_running_loop()
         self.ready = False
+        rescaler = LiveRescaler.find(self.async_engine.engine)
+        if rescaler is not None:  # a rescale build in flight is cancelled: its callers get UNAVAILABLE / 503
+            rescaler.cancel()
         if self._health is not None:
             await set_serving(self._health, False)
         # new RPCs are refused at once; open streams end when the engine finishes or aborts them
@@ -129,6 +141,7 @@ class JaxmoeServer:
             await grpc_done
         if self._http is not None:
             await self._http.stop()
+        self.prompts.close()
 
     @property
     def grpc_target(self) -> str:

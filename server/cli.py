@@ -138,8 +138,9 @@ def register(sub, add_model_args) -> None:
     serve.add_argument(
         "--http-max-connections",
         type=int,
-        default=1024,
-        help="HTTP connections plus in-flight requests (uvicorn limit_concurrency; 503 beyond)",
+        default=4096,
+        help="HTTP connections (or in-flight requests) served; a request beyond gets a JSON 429 with Retry-After "
+        "(/health is always served)",
     )
     serve.add_argument(
         "--keep-alive-timeout",
@@ -282,11 +283,26 @@ def cmd_serve(args) -> int:
     from jaxmoe.server.http_server import HttpLimits
     from jaxmoe.server.security import SecurityOptions
 
+    from jaxmoe.server.serve_options import (
+        ServeOptionError,
+        check_max_model_len,
+        check_ports_free,
+        raise_open_files_limit,
+        validate_serve_args,
+    )
+
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if not args.log_requests:
         logging.getLogger("jaxmoe.requests").setLevel(logging.WARNING)
+    try:  # every option, and the ports, before the model loads: one line naming the option
+        validate_serve_args(args)
+        check_ports_free(args.host, {"--grpc-port": args.grpc_port, "--http-port": args.http_port})
+    except ServeOptionError as e:
+        print(f"jaxmoe: {e}", file=sys.stderr)
+        return 2
+    raise_open_files_limit()  # thousands of HTTP connections (--http-max-connections)
     if args.autoscale and not (args.mesh and args.slo_tpot_ms):
         print("jaxmoe: --autoscale needs --mesh and --slo-tpot-ms", file=sys.stderr)
         return 2
@@ -297,6 +313,11 @@ def cmd_serve(args) -> int:
 
     config, mesh_description = runtime_config(args)
     engine = build_engine(config)
+    try:
+        check_max_model_len(args, engine.cfg.max_position)
+    except ServeOptionError as e:
+        print(f"jaxmoe: {e}", file=sys.stderr)
+        return 2
     opts = ServeOptions(
         host=args.host,
         grpc_port=args.grpc_port,
@@ -325,7 +346,14 @@ def cmd_serve(args) -> int:
         print(
             f"jaxmoe: warning: binding {args.host} without --api-key: anyone who reaches it can use it", file=sys.stderr
         )
-    return asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace))
+    code = asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace))
+    # Everything is stopped and drained: exit now. The interpreter's own teardown (the XLA client and
+    # gRPC core freeing their thread pools, a cancelled rescale build finishing its compile) takes
+    # seconds more and does nothing a server needs.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:
@@ -343,6 +371,10 @@ async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:
     starting = asyncio.ensure_future(server.start())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done() and isinstance(starting.exception(), OSError):  # a port taken since the check
+        print(f"jaxmoe: {starting.exception()}", file=sys.stderr, flush=True)
+        await server.stop(abort_inflight=True, grace=0.0)
+        return 1
     if not starting.done():  # a signal during warm-up: stop at the next program boundary
         server.cancel_warmup.set()
         try:

@@ -30,8 +30,12 @@ from jaxmoe.server import admin
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
 from jaxmoe.server.request_log import log_request
+from jaxmoe.server.grpc_junk import UndecodableInterceptor
+from jaxmoe.server.prompts import PromptPreparer
 from jaxmoe.server.security import ApiKeyInterceptor, SecurityOptions
 
+UNREQUESTED_CALL_WAIT_S = 600  # seconds a call may wait for the server to take it up
+MAX_PENDING_CALLS = 16384  # calls that may wait so
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxmoe"].full_name  # "jaxmoe.v1.Jaxmoe"
 
 
@@ -142,11 +146,13 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
     event loop, so health checks and ModelInfo answer under any number of open streams; how many
     streams may wait is the engine's admission (``--max-waiting``), not a thread pool's."""
 
-    def __init__(self, async_engine, model_info: pb.ModelInfoResponse, metrics=None):
+    def __init__(self, async_engine, model_info, metrics=None, prompts=None):
+        """``model_info``: the ``ModelInfoResponse``, or a function returning the current one."""
         self.engine = async_engine
         self.info = model_info
         self.metrics = metrics
         self.tokenizer = async_engine.engine.tokenizer
+        self.prompts = prompts or PromptPreparer(async_engine.engine)  # tokenization off the loop
 
     async def _reject(self, context, code, reason: str, message: str, retry_after_s: float | None = None):
         if self.metrics is not None:
@@ -165,6 +171,7 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
             )
         try:
             prompt, sampling, priority = request_from_proto(request, self.engine.engine.sampling_defaults)
+            prompt = await self.prompts.prompt_ids(prompt)  # refused by length first, then tokenized off the loop
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
         rid = request.request_id or f"grpc-{uuid.uuid4().hex[:16]}"
@@ -208,7 +215,7 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
                 "invalid",
                 f"the request is not a ModelInfoRequest ({request.error})",
             )
-        return self.info
+        return self.info() if callable(self.info) else self.info
 
     async def Rescale(self, request, context):
         """Live re-scaling: answers when the new layout serves (``server.admin.rescale`` in a thread)."""
@@ -232,26 +239,42 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
 
 def build_grpc_server(
     async_engine,
-    model_info: pb.ModelInfoResponse,
+    model_info,
     host: str,
     port: int,
     metrics=None,
     security: SecurityOptions | None = None,
+    prompts=None,
 ):
     """A ``grpc.aio.Server`` bound to host:port (0 = pick), not started (``await server.start()``
     on the serving event loop). Returns (server, port, health). With an API key in ``security``,
     RPCs need ``authorization: Bearer <key>`` metadata."""
     interceptors = [ApiKeyInterceptor(security)] if security is not None and security.api_key else []
-    server = grpc.aio.server(interceptors=interceptors)
-    add_servicer(JaxmoeServicer(async_engine, model_info, metrics), server)
+    interceptors.append(UndecodableInterceptor())  # junk bytes: INVALID_ARGUMENT from every method
+    options = [
+        # no SO_REUSEPORT: a port another server listens on is an error, not a silently shared port
+        ("grpc.so_reuseport", 0),
+        # grpc core drops calls that wait for the (busy) event loop to take them up once more than
+        # max_pending_requests (default 1,000) wait, or after 30 s: in a burst of streams on one
+        # channel that ended innocent calls. They wait their turn instead, and the engine's
+        # admission answers them (RESOURCE_EXHAUSTED with a retry hint when the queue is full).
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
+        ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_WAIT_S),
+    ]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    add_servicer(JaxmoeServicer(async_engine, model_info, metrics, prompts), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{_host(host)}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{_host(host)}:{port}")
+    except RuntimeError as e:  # grpcio raises RuntimeError for a port it cannot bind
+        raise OSError(f"--grpc-port: cannot listen on {host}:{port}: {e}") from None
     if bound == 0:
-        raise OSError(f"cannot bind gRPC to {host}:{port}")
+        raise OSError(f"--grpc-port: cannot listen on {host}:{port}")
     return server, bound, health_servicer
 
 

@@ -1,8 +1,9 @@
 """``BodyGuard``: the ASGI middleware that reads an HTTP request body before the app sees it.
 
 It refuses an unknown ``Content-Encoding`` (415), a body over the size limit (413, counted on the
-bytes received and on the decompressed size, so a gzip bomb stops at the limit; the rest of a
-too-large body is read and dropped, within the read timeout and up to ``DRAIN_FACTOR`` times the
+bytes received and on the bytes decompressed as they arrive, so a gzip bomb is never inflated past
+the limit and, once it has all arrived, is answered at once; the rest of a too-large body still
+being sent is read and dropped, within the read timeout and up to ``DRAIN_FACTOR`` times the
 limit, so that the client reads the answer rather than a reset), a body that does not arrive within the read timeout (408, and the connection is closed:
 a slow client cannot hold a handler) and a compressed body that does not decode (400), each as an
 OpenAI-style JSON error. The app then gets the decoded body in one piece; what the client sends
@@ -24,7 +25,9 @@ _NO_BODY = ("GET", "HEAD", "OPTIONS", "DELETE")
 
 
 class _TooLarge(Exception):
-    pass
+    def __init__(self, more_body: bool):
+        super().__init__()
+        self.more_body = more_body  # the client is still sending
 
 
 class _Gone(Exception):
@@ -33,21 +36,6 @@ class _Gone(Exception):
 
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"request body larger than {limit} bytes", "invalid_request_error", "request_too_large")
-
-
-def _decode(raw: bytes, encoding: str, limit: int) -> bytes:
-    if encoding == "identity":
-        return raw
-    d = zlib.decompressobj(_WBITS[encoding])
-    try:
-        out = d.decompress(raw, limit + 1)
-    except zlib.error as e:
-        raise bad(f"the body could not be decoded ({encoding}): {e}") from None
-    if len(out) > limit:
-        raise _TooLarge()
-    if not d.eof:
-        raise bad(f"the body could not be decoded ({encoding}): truncated")
-    return out
 
 
 class BodyGuard:
@@ -75,13 +63,14 @@ class BodyGuard:
         deadline = loop.time() + self.timeout
         try:
             int(headers.get("content-length", "0"))
-            raw = await asyncio.wait_for(self._read(receive), self.timeout)
-            body = _decode(raw, encoding, self.limit)
-        except _TooLarge:
+            body = await asyncio.wait_for(self._read(receive, encoding), self.timeout)
+        except _TooLarge as e:
             # read (and drop) what the client is still sending, so that it reads the answer instead of
-            # a reset connection: bounded by the read deadline and DRAIN_FACTOR times the limit
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._drain(receive), max(0.0, deadline - loop.time()))
+            # a reset connection: bounded by the read deadline and DRAIN_FACTOR times the limit; a body
+            # that has all arrived is answered at once
+            if e.more_body:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._drain(receive), max(0.0, deadline - loop.time()))
             return await send_error(send, _too_large(self.limit), {"Connection": "close"})
         except TimeoutError:
             err = ApiError(
@@ -118,16 +107,29 @@ class BodyGuard:
             if msg["type"] == "http.disconnect" or not msg.get("more_body", False):
                 return
 
-    async def _read(self, receive) -> bytes:
-        chunks, size = [], 0
+    async def _read(self, receive, encoding: str) -> bytes:
+        """The body, decoded as it arrives: both the bytes received and the decoded bytes stop at the
+        limit (``_TooLarge``), so a compressed bomb is never inflated past it."""
+        inflate = zlib.decompressobj(_WBITS[encoding]) if encoding != "identity" else None
+        chunks, received, size = [], 0, 0
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
                 raise _Gone()
-            chunk = msg.get("body", b"")
+            chunk, more = msg.get("body", b""), msg.get("more_body", False)
+            received += len(chunk)
+            if received > self.limit:
+                raise _TooLarge(more)
+            if inflate is not None and chunk:
+                try:
+                    chunk = inflate.decompress(chunk, self.limit + 1 - size)  # at most one byte past the limit
+                except zlib.error as e:
+                    raise bad(f"the body could not be decoded ({encoding}): {e}") from None
+                if inflate.unconsumed_tail or size + len(chunk) > self.limit:
+                    raise _TooLarge(more)
             size += len(chunk)
-            if size > self.limit:
-                raise _TooLarge()
             chunks.append(chunk)
-            if not msg.get("more_body", False):
+            if not more:
+                if inflate is not None and not inflate.eof:
+                    raise bad(f"the body could not be decoded ({encoding}): truncated")
                 return b"".join(chunks)

@@ -1,13 +1,19 @@
 """``HttpServer``: uvicorn serving an ASGI app on the caller's event loop (a task, no threads, no
 signal handlers: ``jaxmoe serve`` owns SIGTERM / SIGINT and stops it through ``JaxmoeServer``).
 
-uvicorn's own options set the connection limits: ``limit_concurrency`` (connections plus
-in-flight requests; beyond it uvicorn answers a plain-text 503), ``timeout_keep_alive`` (an idle
-kept-alive connection is closed), ``h11_max_incomplete_event_size`` (the largest request head),
-``timeout_graceful_shutdown``. uvicorn has no timeout for a new connection's request head, so the
-h11 protocol here adds one (``header_timeout_s``): a connection that has not sent a complete
-request head by then (after it opened, or after its previous response) is closed (slowloris); and its answer to a request that is not valid HTTP
-is the OpenAI-style JSON error every other refusal has (uvicorn's own is plain text).
+Overload is answered by the application, as JSON: a request that arrives while more than
+``max_connections`` connections are open (or requests in flight) gets a 429 with ``Retry-After``
+(``ConnectionLimit``; uvicorn's own ``limit_concurrency`` would answer a plain-text 503, to
+``/health`` too). ``/health`` has its own reserve: it is served whatever the load, and
+``health_reserve`` connections past the limit stay open for it; past those, a new connection
+closes the longest-idle kept-alive one (or, if every connection has a request running, itself),
+so the process never runs out of file descriptors. uvicorn's options set the rest:
+``timeout_keep_alive`` (an idle kept-alive connection is closed), ``h11_max_incomplete_event_size``
+(the largest request head), ``timeout_graceful_shutdown``. uvicorn has no timeout for a new
+connection's request head, so the h11 protocol here adds one (``header_timeout_s``): a connection
+that has not sent a complete request head by then (after it opened, or after its previous
+response) is closed (slowloris); and its answer to a request that is not valid HTTP is the
+OpenAI-style JSON error every other refusal has (uvicorn's own is plain text).
 """
 
 from __future__ import annotations
@@ -23,9 +29,15 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
+from jaxmoe.server.http_errors import ApiError, send_error
+
+HEALTH_PATHS = ("/health",)  # served whatever the load
+
+
 @dataclasses.dataclass(frozen=True)
 class HttpLimits:
-    max_connections: int = 1024  # uvicorn limit_concurrency: connections + in-flight requests (503 beyond)
+    max_connections: int = 4096  # open connections or in-flight requests; a request beyond: JSON 429 (not /health)
+    health_reserve: int = 256  # connections past max_connections kept for /health; past those an idle one closes
     keep_alive_timeout_s: int = 5  # uvicorn timeout_keep_alive
     header_timeout_s: float = 10.0  # a new connection's request head must arrive within this
     max_header_bytes: int = 64 << 10  # uvicorn h11_max_incomplete_event_size (the request head)
@@ -37,10 +49,24 @@ class _HeaderTimeoutH11(H11Protocol):
     not complete ``header_timeout_s`` after it opened, or after its previous response, is closed."""
 
     header_timeout_s = 10.0
+    max_open = None  # connections at most (max_connections + health_reserve); None: no bound
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm_head_timer()
+        self._opened = self.loop.time()
+        if self.max_open is not None and len(self.connections) > self.max_open:
+            self._make_room()
+
+    def _idle(self) -> bool:
+        """No request in progress: waiting for (the next) request head."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def _make_room(self) -> None:
+        """Past the hard bound: close the longest-idle other connection, or this one if none is idle."""
+        idle = [c for c in self.connections if c is not self and c._idle() and not c.transport.is_closing()]
+        victim = min(idle, key=lambda c: c._opened) if idle else self
+        victim.transport.close()
 
     def _arm_head_timer(self) -> None:
         self._head_cycle = self.cycle  # a new request head replaces it
@@ -71,6 +97,28 @@ class _HeaderTimeoutH11(H11Protocol):
         self.transport.close()
 
 
+class ConnectionLimit:
+    """ASGI middleware: a request that arrives while ``load()`` (open connections or requests in
+    flight) exceeds ``limit`` is answered with a JSON 429 and ``Retry-After``, counted by
+    ``on_refuse()``; ``HEALTH_PATHS`` are always served."""
+
+    def __init__(self, app, limit: int, load, on_refuse=None, retry_after_s: int = 1):
+        self.app, self.limit, self.load, self.on_refuse, self.retry_after_s = app, limit, load, on_refuse, retry_after_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in HEALTH_PATHS and self.load() > self.limit:
+            if self.on_refuse is not None:
+                self.on_refuse()
+            error = ApiError(
+                429,
+                f"server overloaded: more than {self.limit} HTTP connections or requests in flight; retry later",
+                "rate_limit_error",
+                "overloaded",
+            )
+            return await send_error(send, error, {"Retry-After": str(self.retry_after_s)})
+        await self.app(scope, receive, send)
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
@@ -78,15 +126,21 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, limits: HttpLimits = HttpLimits()):
-        protocol = type("H11", (_HeaderTimeoutH11,), {"header_timeout_s": limits.header_timeout_s})
+    def __init__(self, app, host: str, port: int, limits: HttpLimits = HttpLimits(), on_refuse=None):
+        """``on_refuse()``: called for each request refused by the connection limit (metrics)."""
+        protocol = type(
+            "H11",
+            (_HeaderTimeoutH11,),
+            {"header_timeout_s": limits.header_timeout_s, "max_open": limits.max_connections + limits.health_reserve},
+        )
+        app = ConnectionLimit(app, limits.max_connections, self._load, on_refuse)
         config = uvicorn.Config(
             app,
             http=protocol,
             lifespan="off",
             log_config=None,
             access_log=False,
-            limit_concurrency=limits.max_connections,
+            limit_concurrency=None,  # ConnectionLimit answers overload (JSON 429, /health served)
             timeout_keep_alive=limits.keep_alive_timeout_s,
             h11_max_incomplete_event_size=limits.max_header_bytes,
             timeout_graceful_shutdown=limits.shutdown_timeout_s,
@@ -94,10 +148,18 @@ class HttpServer:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         self._sock = socket.socket(family, kind, proto)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(addr)
+        try:
+            self._sock.bind(addr)
+        except OSError as e:
+            self._sock.close()
+            raise OSError(f"--http-port: cannot listen on {host}:{port}: {e.strerror}") from None
         self.port = self._sock.getsockname()[1]
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
+
+    def _load(self) -> int:
+        state = self._server.server_state
+        return max(len(state.connections), len(state.tasks))
 
     async def start(self) -> None:
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))

@@ -39,10 +39,13 @@ from jaxmoe.server import admin
 from jaxmoe.server import openai_protocol as protocol
 from jaxmoe.server.http_body import BodyGuard
 from jaxmoe.server.http_errors import ApiError, ErrorResponse, bad, error_response, install_error_handlers
+from jaxmoe.server.layout import current_layout
+from jaxmoe.server.prompts import PromptPreparer, PromptTooLong
 from jaxmoe.server.openai_format import ChatFormat, CompletionFormat, merge_final, total_usage
 from jaxmoe.server.request_log import log_request
 
 log = logging.getLogger(__name__)
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (the waiting queue is full)
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 408, 413, 415, 421, 429, 500, 503, 504)}
 STREAMED = {**ERRORS, 200: {"content": {"application/json": {}, "text/event-stream": {}}}}
@@ -65,8 +68,10 @@ class OpenAIServer:
         ready=lambda: True,
         max_body_bytes: int = 4 << 20,
         body_read_timeout_s: float = 30.0,
+        prompts: PromptPreparer | None = None,
     ):
         self.engine = async_engine
+        self.prompts = prompts or PromptPreparer(async_engine.engine)  # tokenization off the loop
         self.model_name = model_name
         self.metrics = metrics
         self.ready = ready  # False until warmed up and while shutting down
@@ -108,6 +113,7 @@ class OpenAIServer:
             "created": 0,
             "owned_by": "jaxmoe",
             "max_model_len": self.engine.engine.max_model_len,
+            **_layout_fields(self.engine.engine),
         }
 
     async def models(self) -> dict:
@@ -174,7 +180,9 @@ class OpenAIServer:
             return await asyncio.to_thread(admin.rescale, self.engine, body.model_dump(exclude_none=True))
         except admin.AdminError as e:
             kind = "invalid_request_error" if e.http_status < 500 else "server_error"
-            code = {409: "rescale_in_progress", 504: "timeout"}.get(e.http_status, "invalid_argument")
+            code = {409: "rescale_in_progress", 503: "unavailable", 504: "timeout"}.get(
+                e.http_status, "invalid_argument"
+            )
             raise ApiError(e.http_status, str(e), kind, code) from None
 
     async def prometheus(self) -> Response:
@@ -193,17 +201,23 @@ class OpenAIServer:
         if self.metrics is not None:
             self.metrics.reject({400: "invalid", 429: "overloaded"}.get(status, "unavailable"))
 
-    def _prepare(self, req, chat: bool):
-        """(prompts, SamplingParams); raises ApiError (400 naming the field, 404 model)."""
+    async def _prepare(self, req, chat: bool):
+        """(prompts as token ids, SamplingParams); raises ApiError (400 naming the field, 404 model).
+        Prompts are checked by length first, then tokenized off the event loop (``PromptPreparer``)."""
         self._check_model(req.model)
         try:
             if chat:
                 sampling = req.to_sampling(self.engine.engine.max_model_len, self.engine.engine.sampling_defaults)
-                text = self.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True)
-                prompts = [self.tokenizer.encode(text)]
+                prompts = [await self.prompts.chat_ids(req.conversation())]
             else:
                 sampling = req.to_sampling(self.engine.engine.sampling_defaults)
-                prompts = req.prompts()
+                texts = req.prompts()
+                for i, p in enumerate(texts):  # all are refused by length before any is tokenized
+                    if isinstance(p, str):
+                        self.prompts.check_chars(len(p), _prompt_param(texts, i))
+                prompts = [await self.prompts.prompt_ids(p, _prompt_param(texts, i)) for i, p in enumerate(texts)]
+        except PromptTooLong as e:
+            raise bad(str(e), e.param) from None
         except SamplingParamsError as e:
             raise bad(str(e), e.param) from None
         except (ValueError, TemplateError) as e:  # chat template errors
@@ -240,13 +254,13 @@ class OpenAIServer:
     async def _generate(self, request: Request, req, chat: bool) -> Response:
         route = request.url.path
         try:
-            prompts, sampling = self._prepare(req, chat)
+            prompts, sampling = await self._prepare(req, chat)
             priority = _priority(request, req.priority)
             streams = await self._admit(prompts, sampling, priority, "chatcmpl-" if chat else "cmpl-")
         except ApiError as e:
             self._reject(e.status)
             log_request(route, "-", e.status)
-            return error_response(e)
+            return error_response(e, {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None)
         rid = streams[0].request_id
         fmts = [
             ChatFormat(self, rid, i) if chat else CompletionFormat(self, rid, i, echo=req.echo)
@@ -317,6 +331,18 @@ class OpenAIServer:
                 status = 499
             outs = [last.get(i) for i in range(len(streams))]
             log_request(route + " (stream)", streams[0].request_id, status, outs, per_prompt)
+
+
+def _layout_fields(engine) -> dict:
+    """The layout serving now (after a live rescale, the new one): attention / expert instances."""
+    layout = current_layout(engine)
+    if layout is None:
+        return {}
+    return {"attention_instances": layout[1], "expert_instances": layout[2], "layout": f"{layout[1]}a{layout[2]}e"}
+
+
+def _prompt_param(prompts: list, i: int) -> str:
+    return "prompt" if len(prompts) == 1 else f"prompt.{i}"
 
 
 def _echo_ready(fmt, out: RequestOutput) -> bool:

@@ -14,8 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxmoe.compilation import compile_events
+from jaxmoe.janus.live_rescale import LiveRescaler
 from jaxmoe.engine.outputs import RequestOutput
 from jaxmoe.engine.scheduler import PREEMPTION_LEVELS
+from jaxmoe.server.layout import current_layout
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -43,7 +45,7 @@ class ServerMetrics:
         )
         self.rejected = Counter(
             "jaxmoe_requests_rejected", "Requests refused at admission", ["reason"], registry=r
-        )  # invalid | overloaded | unavailable
+        )  # invalid | overloaded (waiting queue full) | connections (HTTP connection limit) | unavailable
         self.prompt_tokens = Counter(
             "jaxmoe_prompt_tokens", "Prompt tokens of finished requests", ["priority"], registry=r
         )
@@ -127,6 +129,13 @@ class _EngineCollector:
             for expert, n in enumerate(depth):
                 q.add_metric([str(expert)], n)
             yield q
+        layout = current_layout(self.async_engine.engine)
+        if layout is not None:  # read at scrape time: after a live rescale, the new layout
+            yield GaugeMetricFamily("jaxmoe_attention_instances", "Attention instances serving now", value=layout[1])
+            yield GaugeMetricFamily("jaxmoe_expert_instances", "Expert instances serving now", value=layout[2])
+            rescaler = LiveRescaler.find(self.async_engine.engine)
+            if rescaler is not None:
+                yield CounterMetricFamily("jaxmoe_rescales", "Live rescales done", value=len(rescaler.history))
         yield CounterMetricFamily("jaxmoe_engine_steps", "Engine steps", value=snap["steps"])
         yield CounterMetricFamily("jaxmoe_engine_step_errors", "Engine steps that raised", value=snap["step_errors"])
         yield CounterMetricFamily(

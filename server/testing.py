@@ -53,14 +53,23 @@ def engine_idle_and_free(async_engine) -> bool:
 
 def burst_into_full_queue(async_engine, send, n: int = 12, max_waiting: int = 2) -> list:
     """Send ``n`` requests at once (``send(i)`` from n threads) while the engine loop is held
-    busy and at most ``max_waiting`` requests may wait: ``max_waiting`` are admitted, the rest
+    busy (until all n are queued) and at most ``max_waiting`` requests may wait: ``max_waiting`` are admitted, the rest
     are overloaded. Returns the ``send`` results in order; restores the queue bound."""
     old = async_engine.call(lambda e: e.scheduler.max_waiting)
     async_engine.call(lambda e: setattr(e.scheduler, "max_waiting", max_waiting))
     barrier = threading.Barrier(n)
-    busy = threading.Thread(target=async_engine.call, args=(lambda engine: time.sleep(1.0),), daemon=True)
+
+    holding = threading.Event()
+
+    def hold(engine):  # the loop waits until all n requests are queued (prompts are tokenized first, elsewhere)
+        holding.set()
+        deadline = time.monotonic() + 60
+        while async_engine._commands.qsize() < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    busy = threading.Thread(target=async_engine.call, args=(hold,), daemon=True)
     busy.start()
-    time.sleep(0.05)  # let the blocking call reach the loop first: all n requests arrive meanwhile
+    holding.wait(60)  # the blocking call holds the loop first: all n requests arrive meanwhile
 
     def one(i):
         barrier.wait(10)
@@ -98,3 +107,50 @@ def failing_steps(async_engine, message: str = "injected device failure"):
         yield broken
     finally:
         async_engine.call(lambda e: setattr(runner, "run", real_run))
+
+
+async def http_burst(port: int, n: int, body: dict, path: str = "/v1/completions", timeout: float = 300.0) -> list:
+    """``n`` HTTP requests over ``n`` simultaneous loopback connections (every connection is opened
+    before any request is sent). Returns one (status, parsed JSON body or None, headers) per request;
+    status 0: the connection failed or was closed without an answer."""
+    import asyncio
+    import json
+
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+
+    async def connect():
+        try:
+            return await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+        except OSError:
+            return None
+
+    async def one(conn):
+        if conn is None:
+            return 0, None, {}
+        reader, writer = conn
+        try:
+            writer.write(head + data)
+            await writer.drain()
+            raw = await reader.read()
+        except OSError:
+            return 0, None, {}
+        finally:
+            writer.close()
+        status_line, _, rest = raw.partition(b"\r\n")
+        headers_raw, _, payload = rest.partition(b"\r\n\r\n")
+        if not status_line.startswith(b"HTTP/1.1 "):
+            return 0, None, {}
+        headers = dict(line.decode("latin-1").split(": ", 1) for line in headers_raw.split(b"\r\n") if b": " in line)
+        headers = {k.lower(): v for k, v in headers.items()}
+        try:
+            parsed = json.loads(payload) if payload.startswith(b"{") else None
+        except ValueError:
+            parsed = None
+        return int(status_line.split()[1]), parsed, headers
+
+    conns = await asyncio.gather(*(connect() for _ in range(n)))
+    return await asyncio.wait_for(asyncio.gather(*(one(c) for c in conns)), timeout)

@@ -161,11 +161,12 @@ def test_slow_body_is_refused_with_408():
                 reply += chunk
             head, _, body = reply.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["type"] == "invalid_request_error"
-        # beyond the connection limit (uvicorn limit_concurrency) a connection gets 503
+        # beyond the connection limit a request gets a JSON 429 with Retry-After; /health is still served
         idle = [socket.create_connection(("127.0.0.1", server.http_port), timeout=30) for _ in range(4)]
         try:
-            status, _, _ = _request(server, "GET", "/v1/models")
-            assert status == 503
+            status, out, headers = _request(server, "GET", "/v1/models")
+            assert status == 429 and out["error"]["code"] == "overloaded" and headers["Retry-After"] == "1"
+            assert _request(server, "GET", "/health")[0] == 200
         finally:
             for sock in idle:
                 sock.close()

@@ -28,6 +28,7 @@ from jaxmoe.engine.hooks import LayerHook, StepHook
 from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
 from jaxmoe.engine.policies import make_policy
+from jaxmoe.engine.prompt_limits import check_prompt_chars, check_prompt_tokens
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
 from jaxmoe.runtime.executor import Executor
@@ -117,16 +118,17 @@ class LLMEngine:
                 raise SamplingParamsError(
                     "logit_bias", f"token id {t} is outside the vocabulary [0, {self.cfg.vocab_size})"
                 )
+        if isinstance(prompt, str):  # refused by its length before the work of tokenizing it
+            check_prompt_chars(len(prompt), self.max_model_len)
+        else:  # nor a token list by the work of checking its ids
+            check_prompt_tokens(len(prompt), self.max_model_len)
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise ValueError("empty prompt")
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.cfg.vocab_size)]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_model_len} tokens"
-            )
+        check_prompt_tokens(len(prompt_ids), self.max_model_len)
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1

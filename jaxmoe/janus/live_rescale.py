@@ -69,6 +69,10 @@ class RescaleError(ValueError):
     """A rescale that cannot be done (names the value); nothing was changed."""
 
 
+class RescaleCancelledError(RescaleError):
+    """The build was cancelled (the server is shutting down): the old layout stays."""
+
+
 class RescaleInProgressError(RescaleError):
     """A rescale arrived while another one is being built or swapped in."""
 
@@ -115,6 +119,7 @@ class RescaleJob:
         self.before: list[tuple[float, tuple]] = []  # (time, tokens per row of each call) of recent steps
         self.previous = ""
         self.inline = False  # built in the caller's thread, between steps (jax.distributed)
+        self.cancelled = False  # Rescaler.cancel(): the build stops before its next compile
 
     @property
     def target(self) -> str:
@@ -168,12 +173,17 @@ class LiveRescaler:
         return engine.add_hook(cls(engine, executor_kwargs))
 
     @staticmethod
+    def find(engine) -> "LiveRescaler | None":
+        """The engine's rescaler (None: it has none, a monolithic engine)."""
+        return next((hook for hook in engine.hooks if isinstance(hook, LiveRescaler)), None)
+
+    @staticmethod
     def of(engine) -> "LiveRescaler":
         """The engine's rescaler; ``RescaleError`` when it has none (a monolithic engine)."""
-        for hook in engine.hooks:
-            if isinstance(hook, LiveRescaler):
-                return hook
-        raise RescaleError("rescale needs the disaggregated executor (start the engine with a mesh file)")
+        rescaler = LiveRescaler.find(engine)
+        if rescaler is None:
+            raise RescaleError("rescale needs the disaggregated executor (start the engine with a mesh file)")
+        return rescaler
 
     # -- request ------------------------------------------------------------------------------
     def start(self, attention: int, experts: int, slots_per_instance: int | None = None) -> RescaleJob:
@@ -256,6 +266,8 @@ class LiveRescaler:
             runner = self.engine.runner
             job.runner = ModelRunner(job.executor, runner.block_size, runner.max_blocks_per_seq, runner.plan)
             for rows, tokens in runner.plan.shapes():  # compile by running on padding rows (no KV)
+                if job.cancelled:
+                    return  # cancel() failed the job already
                 job.runner.warm(rows, tokens)
                 if self.engine.layer_hook is not None:
                     job.runner.warm(rows, tokens, layer_by_layer=True)
@@ -266,7 +278,8 @@ class LiveRescaler:
             job._fail(RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}"))
             return
         job.build_s = time.perf_counter() - t0
-        job._ready.set()
+        if not job.cancelled:
+            job._ready.set()
 
     # -- at step boundaries (the engine's thread: a step hook) -------------------------------------
     def before_step(self, engine) -> None:
@@ -285,6 +298,19 @@ class LiveRescaler:
             self._finish(job, dt, calls)
         else:
             self._step_times.append((dt, tuple(t for _, t in calls)))
+
+    def cancel(self) -> bool:
+        """Cancel a build in flight (any thread; shutting down): its waiters get
+        ``RescaleCancelledError`` at once, the build thread stops before its next compile, the old
+        layout stays. A layout already built is left to its swap. Returns whether one was cancelled."""
+        with self._lock:
+            job = self.job
+            if job is None or job.ready():
+                return False
+            job.cancelled = True
+            self.job = None
+        job._fail(RescaleCancelledError(f"the rescale to {job.target} was cancelled: the server is shutting down"))
+        return True
 
     def apply(self) -> bool:
         """Swap in a built layout now (between steps); when the engine is idle the job is done at once.

@@ -1,0 +1,217 @@
+"""Serving under pressure, against a ``jaxmoe serve`` subprocess on default flags (loopback):
+
+1. huge prompts: a 2,000,000-character prompt over HTTP (completions and chat) and gRPC while a
+   stream runs and ``/health`` is probed every 20 ms: the refusal times, the largest ``/health``
+   latency, the stream's largest gap between tokens against its median gap;
+2. a burst of N simultaneous HTTP requests (every connection opened before any request is sent)
+   while ``/health`` is probed: how many got 200, JSON 429, anything else.
+
+    python bench/serve_pressure.py --model demo --burst 1200 [--out bench/results/DATE-serving-pressure.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+
+from jaxmoe.server.client import make_request
+from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
+from jaxmoe.server.testing import http_burst
+
+HUGE = 2_000_000
+
+
+def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, int, int]:
+    cmd = [sys.executable, "-m", "jaxmoe.cli", "serve", "--model", model, "--http-port", "0", "--grpc-port", "0"]
+    proc = subprocess.Popen(
+        [*cmd, *extra],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ports = {}
+    deadline = time.monotonic() + 1200
+    while len(ports) < 2 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise RuntimeError("the server exited during start")
+        m = re.search(r"(grpc|http) listening on [^:]+:(\d+)", line)
+        if m:
+            ports[m.group(1)] = int(m.group(2))
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+    return proc, ports["http"], ports["grpc"]
+
+
+def probe_health(port: int, stop: threading.Event, out: list) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    while not stop.is_set():
+        t0 = time.monotonic()
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        resp.read()
+        out.append((resp.status, time.monotonic() - t0))
+        time.sleep(0.02)
+    conn.close()
+
+
+def post(port: int, path: str, body: dict) -> tuple[int, dict, float]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    t0 = time.monotonic()
+    conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    return resp.status, data, time.monotonic() - t0
+
+
+def stream(port: int, max_tokens: int, times: list) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body.update(stream=True, logprobs=0)  # a chunk for every token
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    for line in conn.getresponse():
+        if line.startswith(b"data: {"):
+            times.append(time.monotonic())
+    conn.close()
+
+
+def huge_prompts(http_port: int, grpc_port: int, max_tokens: int) -> dict:
+    stop, health, times = threading.Event(), [], []
+    prober = threading.Thread(target=probe_health, args=(http_port, stop, health))
+    streamer = threading.Thread(target=stream, args=(http_port, max_tokens, times))
+    prober.start()
+    streamer.start()
+    while len(times) < 10 and streamer.is_alive():
+        time.sleep(0.01)
+    huge = "x" * HUGE
+    refusals = {}
+    status, body, took = post(http_port, "/v1/completions", {"prompt": huge, "max_tokens": 4})
+    refusals["http completions"] = (status, took, body["error"]["message"])
+    messages = [{"role": "user", "content": huge}]
+    status, body, took = post(http_port, "/v1/chat/completions", {"messages": messages, "max_tokens": 4})
+    refusals["http chat"] = (status, took, body["error"]["message"])
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        t0 = time.monotonic()
+        try:
+            list(pb_grpc.JaxmoeStub(ch).Generate(make_request(huge, max_tokens=4), timeout=300))
+            refusals["grpc"] = ("OK", time.monotonic() - t0, "")
+        except grpc.RpcError as e:
+            refusals["grpc"] = (e.code().name, time.monotonic() - t0, e.details())
+    streamer.join(600)
+    stop.set()
+    prober.join(60)
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return {
+        "refusals": refusals,
+        "health_max_s": max(lat for _, lat in health),
+        "health_non_200": sum(s != 200 for s, _ in health),
+        "health_probes": len(health),
+        "stream_tokens": len(times),
+        "stream_median_gap_s": statistics.median(gaps),
+        "stream_max_gap_s": gaps[-1],
+    }
+
+
+def burst(http_port: int, n: int, max_tokens: int) -> dict:
+    stop, health = threading.Event(), []
+    prober = threading.Thread(target=probe_health, args=(http_port, stop, health))
+    prober.start()
+    t0 = time.monotonic()
+    body = {"prompt": "burst", "max_tokens": max_tokens, "temperature": 0}
+    results = asyncio.run(http_burst(http_port, n, body, timeout=1800))
+    took = time.monotonic() - t0
+    stop.set()
+    prober.join(60)
+    statuses = [s for s, _, _ in results]
+    json_429 = sum(1 for s, b, h in results if s == 429 and b and "error" in b and "retry-after" in h)
+    return {
+        "n": n,
+        "served_200": statuses.count(200),
+        "json_429": json_429,
+        "other": len(statuses) - statuses.count(200) - json_429,
+        "seconds": took,
+        "health_max_s": max(lat for _, lat in health),
+        "health_non_200": sum(s != 200 for s, _ in health),
+        "health_probes": len(health),
+    }
+
+
+def metrics_rejected(http_port: int) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    return {
+        m[1]: float(m[2]) for m in re.finditer(r'^jaxmoe_requests_rejected_total\{reason="(\w+)"\} (\S+)$', text, re.M)
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--burst", type=int, default=1200)
+    ap.add_argument("--burst-max-tokens", type=int, default=1)
+    ap.add_argument("--stream-tokens", type=int, default=64)
+    ap.add_argument("--out", default=None, help="append a markdown section here")
+    ap.add_argument("serve_args", nargs="*", help="more `jaxmoe serve` flags (after --)")
+    args = ap.parse_args()
+    proc, http_port, grpc_port = start_server(args.model, args.serve_args)
+    try:
+        huge = huge_prompts(http_port, grpc_port, args.stream_tokens)
+        b = burst(http_port, args.burst, args.burst_max_tokens)
+        rejected = metrics_rejected(http_port)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        exit_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [
+        f"## jaxmoe serve --model {args.model} (default flags) {' '.join(args.serve_args)}",
+        "",
+        f"Huge prompts ({HUGE:,} characters) while a {args.stream_tokens}-token stream runs and /health is probed:",
+        "",
+        "| request | answer | seconds |",
+        "| --- | --- | --- |",
+        *[f"| {k} | {v[0]} | {v[1]:.3f} |" for k, v in huge["refusals"].items()],
+        "",
+        f"- /health: {huge['health_probes']} probes, largest latency {huge['health_max_s'] * 1e3:.1f} ms, "
+        f"{huge['health_non_200']} not 200",
+        f"- stream: {huge['stream_tokens']} chunks, median gap {huge['stream_median_gap_s'] * 1e3:.1f} ms, "
+        f"largest gap {huge['stream_max_gap_s'] * 1e3:.1f} ms "
+        f"({huge['stream_max_gap_s'] / huge['stream_median_gap_s']:.2f}x the median)",
+        f"- message: {next(iter(huge['refusals'].values()))[2]}",
+        "",
+        f"Burst of {b['n']:,} simultaneous HTTP requests (max_tokens {args.burst_max_tokens}):",
+        "",
+        f"- 200: {b['served_200']:,}; JSON 429 with Retry-After: {b['json_429']:,}; anything else: {b['other']:,}"
+        f" (all answered in {b['seconds']:.1f} s)",
+        f"- /health during the burst: {b['health_probes']} probes, largest latency {b['health_max_s'] * 1e3:.1f} ms, "
+        f"{b['health_non_200']} not 200",
+        f"- jaxmoe_requests_rejected_total afterwards: {rejected}",
+        f"- SIGTERM to exit (idle): {exit_s:.2f} s",
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""``UndecodableInterceptor``: request bytes that do not decode get INVALID_ARGUMENT from every gRPC
+method, the standard health service and server reflection included.
+
+grpcio answers a request whose deserializer raises with UNKNOWN (or INTERNAL). This interceptor
+wraps every method's deserializer so that it never raises (it returns an ``_Undecodable`` marker)
+and the method's behavior so that a marker, for a unary request or any message of a request
+stream, ends the call with INVALID_ARGUMENT naming the decoding error.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import grpc
+
+
+class _Undecodable:
+    def __init__(self, error: Exception):
+        self.error = f"{type(error).__name__}: {error}"
+
+
+def _lenient(deserialize):
+    def parse_or_mark(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as e:
+            return _Undecodable(e)
+
+    return parse_or_mark
+
+
+async def _refuse(context, method: str, junk: _Undecodable):
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid message for {method} ({junk.error})"
+    )
+
+
+class UndecodableInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = details.method
+        wrapped = {"request_deserializer": _lenient(handler.request_deserializer)}
+        if handler.unary_unary is not None:
+            wrapped["unary_unary"] = _unary_unary(handler.unary_unary, method)
+        if handler.unary_stream is not None:
+            wrapped["unary_stream"] = _unary_stream(handler.unary_stream, method)
+        if handler.stream_unary is not None:
+            wrapped["stream_unary"] = _stream_unary(handler.stream_unary, method)
+        if handler.stream_stream is not None:
+            wrapped["stream_stream"] = _stream_stream(handler.stream_stream, method)
+        return handler._replace(**wrapped)
+
+
+def _unary_unary(behavior, method):
+    async def call(request, context):
+        if isinstance(request, _Undecodable):
+            await _refuse(context, method, request)
+        result = behavior(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    return call
+
+
+async def _responses(result):
+    """A streaming behavior's result: an async generator's items, or nothing (it wrote them itself)."""
+    if inspect.isasyncgen(result):
+        async for response in result:
+            yield response
+    elif inspect.isawaitable(result):
+        await result
+    else:  # a plain iterator
+        for response in result:
+            yield response
+
+
+def _unary_stream(behavior, method):
+    async def call(request, context):
+        if isinstance(request, _Undecodable):
+            await _refuse(context, method, request)
+        async for response in _responses(behavior(request, context)):
+            yield response
+
+    return call
+
+
+async def _checked(requests, context, method):
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            await _refuse(context, method, request)
+        yield request
+
+
+def _stream_unary(behavior, method):
+    async def call(requests, context):
+        return await behavior(_checked(requests, context, method), context)
+
+    return call
+
+
+def _stream_stream(behavior, method):
+    async def call(requests, context):
+        async for response in _responses(behavior(_checked(requests, context, method), context)):
+            yield response
+
+    return call

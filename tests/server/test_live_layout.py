@@ -1,0 +1,83 @@
+"""After a live rescale, gRPC ``ModelInfo``, ``/v1/models`` and ``/metrics`` report the layout serving
+now; stopping the server with a rescale build in flight cancels the build (its caller gets
+503 ``unavailable``) and returns within seconds."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import threading
+import time
+
+import pytest
+
+from jaxmoe.janus.live_rescale import LiveRescaler
+from jaxmoe import LLM
+from jaxmoe.server.app import ServeOptions, ServerThread
+from jaxmoe.server.client import JaxmoeClient
+
+pytestmark = pytest.mark.timeout(600)
+ENGINE = dict(dtype="float32", num_blocks=64, block_size=8, max_num_seqs=4, max_prefill_chunk=16, max_batch_tokens=32)
+
+
+def _request(srv, method, path, payload=None, timeout=600):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=timeout)
+    body = None if payload is None else json.dumps(payload)
+    conn.request(method, path, body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    return resp.status, (json.loads(raw) if raw.startswith("{") else raw)
+
+
+def _gauge(text: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+@pytest.mark.slow
+def test_layout_reported_after_rescale_and_shutdown_cancels_a_build(checkpoint_dir):
+    llm = LLM(checkpoint_dir("mixtral"), mesh="meshes/cpu-8.yaml", **ENGINE)
+    st = ServerThread(llm.engine, ServeOptions(warmup=False))
+    srv = st.start()
+    stopped = False
+    try:
+        with JaxmoeClient(srv.grpc_target) as client:
+            before = client.model_info(timeout=60).mesh
+        status, card = _request(srv, "GET", "/v1/models")
+        assert card["data"][0]["layout"] == "2a6e"
+        status, body = _request(srv, "POST", "/admin/rescale", {"attention": 4, "experts": 4})
+        assert status == 200 and body["previous"] == "2a6e", body
+        with JaxmoeClient(srv.grpc_target) as client:
+            after = client.model_info(timeout=60).mesh
+        assert after != before, after
+        status, card = _request(srv, "GET", "/v1/models")
+        model = card["data"][0]
+        assert (model["layout"], model["attention_instances"], model["expert_instances"]) == ("4a4e", 4, 4)
+        status, text = _request(srv, "GET", "/metrics")
+        assert _gauge(text, "jaxmoe_attention_instances") == 4 and _gauge(text, "jaxmoe_expert_instances") == 4
+        assert _gauge(text, "jaxmoe_rescales_total") == 1
+
+        # a second rescale, stopped while it builds: cancelled, the server stops within seconds
+        answer: dict = {}
+        caller = threading.Thread(
+            target=lambda: answer.update(r=_request(srv, "POST", "/admin/rescale", {"attention": 2, "experts": 6}))
+        )
+        caller.start()
+        rescaler = LiveRescaler.of(llm.engine)
+        deadline = time.monotonic() + 120
+        while rescaler.job is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rescaler.job is not None and not rescaler.job.ready()
+        t0 = time.monotonic()
+        st.stop(abort_inflight=True, grace=0.0)
+        stopped = True
+        took = time.monotonic() - t0
+        caller.join(30)
+        assert took < 3.0, took
+        status, body = answer["r"]
+        assert status == 503 and body["error"]["code"] == "unavailable" and "cancelled" in body["error"]["message"]
+        assert llm.engine.runner.executor.num_attention == 4  # the old layout stayed
+    finally:
+        if not stopped:
+            st.stop(abort_inflight=True)
