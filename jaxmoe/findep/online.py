@@ -12,6 +12,8 @@
 
 ``pppipe`` and ``findep`` need a profile (``jaxmoe profile``): pass its path. It must be for this
 mesh, model and dtype (``Profile.check``: a ProfileError names the field). Without one they use the
+profile cached for this mesh, model and dtype (``profile.cached_profile``: ``jaxmoe profile`` or
+``jaxmoe plan`` stored it; nothing is measured at start-up), and when none is cached the
 profile-free default: the stage models derived from FinDEP's Fig. 7 parameters (8x A6000,
 ``paper_profile``) for this model's and mesh's dimensions: a GPU-shaped guess, not a measurement
 of this machine (on CPU it favours more pipelining than pays; measure a profile to do better).
@@ -26,7 +28,7 @@ import json
 from pathlib import Path
 
 from jaxmoe.findep.paper_profile import paper_profile
-from jaxmoe.findep.profile import Profile, dims_of, mesh_identity, model_identity
+from jaxmoe.findep.profile import Profile, cached_profile, dims_of, mesh_identity, model_identity
 from jaxmoe.findep.solver import BatchShape, pppipe, solve
 from jaxmoe.runtime.pipeline import NAMES, Pipeline
 
@@ -97,7 +99,8 @@ def pipeline_chooser(
 def _profile(profile, cfg, spec, dtype: str, dtype_bytes: int) -> Profile:
     mesh, model = mesh_identity(spec), model_identity(cfg)
     if profile is None:
-        return paper_profile(dims_of(cfg, spec, dtype_bytes), mesh, model, dtype)
+        cached = cached_profile(mesh, model, dtype)
+        return cached if cached is not None else paper_profile(dims_of(cfg, spec, dtype_bytes), mesh, model, dtype)
     if not isinstance(profile, Profile):
         profile = Profile.load(profile)
     profile.check(mesh=mesh, model=model, dtype=dtype)
