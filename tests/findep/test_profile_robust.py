@@ -182,8 +182,11 @@ def test_llm_findep_uses_the_cached_profile(checkpoint_dir, tmp_path, monkeypatc
 @pytest.mark.slow
 def test_two_real_profiles_of_one_executor_agree(checkpoint_dir, tmp_path, monkeypatch):
     """Two profiles of the same executor on the cpu-8 mesh (default statistic: the least of the
-    repeats), measured one after the other: every stage within 50 % (a bound for a loaded CI
-    machine; measured within 22 % at load average ~22 on 2 cores, docs/findep.md)."""
+    repeats), measured one after the other: every stage within 4x. A loose bound: compile time in
+    a sample (the 200x gap between two plans seen before) fails it, but on a shared 2-core machine
+    the other processes' load can change between the two runs by more than any statistic of one
+    run removes (measured: 2-22 % at a steady load average ~22, 79-249 % while it fell from 19 to
+    10; bench/results/2026-11-27-findep-dispatch.md)."""
     from jaxmoe.assembly import RuntimeConfig, build_engine
     from jaxmoe.engine.config import EngineConfig
     from jaxmoe.findep.measure import profile_executor
@@ -197,4 +200,4 @@ def test_two_real_profiles_of_one_executor_agree(checkpoint_dir, tmp_path, monke
     a, b = profile_executor(executor, sweep), profile_executor(executor, sweep)
     diffs = agreement(a, b)
     assert set(diffs) >= {"attention", "a2e", "expert", "e2a"}
-    assert max(diffs.values()) <= 0.5, diffs
+    assert max(diffs.values()) <= 3.0, diffs
