@@ -6,8 +6,9 @@ of a sweep (micro-batch rows per attention instance x tokens attended) one step 
 wall time per layer. The least (``Sweep.stat="min"``, the default; also ``"median"`` and
 ``"trimmed"``, the mean of the middle half) over repeats of the mean over MoE layers gives one
 sample of each stage. The least, because load from other processes only ever slows a program
-down: on the shared 2-core machine at load average ~22, two profiles of the tiny model one after
-the other had per-stage medians 1.4-2.7x apart and minima within 22 % (docs/findep.md).
+down: on the shared 2-core machine at a steady load average ~22, two profiles of the tiny model
+one after the other had per-stage medians 1.4-2.7x apart and minima within 22 % (docs/findep.md;
+no statistic of one run removes a change of that load between two runs).
 ``LinearModel.fit`` turns the samples into the alpha-beta models the solver uses: ``LinearModel.fit`` turns the samples into
 the alpha-beta models the solver uses:
 
