@@ -8,6 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per test run (not the user's ~/.cache): programs that several
 # tests compile identically are loaded instead of compiled again.
 os.environ.setdefault("JAXMOE_COMPILATION_CACHE", tempfile.mkdtemp(prefix="jaxmoe-xla-"))
+os.environ.setdefault("JAXMOE_PROFILE_CACHE", tempfile.mkdtemp(prefix="jaxmoe-profiles-"))  # FinDEP profiles
 
 import pytest  # noqa: E402
 

@@ -167,6 +167,6 @@ def test_serve_pipeline_option(checkpoint_dir):
         )
 
     engine = serve(parse_pipeline('{"order": "AASS", "r1": 2}'))
-    assert engine.executor.pipeline == Pipeline(2, "AASS", 1)
+    assert engine.executor.pipeline.fixed == Pipeline(2, "AASS", 1)
     engine = serve("findep")
     assert isinstance(engine.executor.pipeline, SolverChooser)

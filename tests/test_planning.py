@@ -11,7 +11,7 @@ from jaxmoe.findep.linear import LinearModel
 from jaxmoe.findep.paper_profile import paper_profile
 from jaxmoe.findep.host import fit_host
 from jaxmoe.findep.measure import fit_stages, timing_scale
-from jaxmoe.findep.profile import Dims, HostModel, Profile, ProfileError, StageModels
+from jaxmoe.findep.profile import Dims, HostModel, Profile, ProfileError, StageModels, cached_profile
 from jaxmoe.findep.schedule import Host, StageTimes, estimate, layer_kinds, programs, simulate, work
 from jaxmoe.findep.solver import BatchShape, Limits, PlanError, brute_force, pppipe, solve
 
@@ -435,6 +435,7 @@ def test_profile_and_plan_cli(checkpoint_dir, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "R²" in text and "profile written" in text and "host: concurrency" in text
     prof = Profile.load(out)
+    assert "cached as" in text and cached_profile(prof.mesh, prof.model, prof.dtype) == prof  # plan/serve reuse it
     # the host: measured concurrency (the 8 host devices share this machine's cores) and dispatch
     assert prof.host is not None and prof.host.dispatch > 0
     assert prof.host.concurrency is None or prof.host.concurrency >= 1.0

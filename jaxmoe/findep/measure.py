@@ -3,9 +3,14 @@
 ``jaxmoe profile --mesh FILE --model DIR`` (FinDEP, arXiv:2512.21487, section 4.1). For every point
 of a sweep (micro-batch rows per attention instance x tokens attended) one step runs through
 ``DisaggregatedExecutor.forward`` in timing mode, which blocks after every phase and records its
-wall time per layer. The median (``Sweep.stat="min"``: the least, for a machine whose noise only
-ever slows it down) over repeats of the mean over MoE layers gives one sample of each
-stage; ``LinearModel.fit`` turns the samples into the alpha-beta models the solver uses:
+wall time per layer. The least (``Sweep.stat="min"``, the default; also ``"median"`` and
+``"trimmed"``, the mean of the middle half) over repeats of the mean over MoE layers gives one
+sample of each stage. The least, because load from other processes only ever slows a program
+down: on the shared 2-core machine at a steady load average ~22, two profiles of the tiny model
+one after the other had per-stage medians 1.4-2.7x apart and minima within 22 % (docs/findep.md;
+no statistic of one run removes a change of that load between two runs).
+``LinearModel.fit`` turns the samples into the alpha-beta models the solver uses: ``LinearModel.fit`` turns the samples into
+the alpha-beta models the solver uses:
 
 ========== ============================================ =========================================
 stage      work terms of a sample                       phase timed
@@ -20,6 +25,13 @@ expert     tokens of the step, all attention instances  ``expert`` (gate, AEBS, 
 With ``Sweep.chunks`` the points also run with the expert side cut into r2 chunks (the sequential
 schedule with r2 > 1), so the A2E / expert / E2A models see the small chunks FinDEP's r2 makes
 (a sample's work and time are per chunk).
+
+Compilation is excluded: every point is first run until a call compiles nothing (the second call
+of a shape can compile again, e.g. when the KV cache it gets back has another layout than the fresh
+one), and a timed call during which any program compiled (``compilation.compile_events``) is
+discarded and run again. The repeats run in rounds over all the points (round j times every point
+once), so a burst of load from other processes spreads over the sweep as one more noisy sample per
+point instead of shifting a few points, and the median drops it.
 
 The host (``profile.HostModel``): what the hardware overlaps, measured by ``planning.host``
 (concurrency of a busy pair, per-program dispatch), and ``timing_scale``: the share of the blocked
@@ -42,6 +54,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxmoe.compilation import compile_events
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.findep.linear import LinearModel
 from jaxmoe.findep.host import fit_host, measure_dispatch, measure_host
@@ -58,6 +71,16 @@ from jaxmoe.runtime.pipeline import Pipeline
 STAGES = ("attention", "a2e", "expert", "e2a")
 
 
+def trimmed_mean(values, share: float = 0.25) -> float:
+    """The mean of ``values`` without the lowest and the highest ``share`` of them (at least one value kept)."""
+    v = sorted(values)
+    cut = min(int(len(v) * share), (len(v) - 1) // 2)
+    return statistics.fmean(v[cut : len(v) - cut])
+
+
+STATS = {"median": statistics.median, "trimmed": trimmed_mean, "min": min}
+
+
 @dataclasses.dataclass(frozen=True)
 class Sweep:
     """Where to measure: rows (m_a, sequences per attention instance) x attended tokens."""
@@ -68,7 +91,8 @@ class Sweep:
     repeats: int = 5
     chunks: tuple[int, ...] = (1,)  # expert-side chunks r2 each point also runs with
     host: bool = True  # measure the host's concurrency and dispatch time
-    stat: str = "median"  # over repeats: "median", or "min" (noise on a shared machine only slows)
+    stat: str = "min"  # over repeats: "min" (load from other processes only slows), "median", "trimmed"
+    warmup: int = 4  # at most this many untimed calls per point until one compiles nothing
 
     def __post_init__(self):
         for name in ("rows", "contexts", "chunks"):
@@ -77,10 +101,12 @@ class Sweep:
                 raise ProfileError(f"{name} must be positive integers, got {values!r}")
         if len(set(self.rows)) < 2:
             raise ProfileError(f"rows needs at least 2 distinct sizes to fit a model, got {self.rows!r}")
-        if self.stat not in ("median", "min"):
-            raise ProfileError(f"stat must be 'median' or 'min', got {self.stat!r}")
-        if self.tokens < 1 or self.repeats < 1:
-            raise ProfileError(f"tokens and repeats must be >= 1, got {self.tokens} and {self.repeats}")
+        if self.stat not in STATS:
+            raise ProfileError(f"stat must be one of {tuple(STATS)}, got {self.stat!r}")
+        if self.tokens < 1 or self.repeats < 1 or self.warmup < 1:
+            raise ProfileError(
+                f"tokens, repeats and warmup must be >= 1, got {self.tokens}, {self.repeats} and {self.warmup}"
+            )
         if self.tokens > min(self.contexts):
             raise ProfileError(f"tokens {self.tokens} exceeds the smallest context {min(self.contexts)}")
 
@@ -117,20 +143,46 @@ def synthetic_batch(executor, rows: int, context: int, tokens: int = 1, *, seed:
     return ids, AttentionBatch(positions, slots, tables), np.full((B,), tokens - 1, np.int32)
 
 
-def time_phases(executor, args, repeats: int) -> list[dict]:
-    """Run ``executor.forward(*args)`` once to compile, then ``repeats`` times in timing mode (every
-    phase blocked on and timed per layer); the timing records (``executor.timings``), one per step.
-    The executor's timing mode is restored afterwards. Shared by FinDEP's profile and the JANUS
-    scaling profile (``jaxmoe.janus.scaling.fit``)."""
+def programs_compiled() -> int:
+    """Programs this process has compiled (or loaded from the persistent cache) so far."""
+    return int(compile_events()["programs"])
+
+
+def warm_up(executor, args, max_calls: int = 4) -> int:
+    """Run ``executor.forward(*args)`` (not timed) until a call compiles nothing, at most ``max_calls``
+    times; returns the calls made. A shape's second call can compile again (the KV cache it gets back
+    from the first has the programs' output layout, not the fresh cache's)."""
+    for n in range(1, max_calls + 1):
+        before = programs_compiled()
+        jax.block_until_ready(executor.forward(*args))
+        if programs_compiled() == before:
+            return n
+    return max_calls
+
+
+def timed_step(executor, args, retries: int = 3) -> dict:
+    """One timing-mode step (``executor.timing`` must be on): its record (``executor.timings[-1]``).
+    A step during which a program compiled is run again (at most ``retries`` times; then
+    ProfileError): compile time is never part of a sample."""
+    for _ in range(retries + 1):
+        before = programs_compiled()
+        executor.forward(*args)
+        if programs_compiled() == before:
+            return executor.timings[-1]
+    raise ProfileError(f"every one of {retries + 1} timed steps compiled a program: the shape does not settle")
+
+
+def time_phases(executor, args, repeats: int, warmup: int = 4) -> list[dict]:
+    """Warm up (``warm_up``: compile, until a call compiles nothing), then ``repeats`` steps in timing
+    mode (every phase blocked on and timed per layer; a step that compiled is run again); the timing
+    records (``executor.timings``), one per step. The executor's timing mode is restored afterwards.
+    Shared by FinDEP's profile and the JANUS scaling profile (``jaxmoe.janus.scaling.fit``)."""
     was = executor.timing
     try:
         executor.timing = False
-        jax.block_until_ready(executor.forward(*args))  # compile
+        warm_up(executor, args, warmup)
         executor.timing = True
-        records = []
-        for _ in range(repeats):
-            executor.forward(*args)
-            records.append(executor.timings[-1])
+        records = [timed_step(executor, args) for _ in range(repeats)]
     finally:
         executor.timing = was
     return records
@@ -146,8 +198,9 @@ def measure_samples(
 ) -> dict[str, list[list[float]]]:
     """Samples ``{stage: [[work terms..., seconds], ...]}`` of the executor's programs over the sweep.
 
-    Each point runs once to compile, then ``repeats`` timed steps (``time_phases``); the executor's
-    pipeline is restored afterwards."""
+    Each point is first warmed up (``warm_up``), then the ``repeats`` timed steps run in rounds over
+    all the points (``timed_step``; see the module docstring); the executor's pipeline is restored
+    afterwards."""
     cfg = executor.cfg
     moe = list(executor.moe_layers)
     if not moe:
@@ -156,37 +209,48 @@ def measure_samples(
     ag = executor.num_attention
     samples: dict[str, list[list[float]]] = {s: [] for s in STAGES}
     shared_layers = [i for i in moe if i in executor.shared_layers]
-    was_pipeline = executor.pipeline
-    agg = min if sweep.stat == "min" else statistics.median
+    was_pipeline, was_timing = executor.pipeline, executor.timing
+    agg = STATS[sweep.stat]
+    points = []  # (rows, context, pipeline, args, r2 that runs)
     try:
+        executor.timing = False
         for context in sweep.contexts:
             for rows in sweep.rows:
                 args = synthetic_batch(executor, rows, context, sweep.tokens)
                 for r2 in sweep.chunks:
                     executor.pipeline = Pipeline(1, "PP", r2)
-                    records = time_phases(executor, args, sweep.repeats)
-                    r2 = executor.last_pipeline.r2  # a divisor of the tokens per instance
-                    t = {s: phase_per_layer(records, s, moe, agg) / r2 for s in STAGES}
-                    tok = rows * sweep.tokens  # per attention instance
-                    chunk = tok / r2
-                    if r2 == 1 or 1 not in sweep.chunks:
-                        samples["attention"].append([tok, tok * context, t["attention"] * r2])  # (not per chunk)
-                        if shared_layers:
-                            shared = phase_per_layer(records, "shared", shared_layers, agg)
-                            samples.setdefault("shared", []).append([tok, shared])
-                    if sweep.host and r2 == 1:  # what blocking after every program adds (a chain)
-                        samples.setdefault("sync", []).append(_sync(executor, args, records, sweep.repeats, agg))
-                    samples["a2e"].append([chunk * hidden_bytes, t["a2e"]])
-                    samples["expert"].append([chunk * ag, t["expert"]])
-                    samples["e2a"].append([chunk * hidden_bytes, t["e2a"]])
-                    if progress is not None:
-                        ms = ", ".join(f"{s} {t[s] * 1e3:.3f}" for s in STAGES[1:])
-                        progress(
-                            f"rows {rows:>4} context {context:>5} r2 {r2:>3}: attention "
-                            f"{t['attention'] * r2 * 1e3:.3f}, per chunk {ms} ms"
-                        )
+                    warm_up(executor, args, sweep.warmup)
+                    points.append((rows, context, executor.pipeline, args, executor.last_pipeline.r2))
+        records: list[list[dict]] = [[] for _ in points]
+        executor.timing = True
+        for _ in range(sweep.repeats):
+            for (_, _, pipe, args, _), recs in zip(points, records):
+                executor.pipeline = pipe
+                recs.append(timed_step(executor, args))
+        executor.timing = False
+        for (rows, context, pipe, args, r2), recs in zip(points, records):
+            executor.pipeline = pipe
+            t = {s: phase_per_layer(recs, s, moe, agg) / r2 for s in STAGES}
+            tok = rows * sweep.tokens  # per attention instance
+            chunk = tok / r2
+            if r2 == 1 or 1 not in sweep.chunks:
+                samples["attention"].append([tok, tok * context, t["attention"] * r2])  # (not per chunk)
+                if shared_layers:
+                    shared = phase_per_layer(recs, "shared", shared_layers, agg)
+                    samples.setdefault("shared", []).append([tok, shared])
+            if sweep.host and r2 == 1:  # what blocking after every program adds (a chain)
+                samples.setdefault("sync", []).append(_sync(executor, args, recs, sweep.repeats, agg))
+            samples["a2e"].append([chunk * hidden_bytes, t["a2e"]])
+            samples["expert"].append([chunk * ag, t["expert"]])
+            samples["e2a"].append([chunk * hidden_bytes, t["e2a"]])
+            if progress is not None:
+                ms = ", ".join(f"{s} {t[s] * 1e3:.3f}" for s in STAGES[1:])
+                progress(
+                    f"rows {rows:>4} context {context:>5} r2 {r2:>3}: attention "
+                    f"{t['attention'] * r2 * 1e3:.3f}, per chunk {ms} ms"
+                )
     finally:
-        executor.pipeline = was_pipeline
+        executor.pipeline, executor.timing = was_pipeline, was_timing
     return samples
 
 

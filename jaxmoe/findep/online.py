@@ -8,10 +8,17 @@
 * ``"findep"``: FinDEP's solver (Algorithm 1, ``solver.solve``) for each batch shape: order
   (ASAS / AASS), r1 and r2.
 * a dict ``{"order": "ASAS", "r1": 2, "r2": 4}``: that configuration for every step (each step runs
-  the largest r1 / r2 dividing its rows / tokens per instance: ``Pipeline.for_batch``).
+  the largest r1 / r2 dividing its rows / tokens per instance: ``Pipeline.for_batch``;
+  ``FixedChooser``).
+
+Every pipelined plan carries its dispatch sequence (``Pipeline.dispatch``): the solver's event
+model (``schedule.dispatch_order``) under the profile's stage times for that batch shape, so the
+executor dispatches its programs in the order the model times them.
 
 ``pppipe`` and ``findep`` need a profile (``jaxmoe profile``): pass its path. It must be for this
 mesh, model and dtype (``Profile.check``: a ProfileError names the field). Without one they use the
+profile cached for this mesh, model and dtype (``profile.cached_profile``: ``jaxmoe profile`` or
+``jaxmoe plan`` stored it; nothing is measured at start-up), and when none is cached the
 profile-free default: the stage models derived from FinDEP's Fig. 7 parameters (8x A6000,
 ``paper_profile``) for this model's and mesh's dimensions: a GPU-shaped guess, not a measurement
 of this machine (on CPU it favours more pipelining than pays; measure a profile to do better).
@@ -22,20 +29,32 @@ up to a power of two), so a decode step whose context grows by one token reuses 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from jaxmoe.findep.paper_profile import paper_profile
-from jaxmoe.findep.profile import Profile, dims_of, mesh_identity, model_identity
-from jaxmoe.findep.solver import BatchShape, pppipe, solve
+from jaxmoe.findep.profile import Profile, cached_profile, dims_of, mesh_identity, model_identity
+from jaxmoe.findep.schedule import dispatch_order, layer_kinds
+from jaxmoe.findep.solver import BatchShape, pppipe, solve, stage_times
 from jaxmoe.runtime.pipeline import NAMES, Pipeline
 
 
-class SolverChooser:
-    """``PipelineChooser`` of "findep" / "pppipe": the solver's plan per batch shape, cached."""
+def with_dispatch(pipe: Pipeline, profile: Profile, shape: BatchShape, layers: tuple[bool, ...]) -> Pipeline:
+    """``pipe`` (the configuration that runs for ``shape``) with its dispatch sequence: the event
+    model's order (``schedule.dispatch_order``) under the profile's stage times for that shape."""
+    times = stage_times(profile, shape, shape.batch // pipe.r1, pipe.r2)
+    return dataclasses.replace(pipe, dispatch=dispatch_order(times, pipe.order, pipe.r1, pipe.r2, layers))
 
-    def __init__(self, name: str, profile: Profile):
-        self.name, self.profile = name, profile
+
+class _Chooser:
+    """Plans per batch shape (rows, tokens, attended rounded up to a power of two), cached, each
+    with its dispatch sequence from the event model (``with_dispatch``)."""
+
+    def __init__(self, profile: Profile, layers: tuple[bool, ...] | None = None):
+        d = profile.dims
+        self.profile = profile
+        self.layers = tuple(layers) if layers is not None else layer_kinds(d.moe_layers, d.dense_layers)
         self.cache: dict[tuple[int, int, int], Pipeline] = {}
 
     def for_batch(self, rows: int, tokens: int, context: int = 0) -> Pipeline:
@@ -43,12 +62,41 @@ class SolverChooser:
         pipe = self.cache.get(key)
         if pipe is None:
             shape = BatchShape(rows, tokens, max(key[2], tokens))
-            plan = solve(self.profile, shape) if self.name == "findep" else pppipe(self.profile, shape)
-            pipe = self.cache[key] = Pipeline(plan.r1, plan.order, plan.r2).for_batch(rows, tokens)
+            pipe = self.cache[key] = with_dispatch(self.plan(shape), self.profile, shape, self.layers)
         return pipe
+
+    def plan(self, shape: BatchShape) -> Pipeline:
+        raise NotImplementedError
+
+
+class SolverChooser(_Chooser):
+    """``PipelineChooser`` of "findep" / "pppipe": the solver's plan per batch shape."""
+
+    def __init__(self, name: str, profile: Profile, layers: tuple[bool, ...] | None = None):
+        super().__init__(profile, layers)
+        self.name = name
+
+    def plan(self, shape: BatchShape) -> Pipeline:
+        plan = solve(self.profile, shape) if self.name == "findep" else pppipe(self.profile, shape)
+        return Pipeline(plan.r1, plan.order, plan.r2).for_batch(shape.batch, shape.tokens)
 
     def __repr__(self) -> str:
         return f"SolverChooser({self.name!r}, profile={self.profile.source!r}, {len(self.cache)} shapes cached)"
+
+
+class FixedChooser(_Chooser):
+    """``PipelineChooser`` of a fixed configuration (``{"order", "r1", "r2"}``): that configuration
+    (``Pipeline.for_batch``) for every shape, dispatched in the event model's order."""
+
+    def __init__(self, pipeline: Pipeline, profile: Profile, layers: tuple[bool, ...] | None = None):
+        super().__init__(profile, layers)
+        self.fixed = pipeline
+
+    def plan(self, shape: BatchShape) -> Pipeline:
+        return self.fixed.for_batch(shape.batch, shape.tokens)
+
+    def __repr__(self) -> str:
+        return f"FixedChooser({self.fixed!r}, profile={self.profile.source!r})"
 
 
 def parse_pipeline(text: str):
@@ -79,10 +127,11 @@ def pipeline_chooser(
     have; a fixed r1 (r2) above them could never run and is an error naming the value."""
     if isinstance(value, str) and value not in NAMES:
         raise ValueError(f"pipeline {value!r}: expected one of {NAMES} or a dict like {{'order': 'ASAS', 'r1': 2}}")
+    layers = tuple(cfg.moe_layers)
     if value in ("pppipe", "findep"):
-        return SolverChooser(value, _profile(profile, cfg, spec, dtype, dtype_bytes))
+        return SolverChooser(value, _profile(profile, cfg, spec, dtype, dtype_bytes), layers)
     pipe = Pipeline.parse(value)
-    if isinstance(pipe, Pipeline):
+    if isinstance(pipe, Pipeline) and pipe != Pipeline.sequential():
         if max_rows is not None and pipe.r1 > max_rows:
             raise ValueError(
                 f"pipeline r1={pipe.r1} is impossible: a step has at most {max_rows} sequences per attention instance"
@@ -91,13 +140,15 @@ def pipeline_chooser(
             raise ValueError(
                 f"pipeline r2={pipe.r2} is impossible: a step has at most {max_tokens} tokens per attention instance"
             )
+        return FixedChooser(pipe, _profile(profile, cfg, spec, dtype, dtype_bytes), layers)
     return pipe
 
 
 def _profile(profile, cfg, spec, dtype: str, dtype_bytes: int) -> Profile:
     mesh, model = mesh_identity(spec), model_identity(cfg)
     if profile is None:
-        return paper_profile(dims_of(cfg, spec, dtype_bytes), mesh, model, dtype)
+        cached = cached_profile(mesh, model, dtype)
+        return cached if cached is not None else paper_profile(dims_of(cfg, spec, dtype_bytes), mesh, model, dtype)
     if not isinstance(profile, Profile):
         profile = Profile.load(profile)
     profile.check(mesh=mesh, model=model, dtype=dtype)

@@ -20,6 +20,11 @@ derived from base models alone (``derive_stages``: the paper's eq. 10-11 and the
 expert and A2E models built on eq. 7-9 -- how the GPU-shaped profile from the paper's Fig. 7
 parameters is made).
 
+Measured profiles are cached per (mesh, model, dtype) under ``$JAXMOE_PROFILE_CACHE`` (default
+``~/.cache/jaxmoe/profiles``): ``jaxmoe profile`` writes there too, and ``jaxmoe plan`` / ``serve
+--pipeline findep`` without a profile read the cached one (``cached_profile``) instead of measuring
+again. ``agreement`` says how far two profiles' stages are apart.
+
 ``host`` says what the hardware can overlap (``schedule.Host``): ``None`` (the GPU-shaped profile,
 and the paper's model) means every resource is separate hardware; a measured profile carries the
 host's concurrency and per-program dispatch time, fitted by ``measure.measure_host``.
@@ -30,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import math
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -240,3 +246,66 @@ def dims_of(cfg, spec, dtype_bytes: int) -> Dims:
         attention_instances=spec.attention.count,
         expert_instances=spec.experts.count,
     )
+
+
+CACHE_ENV = "JAXMOE_PROFILE_CACHE"
+STAGE_NAMES = ("attention", "shared", "dense", "a2e", "expert", "e2a")
+
+
+def cache_dir() -> Path:
+    """Where measured profiles are cached: ``$JAXMOE_PROFILE_CACHE``, else
+    ``$XDG_CACHE_HOME/jaxmoe/profiles`` (``~/.cache/jaxmoe/profiles``)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jaxmoe" / "profiles"
+
+
+def cache_path(mesh: str, model: str, dtype: str) -> Path:
+    """The cache file of a (mesh identity, model identity, dtype)."""
+    name = "__".join(_safe(v) for v in (mesh, model, dtype))
+    return cache_dir() / f"{name}.json"
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def cache_profile(profile: Profile) -> Path:
+    """Store a measured profile as the cached one of its (mesh, model, dtype); returns the file."""
+    return profile.save(cache_path(profile.mesh, profile.model, profile.dtype))
+
+
+def cached_profile(mesh: str, model: str, dtype: str) -> Profile | None:
+    """The cached measured profile of a (mesh, model, dtype), or None when there is none. A cached
+    file that cannot be read, or whose identity does not match its name, is a ProfileError naming it."""
+    path = cache_path(mesh, model, dtype)
+    if not path.exists():
+        return None
+    profile = Profile.load(path)
+    profile.check(mesh=mesh, model=model, dtype=dtype)
+    return profile
+
+
+def agreement(a: Profile, b: Profile) -> dict[str, float]:
+    """Per stage both profiles have: how far apart their fitted stage times are over the work points
+    either profile measured, |sum t_a - sum t_b| / min(sum t_a, sum t_b) (0.2: 20 % apart). Summed
+    over the sweep, so one ill-conditioned fit at one point does not decide it."""
+    out = {}
+    for stage in STAGE_NAMES:
+        ma, mb = getattr(a.stages, stage), getattr(b.stages, stage)
+        if ma is None or mb is None:
+            continue
+        xs = sorted({tuple(p[:-1]) for p in a.samples.get(stage, []) + b.samples.get(stage, [])})
+        if not xs:
+            continue
+
+        def total(profile: Profile, stage: str = stage) -> float:
+            if stage == "expert":
+                return sum(profile.stages.expert_time(x[0]) for x in xs)
+            return sum(getattr(profile.stages, stage)(*x) for x in xs)
+
+        ta, tb = total(a), total(b)
+        lo = min(ta, tb)
+        out[stage] = abs(ta - tb) / lo if lo > 0 else (0.0 if ta == tb else math.inf)
+    return out

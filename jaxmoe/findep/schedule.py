@@ -33,6 +33,13 @@ the paper's model unchanged) adds two bounds to the step time:
   at a time): step >= N d for the N programs the executor dispatches (``programs``).
 
 so the step time is ``max(event model, W / c, N d)``.
+
+``dispatch_order`` turns the event model into the order in which the disaggregated executor
+dispatches a step's programs (``runtime.pipeline.Pipeline.dispatch``): every task by its start
+time in the event model. A device that runs its programs in the order they were dispatched then
+runs them in the event model's order: chunk j's E2A right after its expert program (before chunk
+j+1's), and layer t+1's attention of micro-batch 0 before the last micro-batch's experts of layer
+t when the model starts it first.
 """
 
 from __future__ import annotations
@@ -214,10 +221,13 @@ def _layer(
         if events is not None:  # chunk by chunk, for the picture
             for j in range(r2):
                 free = links
-                c1 = max(release, free[0]) + p[0]
-                c2 = max(c1, free[1]) + p[1]
-                c3 = max(c2, free[2]) + p[2]
-                for res, s, e in (("a2e", c1 - p[0], c1), ("expert", c2 - p[1], c2), ("e2a", c3 - p[2], c3)):
+                s1 = max(release, free[0])
+                c1 = s1 + p[0]
+                s2 = max(c1, free[1])
+                c2 = s2 + p[1]
+                s3 = max(c2, free[2])
+                c3 = s3 + p[2]
+                for res, s, e in (("a2e", s1, c1), ("expert", s2, c2), ("e2a", s3, c3)):
                     events.append(Event(res, res, t, i, j, s, e))
                 links[0], links[1], links[2] = c1, c2, c3
         else:
@@ -264,6 +274,28 @@ def estimate(
     if host is not None:
         total = max(total, _host_bound(times, r1, r2, moe_layers, dense_layers, host))
     return total
+
+
+DISPATCHED = ("attention", "shared", "a2e", "expert", "e2a")  # the tasks that are executor programs
+
+
+def dispatch_order(
+    times: StageTimes, order: str, r1: int, r2: int, layers: Sequence[bool]
+) -> tuple[tuple[str, int, int, int], ...]:
+    """The executor's dispatch sequence of one step: (task, layer, micro-batch, chunk) of every
+    attention, shared, a2e, expert and e2a task (chunk -1 on the attention side), sorted by start
+    time in the event model (``simulate``), ties in the model's own order (layer, then the attention
+    group's sequence, then the chunks). A dense layer's MLP is part of its attention program (no
+    entry); every MoE layer has a shared entry (the executor skips it where a layer has no shared
+    experts). Stage times of 0 count as a millionth of the largest, so every task follows the tasks
+    it needs: the sequence is a valid order to dispatch in."""
+    _check(order, r1, r2)
+    vals = dataclasses.astuple(times)
+    floor = 1e-6 * max(max(vals), 1e-12)
+    positive = StageTimes(*(max(v, floor) for v in vals))
+    _, events = simulate(positive, order, r1, r2, layers, timeline=True)
+    ranked = sorted(range(len(events)), key=lambda n: (events[n].start, n))
+    return tuple((e.task, e.layer, e.micro_batch, e.chunk) for e in (events[n] for n in ranked) if e.task in DISPATCHED)
 
 
 def _check(order: str, r1: int, r2: int) -> None:

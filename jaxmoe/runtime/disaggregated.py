@@ -32,7 +32,10 @@ replica table (``replicas``), kept with the device counters by ``expert_side.Exp
 With ``pipeline=`` a ``Pipeline(r1, order, r2)``, a dict of those, or a ``PipelineChooser`` (asked
 per step) the rows run as r1 micro-batches interleaved per layer, each micro-batch's expert work in
 r2 chunks (``runtime.pipeline``, ``runtime.chunks``: FinDEP's ASAS / AASS orders, PPPipe's PP);
-the default is the sequential schedule.
+the default is the sequential schedule. The programs are dispatched in the pipeline's dispatch
+sequence (``Pipeline.dispatch``: FinDEP's event model, so chunk j's E2A right after its expert
+program and the next layer's attention of a micro-batch as soon as the model starts it; without
+one ``pipeline.program_order``); ``record_dispatch`` records what was dispatched, in order.
 
 The MoE layers route with an ``ExpertRouting`` (``models.routing``; top-k by default) inside the
 expert program; its extra logical experts (e.g. BrownoutServe's united experts) are placed in replica
@@ -66,7 +69,7 @@ from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
 from jaxmoe.runtime import chunks, op_impls
-from jaxmoe.runtime.pipeline import Pipeline, PipelineChooser, split_rows
+from jaxmoe.runtime.pipeline import Pipeline, PipelineChooser, expected_tasks, program_order, split_rows
 from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
 from jaxmoe.runtime.transfer import LocalTransfer, TransferBackend, plan_transfers
@@ -208,6 +211,10 @@ class DisaggregatedExecutor:
         self.timing = False  # True: block after every phase and record per-layer times in .timings
         self.timings: collections.deque[dict] = collections.deque(maxlen=1000)
         self.observer = None  # observer(phase, layer, outputs) after every phase (tests, debugging)
+        # True: the last step's dispatches, in order, in .last_dispatch (step_stats.Phases.dispatched)
+        self.record_dispatch = False
+        self.last_dispatch: list[tuple] = []
+        self._checked_sequences: set = set()
 
     def reset_cache(self) -> None:
         """A fresh (zero) KV cache, e.g. after a failed step deleted the donated one."""
@@ -232,64 +239,86 @@ class DisaggregatedExecutor:
         mbs = [self._upload(*part, pipe.r2) for part in parts]
         step = jax.device_put(np.int32(self._step), self.experts.replicated)
         self._step += 1
-        run = Phases(self.timing, self.observer)
+        run = Phases(self.timing, self.observer, self.record_dispatch)
         pause = None if between_layers is None else PausePoints(between_layers, self.pause_every)
 
         xs, ys = map(list, zip(*(run("embed", None, self.attention.embed, self._embed, mb.tokens) for mb in mbs)))
         zeros = ys[0]  # no routed output to add before the first layer (nor after a dense layer)
-        for i, layer in enumerate(self._attn_layers):
-            xns, plans = [None] * r1, [None] * r1
-            for k, mb in enumerate(mbs):
+        seq = self._dispatch_sequence(pipe, layered=pause is not None)
+        xns, chunk_state = [None] * r1, [None] * r1  # per micro-batch: its layer's xn, (plan, shape, chunks)
+        done = 0  # layers whose every task is dispatched (pause points: the sequence is then layer by layer)
+        for task, i, k, c in seq:
+            if pause is not None and i > done:
+                done = i
+                pause(i, xs, ys)
+            if task == "attention":
                 xs[k], xns[k], self.cache[i] = run(
-                    "attention", i, self.attention.layer, layer, xs[k], ys[k], mb.batch, self.cache[i], local
-                )
-                if pipe.order != "AASS":
-                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, plans, zeros, pipe)
-            if pipe.order == "AASS":
-                for k, mb in enumerate(mbs):
-                    xs[k] = self._expert_side(run, i, k, xs[k], xns[k], mb, step, ys, plans, zeros, pipe)
-            if i in self.expert_side.layers:  # E2A last: the attention mesh had other work meanwhile
-                for k in range(r1):
-                    ys[k] = self._e2a(run, i, ys[k], plans[k])
-            if pause is not None and i + 1 < len(self._attn_layers):
-                pause(i + 1, xs, ys)
+                    "attention", i, self.attention.layer, self._attn_layers[i], xs[k], ys[k], mbs[k].batch,
+                    self.cache[i], local, at=(k, c),
+                )  # fmt: skip
+                if i not in self.expert_side.layers:
+                    ys[k] = zeros
+            elif task == "shared":
+                if i in self._shared_layers:
+                    xs[k] = run("shared", i, self.attention.shared, self._shared_layers[i], xs[k], xns[k], at=(k, c))
+            else:
+                chunk_state[k] = self._chunk_task(run, task, i, k, c, xns[k], mbs[k], step, chunk_state[k], pipe)
+                if task == "e2a" and all(y is not None for y in chunk_state[k][3]):  # every chunk back
+                    ys[k] = self._join(run, i, chunk_state[k])
         logits = [
             self.transfer.to_local(run("head", None, self.attention.head, self._head, xs[k], ys[k], mb.index))
             for k, mb in enumerate(mbs)
         ]
         if self.timing:
             self.timings.append(run.record)
+        if self.record_dispatch:
+            self.last_dispatch = run.dispatched
         out = logits[0] if r1 == 1 else jnp.concatenate(logits)[where]
         return out if B == out.shape[0] else out[:B]
 
-    def _expert_side(self, run, i: int, k: int, h, xn, mb: _MicroBatch, step, ys: list, plans: list, zeros, pipe):
-        """Dispatch micro-batch k's A2E and expert program (async, on the expert mesh; in r2 chunks),
-        and its shared experts (attention mesh: after the experts, so they overlap; before the A2E in
-        order PP). The expert partials go to ``ys[k]`` (a list, one per chunk) and (plan, shape) to
-        ``plans[k]`` for E2A; returns h (+ the shared experts' output)."""
-        if i not in self.expert_side.layers:
-            ys[k] = zeros
-            return h
-        shared = i in self._shared_layers
-        if shared and pipe.order == "PP":
-            h = run("shared", i, self.attention.shared, self._shared_layers[i], h, xn)
-        parts = (xn,) if pipe.r2 == 1 else run("split", i, chunks.split, xn, self.sub, pipe.r2)
-        plan = plan_transfers(self.sub.spec, parts[0].nbytes // self.num_attention)
-        plans[k] = (plan, xn.shape)
-        ys[k] = []
-        for c, part in enumerate(parts):
-            xe = run("a2e", i, self.transfer.a2e, part, plan, self.sub)
-            ys[k].append(run("expert", i, self.expert_side.run, i, xe, mb.valid[c], step)[0])
-            self._transfers[i].count(plan)
-        if shared and pipe.order != "PP":
-            h = run("shared", i, self.attention.shared, self._shared_layers[i], h, xn)
-        return h
+    def _dispatch_sequence(self, pipe: Pipeline, layered: bool) -> tuple:
+        """The step's (task, layer, micro-batch, chunk) sequence: ``pipe.dispatch`` (FinDEP's event
+        model), else ``program_order``; checked to hold every task once. ``layered`` (pause points):
+        stably regrouped layer by layer, so a pause point sees whole layers."""
+        moe = tuple(i in self.expert_side.layers for i in range(len(self._attn_layers)))
+        seq = pipe.dispatch if pipe.dispatch is not None else program_order(pipe, moe)
+        key = (seq, moe, pipe.r1, pipe.r2)
+        if key not in self._checked_sequences:
+            if collections.Counter(seq) != expected_tasks(pipe.r1, pipe.r2, moe):
+                raise ValueError(
+                    f"pipeline dispatch sequence does not hold every task of r1={pipe.r1}, r2={pipe.r2} over "
+                    f"{len(moe)} layers exactly once"
+                )
+            _check_dependencies(seq, moe, pipe.r2)
+            if len(self._checked_sequences) > 64:
+                self._checked_sequences.clear()
+            self._checked_sequences.add(key)
+        return tuple(sorted(seq, key=lambda task: task[1])) if layered else seq
 
-    def _e2a(self, run, i: int, partials: list, plan_shape):
-        """E2A of every chunk of a micro-batch, joined back into its rows."""
-        plan, shape = plan_shape
-        ys = [run("e2a", i, self.transfer.e2a, y, plan, self.sub) for y in partials]
-        return ys[0] if len(ys) == 1 else run("join", i, chunks.join, ys, shape, self.sub)
+    def _chunk_task(self, run, task: str, i: int, k: int, c: int, xn, mb: _MicroBatch, step, state, pipe):
+        """Dispatch one expert-side task of micro-batch k's chunk c in layer i (async): A2E (the first
+        one cuts the micro-batch into its r2 chunks, ``runtime.chunks``), the expert program, or E2A.
+        ``state``: (plan, xn's shape, per chunk its latest output); returns it updated."""
+        if task == "a2e" and c == 0:
+            parts = (xn,) if pipe.r2 == 1 else run("split", i, chunks.split, xn, self.sub, pipe.r2)
+            plan = plan_transfers(self.sub.spec, parts[0].nbytes // self.num_attention)
+            state = (plan, xn.shape, list(parts), [None] * pipe.r2)
+        if state is None:
+            raise ValueError(f"pipeline dispatch sequence: {task} of layer {i} micro-batch {k} before its a2e")
+        plan, shape, data, back = state
+        if task == "a2e":
+            data[c] = run("a2e", i, self.transfer.a2e, data[c], plan, self.sub, at=(k, c))
+        elif task == "expert":
+            data[c] = run("expert", i, self.expert_side.run, i, data[c], mb.valid[c], step, at=(k, c))[0]
+            self._transfers[i].count(plan)
+        else:
+            back[c] = run("e2a", i, self.transfer.e2a, data[c], plan, self.sub, at=(k, c))
+        return state
+
+    def _join(self, run, i: int, state):
+        """Micro-batch's routed output: its chunks' E2A outputs joined back into its rows."""
+        _, shape, _, back = state
+        return back[0] if len(back) == 1 else run("join", i, chunks.join, back, shape, self.sub)
 
     def _upload(self, tokens, batch: AttentionBatch, index, r2: int = 1) -> _MicroBatch:
         rows = self.attention.rows
@@ -404,6 +433,24 @@ class DisaggregatedExecutor:
         """Re-lay out the expert replicas between steps (``ExpertSide.set_placement``); returns the
         slots copied across instances."""
         return self.expert_side.set_placement(slot_to_expert)
+
+
+def _check_dependencies(seq, moe: tuple[bool, ...], r2: int) -> None:
+    """ValueError naming the first task of ``seq`` dispatched before a task whose output it reads."""
+    seen: set = set()
+    for task, i, k, c in seq:
+        if task == "attention":
+            need = [("attention", i - 1, k, -1)] if i else []
+            if i and moe[i - 1]:
+                need += [("shared", i - 1, k, -1)] + [("e2a", i - 1, k, j) for j in range(r2)]
+        elif task in ("shared", "a2e"):
+            need = [("attention", i, k, -1)] + ([("a2e", i, k, 0)] if c > 0 else [])
+        else:
+            need = [("a2e" if task == "expert" else "expert", i, k, c)]
+        missing = [n for n in need if n not in seen]
+        if missing:
+            raise ValueError(f"pipeline dispatch sequence: {(task, i, k, c)} comes before {missing[0]}, which it reads")
+        seen.add((task, i, k, c))
 
 
 @functools.lru_cache(maxsize=16)

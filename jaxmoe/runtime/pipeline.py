@@ -23,12 +23,21 @@ JAX dispatches asynchronously: programs on the two sub-meshes overlap when their
 A batch whose rows per instance (tokens per instance) are not a multiple of r1 (r2) runs with the
 largest divisor below it (``for_batch``): the engine's batch sizes change step by step.
 
+``Pipeline.dispatch``: the order in which the executor dispatches a step's programs, a sequence of
+``(task, layer, micro_batch, chunk)`` (task: attention, shared, a2e, expert, e2a; chunk -1 on the
+attention side). FinDEP's choosers (``jaxmoe.findep.online``) fill it from the solver's event model
+(``findep.schedule.dispatch_order``) for the shape that runs; without one the executor dispatches
+in ``program_order``: per layer, the micro-batches in the order's attention-side sequence, each
+chunk's A2E, expert program and E2A one after the other (for the sequential schedule this is the
+event model's order).
+
 ``PipelineChooser``: anything with ``for_batch(rows, tokens, context) -> Pipeline``; the executor
 asks it once per step (FinDEP's solver per batch shape lives in ``jaxmoe.findep.online``).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Protocol, runtime_checkable
 
@@ -55,6 +64,8 @@ class Pipeline:
     r1: int = 1  # attention micro-batches (1: no pipelining)
     order: str = "ASAS"
     r2: int = 1  # expert-side chunks per micro-batch (1: no chunking)
+    # the dispatch sequence of a step of this shape (see the module docstring); None: program_order
+    dispatch: tuple[tuple[str, int, int, int], ...] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         _positive("r1", self.r1)
@@ -100,6 +111,38 @@ class Pipeline:
     def micro_batches(self, rows_per_instance: int) -> int:
         """The r1 that runs: the largest divisor of the rows per instance that is <= r1."""
         return largest_divisor(rows_per_instance, self.r1)
+
+
+TASKS = ("attention", "shared", "a2e", "expert", "e2a")
+
+
+def program_order(pipe: Pipeline, moe: tuple[bool, ...]) -> tuple[tuple[str, int, int, int], ...]:
+    """The dispatch sequence without an event model (``moe``: per layer, whether it has an expert
+    part): per layer the attention side's sequence (ASAS / PP: A0 S0 A1 S1 ..., AASS: A0 A1 ... S0
+    S1 ...), each micro-batch's chunks (A2E, experts, E2A each) right after its attention (after its
+    shared experts in order PP)."""
+    out = []
+    for t, is_moe in enumerate(moe):
+        chunks = [(task, t, k, c) for k in range(pipe.r1) for c in range(pipe.r2) for task in TASKS[2:]]
+        per = pipe.r2 * 3
+        for k in range(pipe.r1):
+            out.append(("attention", t, k, -1))
+            if not is_moe:
+                continue
+            if pipe.order == "PP":
+                out.append(("shared", t, k, -1))
+            out.extend(chunks[k * per : (k + 1) * per])
+            if pipe.order == "ASAS":
+                out.append(("shared", t, k, -1))
+        if is_moe and pipe.order == "AASS":
+            out.extend(("shared", t, k, -1) for k in range(pipe.r1))
+    return tuple(out)
+
+
+def expected_tasks(r1: int, r2: int, moe: tuple[bool, ...]) -> collections.Counter:
+    """Every (task, layer, micro-batch, chunk) a step dispatches once (shared: one per MoE layer and
+    micro-batch, skipped where the layer has none)."""
+    return collections.Counter(program_order(Pipeline(r1, "PP", r2), moe))
 
 
 @runtime_checkable

@@ -46,10 +46,14 @@ class LayerTransferStats:
 
 class Phases:
     """Runs one phase of a step. In timing mode it blocks on the phase's outputs and records the
-    wall time (per layer); an observer sees every phase's outputs."""
+    wall time (per layer); an observer sees every phase's outputs. With ``record_dispatch`` every
+    program's dispatch is noted in order in ``dispatched``: (phase, layer, micro-batch, chunk, host
+    seconds when it was dispatched, when the call returned); micro-batch and chunk from ``at``
+    (None where not given)."""
 
-    def __init__(self, timing: bool, observer):
+    def __init__(self, timing: bool, observer, record_dispatch: bool = False):
         self.timing, self.observer = timing, observer
+        self.dispatched: list[tuple] | None = [] if record_dispatch else None
         self.record: dict = {
             "embed": 0.0,
             "attention": {},
@@ -62,9 +66,11 @@ class Phases:
             "head": 0.0,
         }
 
-    def __call__(self, phase: str, layer, fn, *args):
+    def __call__(self, phase: str, layer, fn, *args, at: tuple | None = None):
         t0 = time.perf_counter()
         out = fn(*args)
+        if self.dispatched is not None:
+            self.dispatched.append((phase, layer, *(at or (None, None)), t0, time.perf_counter()))
         if self.timing:
             out = jax.block_until_ready(out)
             dt = time.perf_counter() - t0
