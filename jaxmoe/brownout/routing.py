@@ -10,7 +10,7 @@ access and cost accuracy). Full brownout drops S2's assignments.
 
 (The algorithm's printed line 10 garbles the S1 test; we read it, as the paper's worked example of
 Fig. 4b / 5a shows, as "the sum so far is below T": 20 assignments over counts 2, 4, 1, 5, 2, 1, 2,
-3 and threshold 0.6 give S1 = {E3, E1, E7}; ``tests/test_brownout.py`` checks that example.)
+3 and threshold 0.6 give S1 = {E3, E1, E7}; ``tests/brownout/test_brownout.py`` checks that example.)
 
 United experts are logical experts like the originals: with E original and U united experts per
 layer, united expert u is logical expert ``E + u``. The executors keep a layer's E + U expert weights

@@ -1,7 +1,7 @@
 """The contract between the engine and an executor (what runs one step of the model).
 
 The engine (``ModelRunner``, ``LLMEngine``, ``AsyncEngine``) calls only what ``Executor`` declares;
-``MonolithicExecutor`` and ``DisaggregatedExecutor`` implement it (``tests/test_executor_protocol.py``).
+``MonolithicExecutor`` and ``DisaggregatedExecutor`` implement it (``tests/runtime/test_executor_protocol.py``).
 Capabilities some executors have are their own protocols, checked with ``isinstance`` by the hooks
 that need them: ``ReplicaPlacement`` (expert replicas re-placed between steps: the disaggregated
 executor; ``jaxmoe.janus.placement_controller``) and ``Routed`` (the expert routing it runs and its

@@ -1,7 +1,7 @@
 """Quality of a model on held-out text: perplexity and the routed experts' token shares.
 
 Both run the training forward pass with no expert capacity limit, which equals the serving forward
-(``tests/test_train.py`` checks the logits), over windows of the held-out token stream.
+(``tests/train/test_train.py`` checks the logits), over windows of the held-out token stream.
 """
 
 from __future__ import annotations

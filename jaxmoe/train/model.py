@@ -9,7 +9,7 @@ differs is only what training needs:
 * routed experts through a fixed-capacity dispatch buffer (Switch Transformer): each expert takes at
   most ``capacity_factor x`` its even share of a step's assignments, the rest are dropped for that
   step (counted in ``dropped``).  ``capacity_factor=0`` drops nothing, and then the forward equals
-  the serving forward (``tests/test_train.py`` checks the logits).
+  the serving forward (``tests/train/test_train.py`` checks the logits).
 
 The router's load-balancing loss is Switch Transformer's: ``E * sum_e f_e * P_e`` with ``f_e`` the
 fraction of top-k assignments that go to expert e and ``P_e`` its mean router probability (1.0 when

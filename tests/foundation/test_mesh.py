@@ -10,7 +10,7 @@ import yaml
 
 from jaxmoe.mesh import ATTN_AXES, EXPERT_AXES, MeshConfigError, build_meshes, load_mesh
 
-MESHES = Path(__file__).resolve().parent.parent / "meshes"
+MESHES = Path(__file__).resolve().parents[2] / "meshes"
 SHIPPED = sorted(MESHES.glob("*.yaml"))
 REAL = ["h100-2x8.yaml", "tpu-v5e-16.yaml"]
 

@@ -20,7 +20,7 @@ from jaxmoe.qllm.policy import QLLMPolicy
 from jaxmoe.engine.scheduler import OverloadedError, ScheduledBatch, Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence, SequenceStatus
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def tok(rid: str, n: int) -> int:

@@ -1,4 +1,4 @@
-"""One process of a multi-process jaxmoe run (spawned by tests/test_multiprocess.py, or by hand).
+"""One process of a multi-process jaxmoe run (spawned by tests/multihost/test_multiprocess.py, or by hand).
 
 Every process runs this same script (multi-controller SPMD): it joins ``jax.distributed`` on
 127.0.0.1, builds ``LLM("tiny-random", mesh=MESH)`` over the global devices (node n == process n; with
@@ -10,9 +10,9 @@ meshes/cpu-8-1a7e.yaml) moves replicas between the processes with ``set_placemen
 tokens and logits; ``--rescale`` re-scales the engine while requests run.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
-      python tests/multiprocess_worker.py --process-id 0 --num-processes 2 --port 23456 --out out0.json &
+      python tests/multihost/multiprocess_worker.py --process-id 0 --num-processes 2 --port 23456 --out out0.json &
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
-      python tests/multiprocess_worker.py --process-id 1 --num-processes 2 --port 23456 --out out1.json
+      python tests/multihost/multiprocess_worker.py --process-id 1 --num-processes 2 --port 23456 --out out1.json
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The mixture of experts", "Hello, world"]
 ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=4)
 SAMPLE_SEED = 1234

@@ -10,7 +10,7 @@ from jaxmoe.mesh import build_meshes, load_mesh
 from jaxmoe.runtime import transfer as T
 from jaxmoe.runtime import transfer_walk as W
 
-MESHES = Path(__file__).resolve().parent.parent / "meshes"
+MESHES = Path(__file__).resolve().parents[2] / "meshes"
 CPU8 = {"platform": "cpu", "nodes": 2, "devices_per_node": 4}
 LAYOUTS = {
     "cpu-8": MESHES / "cpu-8.yaml",  # 2A (node 0) + 6E (2 on node 0, 4 on node 1)

@@ -3,7 +3,7 @@
 * In-process (8 CPU devices): ``CrossProcessTransfer`` (collectives over one global mesh) moves
   exactly what ``transfer.a2e`` / ``transfer.e2a`` (device_put hops) move, on every layout and
   strategy, with the same hop / byte counters.
-* Two subprocesses (``tests/multiprocess_worker.py``, 4 CPU devices each, gloo, coordinator on
+* Two subprocesses (``tests/multihost/multiprocess_worker.py``, 4 CPU devices each, gloo, coordinator on
   127.0.0.1, meshes/cpu-8-4a4e.yaml: attention on process 0, experts on process 1): a probe
   records that ``jax.device_put`` cannot cross processes and that the collective transfer can;
   then ``LLM("tiny-random", mesh=...)`` (no wiring: the executor picks the collective transfer) generates
@@ -39,7 +39,7 @@ from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.runtime.transfer_rounds import schedule_rounds
 from test_transfer import LAYOUTS, _inputs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
 MESH = ROOT / "meshes" / "cpu-8-4a4e.yaml"
 MESH_1A7E = ROOT / "meshes" / "cpu-8-1a7e.yaml"  # expert instances on both processes

@@ -15,7 +15,7 @@ from jaxmoe.findep.profile import Dims, HostModel, Profile, ProfileError, StageM
 from jaxmoe.findep.schedule import Host, StageTimes, estimate, layer_kinds, programs, simulate, work
 from jaxmoe.findep.solver import BatchShape, Limits, PlanError, brute_force, pppipe, solve
 
-MESHES = pathlib.Path(__file__).parent.parent / "meshes"
+MESHES = pathlib.Path(__file__).resolve().parents[2] / "meshes"
 
 
 def deepseek_dims(ag=3, eg=5, moe_layers=16, dense_layers=1) -> Dims:

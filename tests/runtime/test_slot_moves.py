@@ -5,8 +5,8 @@ over the expert devices, the path taken when the expert sub-mesh spans processes
 arrays of the ``device_put`` path and of placing the new layout from the logical weights, on
 layouts whose expert instances span both nodes; the rounds carry only the moved slots. (Expert
 instances of several devices split their FFN columns, and the collective path refuses them:
-tests/test_tensor_parallel.py.)
-The two-process run is in tests/test_multiprocess.py.
+tests/runtime/test_tensor_parallel.py.)
+The two-process run is in tests/multihost/test_multiprocess.py.
 """
 
 from __future__ import annotations
