@@ -75,7 +75,7 @@ class BrownoutSection:
     def resolve(self, mesh) -> tuple[BrownoutConfig | None, SALCConfig | None]:
         if self.brownout is not None or not self.from_mesh_file or mesh is None:
             return self.brownout, self.salc
-        from jaxmoe.mesh import mesh_brownout
+        from jaxmoe.brownout.config import mesh_brownout
 
         settings = mesh_brownout(mesh)
         return (None, None) if settings is None else (settings.brownout(), settings.salc_config())

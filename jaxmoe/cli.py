@@ -9,19 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-# the expert-FFN implementations (``jaxmoe.pallas_kernels.expert_ffn.IMPLS``, which imports JAX: the
-# help and the client must not); a test keeps the two in step
-EXPERT_IMPLS = (
-    "reference",
-    "dense",
-    "bucketed_loop",
-    "grouped",
-    "ragged_dot",
-    "padded_einsum",
-    "pallas",
-    "cpu_kernel",
-)
-
+from jaxmoe.options import EXPERT_IMPLS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

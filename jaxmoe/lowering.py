@@ -242,7 +242,7 @@ def _layer_kinds(trees: dict[int, dict]) -> list[tuple[list[int], dict]]:
 
 
 def _ranges(indices: list[int]) -> str:
-    from jaxmoe.mesh import _ranges as ranges
+    from jaxmoe.mesh_spec import _ranges as ranges
 
     return ranges(indices)
 

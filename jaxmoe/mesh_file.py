@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jaxmoe.mesh import (
+from jaxmoe.mesh_spec import (
     PLATFORMS,
     SHARED_EXPERTS,
     TRANSFER_MODES,

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from jaxmoe.cli import EXPERT_IMPLS
+from jaxmoe.options import EXPERT_IMPLS
 from jaxmoe.server.brownout_flags import add_brownout_args, serve_brownout
 
 

@@ -29,6 +29,9 @@ LAYERS = {
     "jaxmoe.config": 1,  # foundation
     "jaxmoe.mesh": 1,
     "jaxmoe.mesh_file": 1,
+    "jaxmoe.mesh_spec": 1,
+    "jaxmoe.progress": 1,
+    "jaxmoe.options": 1,
     "jaxmoe.compilation": 1,
     "jaxmoe.tokenizer": 1,
     "jaxmoe.checkpoint": 1,
@@ -42,6 +45,7 @@ LAYERS = {
     "jaxmoe.assembly": 6,
     "jaxmoe": 7,  # the package face (__init__)
     "jaxmoe.llm": 7,
+    "jaxmoe.lowering": 7,
     # drivers: a feature's commands and measurement runs, which build engines through the assembly
     "jaxmoe.findep.commands": 7,
     "jaxmoe.janus.scaling.commands": 7,

@@ -46,7 +46,7 @@ def test_help_and_client_do_not_import_jax(argv, rc):
 
 
 def test_the_expert_impl_choices_match_the_kernels():
-    from jaxmoe.cli import EXPERT_IMPLS
+    from jaxmoe.options import EXPERT_IMPLS
     from jaxmoe.pallas_kernels.expert_ffn import IMPLS
 
     assert EXPERT_IMPLS == tuple(IMPLS)
