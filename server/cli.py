@@ -43,6 +43,13 @@ def register(sub, add_model_args) -> None:
         help="QLLM: latency-sensitive requests run between the layers of a best-effort step",
     )
     serve.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not keep and share the KV of full prompt blocks between requests (automatic prefix caching is on "
+        "by default)",
+    )
+    serve.add_argument(
         "--expert-queues",
         type=int,
         default=0,
@@ -219,6 +226,7 @@ def build_engine(args):
         pause_every=args.pause_every,
         max_paused_state_bytes=args.max_paused_state_bytes,
         expert_impl=args.expert_impl,
+        prefix_caching=args.prefix_caching,
     )
     mesh_description = "monolithic: one device (no mesh file)"
     spec = None

@@ -6,7 +6,9 @@ Endpoints: ``POST /v1/completions`` (one prompt or a list of them, one choice ea
 ``GET /metrics`` and the OpenAPI schema ``GET /openapi.json`` (generated from the request models).
 Request bodies are validated by strict pydantic models (``jaxmoe.server.openai_protocol``).
 Extension: ``"priority": "ls" | "be"`` in the body, or an ``X-Priority`` header (the body wins);
-``top_k``, ``stop_token_ids`` and ``ignore_eos`` as in vLLM.
+``top_k``, ``stop_token_ids``, ``ignore_eos`` and ``cache_salt`` (requests share cached prefix KV only
+with requests of the same salt) as in vLLM; ``usage.prompt_tokens_details.cached_tokens`` counts the
+prompt tokens read from the prefix cache.
 
 Every error is OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``
 (``jaxmoe.server.http_errors``): 400 bad input (``param`` names the field), 404 unknown model
@@ -169,13 +171,13 @@ class OpenAIServer:
             raise bad(str(e), "messages") from None
         return prompts, sampling
 
-    async def _admit(self, prompts, sampling, priority, prefix: str) -> list:
+    async def _admit(self, prompts, sampling, priority, prefix: str, cache_salt: str | None = None) -> list:
         streams = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = prefix + uuid.uuid4().hex
                 try:
-                    streams.append(await self.engine.add_async(prompt, sampling, priority, rid))
+                    streams.append(await self.engine.add_async(prompt, sampling, priority, rid, cache_salt))
                 except ValueError as e:
                     raise bad(str(e), "prompt" if len(prompts) == 1 else f"prompt.{i}") from None
                 except OverloadedError as e:
@@ -196,7 +198,7 @@ class OpenAIServer:
         try:
             prompts, sampling = self._prepare(req, chat)
             priority = _priority(request, req.priority)
-            streams = await self._admit(prompts, sampling, priority, "chatcmpl-" if chat else "cmpl-")
+            streams = await self._admit(prompts, sampling, priority, "chatcmpl-" if chat else "cmpl-", req.cache_salt)
         except ApiError as e:
             self._reject(e.status)
             return error_response(e)

@@ -12,11 +12,16 @@ if TYPE_CHECKING:  # the formats read its tokenizer and model name
     from jaxmoe.server.http_service import OpenAIServer
 
 
-def total_usage(outs) -> dict[str, int]:
+def total_usage(outs) -> dict:
+    """OpenAI ``usage`` of the requests' outputs, with ``prompt_tokens_details.cached_tokens``: the
+    prompt tokens whose KV came from the prefix cache."""
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    cached = 0
     for out in outs:
         for k, v in out.usage.items():
             usage[k] += v
+        cached += out.num_cached_tokens
+    usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
 
 
@@ -120,7 +125,7 @@ class CompletionFormat:
                         "finish_reason": out.finish_reason,
                     }
                 ],
-                out.usage,
+                total_usage([out]),
             )
         prompt_text, logprobs = self._echoed(out, out.logprobs is not None)
         generated = self._logprobs(out, False)
@@ -136,7 +141,7 @@ class CompletionFormat:
                     "finish_reason": out.finish_reason,
                 }
             ],
-            out.usage,
+            total_usage([out]),
         )
 
 
@@ -219,5 +224,5 @@ class ChatFormat:
                     "finish_reason": out.finish_reason,
                 }
             ],
-            out.usage,
+            total_usage([out]),
         )

@@ -71,6 +71,8 @@ class _Common(BaseModel):
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Any] | None = None
     priority: Text | None = None  # extension: "ls" | "be" (QLLM); the X-Priority header otherwise
+    # extension (vLLM): requests share cached prefix KV only with requests of the same salt
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=1024)] | None = None
     user: Text | None = None
 
     @model_validator(mode="after")

@@ -26,6 +26,9 @@ class EngineConfig:
     # layer; bench/qllm.py measured one-layer programs no slower than the fused step and LS TTFT P90 at 0.2-0.3x
     # step-level preemption's, where every 4 of 16 layers did not beat step-level; BENCHMARKS.md)
     pause_every: int = 1
+    # automatic prefix caching: full KV blocks are kept by a hash of their tokens and prefix and shared
+    # by later sequences with the same prefix (engine.prefix_cache, BlockManager)
+    prefix_caching: bool = True
 
     def __post_init__(self):
         q = self.expert_queues

@@ -58,6 +58,7 @@ class LLMEngine:
             max_waiting=config.max_waiting,
             max_prefill_chunk=config.max_prefill_chunk,
         )
+        self.scheduler.kv_key = lambda: getattr(self.runner.executor, "brownout_threshold", None)  # prefix cache key
         plan = ShapePlan(
             max_num_seqs=config.max_num_seqs,
             max_prefill_chunk=min(config.max_prefill_chunk, config.max_batch_tokens, self.max_model_len),
@@ -89,8 +90,10 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         priority: str | Priority = Priority.BE,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Validate and queue a request; raises ValueError on bad input, OverloadedError when full."""
+        """Validate and queue a request; raises ValueError on bad input, OverloadedError when full.
+        ``cache_salt``: requests share cached prefix blocks only with requests of the same salt."""
         sampling = sampling or SamplingParams()
         sampling.validate()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -108,7 +111,10 @@ class LLMEngine:
             self._counter += 1
         max_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
-        seq = Sequence(request_id, prompt_ids, sampling, Priority.parse(priority))
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        seq = Sequence(request_id, prompt_ids, sampling, Priority.parse(priority), cache_salt=cache_salt)
+        seq.use_prefix_cache = sampling.prompt_logprobs is None  # prompt logprobs need every position computed
         self.scheduler.add(seq)
         seed = sampling.seed32 if sampling.seed is not None else self._seeds.getrandbits(32)
         self._requests[request_id] = _RequestState(
@@ -354,6 +360,7 @@ class LLMEngine:
             priority=seq.priority.value,
             ttft=seq.ttft,
             tpot=seq.tpot,
+            num_cached_tokens=seq.num_cached_tokens or 0,
             prompt_logprobs=list(state.prompt_logprobs)
             if state.prompt_logprobs is not None and (seq.is_finished or first)
             else None,
@@ -380,7 +387,7 @@ def _block_manager(executor, config: EngineConfig) -> BlockManager:
         raise ValueError(
             f"block_size: the engine's is {config.block_size}, the executor's KV cache uses {layout.block_size}"
         )
-    return BlockManager.for_layout(layout)
+    return BlockManager.for_layout(layout, config.prefix_caching)
 
 
 def _cut_at_stop(text: str, stops) -> str:

@@ -42,6 +42,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = (
         None  # per prompt token (the first: None); on the first output with tokens and the final one
     )
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def usage(self) -> dict[str, int]:

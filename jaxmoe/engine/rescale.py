@@ -300,7 +300,7 @@ class Rescaler:
             job._fail(e)
             return
         old = engine.runner.executor
-        bm = BlockManager.for_layout(new.kv_layout)
+        bm = BlockManager.for_layout(new.kv_layout, engine.block_manager.prefix_caching)  # an empty cache index
         moves, recomputed = engine.scheduler.move_kv_to(bm)
         move_kv(old, new, moves, job.stats)
         engine.block_manager, engine.runner = bm, job.runner
