@@ -55,7 +55,10 @@ class Run:
 
 
 def make_engine(cfg, executor, tok, base: EngineConfig, **over) -> LLMEngine:
-    engine = LLMEngine(cfg, executor, tok, dataclasses.replace(base, **over))
+    config = dataclasses.replace(base, **over)
+    if config.deterministic:  # its own executor: the dense expert FFN (EngineConfig.deterministic)
+        executor = build_executor(cfg, executor.params, config)
+    engine = LLMEngine(cfg, executor, tok, config)
     for rows, tokens in engine.runner.plan.shapes():
         engine.runner.warm(rows, tokens)
     return engine

@@ -50,6 +50,12 @@ def register(sub, add_model_args) -> None:
         "by default)",
     )
     serve.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant mode: a request's tokens and logprobs are bit-identical whatever it is batched "
+        "with, however its prompt is chunked and whether its prefix came from the cache (costs throughput)",
+    )
+    serve.add_argument(
         "--expert-queues",
         type=int,
         default=0,
@@ -227,6 +233,7 @@ def build_engine(args):
         max_paused_state_bytes=args.max_paused_state_bytes,
         expert_impl=args.expert_impl,
         prefix_caching=args.prefix_caching,
+        deterministic=args.deterministic,
     )
     mesh_description = "monolithic: one device (no mesh file)"
     spec = None

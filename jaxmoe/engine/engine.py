@@ -21,8 +21,8 @@ import jax
 import numpy as np
 
 from jaxmoe.engine.block_manager import BlockManager
-from jaxmoe.engine.config import EngineConfig
-from jaxmoe.engine.buckets import ShapePlan
+from jaxmoe.engine.config import DETERMINISTIC_ROW_TOKENS, EngineConfig
+from jaxmoe.engine.buckets import ShapePlan, bucket
 from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
 from jaxmoe.engine.policies import make_policy
@@ -62,6 +62,7 @@ class LLMEngine:
         plan = ShapePlan(
             max_num_seqs=config.max_num_seqs,
             max_prefill_chunk=min(config.max_prefill_chunk, config.max_batch_tokens, self.max_model_len),
+            fixed=(bucket(config.max_num_seqs), DETERMINISTIC_ROW_TOKENS) if config.deterministic else None,
         )
         self.runner = ModelRunner(executor, config.block_size, max_blocks, plan)
         self.eos_ids = set(cfg.eos_token_ids)
