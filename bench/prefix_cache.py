@@ -158,13 +158,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workloads", default="shared,chat")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--modes", default="caching off,caching on", help="comma-separated: caching off, caching on")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     cfg, params, tok = load_model(args.model)
     base = EngineConfig(block_size=16, num_blocks=1024, max_num_seqs=8, max_batch_tokens=512, max_prefill_chunk=512)
     executor = build_executor(cfg, params, base)
-    modes = [("caching off", dict(prefix_caching=False)), ("caching on", dict(prefix_caching=True))]
+    known = {"caching off": dict(prefix_caching=False), "caching on": dict(prefix_caching=True)}
+    modes = [(m, known[m]) for m in args.modes.split(",")]
     if args.deterministic:
         modes.append(("deterministic", dict(prefix_caching=True, deterministic=True)))
     runs = []

@@ -77,6 +77,8 @@ def build_executor(
             expert_queues=engine_config.expert_queues,
             pause_every=engine_config.pause_every,
         )
+    if engine_config.deterministic:  # its expert side's results still depend on the batch (in the last bits)
+        raise ValueError("deterministic mode runs on the monolithic executor only (no mesh file)")
     if engine_config.expert_queues:
         raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor

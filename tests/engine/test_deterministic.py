@@ -62,12 +62,9 @@ def test_deterministic_mode_is_batch_chunk_cache_and_preemption_invariant():
     check(llm, *workload())
 
 
-@pytest.mark.slow
-def test_deterministic_mode_disaggregated():
-    llm = LLM(
-        "tiny-random", mesh="meshes/cpu-8.yaml", deterministic=True, block_size=16, num_blocks=128, max_num_seqs=8
-    )
-    check(llm, *workload(1))
+def test_deterministic_mode_needs_the_monolithic_executor():
+    with pytest.raises(ValueError, match="deterministic"):
+        LLM("tiny-random", mesh="meshes/cpu-8.yaml", deterministic=True)
 
 
 def test_deterministic_config():

@@ -59,18 +59,6 @@ def test_cached_and_uncached_outputs_agree_monolithic(checkpoint_dir, family):
 
 
 @pytest.mark.slow
-def test_cached_and_uncached_outputs_agree_disaggregated(checkpoint_dir):
-    path = checkpoint_dir("qwen3_moe")
-    prompts = shared_prompts(1)
-    mesh = "meshes/cpu-8.yaml"
-    plain = generate_twice(LLM(path, dtype="float32", mesh=mesh, prefix_caching=False, **ENGINE), prompts)
-    llm = LLM(path, dtype="float32", mesh=mesh, **ENGINE)
-    cached = generate_twice(llm, prompts)
-    assert_same(cached, plain)
-    assert sum(o.num_cached_tokens for o in cached) > 0
-
-
-@pytest.mark.slow
 def test_preemption_drop_all_kv_and_scoring_with_the_cache():
     """A cache too small for the batch: recompute preemptions evict cached blocks and re-admitted
     sequences read the cache again; outputs still equal the uncached run's. ``drop_all_kv`` forgets
