@@ -150,6 +150,8 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
             expert_rounds=rounds,
             pause_every=ec.pause_every,
         )
+    if ec.deterministic:  # its expert side's results still depend on the batch (in the last bits)
+        raise ValueError("deterministic mode runs on the monolithic executor only (no mesh file)")
     if config.qllm.expert_queues:
         raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor

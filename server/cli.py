@@ -56,6 +56,19 @@ def register(sub, add_model_args) -> None:
         help="QLLM: latency-sensitive requests run between the layers of a best-effort step",
     )
     serve.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not keep and share the KV of full prompt blocks between requests (automatic prefix caching is on "
+        "by default)",
+    )
+    serve.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant mode: a request's tokens and logprobs are bit-identical whatever it is batched "
+        "with, however its prompt is chunked and whether its prefix came from the cache (costs throughput)",
+    )
+    serve.add_argument(
         "--expert-queues",
         type=int,
         default=0,
@@ -241,6 +254,8 @@ def runtime_config(args):
         policy=policy,
         pause_every=args.pause_every,
         expert_impl=args.expert_impl,
+        prefix_caching=args.prefix_caching,
+        deterministic=args.deterministic,
     )
     mesh_description = "monolithic: one device (no mesh file)"
     spec = None

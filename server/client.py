@@ -38,6 +38,7 @@ def make_request(
     repetition_penalty: float | None = None,
     min_p: float | None = None,
     logit_bias: dict[int, float] | None = None,
+    cache_salt: str | None = None,
 ) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(
         top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
@@ -57,6 +58,8 @@ def make_request(
             setattr(sampling, name, value)
     sampling.logit_bias.update(logit_bias or {})
     req = pb.GenerateRequest(request_id=request_id, sampling=sampling, priority=priority)
+    if cache_salt is not None:
+        req.cache_salt = cache_salt
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -87,6 +90,7 @@ class JaxmoeClient:
             "prompt_tokens": last.usage.prompt_tokens,
             "completion_tokens": last.usage.completion_tokens,
             "total_tokens": last.usage.total_tokens,
+            "cached_tokens": last.usage.cached_tokens,
         }
         return {"text": "".join(text), "token_ids": ids, "finish_reason": last.finish_reason, "usage": usage}
 

@@ -83,7 +83,7 @@ def output_to_proto(out: RequestOutput, tokenizer) -> pb.GenerateResponse:
         delta_token_ids=out.delta_token_ids,
         finish_reason=out.finish_reason or "",
         priority=out.priority,
-        usage=pb.Usage(**out.usage),
+        usage=pb.Usage(**out.usage, cached_tokens=out.num_cached_tokens),
     )
     if out.logprobs is not None and out.delta_token_ids:
         for lp in out.logprobs[len(out.token_ids) - len(out.delta_token_ids) : len(out.token_ids)]:
@@ -176,7 +176,12 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
         rid = request.request_id or f"grpc-{uuid.uuid4().hex[:16]}"
         try:
-            stream = await self.engine.add_async(prompt, sampling, priority, rid)
+            salt = request.cache_salt if request.HasField("cache_salt") else None
+            if salt is not None and not salt:
+                await self._reject(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", "cache_salt: must not be empty"
+                )
+            stream = await self.engine.add_async(prompt, sampling, priority, rid, salt)
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))
         except OverloadedError as e:

@@ -7,7 +7,9 @@ Endpoints: ``POST /v1/completions`` (one prompt or a list of them, one choice ea
 ``GET /metrics`` and the OpenAPI schema ``GET /openapi.json`` (generated from the request models).
 Request bodies are validated by strict pydantic models (``jaxmoe.server.openai_protocol``).
 Extension: ``"priority": "ls" | "be"`` in the body, or an ``X-Priority`` header (the body wins);
-``top_k``, ``stop_token_ids`` and ``ignore_eos`` as in vLLM.
+``top_k``, ``stop_token_ids``, ``ignore_eos`` and ``cache_salt`` (requests share cached prefix KV only
+with requests of the same salt) as in vLLM; ``usage.prompt_tokens_details.cached_tokens`` counts the
+prompt tokens read from the prefix cache.
 
 Every error is OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``
 (``jaxmoe.server.http_errors``): 400 bad input (``param`` names the field), 404 unknown model
@@ -224,7 +226,7 @@ class OpenAIServer:
             raise bad(str(e), "messages") from None
         return prompts, sampling
 
-    async def _admit(self, prompts, sampling, priority, prefix: str) -> list:
+    async def _admit(self, prompts, sampling, priority, prefix: str, cache_salt: str | None = None) -> list:
         """One stream per prompt and completion (``sampling.num_sequences`` per prompt, prompt-major)."""
         streams = []
         try:
@@ -232,7 +234,9 @@ class OpenAIServer:
                 try:
                     for j in range(sampling.num_sequences):
                         rid = prefix + uuid.uuid4().hex
-                        streams.append(await self.engine.add_async(prompt, sampling.for_index(j), priority, rid))
+                        streams.append(
+                            await self.engine.add_async(prompt, sampling.for_index(j), priority, rid, cache_salt)
+                        )
                 except SamplingParamsError as e:
                     raise bad(str(e), e.param) from None
                 except ValueError as e:
@@ -256,7 +260,7 @@ class OpenAIServer:
         try:
             prompts, sampling = await self._prepare(req, chat)
             priority = _priority(request, req.priority)
-            streams = await self._admit(prompts, sampling, priority, "chatcmpl-" if chat else "cmpl-")
+            streams = await self._admit(prompts, sampling, priority, "chatcmpl-" if chat else "cmpl-", req.cache_salt)
         except ApiError as e:
             self._reject(e.status)
             log_request(route, "-", e.status)

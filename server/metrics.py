@@ -136,6 +136,21 @@ class _EngineCollector:
             rescaler = LiveRescaler.find(self.async_engine.engine)
             if rescaler is not None:
                 yield CounterMetricFamily("jaxmoe_rescales", "Live rescales done", value=len(rescaler.history))
+        yield CounterMetricFamily(
+            "jaxmoe_prefix_cache_queries",
+            "Tokens of sequences looked up in the prefix cache when they started computing their KV",
+            value=snap["prefix_cache_queries"],
+        )
+        yield CounterMetricFamily(
+            "jaxmoe_prefix_cache_hits",
+            "Tokens whose KV came from the prefix cache (of jaxmoe_prefix_cache_queries_total)",
+            value=snap["prefix_cache_hits"],
+        )
+        yield GaugeMetricFamily(
+            "jaxmoe_prefix_cache_blocks",
+            "KV blocks in the prefix cache (held by a request or kept until memory is needed)",
+            value=snap["prefix_cache_blocks"],
+        )
         yield CounterMetricFamily("jaxmoe_engine_steps", "Engine steps", value=snap["steps"])
         yield CounterMetricFamily("jaxmoe_engine_step_errors", "Engine steps that raised", value=snap["step_errors"])
         yield CounterMetricFamily(

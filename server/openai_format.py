@@ -16,15 +16,19 @@ class Server(Protocol):
     model_name: str
 
 
-def total_usage(outs, per_prompt: int = 1) -> dict[str, int]:
-    """Usage of the requests ``outs`` (prompt-major, ``per_prompt`` completions of each prompt):
-    each prompt counts once, every generated token counts (``best_of`` included)."""
+def total_usage(outs, per_prompt: int = 1) -> dict:
+    """Usage of the requests ``outs`` (prompt-major, ``per_prompt`` completions of each prompt): each
+    prompt counts once, every generated token counts (``best_of`` included), and
+    ``prompt_tokens_details.cached_tokens`` the prompt tokens whose KV came from the prefix cache."""
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    cached = 0
     for i, out in enumerate(outs):
         if i % per_prompt == 0:
             usage["prompt_tokens"] += len(out.prompt_token_ids)
+            cached += out.num_cached_tokens
         usage["completion_tokens"] += len(out.token_ids)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
 
 
@@ -138,7 +142,7 @@ class CompletionFormat:
                         "finish_reason": out.finish_reason,
                     }
                 ],
-                out.usage,
+                total_usage([out]),
             )
         prompt_text, logprobs = self._echoed(out, out.logprobs is not None)
         generated = self._logprobs(out, False)
@@ -154,7 +158,7 @@ class CompletionFormat:
                     "finish_reason": out.finish_reason,
                 }
             ],
-            out.usage,
+            total_usage([out]),
         )
 
 
@@ -237,5 +241,5 @@ class ChatFormat:
                     "finish_reason": out.finish_reason,
                 }
             ],
-            out.usage,
+            total_usage([out]),
         )

@@ -78,6 +78,8 @@ class _Common(BaseModel):
     min_p: Number | None = None  # extension (vLLM)
     logit_bias: dict[str, Number] | None = None  # token id (as a string) -> bias in [-100, 100]
     priority: Text | None = None  # extension: "ls" | "be" (QLLM); the X-Priority header otherwise
+    # extension (vLLM): requests share cached prefix KV only with requests of the same salt
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=1024)] | None = None
     user: Text | None = None
     # fields that would change the output and are not implemented: refused (400 naming the field)
     # rather than silently ignored, unless set to their no-op value

@@ -53,6 +53,7 @@ class _Add:
     request_id: str | None
     stream_loop: asyncio.AbstractEventLoop | None
     future: concurrent.futures.Future
+    cache_salt: str | None = None
 
 
 class AsyncEngine:
@@ -115,10 +116,12 @@ class AsyncEngine:
         sampling: SamplingParams | None = None,
         priority: Any = "be",
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Admit a request (blocks until the loop has taken it, at most one step). Raises ValueError,
-        OverloadedError or EngineClosedError; returns a stream for ``for`` loops."""
-        return self._submit(prompt, sampling, priority, request_id, None).result()
+        OverloadedError or EngineClosedError; returns a stream for ``for`` loops. ``cache_salt``:
+        see ``LLMEngine.add_request``."""
+        return self._submit(prompt, sampling, priority, request_id, None, cache_salt).result()
 
     async def add_async(
         self,
@@ -126,17 +129,18 @@ class AsyncEngine:
         sampling: SamplingParams | None = None,
         priority: Any = "be",
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Like ``add`` for asyncio code; the stream is iterated with ``async for``."""
         loop = asyncio.get_running_loop()
-        return await asyncio.wrap_future(self._submit(prompt, sampling, priority, request_id, loop))
+        return await asyncio.wrap_future(self._submit(prompt, sampling, priority, request_id, loop, cache_salt))
 
-    def _submit(self, prompt, sampling, priority, request_id, loop) -> concurrent.futures.Future:
+    def _submit(self, prompt, sampling, priority, request_id, loop, cache_salt=None) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._closing or not self.running:
             future.set_exception(EngineClosedError("the engine is not running (shutting down?)"))
         else:
-            self._commands.put(("add", _Add(prompt, sampling, priority, request_id, loop, future)))
+            self._commands.put(("add", _Add(prompt, sampling, priority, request_id, loop, future, cache_salt)))
         return future
 
     def abort(self, request_id: str) -> None:
@@ -259,7 +263,9 @@ class AsyncEngine:
             req.future.set_exception(EngineClosedError("the engine is shutting down"))
             return
         try:
-            rid = self.engine.add_request(req.prompt, req.sampling, req.priority, req.request_id)
+            rid = self.engine.add_request(
+                req.prompt, req.sampling, req.priority, req.request_id, cache_salt=req.cache_salt
+            )
         except Exception as e:  # ValueError, OverloadedError: the caller gets it, nothing queued
             req.future.set_exception(e)
             return

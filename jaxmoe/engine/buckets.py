@@ -33,6 +33,8 @@ class ShapePlan:
     max_num_seqs: int  # decode rows per step (all instances)
     max_prefill_chunk: int  # tokens of one prefill chunk
     prefill_rows: int = 4  # prefill chunks per attention instance in one program call
+    # deterministic mode: (rows per instance, tokens per row) of every call, the only shape
+    fixed: tuple[int, int] | None = None
 
     def decode_shapes(self) -> list[tuple[int, int]]:
         """(rows per instance, tokens per row) of every decode step."""
@@ -44,4 +46,6 @@ class ShapePlan:
         return [(r, t) for t in tokens for r in rows]
 
     def shapes(self) -> list[tuple[int, int]]:
+        if self.fixed is not None:
+            return [self.fixed]
         return self.decode_shapes() + self.prefill_shapes()

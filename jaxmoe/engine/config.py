@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+DETERMINISTIC_ROW_TOKENS = 16  # deterministic mode: tokens of every row of every program call
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -21,8 +23,21 @@ class EngineConfig:
     # a step run layer by layer (a layer hook pauses it): layers between two pause points, i.e. per program
     # (1: after every layer; bench/qllm.py measured one-layer programs no slower than the fused step)
     pause_every: int = 1
+    # automatic prefix caching: full KV blocks are kept by a hash of their tokens and prefix and shared
+    # by later sequences with the same prefix (engine.prefix_cache, BlockManager)
+    prefix_caching: bool = True
+    # batch-invariant mode: every program call has one shape (max_num_seqs rows per attention instance, rounded
+    # up to a power of two, of DETERMINISTIC_ROW_TOKENS tokens; prefill chunks of at most that many tokens), the
+    # experts run as one dense einsum and attention in its XLA form, so a request's results do not depend on what
+    # it is batched with, how its prompt is chunked or whether its prefix came from the cache (engine.model_runner)
+    deterministic: bool = False
 
     def __post_init__(self):
         every = self.pause_every
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"pause_every must be a positive integer, got {every!r}")
+        if self.deterministic:
+            if self.expert_impl not in ("auto", "dense"):
+                raise ValueError(f"deterministic mode runs expert_impl='dense', got expert_impl={self.expert_impl!r}")
+            object.__setattr__(self, "expert_impl", "dense")
+            object.__setattr__(self, "max_prefill_chunk", min(self.max_prefill_chunk, DETERMINISTIC_ROW_TOKENS))

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from jaxmoe.engine.block_manager import BlockManager
-from jaxmoe.engine.buckets import ShapePlan
-from jaxmoe.engine.config import EngineConfig
+from jaxmoe.engine.buckets import ShapePlan, bucket
+from jaxmoe.engine.config import DETERMINISTIC_ROW_TOKENS, EngineConfig
 from jaxmoe.engine.hooks import LayerHook, StepHook
 from jaxmoe.engine.model_runner import ModelRunner, Row
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
@@ -63,9 +63,11 @@ class LLMEngine:
             max_waiting=config.max_waiting,
             max_prefill_chunk=config.max_prefill_chunk,
         )
+        self.scheduler.kv_key = lambda: getattr(self.runner.executor, "brownout_threshold", None)  # prefix cache key
         plan = ShapePlan(
             max_num_seqs=config.max_num_seqs,
             max_prefill_chunk=min(config.max_prefill_chunk, config.max_batch_tokens, self.max_model_len),
+            fixed=(bucket(config.max_num_seqs), DETERMINISTIC_ROW_TOKENS) if config.deterministic else None,
         )
         self.runner = ModelRunner(executor, config.block_size, max_blocks, plan)
         self.eos_ids = set(cfg.eos_token_ids)
@@ -103,8 +105,10 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         priority: str | Priority = Priority.BE,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Validate and queue a request; raises ValueError on bad input, OverloadedError when full."""
+        """Validate and queue a request; raises ValueError on bad input, OverloadedError when full.
+        ``cache_salt``: requests share cached prefix blocks only with requests of the same salt."""
         sampling = sampling or SamplingParams()
         sampling.validate()
         if sampling.num_sequences != 1:
@@ -134,7 +138,10 @@ class LLMEngine:
             self._counter += 1
         max_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
-        seq = Sequence(request_id, prompt_ids, sampling, Priority.parse(priority))
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        seq = Sequence(request_id, prompt_ids, sampling, Priority.parse(priority), cache_salt=cache_salt)
+        seq.use_prefix_cache = sampling.prompt_logprobs is None  # prompt logprobs need every position computed
         self.scheduler.add(seq)
         seed = sampling.seed32 if sampling.seed is not None else self._seeds.getrandbits(32)
         self._requests[request_id] = _RequestState(
@@ -186,7 +193,9 @@ class LLMEngine:
         sequence's KV blocks get blocks in the new KV layout (a partition of their own), copied
         there by ``move_kv(old executor, new executor, moves)``; a sequence that does not fit is
         recompute-preempted (its tokens kept). Returns the ids of those."""
-        block_manager = BlockManager.for_layout(runner.executor.kv_layout)
+        block_manager = BlockManager.for_layout(
+            runner.executor.kv_layout, self.block_manager.prefix_caching
+        )  # an empty cache index
         moves, recomputed = self.scheduler.move_kv_to(block_manager)
         move_kv(self.runner.executor, runner.executor, moves)
         self.block_manager, self.runner = block_manager, runner
@@ -377,6 +386,7 @@ class LLMEngine:
             ttft=seq.ttft,
             tpot=seq.tpot,
             cumulative_logprob=state.cumulative_logprob,
+            num_cached_tokens=seq.num_cached_tokens or 0,
             prompt_logprobs=list(state.prompt_logprobs)
             if state.prompt_logprobs is not None and (seq.is_finished or first)
             else None,
@@ -403,7 +413,7 @@ def _block_manager(executor, config: EngineConfig) -> BlockManager:
         raise ValueError(
             f"block_size: the engine's is {config.block_size}, the executor's KV cache uses {layout.block_size}"
         )
-    return BlockManager.for_layout(layout)
+    return BlockManager.for_layout(layout, config.prefix_caching)
 
 
 def _cut_at_stop(text: str, stops) -> str:

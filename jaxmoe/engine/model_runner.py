@@ -61,15 +61,20 @@ class ModelRunner:
         self.pausable_state_bytes = 0  # of the step now running layer by layer (layer-level preemption)
         self.last_calls: list[tuple[int, int]] = []  # (rows, tokens per row) of each program call of the last run
         self.num_instances = self.kv.num_instances
+        # deterministic mode (EngineConfig.deterministic): every step is one call of ``fixed_rows`` rows per
+        # attention instance of ``row_tokens`` tokens (decodes padded too), so every program runs on one
+        # shape whatever the batch: XLA:CPU picks a dot's algorithm, and so its summation order, by shape
+        self.fixed_rows, self.row_tokens = self.plan.fixed or (1, 0)
 
     def instance_of(self, row: Row) -> int:
         return int(self.kv.instance_of_block(row.block_table[0]))
 
-    def placement(self, rows: list[Row]) -> tuple[np.ndarray, int]:
-        """(padded row of each row [len(rows)], padded rows B): rows of instance j at j*R.., B = m*R."""
+    def placement(self, rows: list[Row], min_rows: int = 1) -> tuple[np.ndarray, int]:
+        """(padded row of each row [len(rows)], padded rows B): rows of instance j at j*R.., B = m*R,
+        R at least ``min_rows``."""
         m = self.num_instances
         inst = [self.instance_of(r) for r in rows]
-        R = bucket(int(np.bincount(inst, minlength=m).max()))
+        R = bucket(max(int(np.bincount(inst, minlength=m).max()), min_rows))
         where, used = [], [0] * m
         for j in inst:
             where.append(j * R + used[j])
@@ -87,9 +92,13 @@ class ModelRunner:
     def prepare(self, rows: list[Row]):
         """Padded (tokens [B, T], AttentionBatch, logits_index [B]) for the rows, and each row's
         padded row ``where`` [len(rows)] (see ``placement``)."""
-        where, B = self.placement(rows)
         longest = max(len(r.token_ids) for r in rows)
         T = 1 if longest == 1 else bucket(longest, MIN_PREFILL_TOKENS)
+        if self.row_tokens:
+            if longest > self.row_tokens:
+                raise ValueError(f"deterministic mode: a row of {longest} tokens exceeds {self.row_tokens}")
+            T = self.row_tokens
+        where, B = self.placement(rows, self.fixed_rows)
         tokens, batch, last = self._empty(B, T)
         positions, slots, tables = batch
         for i, r in zip(where, rows):
@@ -173,6 +182,8 @@ class ModelRunner:
         return out
 
     def _calls(self, rows: list[Row]) -> list[list[int]]:
+        if self.row_tokens:  # deterministic mode: the whole step in one call of the one shape
+            return [list(range(len(rows)))]
         decodes = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
         calls = [decodes] if decodes else []
         per_instance: dict[int, list[int]] = {}

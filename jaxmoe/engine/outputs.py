@@ -88,6 +88,7 @@ class RequestOutput:
     )
     cumulative_logprob: float | None = None  # sum of the generated tokens' logprobs
     prompt: str | None = None  # the prompt's text, when it was given as text (``LLM.generate``)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     def __post_init__(self):
         self._outputs: list[CompletionOutput] | None = None

@@ -19,6 +19,17 @@ Two kinds of preemption, both reported in ``ScheduledBatch.preempted``:
   loses its blocks (``num_computed = 0``). Prompt *and* generated tokens are
   kept; it is re-prefilled over both later. Victims always rank below the
   sequence that needs the memory.
+
+Prefix caching (``BlockManager(prefix_caching=True)``, ``engine.prefix_cache``): when a sequence
+without KV is scheduled (new, or after a recompute preemption) it takes the longest run of cached
+full blocks of its tokens -- never all of them: at least its last token is computed, for its
+logits -- and its prefill starts after them (on a partitioned cache in the partition
+``dispatch.choose_cached_instance`` picks). After each step the blocks a sequence has completed
+are registered under their hash. The hash includes the sequence's ``cache_salt`` and the executor's
+KV key (``kv_key``: the engine sets it to the brownout threshold); a sequence whose KV was computed
+under more than one key (brownout changed while it ran) registers no more blocks until it is
+recomputed. ``drop_all_kv`` forgets the cache; ``move_kv_to`` (live re-scaling) starts the new
+allocator with an empty index: the sequences it moves register their blocks there again.
 """
 
 from __future__ import annotations
@@ -27,8 +38,9 @@ import time
 from dataclasses import dataclass, field
 
 from jaxmoe.engine.block_manager import BlockManager
-from jaxmoe.engine.dispatch import choose_instance
+from jaxmoe.engine.dispatch import choose_cached_instance, choose_instance
 from jaxmoe.engine.policies import Budget, GuardedPolicy, Queues, SchedulingPolicy, make_policy
+from jaxmoe.engine.prefix_cache import cache_key, extend_hashes
 from jaxmoe.engine.sequence import Priority, Sequence, SequenceStatus
 
 _INF = float("inf")
@@ -92,6 +104,8 @@ class Scheduler:
         # request paused between layers for latency-sensitive work, counted by LLMEngine) and
         # "expert_pause" (paused between the expert rounds of a layer: per-expert queues)
         self.preemptions = {k: {"ls": 0, "be": 0} for k in PREEMPTION_LEVELS}
+        self.kv_key = lambda: None  # what else the KV depends on (the engine: the brownout threshold)
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens looked up / found in the cache
 
     # -- admission ---------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -150,11 +164,21 @@ class Scheduler:
                 break
             if seq.request_id in evicted:
                 continue
+            fresh = not seq.block_table and seq.num_computed == 0
+            cached = self._take_cached_prefix(seq) if fresh else 0
             prefill = seq.is_prefill
             want = min(seq.num_uncomputed, tokens_left, self.max_prefill_chunk) if prefill else 1
             n = self._reserve(seq, want, prefill, rank, scheduled, evicted, live, batch)
             if n == 0:
+                if cached:  # it waits: the cached blocks it took stay cached, unheld
+                    self.bm.free(seq)
+                    seq.num_computed = 0
                 continue
+            if fresh and self.bm.prefix_caching and seq.use_prefix_cache:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += cached
+            if fresh and seq.num_cached_tokens is None:
+                seq.num_cached_tokens = cached
             seq.num_scheduled = n
             seq.status = SequenceStatus.RUNNING
             scheduled.add(seq.request_id)
@@ -179,6 +203,48 @@ class Scheduler:
         running = [s for s in self._seqs.values() if s.request_id in paused]
         waiting = [s for s in self._seqs.values() if s.request_id not in paused and s.priority is Priority.LS]
         return self.policy.pause_at_layer(running, Queues.from_seqs(waiting), layer)
+
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        """A sequence about to compute its KV from scratch: set its cache key and, with prefix
+        caching, give it the longest run of cached blocks of its tokens but the last (in the
+        partition ``choose_cached_instance`` picks). Returns the tokens it took (its ``num_computed``)."""
+        bm = self.bm
+        key = cache_key(seq.cache_salt, self.kv_key())
+        if key != seq.cache_key:
+            seq.cache_key, seq.block_hashes = key, []
+        seq.num_registered_blocks = 0
+        if not (bm.prefix_caching and seq.use_prefix_cache):
+            return 0
+        tokens = seq.all_ids
+        usable = (len(tokens) - 1) // bm.block_size  # the last token is always computed
+        extend_hashes(seq.block_hashes, tokens[: usable * bm.block_size], bm.block_size, key)
+        hits = [bm.cached_prefix(seq.block_hashes[:usable], p) for p in range(bm.num_partitions)]
+        if not any(hits):
+            return 0
+        chunk = min(self.max_prefill_chunk, self.max_batch_tokens)
+        p = choose_cached_instance(bm, self._seqs.values(), seq.num_tokens, [len(h) for h in hits], chunk)
+        if p is None or not hits[p]:
+            return 0
+        bm.take_cached(seq, hits[p])
+        seq.num_computed = len(hits[p]) * bm.block_size
+        seq.num_registered_blocks = len(hits[p])
+        return seq.num_computed
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        """Offer ``seq``'s full computed blocks to the prefix cache -- unless its KV was computed under
+        another key than the executor's now (then never, until it is recomputed)."""
+        if not self.bm.prefix_caching or seq.cache_key is None:
+            return
+        if seq.cache_key != cache_key(seq.cache_salt, self.kv_key()):
+            seq.cache_key = None
+            return
+        full = min(seq.num_computed, seq.num_tokens) // self.bm.block_size
+        if full > seq.num_registered_blocks:
+            if full > len(seq.block_hashes):
+                extend_hashes(
+                    seq.block_hashes, seq.all_ids[: full * self.bm.block_size], self.bm.block_size, seq.cache_key
+                )
+            self.bm.cache_blocks(seq, seq.block_hashes[:full])
 
     def _reserve(self, seq, want, prefill, rank, scheduled, evicted, live, batch) -> int:
         """Allocate blocks for ``want`` more tokens of ``seq``, evicting
@@ -229,6 +295,7 @@ class Scheduler:
         batch = ScheduledBatch()
         for seq in hit:
             self._preempt_recompute(seq, batch)
+        self.bm.reset_prefix_cache()
         return hit
 
     def move_kv_to(self, bm: BlockManager) -> tuple[list[tuple[list[int], list[int]]], list[Sequence]]:
@@ -239,6 +306,7 @@ class Scheduler:
         moves, recomputed = [], []
         for seq in sorted((s for s in self._seqs.values() if s.has_kv), key=lambda s: -len(s.block_table)):
             old, seq.block_table = seq.block_table, []
+            seq.num_registered_blocks = 0  # registered again in bm's (empty) index after its next step
             if bm.can_allocate(len(old) * bm.block_size):
                 bm.allocate(seq, len(old) * bm.block_size)
                 moves.append((old, list(seq.block_table)))
@@ -296,6 +364,7 @@ class Scheduler:
                 raise ValueError(f"{rid}: missing sampled token for chunk [{start}, {end})")
             seq.num_computed = end
             seq.num_scheduled = 0
+            self._register_blocks(seq)
             if token is not None:
                 seq.output_ids.append(int(token))
                 if seq.first_token_time is None:
@@ -372,6 +441,9 @@ class Scheduler:
             "aborted": self.num_aborted,
             "finished": self.num_finished,
             "policy_errors": self.policy.errors,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_blocks": self.bm.num_cached_blocks,
         }
         out.update({f"queue_{k}": v for k, v in self.queue_lengths().items()})
         for kind, per in self.preemptions.items():

@@ -69,6 +69,7 @@ class Sequence:
         sampling: Any = None,
         priority: "Priority | str" = Priority.BE,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -86,6 +87,14 @@ class Sequence:
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        # prefix caching (engine.prefix_cache, BlockManager): the tenant's salt, whether a new
+        # admission may read cached blocks, the prompt tokens it read from the cache (first admission)
+        self.cache_salt = cache_salt
+        self.use_prefix_cache = True
+        self.num_cached_tokens: int | None = None
+        self.cache_key: bytes | None = None  # the key its KV is computed under (None: holds none)
+        self.block_hashes: list[bytes] = []  # of its full blocks, under cache_key
+        self.num_registered_blocks = 0  # leading blocks already offered to the cache
 
     # -- token views -------------------------------------------------------
     @property

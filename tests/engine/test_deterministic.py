@@ -1,0 +1,74 @@
+"""Deterministic (batch-invariant) mode: a request's greedy tokens and logprobs are bit-identical alone,
+beside other requests, with its prompt chunked differently, with its prefix read from the cache, and
+after a recompute preemption re-prefilled its prompt and generated tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxmoe import LLM, SamplingParams
+from jaxmoe.engine.config import EngineConfig
+
+SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def logprobs(out) -> np.ndarray:
+    return np.array([t.logprob for t in out.logprobs], np.float32)
+
+
+def assert_identical(a, b):
+    assert a.token_ids == b.token_ids
+    assert np.array_equal(logprobs(a), logprobs(b))  # bit for bit, not approximately
+
+
+def workload(seed=0):
+    rng = np.random.default_rng(seed)
+    target = rng.integers(6, 250, 40).tolist()
+    others = [rng.integers(6, 250, n).tolist() for n in (13, 57, 30, 5, 70)]
+    return target, others
+
+
+def check(llm, target, others):
+    eng = llm.engine
+    alone = llm.generate([target], SP)[0]
+    cached = llm.generate([target], SP)[0]
+    assert cached.num_cached_tokens == 32
+    assert_identical(cached, alone)
+    eng.block_manager.reset_prefix_cache()
+    batched = llm.generate(others[:3] + [target] + others[3:], SP)[3]
+    assert batched.num_cached_tokens == 0
+    assert_identical(batched, alone)
+    eng.block_manager.reset_prefix_cache()
+    eng.scheduler.max_prefill_chunk = 7  # chunks of 7 tokens: boundaries inside blocks
+    try:
+        assert_identical(llm.generate([target], SP)[0], alone)
+    finally:
+        eng.scheduler.max_prefill_chunk = 16
+    eng.block_manager.reset_prefix_cache()
+    rid = eng.add_request(target, SP)
+    for prompt in others[:2]:
+        eng.add_request(prompt, SP)
+    for _ in range(5):  # the prompt and a few tokens computed, then the KV is lost
+        eng.step()
+    assert eng.scheduler.get(rid).num_output_tokens >= 1
+    eng.scheduler.drop_all_kv()  # recompute: prompt + generated tokens re-prefilled in chunks
+    assert_identical(eng.run_until_done()[rid], alone)
+
+
+def test_deterministic_mode_is_batch_chunk_cache_and_preemption_invariant():
+    llm = LLM("tiny-random", deterministic=True, block_size=16, num_blocks=128, max_num_seqs=8)
+    assert llm.engine.runner.plan.shapes() == [(8, 16)]
+    check(llm, *workload())
+
+
+def test_deterministic_mode_needs_the_monolithic_executor():
+    with pytest.raises(ValueError, match="deterministic"):
+        LLM("tiny-random", mesh="meshes/cpu-8.yaml", deterministic=True)
+
+
+def test_deterministic_config():
+    cfg = EngineConfig(deterministic=True, max_prefill_chunk=512)
+    assert cfg.expert_impl == "dense" and cfg.max_prefill_chunk == 16
+    with pytest.raises(ValueError, match="expert_impl"):
+        EngineConfig(deterministic=True, expert_impl="cpu_kernel")
