@@ -1,12 +1,14 @@
 """Hugging Face safetensors -> jaxmoe parameters, one tensor at a time onto its target placement.
 
-Every tensor is checked (present, expected shape, complete on disk) before any is loaded, so a bad
-checkpoint fails fast with a message naming the tensor.  Tensors are memory-mapped, converted and
-placed leaf by leaf: at most one leaf (one layer's stacked experts) is ever held on the host.
+Every tensor is checked (present, expected shape, complete on disk; an FP8 weight's scale) before any
+is loaded, so a bad checkpoint fails fast with a message naming the tensor.  Tensors are memory-mapped,
+converted and placed leaf by leaf: at most one leaf (one layer's stacked experts) is ever held on the
+host.  Block-wise FP8 checkpoints (``fp8.py``) are dequantized as they are read.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Callable
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jaxmoe.checkpoint.fp8 import Fp8Checkpoint, checkpoint_quantization, unquantized_dtype
 from jaxmoe.checkpoint.hf_names import param_plan
 from jaxmoe.checkpoint.safetensors_reader import CheckpointError, SafetensorsCheckpoint
 from jaxmoe.config import ModelConfig
@@ -32,10 +35,16 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
     return bool(m) and int(m.group(1)) >= cfg.num_layers
 
 
-def check_checkpoint(ckpt: SafetensorsCheckpoint, cfg: ModelConfig) -> None:
+def check_checkpoint(ckpt: SafetensorsCheckpoint | Fp8Checkpoint, cfg: ModelConfig) -> None:
     plan = param_plan(cfg)
     expected = {s: leaf.shape for leaf in plan for s in leaf.sources}
     names = ckpt.names()
+    if not isinstance(ckpt, Fp8Checkpoint):
+        fp8 = sorted(n for n in expected if n in names and ckpt.dtype(n).startswith("F8"))
+        if fp8:
+            raise CheckpointError(
+                f"tensor {fp8[0]!r} is {ckpt.dtype(fp8[0])} but config.json has no fp8 quantization_config"
+            )
     missing = sorted(set(expected) - names)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -47,6 +56,18 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, cfg: ModelConfig) -> None:
     for name, shape in expected.items():
         if ckpt.shape(name) != shape:
             raise CheckpointError(f"tensor {name!r} has shape {ckpt.shape(name)}, config implies {shape}")
+        if isinstance(ckpt, Fp8Checkpoint):
+            ckpt.check(name)
+
+
+def open_checkpoint(directory: str | Path) -> SafetensorsCheckpoint | Fp8Checkpoint:
+    """The checkpoint's tensors, dequantized on read if its config.json declares block-wise FP8
+    (``fp8.checkpoint_quantization``, which refuses methods jaxmoe does not load)."""
+    ckpt = SafetensorsCheckpoint(directory)
+    config = Path(directory) / "config.json"
+    hf = json.loads(config.read_text()) if config.exists() else {}
+    quant = checkpoint_quantization(hf)
+    return ckpt if quant is None else Fp8Checkpoint(ckpt, quant, unquantized_dtype(hf))
 
 
 def set_leaf(tree: dict, path: tuple, value) -> None:
@@ -64,12 +85,13 @@ def load_params(
 ) -> dict:
     """Load a checkpoint's parameters as a pytree of jax arrays.
 
-    ``dtype`` converts every tensor (default: keep the checkpoint's dtype); ``place(path, array)``
+    ``dtype`` converts every tensor (default: keep the checkpoint's dtype; FP8 weights come out in the
+    dtype of its unquantized ones); ``place(path, array)``
     puts one converted host array where it belongs (default: the default device).  ``progress``
     shows a tqdm bar on stderr (bytes read, checkpoint tensors done): True / False force it on / off, None (the
     default) shows it when the checkpoint holds more than 1 GiB.
     """
-    ckpt = SafetensorsCheckpoint(directory)
+    ckpt = open_checkpoint(directory)
     check_checkpoint(ckpt, cfg)
     plan = param_plan(cfg)
     sizes = [sum(ckpt.nbytes(s) for s in leaf.sources) for leaf in plan]
