@@ -19,15 +19,28 @@ from jaxmoe.config import ModelConfig, load_config
 from jaxmoe.demo import DEMO_DIR, TINY_RANDOM, demo_config, demo_params
 from jaxmoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from jaxmoe.engine.rescale import RescaleResult
+from jaxmoe.quantization import check_method, is_quantized_tree, quantize_params
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 from jaxmoe.tokenizer import ByteTokenizer, load_tokenizer
 
 
-def load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object]:
+def load_model(
+    model: str | Path, dtype=None, quantization: str | None = None, quantize_attention: bool = False
+) -> tuple[ModelConfig, dict, object]:
     """(config, params, tokenizer) for a built-in name (``demo``: the trained demo model shipped in
     ``jaxmoe/assets/demo``; ``tiny-random``: a tiny random-weight model with the byte tokenizer, for
-    tests), a jaxmoe-converted directory or an HF checkpoint."""
+    tests), a jaxmoe-converted directory or an HF checkpoint. ``quantization`` ("int8" / "fp8"): the
+    routed expert weights (with ``quantize_attention`` the attention projections too) are quantized on
+    load (``jaxmoe.quantization``)."""
+    check_method(quantization)
+    if quantize_attention and quantization is None:
+        raise ValueError("quantize_attention needs quantization='int8' or 'fp8'")
+    cfg, params, tokenizer = _load_model(model, dtype)
+    return cfg, quantize_params(params, quantization, quantize_attention), tokenizer
+
+
+def _load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object]:
     if str(model) == TINY_RANDOM:
         cfg = demo_config()
         return cfg, demo_params(cfg, dtype=jnp.dtype(dtype or jnp.float32)), ByteTokenizer()
@@ -77,6 +90,8 @@ def build_executor(
             expert_queues=engine_config.expert_queues,
             pause_every=engine_config.pause_every,
         )
+    if is_quantized_tree(params):
+        raise ValueError("quantization (int8 / fp8 weights) runs on the monolithic executor only (no mesh file)")
     if engine_config.expert_queues:
         raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
@@ -113,6 +128,8 @@ class LLM:
         model: str | Path = "demo",
         *,
         dtype=None,
+        quantization: str | None = None,
+        quantize_attention: bool = False,
         mesh=None,
         executor_kwargs: dict | None = None,
         rebalance_every: int = 0,
@@ -130,10 +147,11 @@ class LLM:
         ``pipeline`` / ``pipeline_profile`` (with a mesh): the step's schedule, "sequential" (default),
         "pppipe", "findep" or {"order": "ASAS", "r1": 2, "r2": 4}, and the profile the solver uses
         (``build_executor``, ``jaxmoe.planning.online``).
+        ``quantization`` ("int8" / "fp8", ``quantize_attention``): weights quantized on load (``load_model``).
         Compiled programs go to the persistent compilation cache (``jaxmoe.compilation``)."""
         enable_persistent_cache()
         self.model = model
-        self.cfg, params, self.tokenizer = load_model(model, dtype)
+        self.cfg, params, self.tokenizer = load_model(model, dtype, quantization, quantize_attention)
         salc = None
         if brownout is None and mesh is not None:
             from jaxmoe.mesh import mesh_brownout

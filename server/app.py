@@ -55,16 +55,19 @@ def load_engine(
     *,
     pipeline=None,
     pipeline_profile=None,
+    quantization=None,
+    quantize_attention: bool = False,
 ) -> LLMEngine:
     """The engine ``jaxmoe serve`` runs; ``rebalance_every`` > 0 attaches the expert placement
     controller (a mesh file is needed); ``brownout`` (a ``BrownoutConfig``, the model directory
     holding united experts) and ``salc`` (a ``SALCConfig``: SLO-aware control of its threshold);
-    ``pipeline`` / ``pipeline_profile``: the disaggregated step's schedule (``llm.build_executor``)."""
+    ``pipeline`` / ``pipeline_profile``: the disaggregated step's schedule (``llm.build_executor``);
+    ``quantization`` / ``quantize_attention``: weights quantized on load (``llm.load_model``)."""
     from jaxmoe.compilation import enable_persistent_cache
     from jaxmoe.llm import build_executor, load_model
 
     enable_persistent_cache()
-    cfg, params, tokenizer = load_model(model, dtype)
+    cfg, params, tokenizer = load_model(model, dtype, quantization, quantize_attention)
     if brownout is not None:
         from jaxmoe.brownout.united import attach
         from jaxmoe.demo import DEMO_DIR

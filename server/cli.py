@@ -23,7 +23,7 @@ from jaxmoe.server.brownout_flags import add_brownout_args, serve_brownout
 
 def register(sub, add_model_args) -> None:
     serve = sub.add_parser("serve", help="serve a model over gRPC and OpenAI-compatible HTTP")
-    add_model_args(serve)
+    add_model_args(serve, quantization=True)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 exposes the server)"
     )
@@ -246,6 +246,8 @@ def build_engine(args):
         salc,
         pipeline=pipeline,
         pipeline_profile=args.pipeline_profile,
+        quantization=args.quantization,
+        quantize_attention=args.quantize_attention,
     )
     if args.autoscale:
         from jaxmoe.scaling.autoscale import attach

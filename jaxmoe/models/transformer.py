@@ -26,6 +26,7 @@ from jaxmoe.models.experts import Brownout, moe_layer, shared_experts
 from jaxmoe.models.layer_matrix import LayerMatrix
 from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel
 from jaxmoe.pallas_kernels.expert_ffn.panels import at, is_panels, to_panels, width_for
+from jaxmoe.quantization import is_quantized
 
 
 def layer_groups(layers: list[dict]) -> list[tuple[int, int]]:
@@ -132,11 +133,13 @@ def layer_view(group: dict, index, dtype, in_place: bool = False) -> dict:
         keys = [getattr(k, "key", None) for k in path]
         if len(keys) >= 2 and keys[0] == "moe" and keys[-1] in ROUTED:
             return a
+        if is_quantized(a):  # an int8 / fp8 projection (``jaxmoe.quantization``): this layer's, dequantized
+            return a.at(index).dequantize(dtype)
         if in_place and keys[0] == "attn" and keys[-1] in IN_PLACE and a.ndim == 3:
             return LayerMatrix(a, index, dtype)
         return unpack16(jax.lax.dynamic_index_in_dim(a, index, keepdims=False), dtype)
 
-    return jax.tree_util.tree_map_with_path(take, group, is_leaf=is_panels)
+    return jax.tree_util.tree_map_with_path(take, group, is_leaf=lambda a: is_panels(a) or is_quantized(a))
 
 
 def attention_side(
