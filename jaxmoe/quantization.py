@@ -22,6 +22,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.pallas_kernels.expert_ffn.panels import at
+
 METHODS = ("int8", "fp8")
 FP8_BLOCK = (128, 128)
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
@@ -31,7 +33,8 @@ ATTENTION = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b")  # GQA and MLA pr
 
 @jax.tree_util.register_pytree_with_keys_class
 class Quantized:
-    """A matrix [..., K, N] stored as ``q`` (int8 or float8_e4m3fn) and float32 ``scale``: [..., 1, N]
+    """A matrix [..., K, N] stored as ``q`` (int8 or float8_e4m3fn; int8 routed experts may be column
+    ``Panels`` for the CPU kernel, ``models.transformer.store_as_panels``) and float32 ``scale``: [..., 1, N]
     (int8, per output channel) or [..., ceil(K / bk), ceil(N / bn)] (fp8, ``block`` = (bk, bn))."""
 
     def __init__(self, q, scale, block: tuple[int, int] | None = None):
@@ -66,16 +69,11 @@ class Quantized:
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
+        return getattr(self.q, "data", self.q).nbytes + self.scale.nbytes
 
     def at(self, *index) -> "Quantized":
-        """``self[index]`` on the leading (stacking) axes; ``index`` may be traced."""
-
-        def take(a):
-            n, rest = len(index), a.shape[len(index) :]
-            return jax.lax.dynamic_slice(a, (*index, *(0,) * len(rest)), (1,) * n + rest).reshape(rest)
-
-        return Quantized(take(self.q), take(self.scale), self.block)
+        """``self[index]`` on the leading (stacking) axes, ``q`` plain; ``index`` may be traced."""
+        return Quantized(at(self.q, *index), at(self.scale, *index), self.block)
 
     def expand(self) -> "Quantized":
         """With a new leading axis of size 1 (as ``w[None]``)."""

@@ -17,8 +17,8 @@ On plain weights (the ``Stacked`` weights of the disaggregated expert program, s
 kernel: where the batch gives an expert more than 8 rows on average (T * top_k > 8 * E: a prefill
 chunk) XLA's matmuls are faster (``bench/expert_ffn_cpu.py``) and ``fallback`` (``bucketed_loop``)
 runs; so do shapes and dtypes it does not take (D or F not a multiple of 16, weights other than
-float32 / bfloat16 / int8). int8 weights (``jaxmoe.quantization``, plain, with per-column scales) are
-read as int8 and dequantized in the tile: a decode step reads half the bytes of bfloat16.
+float32 / bfloat16 / int8). int8 weights (``jaxmoe.quantization``, plain or as panels, with per-column
+scales) are read as int8 and scaled in the tile: a decode step reads half the bytes of bfloat16.
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ def supports(x, ids, experts) -> bool:
     D, F = gate.shape[-2], gate.shape[-1]
     return (
         x.ndim == 2
-        and (isinstance(gate, Panels) or x.shape[0] <= plain_rows(experts.num_experts, ids.shape[1]))
+        and (
+            isinstance(getattr(gate, "q", gate), Panels) or x.shape[0] <= plain_rows(experts.num_experts, ids.shape[1])
+        )
         and D % VECTOR == 0
         and F % VECTOR == 0
         and _reads(gate, x)
@@ -117,15 +119,18 @@ def cpu_kernel(x, ids, weights, experts, fallback):
     if not supports(x, ids, experts):
         return fallback(x, ids, weights, experts)
     (gate, up, down), layer = experts.layered()
-    if _int8(gate):  # plain int8 + column scales, dequantized in the tile (``cpu/expert_ffn.cc``)
+    if _int8(gate):  # int8 (plain or panels) + column scales, dequantized in the tile (``cpu/expert_ffn.cc``)
+        if any(_layout(w.q) != _layout(gate.q) for w in (up, down)):
+            raise ValueError("cpu_kernel: int8 gate, up and down must all be plain or all panels of one width")
         call = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
         y = call(
             x.astype(jnp.float32),
             ids.astype(jnp.int32),
             weights.astype(jnp.float32),
-            *(w.q for w in (gate, up, down)),
+            *(getattr(w.q, "data", w.q) for w in (gate, up, down)),
             *(w.scale for w in (gate, up, down)),
             jnp.asarray(layer, jnp.int32),
+            panel=np.int64(_layout(gate.q)[0]),
         )
         return y.astype(x.dtype)
     layout = _layout(gate)

@@ -16,6 +16,8 @@ from jaxmoe import LLM, SamplingParams
 from jaxmoe.cli import build_parser
 from jaxmoe.engine.engine import EngineConfig, LLMEngine
 from jaxmoe.llm import build_executor, load_model
+from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel
+from jaxmoe.pallas_kernels.expert_ffn.panels import Panels
 from jaxmoe.quantization import (
     Quantized,
     dequantize_params,
@@ -67,6 +69,7 @@ def _generate(engine, prompts, n=10):
 
 
 CASES = [
+    ("tiny-random", "int8", False, "cpu_kernel"),  # D, F multiples of 64: int8 panels in the CPU kernel
     ("qwen3_moe", "int8", False, "auto"),
     ("qwen3_moe", "fp8", True, "auto"),
     ("deepseek_v3", "int8", True, "bucketed_loop"),
@@ -77,11 +80,13 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("family,method,attention,impl", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_quantized_serving_equals_the_dequantized_model(checkpoint_dir, family, method, attention, impl):
-    path = checkpoint_dir(family)
+    path = family if family == "tiny-random" else checkpoint_dir(family)
     kw = dict(num_blocks=64, block_size=4, max_num_seqs=4, expert_impl=impl)
     llm = LLM(path, dtype="float32", quantization=method, quantize_attention=attention, **kw)
     layer = llm.executor.stacked["groups"][-1]
     assert isinstance(layer["moe"]["w_up"], Quantized)
+    if impl == "cpu_kernel" and cpu_kernel.available():
+        assert isinstance(layer["moe"]["w_up"].q, Panels)
     assert isinstance(layer["attn"]["o"], Quantized) == attention
     cfg, params, tok = load_model(path, "float32", method, attention)
     ec = EngineConfig(**kw)
@@ -118,14 +123,16 @@ def test_cli_flags(capsys):
 
 
 @pytest.mark.slow
-def test_eval_perplexity_int8_close_to_bf16(capsys):
+def test_eval_scores_the_quantized_weights(capsys):
+    """``jaxmoe eval --quantization``: the held-out perplexity of the int8 model, near the float one
+    (on the demo model: within 0.01 % for int8, 0.1 % for fp8 over 8192 tokens, BENCHMARKS.md)."""
     from jaxmoe.cli import main
 
     results = {}
-    for flags in ([], ["--quantization", "int8"], ["--quantization", "fp8"]):
-        main(["eval", "--model", "demo", "--dtype", "bfloat16", "--max-tokens", "1024", "--json", *flags])
-        results[flags[-1] if flags else "bf16"] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    base = results["bf16"]["perplexity"]
-    assert results["int8"]["quantization"] == "int8" and math.isfinite(base)
-    assert abs(results["int8"]["perplexity"] / base - 1) < 0.02
-    assert abs(results["fp8"]["perplexity"] / base - 1) < 0.03
+    for flags in ([], ["--quantization", "int8"]):
+        args = ["eval", "--model", "tiny-random", "--max-tokens", "96", "--seq-len", "32", "--json", *flags]
+        assert main(args) == 0
+        results[flags[-1] if flags else "float"] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["int8"]["quantization"] == "int8" and "quantization" not in results["float"]
+    base = results["float"]["perplexity"]
+    assert math.isfinite(base) and abs(results["int8"]["perplexity"] / base - 1) < 0.02

@@ -21,8 +21,8 @@
 // bfloat16 panels may come in pairs (the ``pairs`` attribute: [L, E, F / P, D / 2, 2 P], rows k and
 // k + 1 interleaved column by column): then the activations are rounded to bfloat16 pairs too and
 // each pair of rows is one bf16 dot (AVX512-BF16's vdpbf16ps) into float32 accumulators.
-// int8 weights (``jaxmoe.quantization``: symmetric, one float32 scale per output column) come plain
-// with their scales ([L, E, 1, F] / [L, E, 1, D]; the ``JaxmoeExpertFfnInt8`` target): the tiles widen
+// int8 weights (``jaxmoe.quantization``: symmetric, one float32 scale per output column) come plain or
+// as panels (no pairs) with their scales ([L, E, 1, F] / [L, E, 1, D]; the ``JaxmoeExpertFfnInt8`` target): the tiles widen
 // the int8 values to float32 in registers and each output column of a projection is multiplied by its
 // scale once, after the sum over its rows (x @ (q * s) = (x @ q) * s), so no dequantized copy is made.
 // x and the combine weights come in float32, y goes out in float32.
@@ -366,7 +366,14 @@ void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float
       for (int r = 0; r < R; ++r) {
         float* hr = h + (r0 + r) * width + j;
         const float w = p.combine[rows[r0 + r]];
-        for (int i = 0; i < P; i += V) store(hr + i, w * silu(load(hr + i)) * load(up + r * P + i));
+        if (p.gate_scale) {  // int8: each column's scale, once per row after its sum
+          const float* gs = p.gate_scale + e * p.F + c0 + j;
+          const float* us = p.up_scale + e * p.F + c0 + j;
+          for (int i = 0; i < P; i += V)
+            store(hr + i, w * silu(load(hr + i) * load(gs + i)) * (load(up + r * P + i) * load(us + i)));
+        } else {
+          for (int i = 0; i < P; i += V) store(hr + i, w * silu(load(hr + i)) * load(up + r * P + i));
+        }
       }
     }
   }
@@ -393,6 +400,11 @@ void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float
 #undef JAXMOE_DOWN
     }
   }
+  if (p.down_scale) {  // int8: the item's part of the down projection times each column's scale
+    const float* ds = p.down_scale + e * p.D;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < p.D; i += V) store(y + r * p.D + i, load(y + r * p.D + i) * load(ds + i));
+  }
 }
 
 template <typename W, bool PAIRS>
@@ -406,9 +418,7 @@ void run_panels(const Problem& p, int64_t item, float* y, std::vector<float>& sc
 
 template <typename W>
 void run_any(const Problem& p, int64_t item, float* y, std::vector<float>& scratch) {
-  if constexpr (std::is_same_v<W, int8_t>)
-    run_item<W>(p, item, y, scratch);
-  else if (p.panel == 0)
+  if (p.panel == 0)
     run_item<W>(p, item, y, scratch);
   else if constexpr (std::is_same_v<W, uint16_t>)
     p.pairs ? run_panels<W, true>(p, item, y, scratch) : run_panels<W, false>(p, item, y, scratch);
@@ -450,8 +460,7 @@ ffi::Error RunExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const auto type = gate.element_type();
   const bool bf16 = type == ffi::DataType::BF16 || type == ffi::DataType::U16;
   const bool int8 = scales != nullptr;
-  if (int8 && (type != ffi::DataType::S8 || panel))
-    return ffi::Error::InvalidArgument("expert_ffn_int8: weights must be plain int8");
+  if (int8 && type != ffi::DataType::S8) return ffi::Error::InvalidArgument("expert_ffn_int8: weights must be int8");
   if (!int8 && !bf16 && type != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("expert_ffn: weights must be float32 or bfloat16");
   if (up.element_type() != type || down.element_type() != type)
@@ -542,14 +551,14 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 ffi::Error ExpertFfnInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                          ffi::Buffer<ffi::F32> combine, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
                          ffi::Buffer<ffi::F32> gate_scale, ffi::Buffer<ffi::F32> up_scale,
-                         ffi::Buffer<ffi::F32> down_scale, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::F32> down_scale, ffi::Buffer<ffi::S32> layer, int64_t panel,
                          ffi::ResultBuffer<ffi::F32> y) {
   if (up_scale.element_count() != gate_scale.element_count())
     return ffi::Error::InvalidArgument("expert_ffn_int8: gate and up scales must match");
   const Scales scales{gate_scale.typed_data(), up_scale.typed_data(), down_scale.typed_data(),
                       static_cast<int64_t>(gate_scale.element_count()),
                       static_cast<int64_t>(down_scale.element_count())};
-  return RunExpertFfn(pool, x, ids, combine, gate, up, down, layer, 0, 0, &scales, y);
+  return RunExpertFfn(pool, x, ids, combine, gate, up, down, layer, panel, 0, &scales, y);
 }
 
 // ---- One layer's weight matrix of a stack: y [M, N] = x [M, K] @ w[layer] ([L, K, N]) ----------
@@ -624,13 +633,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeExpertFfnInt8, ExpertFfnInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // combine weights [T, K]
-                                  .Arg<ffi::AnyBuffer>()         // gate [L, E, D, F] int8
-                                  .Arg<ffi::AnyBuffer>()         // up [L, E, D, F] int8
-                                  .Arg<ffi::AnyBuffer>()         // down [L, E, F, D] int8
+                                  .Arg<ffi::AnyBuffer>()         // gate [L, E, D, F] int8 or panels
+                                  .Arg<ffi::AnyBuffer>()         // up [L, E, D, F] int8 or panels
+                                  .Arg<ffi::AnyBuffer>()         // down [L, E, F, D] int8 or panels
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gate scales [L, E, 1, F]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // up scales [L, E, 1, F]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // down scales [L, E, 1, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Attr<int64_t>("panel")        // 0: plain weights, else panel width
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
 );
 

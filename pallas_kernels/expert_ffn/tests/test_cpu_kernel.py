@@ -196,15 +196,18 @@ def test_layer_matrix_reads_one_layer_in_place(dtype, rows):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("T", [1, 3, 16])
-def test_reads_int8_weights_with_column_scales_in_place(dtype, T):
-    """int8 expert weights (``jaxmoe.quantization.quantize_int8``: per output column scales), read in
-    place at each layer of a stack and dequantized in the tile, equal the reference on the dequantized
-    weights; ``bucketed_loop`` (the fallback) gives the same on them."""
-    from jaxmoe.quantization import quantize_int8
+@pytest.mark.parametrize("width", [0, 32], ids=["plain", "panels"])
+def test_reads_int8_weights_with_column_scales_in_place(dtype, T, width):
+    """int8 expert weights (``jaxmoe.quantization.quantize_int8``: per output column scales), plain or
+    as panels, read in place at each layer of a stack and scaled in the tile, equal the reference on
+    the dequantized weights; ``bucketed_loop`` (the fallback) gives the same on them."""
+    from jaxmoe.quantization import Quantized, quantize_int8
 
     seed = int.from_bytes(os.urandom(3), "little")
     L, E, D, F, K = 2, 8, 64, 96, 2
     q = {k: quantize_int8(v) for k, v in _layers(L, E, D, F, jnp.float32, seed).items()}
+    if width:
+        q = {k: Quantized(to_panels(v.q, width), v.scale) for k, v in q.items()}
     ids, weights, kx = _routing(T, K, E, seed, dtype)
     x = jax.random.normal(kx, (T, D)).astype(dtype)
     for layer in range(L):
