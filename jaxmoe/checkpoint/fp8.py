@@ -175,6 +175,9 @@ class Fp8Checkpoint:
         if not np.all(values.astype(np.float32) > 0):
             raise CheckpointError(f"scale tensor {scale!r} holds values <= 0")
 
+    def release(self) -> None:
+        self.ckpt.release()
+
     def read(self, name: str) -> np.ndarray:
         if name not in self._scaled:
             return self.ckpt.read(name)

@@ -3,7 +3,8 @@
 Every tensor is checked (present, expected shape, complete on disk; an FP8 weight's scale) before any
 is loaded, so a bad checkpoint fails fast with a message naming the tensor.  Tensors are memory-mapped,
 converted and placed leaf by leaf: at most one leaf (one layer's stacked experts) is ever held on the
-host.  Block-wise FP8 checkpoints (``fp8.py``) are dequantized as they are read.
+host, and the mapped pages are released after each, so the resident memory of a load stays near the
+parameters' own bytes (``tests/checkpoint/test_load_memory.py``).  Block-wise FP8 checkpoints (``fp8.py``) are dequantized as they are read.
 """
 
 from __future__ import annotations
@@ -80,6 +81,20 @@ def empty_tree(cfg: ModelConfig) -> dict:
     return {"layers": [{"attn": {}} for _ in range(cfg.num_layers)]}
 
 
+def _leaf_array(ckpt, leaf, dtype) -> np.ndarray:
+    """One leaf as a new host array: its tensors copied (transposed, converted, stacked) straight from
+    the mapped file into the one array, so a leaf costs its own bytes once (plus its mapped pages)."""
+    first = ckpt.read(leaf.sources[0])
+    shape = first.shape[::-1] if leaf.transpose else first.shape
+    out = np.empty(
+        ((len(leaf.sources),) if leaf.stack else ()) + shape, first.dtype if dtype is None else jnp.dtype(dtype)
+    )
+    for i, name in enumerate(leaf.sources):
+        a = first if i == 0 else ckpt.read(name)
+        (out[i] if leaf.stack else out)[...] = a.T if leaf.transpose else a
+    return out
+
+
 def load_params(
     directory: str | Path, cfg: ModelConfig, *, dtype=None, place: Place | None = None, progress: bool | None = None
 ) -> dict:
@@ -98,19 +113,16 @@ def load_params(
     total, num_tensors, done = sum(sizes), sum(len(leaf.sources) for leaf in plan), 0
     if progress is None:
         progress = total > _PROGRESS_BYTES
-    place = place or (lambda path, x: jnp.asarray(x))
+    place = place or (lambda path, x: jax.device_put(x).block_until_ready())  # no host copy left in flight
     params = empty_tree(cfg)
     with tqdm(
         total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress
     ) as bar:
         for leaf, size in zip(plan, sizes):
-            arrays = [ckpt.read(s) for s in leaf.sources]
-            host = np.stack(arrays) if leaf.stack else arrays[0]
-            if leaf.transpose:
-                host = np.swapaxes(host, -1, -2)
-            if dtype is not None:
-                host = host.astype(jnp.dtype(dtype))
-            set_leaf(params, leaf.path, place(leaf.path, np.ascontiguousarray(host)))
+            host = _leaf_array(ckpt, leaf, dtype)
+            set_leaf(params, leaf.path, place(leaf.path, host))
+            del host
+            ckpt.release()  # the file pages this leaf touched leave the process's resident memory
             done += len(leaf.sources)
             bar.set_postfix_str(f"{done}/{num_tensors} tensors", refresh=False)
             bar.update(size)

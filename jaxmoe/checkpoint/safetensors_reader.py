@@ -133,6 +133,12 @@ class SafetensorsCheckpoint:
         """The tensor's safetensors dtype name ("BF16", "F8_E4M3", ...)."""
         return self._where[name].header[name]["dtype"]
 
+    def release(self) -> None:
+        """Unmap the files (their pages stop counting in the process's resident memory once no array
+        read from them is alive); the next ``read`` maps its file again."""
+        for f in self._files.values():
+            f._mmap = None
+
     def read(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise CheckpointError(f"missing tensor {name!r}")
