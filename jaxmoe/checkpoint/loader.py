@@ -4,7 +4,8 @@ Every tensor is checked (present, expected shape, complete on disk; an FP8 weigh
 is loaded, so a bad checkpoint fails fast with a message naming the tensor.  Tensors are memory-mapped,
 converted and placed leaf by leaf: at most one leaf (one layer's stacked experts) is ever held on the
 host, and the mapped pages are released after each, so the resident memory of a load stays near the
-parameters' own bytes (``tests/checkpoint/test_load_memory.py``).  Block-wise FP8 checkpoints (``fp8.py``) are dequantized as they are read.
+parameters' own bytes (``tests/checkpoint/test_load_memory.py``).  Block-wise FP8 checkpoints
+(``fp8.py``) are dequantized as they are read.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def load_params(
     """Load a checkpoint's parameters as a pytree of jax arrays.
 
     ``dtype`` converts every tensor (default: keep the checkpoint's dtype; FP8 weights come out in the
-    dtype of its unquantized ones); ``place(path, array)``
-    puts one converted host array where it belongs (default: the default device).  ``progress``
+    dtype of its unquantized ones); ``place(path, array)`` puts one converted host array where it
+    belongs (default: the default device, synchronously).  ``progress``
     shows a tqdm bar on stderr (bytes read, checkpoint tensors done): True / False force it on / off, None (the
     default) shows it when the checkpoint holds more than 1 GiB.
     """
