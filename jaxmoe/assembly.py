@@ -25,6 +25,7 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.engine.config import EngineConfig
 from jaxmoe.engine.engine import LLMEngine
 from jaxmoe.models.routing import TopKRouting, extra_experts
+from jaxmoe.quantization import is_quantized_tree
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class RuntimeConfig:
     model: str = "demo"  # a built-in name or a checkpoint directory
     dtype: Any = None  # the parameters' dtype (None: the checkpoint's)
     mesh: Any = None  # a mesh file (or ``ClusterSpec``): the disaggregated executor; None: monolithic
+    quantization: str | None = None  # "int8" | "fp8": routed expert weights quantized on load (None: as stored)
+    quantize_attention: bool = False  # with ``quantization``: the attention projections too
     executor: dict = dataclasses.field(default_factory=dict)  # DisaggregatedExecutor options
     engine: EngineConfig = EngineConfig()
     janus: JanusConfig = JanusConfig()
@@ -97,7 +100,19 @@ class RuntimeConfig:
     qllm: QLLMConfig = QLLMConfig()
 
     @classmethod
-    def from_kwargs(cls, model="demo", *, dtype=None, mesh=None, executor_kwargs=None, brownout=None, salc=None, **kw):
+    def from_kwargs(
+        cls,
+        model="demo",
+        *,
+        dtype=None,
+        mesh=None,
+        quantization=None,
+        quantize_attention=False,
+        executor_kwargs=None,
+        brownout=None,
+        salc=None,
+        **kw,
+    ):
         """Flat keyword arguments (``LLM``'s) sorted into their sections by name; a ``TypeError`` names
         one that no section has."""
         fields = {name: {} for name in SECTIONS}
@@ -110,6 +125,8 @@ class RuntimeConfig:
             model=str(model),
             dtype=dtype,
             mesh=mesh,
+            quantization=quantization,
+            quantize_attention=quantize_attention,
             executor=dict(executor_kwargs or {}),
             brownout=BrownoutSection(brownout, salc),
             **{name: SECTIONS[name](**values) for name, values in fields.items()},
@@ -150,6 +167,8 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
             expert_rounds=rounds,
             pause_every=ec.pause_every,
         )
+    if is_quantized_tree(params):
+        raise ValueError("quantization (int8 / fp8 weights) runs on the monolithic executor only (no mesh file)")
     if ec.deterministic:  # its expert side's results still depend on the batch (in the last bits)
         raise ValueError("deterministic mode runs on the monolithic executor only (no mesh file)")
     if config.qllm.expert_queues:
@@ -189,7 +208,7 @@ def build_engine(config: RuntimeConfig) -> LLMEngine:
     """Load the model, build the executor, assemble the engine and attach the features ``config`` asks
     for. Compiled programs go to the persistent compilation cache (``jaxmoe.compilation``)."""
     enable_persistent_cache()
-    cfg, params, tokenizer = load_model(config.model, config.dtype)
+    cfg, params, tokenizer = load_model(config.model, config.dtype, config.quantization, config.quantize_attention)
     brownout, salc = config.brownout.resolve(config.mesh)
     if brownout is not None:
         from jaxmoe.brownout.united import attach

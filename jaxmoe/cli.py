@@ -22,7 +22,10 @@ def parse_dtype(text: str) -> str | None:
     return None if text == "auto" else text
 
 
-def _add_model_args(p: argparse.ArgumentParser, mesh: bool = True, dtype: bool = True) -> None:
+def _add_model_args(
+    p: argparse.ArgumentParser, mesh: bool = True, dtype: bool = True, quantization: bool = False
+) -> None:
+    """--model, --mesh, --dtype; with ``quantization``: --quantization and --quantize-attention."""
     p.add_argument(
         "--model",
         default="demo",
@@ -38,12 +41,29 @@ def _add_model_args(p: argparse.ArgumentParser, mesh: bool = True, dtype: bool =
             metavar="{" + ",".join(DTYPES) + "}",
             help="parameter dtype (default auto: the checkpoint's torch_dtype)",
         )
+    if quantization:
+        p.add_argument(
+            "--quantization",
+            default=None,
+            choices=["int8", "fp8"],
+            help="quantize the routed expert weights on load: int8 per output channel, fp8 e4m3 per 128x128 block",
+        )
+        p.add_argument(
+            "--quantize-attention", action="store_true", help="with --quantization: the attention projections too"
+        )
 
 
 def cmd_generate(args) -> int:
     from jaxmoe import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, mesh=args.mesh, expert_impl=args.expert_impl)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        quantize_attention=args.quantize_attention,
+        mesh=args.mesh,
+        expert_impl=args.expert_impl,
+    )
     chosen = {
         k: v
         for k, v in (("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p))
@@ -86,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
-    _add_model_args(gen)
+    _add_model_args(gen, quantization=True)
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument(

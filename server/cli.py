@@ -27,7 +27,7 @@ DEFAULT_GRPC_PORT = 50151  # beside the usual gRPC 50051
 
 def register(sub, add_model_args) -> None:
     serve = sub.add_parser("serve", help="serve a model over gRPC and OpenAI-compatible HTTP")
-    add_model_args(serve)
+    add_model_args(serve, quantization=True)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 exposes the server)"
     )
@@ -287,6 +287,8 @@ def runtime_config(args):
         findep=FinDEPConfig(pipeline, args.pipeline_profile),
         brownout=brownout,
         qllm=QLLMConfig(args.layer_preemption, args.expert_queues, args.max_paused_state_bytes),
+        quantization=args.quantization,
+        quantize_attention=args.quantize_attention,
     )
     return config, mesh_description
 

@@ -32,6 +32,7 @@ LAYERS = {
     "jaxmoe.mesh_spec": 1,
     "jaxmoe.progress": 1,
     "jaxmoe.options": 1,
+    "jaxmoe.quantization": 1,
     "jaxmoe.compilation": 1,
     "jaxmoe.tokenizer": 1,
     "jaxmoe.checkpoint": 1,

@@ -12,6 +12,7 @@ from jaxmoe.checkpoint.loader import load_params
 from jaxmoe.checkpoint.orbax_io import is_converted, restore_converted
 from jaxmoe.config import ModelConfig, load_config
 from jaxmoe.demo import DEMO_DIR, TINY_RANDOM, demo_config, demo_params
+from jaxmoe.quantization import check_method, quantize_params
 from jaxmoe.tokenizer import ByteTokenizer, load_tokenizer
 
 
@@ -20,10 +21,22 @@ def model_dir(model: str | Path) -> Path:
     return DEMO_DIR if str(model) == "demo" else Path(model)
 
 
-def load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object]:
+def load_model(
+    model: str | Path, dtype=None, quantization: str | None = None, quantize_attention: bool = False
+) -> tuple[ModelConfig, dict, object]:
     """(config, params, tokenizer) for a built-in name (``demo``: the trained demo model shipped in
     ``jaxmoe/assets/demo``; ``tiny-random``: a tiny random-weight model with the byte tokenizer, for
-    tests), a jaxmoe-converted directory or an HF checkpoint."""
+    tests), a jaxmoe-converted directory or an HF checkpoint. ``quantization`` ("int8" / "fp8"): the
+    routed expert weights (with ``quantize_attention`` the attention projections too) are quantized on
+    load (``jaxmoe.quantization``)."""
+    check_method(quantization)
+    if quantize_attention and quantization is None:
+        raise ValueError("quantize_attention needs quantization='int8' or 'fp8'")
+    cfg, params, tokenizer = _load_model(model, dtype)
+    return cfg, quantize_params(params, quantization, quantize_attention), tokenizer
+
+
+def _load_model(model: str | Path, dtype=None) -> tuple[ModelConfig, dict, object]:
     if str(model) == TINY_RANDOM:
         cfg = demo_config()
         return cfg, demo_params(cfg, dtype=jnp.dtype(dtype or jnp.float32)), ByteTokenizer()

@@ -1,15 +1,19 @@
-"""Lazy, zero-copy reading of (sharded) safetensors checkpoints.
+"""Lazy, zero-copy reading of (sharded) safetensors checkpoints, and streaming writing of one file.
 
 The ``safetensors`` package's numpy backend cannot return bf16 tensors and reports a truncated
 file without naming the tensor, so this reader parses the (simple, documented) header itself and
 memory-maps the data: a tensor is read from disk only when asked for, and errors name it.
+``write_safetensors`` writes a file tensor by tensor (bf16 and fp8 included), never holding more
+than one tensor.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
+from typing import Callable, Iterable
 
 import ml_dtypes
 import numpy as np
@@ -28,6 +32,9 @@ _DTYPES = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn,
     "F8_E5M2": ml_dtypes.float8_e5m2,
 }
+
+
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
 class CheckpointError(ValueError):
@@ -111,6 +118,10 @@ class SafetensorsCheckpoint:
     def names(self) -> set[str]:
         return set(self._where)
 
+    def files(self) -> dict[str, list[str]]:
+        """Each file's (shard's) name and its tensors' names, in file order."""
+        return {name: list(f.header) for name, f in self._files.items()}
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._where[name].header[name]["shape"])
 
@@ -125,7 +136,47 @@ class SafetensorsCheckpoint:
         start, end = self._where[name].header[name]["data_offsets"]
         return end - start
 
+    def dtype_name(self, name: str) -> str:
+        """The tensor's safetensors dtype name ("BF16", "F8_E4M3", ...)."""
+        return self._where[name].header[name]["dtype"]
+
+    def release(self) -> None:
+        """Unmap the files (their pages stop counting in the process's resident memory once no array
+        read from them is alive); the next ``read`` maps its file again."""
+        for f in self._files.values():
+            f._mmap = None
+
     def read(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise CheckpointError(f"missing tensor {name!r}")
         return self._where[name].read(name)
+
+
+def write_safetensors(
+    path: str | Path,
+    tensors: Iterable[tuple[str, tuple[int, ...], np.dtype]],
+    produce: Callable[[str], np.ndarray],
+    metadata: dict[str, str] | None = None,
+) -> int:
+    """Write one safetensors file holding ``tensors`` (name, shape, dtype) in that order, asking
+    ``produce(name)`` for each one's values only when writing it; returns the file's size in bytes."""
+    specs = [(name, tuple(int(d) for d in shape), np.dtype(dtype)) for name, shape, dtype in tensors]
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, shape, dtype in specs:
+        if dtype not in _NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors name")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dtype in specs:
+            a = np.ascontiguousarray(produce(name))
+            if a.shape != shape or a.dtype != dtype:
+                raise ValueError(f"tensor {name!r}: produced {a.dtype}{list(a.shape)}, declared {dtype}{list(shape)}")
+            f.write(a.reshape(-1).view(np.uint8).data)
+    return 8 + len(raw) + offset

@@ -24,6 +24,7 @@ from jaxmoe.models.common import swiglu_mlp, unpack16
 from jaxmoe.models.routing import ExpertRouting, TopKRouting
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, resolve
 from jaxmoe.pallas_kernels.expert_ffn.panels import at
+from jaxmoe.quantization import is_quantized
 
 AUTO_EXPERT_IMPL = {"cpu": "cpu_kernel", "other": "dense"}
 _NAMES = ("w_gate", "w_up", "w_down")
@@ -32,7 +33,8 @@ TOP_K = TopKRouting()
 
 class LayerWeights(NamedTuple):
     """``ExpertWeights`` of one layer inside the monolithic scan: the weights are stacked [L, E, ...]
-    (16-bit floats packed, ``common.pack16``; possibly as column ``Panels``, ``store_as_panels``) and
+    (16-bit floats packed, ``common.pack16``; possibly as column ``Panels``, ``store_as_panels``, or
+    int8 / fp8 ``Quantized``, ``jaxmoe.quantization``) and
     sliced at their use: a slice taken before an inner loop or switch would be copied whole (every
     expert of the layer) on every step."""
 
@@ -44,13 +46,19 @@ class LayerWeights(NamedTuple):
         return self.p["w_gate"].shape[1]
 
     def stacked(self, dtype):
-        return tuple(unpack16(at(self.p[k], self.layer), dtype) for k in _NAMES)
+        return tuple(_take(self.p[k], dtype, self.layer) for k in _NAMES)
 
     def expert(self, e, dtype):
-        return tuple(unpack16(at(self.p[k], self.layer, e), dtype) for k in _NAMES)
+        return tuple(_take(self.p[k], dtype, self.layer, e) for k in _NAMES)
 
     def layered(self):
         return tuple(self.p[k] for k in _NAMES), self.layer
+
+
+def _take(a, dtype, *index):
+    """The plain matrix ``a[index]`` in ``dtype``: unpacked (``unpack16``), or dequantized if ``a`` is
+    an int8 / fp8 ``Quantized`` weight (only this slice: ``jaxmoe.quantization``)."""
+    return a.at(*index).dequantize(dtype) if is_quantized(a) else unpack16(at(a, *index), dtype)
 
 
 def routed_experts(

@@ -27,6 +27,7 @@ from jaxmoe.models.layer_matrix import LayerMatrix
 from jaxmoe.models.routing import ExpertRouting
 from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel
 from jaxmoe.pallas_kernels.expert_ffn.panels import at, is_panels, to_panels, width_for
+from jaxmoe.quantization import Quantized, is_quantized
 
 
 def layer_groups(layers: list[dict]) -> list[tuple[int, int]]:
@@ -83,10 +84,13 @@ def _group_as_panels(group: dict, bf16_pairs: bool) -> dict:
     def convert(path, a):
         keys = [getattr(k, "key", None) for k in path]
         width = width_for(*a.shape[-2:])  # gate [D, F] and down [F, D]: one width for both
-        pairs = bf16_pairs and a.dtype.itemsize == 2  # bfloat16 (or its packed bits)
-        return to_panels(a, width, pairs) if keys[0] == "moe" and keys[-1] in ROUTED and width else a
+        if not (keys[0] == "moe" and keys[-1] in ROUTED and width):
+            return a
+        if is_quantized(a):  # int8 (``jaxmoe.quantization``): its values as panels, its scales as they are
+            return Quantized(to_panels(a.q, width), a.scale) if a.method == "int8" else a
+        return to_panels(a, width, bf16_pairs and a.dtype.itemsize == 2)  # pairs: bfloat16 (or its bits)
 
-    return jax.tree_util.tree_map_with_path(convert, group)
+    return jax.tree_util.tree_map_with_path(convert, group, is_leaf=is_quantized)
 
 
 def init_stacked_cache(cfg: ModelConfig, stacked: dict, num_slots: int, dtype) -> list[dict]:
@@ -133,11 +137,13 @@ def layer_view(group: dict, index, dtype, in_place: bool = False) -> dict:
         keys = [getattr(k, "key", None) for k in path]
         if len(keys) >= 2 and keys[0] == "moe" and keys[-1] in ROUTED:
             return a
+        if is_quantized(a):  # an int8 / fp8 projection (``jaxmoe.quantization``): this layer's, dequantized
+            return a.at(index).dequantize(dtype)
         if in_place and keys[0] == "attn" and keys[-1] in IN_PLACE and a.ndim == 3:
             return LayerMatrix(a, index, dtype)
         return unpack16(jax.lax.dynamic_index_in_dim(a, index, keepdims=False), dtype)
 
-    return jax.tree_util.tree_map_with_path(take, group, is_leaf=is_panels)
+    return jax.tree_util.tree_map_with_path(take, group, is_leaf=lambda a: is_panels(a) or is_quantized(a))
 
 
 def attention_side(

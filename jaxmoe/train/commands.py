@@ -25,7 +25,7 @@ def register(sub, add_model_args) -> None:
     tr.set_defaults(func=cmd_train)
 
     ev = sub.add_parser("eval", help="held-out perplexity of a model on the standard library's held-out part")
-    add_model_args(ev, mesh=False)  # scored on one device
+    add_model_args(ev, mesh=False, quantization=True)  # scored on one device
     ev.add_argument("--corpus", default="stdlib", help="text to score: its held-out part (as in training)")
     ev.add_argument("--text-file", default=None, help="score this text file instead (all of it)")
     ev.add_argument("--heldout-fraction", type=float, default=0.05)
@@ -76,7 +76,11 @@ def cmd_eval(args) -> int:
     from jaxmoe.train.corpus import load_corpus
     from jaxmoe.train.evaluate import expert_token_share, perplexity
 
-    cfg, params, tokenizer = load_model(args.model, args.dtype or "float32")
+    cfg, params, tokenizer = load_model(args.model, args.dtype or "float32", args.quantization, args.quantize_attention)
+    if args.quantization:  # the training forward scores the quantized weights, dequantized to the eval dtype
+        from jaxmoe.quantization import dequantize_params
+
+        params = dequantize_params(params, params["embed"].dtype)
     brownout = None
     if args.brownout_threshold is not None or args.full_brownout:
         from jaxmoe.brownout import BrownoutConfig
@@ -96,6 +100,8 @@ def cmd_eval(args) -> int:
     result = perplexity(cfg, params, windows, progress=not args.json, brownout=brownout)
     result["tokens_per_s"] = round(result["tokens"] / (time.perf_counter() - t0), 1)
     result["model"] = str(args.model)
+    if args.quantization:
+        result["quantization"] = args.quantization + ("+attention" if args.quantize_attention else "")
     if brownout is not None:
         result["brownout"] = {"threshold": brownout[0], "full": brownout[1]}
     if cfg.num_moe_layers and brownout is None:

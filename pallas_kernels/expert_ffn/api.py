@@ -61,7 +61,8 @@ class ExpertWeights(Protocol):
 
 
 class Stacked(NamedTuple):
-    """``ExpertWeights`` over three plain stacked arrays."""
+    """``ExpertWeights`` over three plain stacked arrays (or int8 / fp8 weights with ``at`` /
+    ``dequantize``, ``jaxmoe.quantization.Quantized``: dequantized where used)."""
 
     w_gate: jax.Array
     w_up: jax.Array
@@ -72,13 +73,18 @@ class Stacked(NamedTuple):
         return self.w_gate.shape[0]
 
     def stacked(self, dtype):
-        return self.w_gate, self.w_up, self.w_down
+        return tuple(w.dequantize(dtype) if hasattr(w, "dequantize") else w for w in self)
 
     def expert(self, e, dtype):
-        return tuple(jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in self)
+        return tuple(
+            w.at(e).dequantize(dtype)
+            if hasattr(w, "dequantize")
+            else jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+            for w in self
+        )
 
     def layered(self):
-        return tuple(w[None] for w in self), 0
+        return tuple(w.expand() if hasattr(w, "expand") else w[None] for w in self), 0
 
 
 def _sorted(grouped_impl: str) -> Callable:

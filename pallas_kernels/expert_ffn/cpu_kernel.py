@@ -17,7 +17,8 @@ On plain weights (the ``Stacked`` weights of the disaggregated expert program, s
 kernel: where the batch gives an expert more than 8 rows on average (T * top_k > 8 * E: a prefill
 chunk) XLA's matmuls are faster (``bench/expert_ffn_cpu.py``) and ``fallback`` (``bucketed_loop``)
 runs; so do shapes and dtypes it does not take (D or F not a multiple of 16, weights other than
-float32 / bfloat16).
+float32 / bfloat16 / int8). int8 weights (``jaxmoe.quantization``, plain or as panels, with per-column
+scales) are read as int8 and scaled in the tile: a decode step reads half the bytes of bfloat16.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .panels import Panels
 SOURCE = pathlib.Path(__file__).with_name("cpu") / "expert_ffn.cc"
 TARGET = "jaxmoe_expert_ffn"
 MATMUL_TARGET = "jaxmoe_layer_matmul"
+INT8_TARGET = "jaxmoe_expert_ffn_int8"
 VECTOR = 16  # D and F must be multiples of this (the kernel's vector width in floats)
 K_BLOCK = 8  # layer_matmul: K must be a multiple of this (weight rows per block, the kernel's KB)
 PLAIN_ROWS_PER_EXPERT = 8  # plain weights: the kernel runs up to this many rows per expert on average
@@ -46,7 +48,7 @@ MATMUL_MAX_ROWS = {"float32": 2, "bfloat16": 32}
 
 LIBRARY = CppKernels(
     SOURCE,
-    {TARGET: "JaxmoeExpertFfn", MATMUL_TARGET: "JaxmoeLayerMatmul"},
+    {TARGET: "JaxmoeExpertFfn", MATMUL_TARGET: "JaxmoeLayerMatmul", INT8_TARGET: "JaxmoeExpertFfnInt8"},
     fallback="the XLA expert FFN (bucketed_loop)",
 )
 
@@ -72,9 +74,18 @@ def unavailable_reason() -> str | None:
     return LIBRARY.unavailable_reason()
 
 
+def _int8(weights) -> bool:
+    """int8 weights with per-column scales (``jaxmoe.quantization.Quantized``, method "int8")."""
+    return getattr(weights, "method", None) == "int8"
+
+
 def _reads(weights, x) -> bool:
     """Whether the kernel reads weights of this dtype for activations of x's dtype: float32, or
-    bfloat16 (as itself or as its uint16 bits, ``models.common.pack16``)."""
+    bfloat16 (as itself or as its uint16 bits, ``models.common.pack16``), or int8 with per-column scales."""
+    if _int8(weights):
+        return True
+    if hasattr(weights, "scale"):  # other quantized forms (fp8 blocks): dequantized by the fallback
+        return False
     return weights.dtype in (jnp.float32, jnp.bfloat16) or (weights.dtype == jnp.uint16 and x.dtype == jnp.bfloat16)
 
 
@@ -92,7 +103,9 @@ def supports(x, ids, experts) -> bool:
     D, F = gate.shape[-2], gate.shape[-1]
     return (
         x.ndim == 2
-        and (isinstance(gate, Panels) or x.shape[0] <= plain_rows(experts.num_experts, ids.shape[1]))
+        and (
+            isinstance(getattr(gate, "q", gate), Panels) or x.shape[0] <= plain_rows(experts.num_experts, ids.shape[1])
+        )
         and D % VECTOR == 0
         and F % VECTOR == 0
         and _reads(gate, x)
@@ -108,6 +121,20 @@ def cpu_kernel(x, ids, weights, experts, fallback):
     if not supports(x, ids, experts):
         return fallback(x, ids, weights, experts)
     (gate, up, down), layer = experts.layered()
+    if _int8(gate):  # int8 (plain or panels) + column scales, dequantized in the tile (``cpu/expert_ffn.cc``)
+        if any(_layout(w.q) != _layout(gate.q) for w in (up, down)):
+            raise ValueError("cpu_kernel: int8 gate, up and down must all be plain or all panels of one width")
+        call = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
+        y = call(
+            x.astype(jnp.float32),
+            ids.astype(jnp.int32),
+            weights.astype(jnp.float32),
+            *(getattr(w.q, "data", w.q) for w in (gate, up, down)),
+            *(w.scale for w in (gate, up, down)),
+            jnp.asarray(layer, jnp.int32),
+            panel=np.int64(_layout(gate.q)[0]),
+        )
+        return y.astype(x.dtype)
     layout = _layout(gate)
     if any(_layout(w) != layout for w in (up, down)):
         raise ValueError("cpu_kernel: gate, up and down must all be plain or all panels of one layout")

@@ -21,6 +21,10 @@
 // bfloat16 panels may come in pairs (the ``pairs`` attribute: [L, E, F / P, D / 2, 2 P], rows k and
 // k + 1 interleaved column by column): then the activations are rounded to bfloat16 pairs too and
 // each pair of rows is one bf16 dot (AVX512-BF16's vdpbf16ps) into float32 accumulators.
+// int8 weights (``jaxmoe.quantization``: symmetric, one float32 scale per output column) come plain or
+// as panels (no pairs) with their scales ([L, E, 1, F] / [L, E, 1, D]; the ``JaxmoeExpertFfnInt8`` target): the tiles widen
+// the int8 values to float32 in registers and each output column of a projection is multiplied by its
+// scale once, after the sum over its rows (x @ (q * s) = (x @ q) * s), so no dequantized copy is made.
 // x and the combine weights come in float32, y goes out in float32.
 // D and F must be multiples of 16 (the Python side checks).
 
@@ -50,6 +54,16 @@ constexpr int MR = 8;  // rows per pass over an item's weights (a register tile)
 template <typename W>
 inline void prefetch(const W* p, bool ahead) {
   if (ahead) __builtin_prefetch(p, 0, 0);
+}
+
+using jaxmoe_cpu::load;  // beside this overload (float32, bfloat16 from common.h)
+
+inline vf load(const int8_t* p) {  // int8 -> float32
+  typedef int8_t vb __attribute__((vector_size(V)));
+  typedef int32_t vi __attribute__((vector_size(V * 4)));
+  vb b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
 }
 
 // silu(g) = g / (1 + exp(-g)) on a vector (``exp_clamped``: silu(g) -> 0 where -g > 88 anyway).
@@ -239,6 +253,9 @@ struct Problem {
   int64_t output_rows = 0;                        // sum over items of their expert's rows
   int64_t panel = 0;                              // 0: plain weights; else the panel width P
   bool pairs = false;                             // bfloat16 panels in pairs of rows
+  const float* gate_scale = nullptr;              // int8 weights: expert e's column scales at e * F
+  const float* up_scale = nullptr;
+  const float* down_scale = nullptr;              // expert e: down_scale + e * D
 };
 
 // Item ``item`` into y, its own m x D rows (zeroed here), row i = the expert's i-th assignment.
@@ -266,6 +283,15 @@ void run_item(const Problem& p, int64_t item, float* y, std::vector<float>& scra
 #define JAXMOE_GATE_UP(n) gate_up_rows<n>(xr, g, u, p.F, p.D, width, h, up)
     JAXMOE_BY_ROWS(R, JAXMOE_GATE_UP)
 #undef JAXMOE_GATE_UP
+    if (p.gate_scale) {  // int8: each column's scale, once per row after its sum
+      const float* gs = p.gate_scale + e * p.F + c0;
+      const float* us = p.up_scale + e * p.F + c0;
+      for (int r = 0; r < R; ++r)
+        for (int64_t i = 0; i < width; i += V) {
+          store(h + r * width + i, load(h + r * width + i) * load(gs + i));
+          store(up + r * width + i, load(up + r * width + i) * load(us + i));
+        }
+    }
     for (int r = 0; r < R; ++r) {  // h = combine weight * silu(gate) * up
       const float w = p.combine[rows[r0 + r]];
       for (int64_t i = 0; i < width; i += V)
@@ -274,6 +300,11 @@ void run_item(const Problem& p, int64_t item, float* y, std::vector<float>& scra
 #define JAXMOE_DOWN(n) down_rows<n>(h, width, d, p.D, width, p.D, yr)
     JAXMOE_BY_ROWS(R, JAXMOE_DOWN)
 #undef JAXMOE_DOWN
+  }
+  if (p.down_scale) {  // int8: the item's rows (its part of the down projection) times each column's scale
+    const float* ds = p.down_scale + e * p.D;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < p.D; i += V) store(y + r * p.D + i, load(y + r * p.D + i) * load(ds + i));
   }
 }
 
@@ -335,7 +366,14 @@ void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float
       for (int r = 0; r < R; ++r) {
         float* hr = h + (r0 + r) * width + j;
         const float w = p.combine[rows[r0 + r]];
-        for (int i = 0; i < P; i += V) store(hr + i, w * silu(load(hr + i)) * load(up + r * P + i));
+        if (p.gate_scale) {  // int8: each column's scale, once per row after its sum
+          const float* gs = p.gate_scale + e * p.F + c0 + j;
+          const float* us = p.up_scale + e * p.F + c0 + j;
+          for (int i = 0; i < P; i += V)
+            store(hr + i, w * silu(load(hr + i) * load(gs + i)) * (load(up + r * P + i) * load(us + i)));
+        } else {
+          for (int i = 0; i < P; i += V) store(hr + i, w * silu(load(hr + i)) * load(up + r * P + i));
+        }
       }
     }
   }
@@ -362,6 +400,11 @@ void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float
 #undef JAXMOE_DOWN
     }
   }
+  if (p.down_scale) {  // int8: the item's part of the down projection times each column's scale
+    const float* ds = p.down_scale + e * p.D;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < p.D; i += V) store(y + r * p.D + i, load(y + r * p.D + i) * load(ds + i));
+  }
 }
 
 template <typename W, bool PAIRS>
@@ -383,9 +426,15 @@ void run_any(const Problem& p, int64_t item, float* y, std::vector<float>& scrat
     run_panels<W, false>(p, item, y, scratch);
 }
 
-ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
-                     ffi::Buffer<ffi::F32> combine, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
-                     ffi::Buffer<ffi::S32> layer, int64_t panel, int64_t pairs, ffi::ResultBuffer<ffi::F32> y) {
+struct Scales {  // int8 weights: the column scales [L, E, 1, F] / [L, E, 1, D]
+  const float *gate, *up, *down;
+  int64_t gate_size, down_size;  // elements
+};
+
+ffi::Error RunExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                        ffi::Buffer<ffi::F32> combine, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
+                        ffi::Buffer<ffi::S32> layer, int64_t panel, int64_t pairs, const Scales* scales,
+                        ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), gd = gate.dimensions(), dd = down.dimensions();
   if (panel != 0 && panel != V && panel != 2 * V && panel != 4 * V)
     return ffi::Error::InvalidArgument("expert_ffn: panel must be 0, 16, 32 or 64");
@@ -410,15 +459,24 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     return ffi::Error::InvalidArgument("expert_ffn: D and F must match and be multiples of 16 (and of the panel)");
   const auto type = gate.element_type();
   const bool bf16 = type == ffi::DataType::BF16 || type == ffi::DataType::U16;
-  if (!bf16 && type != ffi::DataType::F32)
+  const bool int8 = scales != nullptr;
+  if (int8 && type != ffi::DataType::S8) return ffi::Error::InvalidArgument("expert_ffn_int8: weights must be int8");
+  if (!int8 && !bf16 && type != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("expert_ffn: weights must be float32 or bfloat16");
   if (up.element_type() != type || down.element_type() != type)
     return ffi::Error::InvalidArgument("expert_ffn: gate, up and down must have one dtype");
   if (p.pairs && !bf16) return ffi::Error::InvalidArgument("expert_ffn: pairs are for bfloat16 weights");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("expert_ffn: layer out of range");
-  const size_t wsize = bf16 ? 2 : 4;
+  const size_t wsize = int8 ? 1 : bf16 ? 2 : 4;
   const size_t per_layer = static_cast<size_t>(E) * p.D * F * wsize;
+  if (int8) {
+    if (scales->gate_size != L * E * F || scales->down_size != L * E * p.D)
+      return ffi::Error::InvalidArgument("expert_ffn_int8: scales must be [L, E, 1, F] and [L, E, 1, D]");
+    p.gate_scale = scales->gate + l * E * F;
+    p.up_scale = scales->up + l * E * F;
+    p.down_scale = scales->down + l * E * p.D;
+  }
   p.gate = static_cast<const char*>(gate.untyped_data()) + l * per_layer;
   p.up = static_cast<const char*>(up.untyped_data()) + l * per_layer;
   p.down = static_cast<const char*>(down.untyped_data()) + l * per_layer;
@@ -463,7 +521,9 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   for_each_item(pool, static_cast<int64_t>(p.expert_of_item.size()), [&](int64_t item) {
     thread_local std::vector<float> scratch;
     float* rows = partial.data() + p.item_offset[item];
-    if (bf16)
+    if (int8)
+      run_any<int8_t>(p, item, rows, scratch);
+    else if (bf16)
       run_any<uint16_t>(p, item, rows, scratch);
     else
       run_any<float>(p, item, rows, scratch);
@@ -480,6 +540,25 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     }
   }
   return ffi::Error::Success();
+}
+
+ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                     ffi::Buffer<ffi::F32> combine, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
+                     ffi::Buffer<ffi::S32> layer, int64_t panel, int64_t pairs, ffi::ResultBuffer<ffi::F32> y) {
+  return RunExpertFfn(pool, x, ids, combine, gate, up, down, layer, panel, pairs, nullptr, y);
+}
+
+ffi::Error ExpertFfnInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                         ffi::Buffer<ffi::F32> combine, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
+                         ffi::Buffer<ffi::F32> gate_scale, ffi::Buffer<ffi::F32> up_scale,
+                         ffi::Buffer<ffi::F32> down_scale, ffi::Buffer<ffi::S32> layer, int64_t panel,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  if (up_scale.element_count() != gate_scale.element_count())
+    return ffi::Error::InvalidArgument("expert_ffn_int8: gate and up scales must match");
+  const Scales scales{gate_scale.typed_data(), up_scale.typed_data(), down_scale.typed_data(),
+                      static_cast<int64_t>(gate_scale.element_count()),
+                      static_cast<int64_t>(down_scale.element_count())};
+  return RunExpertFfn(pool, x, ids, combine, gate, up, down, layer, panel, 0, &scales, y);
 }
 
 // ---- One layer's weight matrix of a stack: y [M, N] = x [M, K] @ w[layer] ([L, K, N]) ----------
@@ -545,6 +624,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeExpertFfn, ExpertFfn,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Attr<int64_t>("panel")        // 0: plain weights, else panel width
                                   .Attr<int64_t>("pairs")        // 1: bfloat16 panels in pairs of rows
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeExpertFfnInt8, ExpertFfnInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // combine weights [T, K]
+                                  .Arg<ffi::AnyBuffer>()         // gate [L, E, D, F] int8 or panels
+                                  .Arg<ffi::AnyBuffer>()         // up [L, E, D, F] int8 or panels
+                                  .Arg<ffi::AnyBuffer>()         // down [L, E, F, D] int8 or panels
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate scales [L, E, 1, F]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // up scales [L, E, 1, F]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // down scales [L, E, 1, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Attr<int64_t>("panel")        // 0: plain weights, else panel width
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
 );
 

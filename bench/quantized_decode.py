@@ -1,0 +1,68 @@
+"""Decode speed of bf16 against int8 / fp8 routed-expert weights (``LLM(..., quantization=...)``) at batch
+1 and 16, greedy, on the same model in one process (each form measured in turn, best of ``--repeats``).
+
+    python bench/quantized_decode.py                       # the demo model
+    python bench/quantized_decode.py --model /tmp/mixtral  # any checkpoint (bench/big_checkpoint.py --keep)
+
+int8 weights go through the CPU expert kernel's int8 path (read as int8, scaled in the tile); fp8 ones
+through ``bucketed_loop``, one expert dequantized at a time. Prints one JSON line per form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def decode_rate(llm, batch: int, tokens: int, repeats: int) -> float:
+    from jaxmoe import SamplingParams
+
+    prompts = [[(5 * i + b) % 200 + 3 for i in range(16)] for b in range(batch)]
+    greedy = lambda n: SamplingParams(max_tokens=n, ignore_eos=True)  # noqa: E731
+    llm.generate(prompts, greedy(4))  # compile
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate(prompts, greedy(tokens + 1))
+        dt = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        llm.generate(prompts, greedy(1))
+        dt -= time.perf_counter() - t0  # decode steps only
+        best = max(best, batch * tokens / dt)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="demo")
+    p.add_argument("--forms", default="none,int8,fp8")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+
+    import jax
+
+    from jaxmoe import LLM
+    from jaxmoe.quantization import ROUTED
+
+    base = None
+    for form in args.forms.split(","):
+        q = None if form == "none" else form
+        llm = LLM(args.model, dtype="bfloat16", quantization=q, num_blocks=256, block_size=16, max_num_seqs=16)
+        groups = llm.executor.stacked["groups"]
+        nbytes = sum(a.nbytes for g in groups if "moe" in g for k in ROUTED for a in jax.tree.leaves(g["moe"][k]))
+        row = {"model": args.model, "weights": form if q else "bf16", "expert_bytes": nbytes}
+        for batch in (1, 16):
+            row[f"decode_tok_s_b{batch}"] = round(decode_rate(llm, batch, args.tokens, args.repeats), 1)
+        if base is None:
+            base = row
+        row["vs_bf16"] = {
+            k: round(row[k] / base[k], 3) for k in ("decode_tok_s_b1", "decode_tok_s_b16", "expert_bytes")
+        }
+        print(json.dumps(row), flush=True)
+        del llm
+
+
+if __name__ == "__main__":
+    main()
