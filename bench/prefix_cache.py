@@ -36,7 +36,8 @@ import numpy as np
 
 from jaxmoe.engine.async_engine import AsyncEngine
 from jaxmoe.engine.engine import EngineConfig, LLMEngine
-from jaxmoe.llm import build_executor, load_model
+from jaxmoe.assembly import RuntimeConfig, build_executor
+from jaxmoe.checkpoint.model import load_model
 from jaxmoe.sampling import SamplingParams
 
 
@@ -57,7 +58,7 @@ class Run:
 def make_engine(cfg, executor, tok, base: EngineConfig, **over) -> LLMEngine:
     config = dataclasses.replace(base, **over)
     if config.deterministic:  # its own executor: the dense expert FFN (EngineConfig.deterministic)
-        executor = build_executor(cfg, executor.params, config)
+        executor = build_executor(cfg, executor.params, RuntimeConfig(engine=config))
     engine = LLMEngine(cfg, executor, tok, config)
     for rows, tokens in engine.runner.plan.shapes():
         engine.runner.warm(rows, tokens)
@@ -164,7 +165,7 @@ def main() -> None:
 
     cfg, params, tok = load_model(args.model)
     base = EngineConfig(block_size=16, num_blocks=1024, max_num_seqs=8, max_batch_tokens=512, max_prefill_chunk=512)
-    executor = build_executor(cfg, params, base)
+    executor = build_executor(cfg, params, RuntimeConfig(engine=base))
     known = {"caching off": dict(prefix_caching=False), "caching on": dict(prefix_caching=True)}
     modes = [(m, known[m]) for m in args.modes.split(",")]
     if args.deterministic:

@@ -15,7 +15,8 @@ import pytest
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.cli import build_parser
 from jaxmoe.engine.engine import EngineConfig, LLMEngine
-from jaxmoe.llm import build_executor, load_model
+from jaxmoe.assembly import RuntimeConfig, build_executor
+from jaxmoe.checkpoint.model import load_model
 from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel
 from jaxmoe.pallas_kernels.expert_ffn.panels import Panels
 from jaxmoe.quantization import (
@@ -90,7 +91,7 @@ def test_quantized_serving_equals_the_dequantized_model(checkpoint_dir, family, 
     assert isinstance(layer["attn"]["o"], Quantized) == attention
     cfg, params, tok = load_model(path, "float32", method, attention)
     ec = EngineConfig(**kw)
-    reference = LLMEngine(cfg, build_executor(cfg, dequantize_params(params), ec), tok, ec)
+    reference = LLMEngine(cfg, build_executor(cfg, dequantize_params(params), RuntimeConfig(engine=ec)), tok, ec)
     rng = np.random.default_rng(5)
     prompts = [list(map(int, rng.integers(6, cfg.vocab_size, n))) for n in (7, 3)]
     tokens, logprobs = _generate(llm.engine, prompts)

@@ -37,7 +37,7 @@ from jaxmoe.mesh import build_meshes, load_mesh
 from jaxmoe.runtime import transfer as T
 from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.runtime.transfer_rounds import schedule_rounds
-from test_transfer import LAYOUTS, _inputs
+from mesh_layouts import LAYOUTS, _inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"

@@ -19,7 +19,7 @@ from jaxmoe.runtime import slot_moves
 from jaxmoe.runtime.expert_program import place_layer, relayout_layer
 from jaxmoe.runtime.replicas import ReplicaLayout, default_placement
 from jaxmoe.janus.reshard import MoveStats, reshard_experts, rescaled_spec, reuse_placement
-from test_transfer import MESHES
+from mesh_layouts import MESHES
 
 E, D, F = 8, 6, 5
 LAYOUTS = {

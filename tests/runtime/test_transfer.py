@@ -1,7 +1,5 @@
 """A2E / E2A: the plan (hops, counters, adaptive choice) and its execution between sub-meshes on 8 CPU devices."""
 
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
@@ -10,41 +8,13 @@ from jaxmoe.mesh import build_meshes, load_mesh
 from jaxmoe.runtime import transfer as T
 from jaxmoe.runtime import transfer_walk as W
 
-MESHES = Path(__file__).resolve().parents[2] / "meshes"
-CPU8 = {"platform": "cpu", "nodes": 2, "devices_per_node": 4}
-LAYOUTS = {
-    "cpu-8": MESHES / "cpu-8.yaml",  # 2A (node 0) + 6E (2 on node 0, 4 on node 1)
-    "4a4e": MESHES / "cpu-8-4a4e.yaml",
-    "1a7e": MESHES / "cpu-8-1a7e.yaml",
-    "monolithic-1": MESHES / "monolithic.yaml",
-    # attention on both nodes, instance order not node order
-    "interleaved": {
-        **CPU8,
-        "attention": {"devices": [4, 0, 5, 1]},
-        "experts": {"devices": [2, 3, 6, 7], "slots_per_instance": 4},
-    },
-    # 2-device (tensor-parallel) instances on both sides
-    "tp2": {
-        **CPU8,
-        "attention": {"devices": [[0, 1], [4, 5]]},
-        "experts": {"devices": [[2, 3], [6, 7]], "slots_per_instance": 4},
-    },
-    "monolithic-8": {**CPU8, "monolithic": True, "experts": {"instances": 8, "slots_per_instance": 2}},
-}
+from mesh_layouts import CPU8, LAYOUTS, MESHES, _inputs  # noqa: F401  (CPU8, MESHES: the other tests')
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout(request):
     spec = load_mesh(LAYOUTS[request.param])
     return spec, build_meshes(spec)
-
-
-def _inputs(spec, sub, rows=2, width=8, seed=0):
-    m, n = spec.attention.count, spec.experts.count
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows * m, width), dtype=np.float32)
-    y = rng.standard_normal((n, rows * m, width), dtype=np.float32)
-    return x, y, jax.device_put(x, sub.batch_sharding), jax.device_put(y, sub.partials_sharding)
 
 
 @pytest.mark.parametrize("strategy", T.STRATEGIES)
