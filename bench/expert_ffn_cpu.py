@@ -1,7 +1,7 @@
 """The expert FFN on XLA:CPU: ``cpu_kernel`` (the C++ custom call) on plain weights, on weights
 stored as column panels (how the monolithic executor stores them for it) and, for bfloat16, on panels
 in pairs of rows (the bf16 dot instruction's layout, stored where the CPU has it) against ``bucketed_loop``
-(the XLA form it replaced as the CPU default), at the shapes of issue 17's 107 M Mixtral-style
+(the XLA form it replaced as the CPU default), at the shapes of the 107 M Mixtral-style
 checkpoint.
 
 One jitted program scans the expert FFN over 8 layers of stacked weights (hidden 512, 8 experts,

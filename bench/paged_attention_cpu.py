@@ -1,7 +1,7 @@
 """GQA paged attention on XLA:CPU: the C++ kernel that reads the stacked KV cache in place
 (``pallas_kernels/paged_attention``, what the monolithic scan runs with the CPU kernels) against the
 model's XLA form (``models.attention.gqa_xla``: keys gathered 128 at a time, online softmax) and the
-plain jnp reference, at the attention shapes of issue 17's 107 M checkpoint (8 query / 2 KV heads of
+plain jnp reference, at the attention shapes of the 107 M checkpoint (8 query / 2 KV heads of
 64, blocks of 16 tokens).
 
 One jitted program scans the attention core over 8 layers of a stacked cache, the way the monolithic

@@ -1,6 +1,6 @@
-"""Serving: ``jaxmoe serve`` vs vLLM's OpenAI server, both driven by guidellm (issue 17's setting).
+"""Serving: ``jaxmoe serve`` vs vLLM's OpenAI server, both driven by guidellm (the 107 M checkpoint's serving setting).
 
-The serving rows of the outside measurement in issue 17 ("Performance"), on one command:
+The serving rows of an outside measurement of the 107 M checkpoint, on one command:
 
 * checkpoint: ``bench/startup.py``'s ``bench-107m`` (Mixtral architecture, hidden 512, 8 layers,
   8 / 2 heads, 8 experts top-2, expert width 1024, vocab 1024, untied head, 107 M parameters,

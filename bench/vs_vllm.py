@@ -1,6 +1,6 @@
 """Offline greedy decode: jaxmoe vs vLLM (CPU build) vs transformers on one checkpoint, fp32 and bf16.
 
-The setting of the outside measurement in issue 17 ("Performance"), on one command:
+The setting of an outside measurement of the 107 M checkpoint, on one command:
 
 * checkpoint: Mixtral architecture, hidden 512, 8 layers, 8 heads / 2 KV heads, 8 experts top-2,
   expert width 1024, vocab 1024, untied head, 107 M parameters, random weights written by

@@ -2,7 +2,7 @@
 ``x @ m``.
 
 Inside the monolithic scan a layer's weights are a dynamic slice of the stack, and XLA:CPU copies
-every such slice before its matmul (BENCHMARKS.md, issue 17's profile). Where the CPU kernel takes
+every such slice before its matmul (BENCHMARKS.md, the profile of the 107 M model). Where the CPU kernel takes
 the shapes (``pallas_kernels.expert_ffn.cpu_kernel.matmul_supports``: a few rows), ``x @ m``
 reads the matrix in place instead; elsewhere it is the slice and ``@`` it replaces.
 """

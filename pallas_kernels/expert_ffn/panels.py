@@ -3,7 +3,7 @@
 A stacked matrix ``a [..., K, N]`` is stored as ``Panels`` of ``width`` P columns: ``data [..., N / P,
 K, P]``, each panel's K rows of P columns one contiguous block. The CPU kernel walks a panel as one
 stream with a register tile of rows x P columns (``cpu/expert_ffn.cc``); on the plain layout it must
-stream many rows at once and reached about three quarters of the speed (BENCHMARKS.md, issue 17).
+stream many rows at once and reached about three quarters of the speed (BENCHMARKS.md).
 
 16-bit weights may be stored **in pairs** (``pairs=True``, where the CPU has AVX512-BF16,
 ``cpu_kernel.has_bf16_dot``): ``data [..., N / P, K / 2, 2 P]``, rows k and k + 1 of a panel

@@ -3,7 +3,7 @@ custom call (``jax.ffi``), built and registered by ``pallas_kernels.cpu_build`` 
 
 It reads the KV cache stacked over layers in place at the layer (the monolithic scan's cache), each
 key and value once for the query heads that share it; XLA's form gathers every row's keys into a
-fresh array chunk by chunk and was a quarter of a batch-1 decode step (BENCHMARKS.md, issue 17).
+fresh array chunk by chunk and was a quarter of a batch-1 decode step (BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 //   y[t] = sum_k weights[t, k] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)),  e = ids[t, k]
 //
 // Why a kernel: XLA:CPU reaches 15-25 GB/s on the small-M matmuls of a decode step, and copies an
-// expert's weights when they are sliced out of the stacked array (BENCHMARKS.md, issue 17). Here the stacked weights [L, E, ...] are read in place at ``layer``,
+// expert's weights when they are sliced out of the stacked array (BENCHMARKS.md). Here the stacked weights [L, E, ...] are read in place at ``layer``,
 // each routed expert's weights once per call, by every thread of XLA's intra-op pool.
 //
 // Work split: items are (routed expert, chunk of FC intermediate columns). An item computes

@@ -8,7 +8,7 @@
 //
 // Why a kernel: XLA gathers each row's keys into a fresh [B, W, KVH, hd] array (transposed) chunk by
 // chunk of 128 keys and runs small batched dots on it; at decode sizes that was a quarter of the
-// 107 M model's step at batch 1 (BENCHMARKS.md, issue 17). Here each key and value is read once from
+// 107 M model's step at batch 1 (BENCHMARKS.md). Here each key and value is read once from
 // the cache, for all G query heads that share it.
 //
 // Work items: (row, KV head, chunk of TC query tokens), on every thread of XLA's intra-op pool; each
