@@ -63,7 +63,8 @@ class LLMEngine:
             max_waiting=config.max_waiting,
             max_prefill_chunk=config.max_prefill_chunk,
         )
-        self.scheduler.kv_key = lambda: getattr(self.runner.executor, "brownout_threshold", None)  # prefix cache key
+        # what the KV depends on besides the tokens: the expert routing's state (e.g. the brownout threshold)
+        self.scheduler.kv_key = lambda: _routing_key(self.executor)
         plan = ShapePlan(
             max_num_seqs=config.max_num_seqs,
             max_prefill_chunk=min(config.max_prefill_chunk, config.max_batch_tokens, self.max_model_len),
@@ -414,6 +415,14 @@ def _block_manager(executor, config: EngineConfig) -> BlockManager:
             f"block_size: the engine's is {config.block_size}, the executor's KV cache uses {layout.block_size}"
         )
     return BlockManager.for_layout(layout, config.prefix_caching)
+
+
+def _routing_key(executor) -> str:
+    """The prefix-cache key of the executor's expert routing: its name and state (brownout's threshold:
+    KV computed under one threshold is not read under another)."""
+    routing = getattr(executor, "routing", None)
+    state = getattr(executor, "routing_state", None)
+    return f"{getattr(routing, 'name', None)}:{None if state is None else float(state)!r}"
 
 
 def _cut_at_stop(text: str, stops) -> str:

@@ -26,7 +26,7 @@ full blocks of its tokens -- never all of them: at least its last token is compu
 logits -- and its prefill starts after them (on a partitioned cache in the partition
 ``dispatch.choose_cached_instance`` picks). After each step the blocks a sequence has completed
 are registered under their hash. The hash includes the sequence's ``cache_salt`` and the executor's
-KV key (``kv_key``: the engine sets it to the brownout threshold); a sequence whose KV was computed
+KV key (``kv_key``: the engine sets it to its expert routing's state, e.g. the brownout threshold); a sequence whose KV was computed
 under more than one key (brownout changed while it ran) registers no more blocks until it is
 recomputed. ``drop_all_kv`` forgets the cache; ``move_kv_to`` (live re-scaling) starts the new
 allocator with an empty index: the sequences it moves register their blocks there again.
@@ -104,7 +104,7 @@ class Scheduler:
         # request paused between layers for latency-sensitive work, counted by LLMEngine) and
         # "expert_pause" (paused between the expert rounds of a layer: per-expert queues)
         self.preemptions = {k: {"ls": 0, "be": 0} for k in PREEMPTION_LEVELS}
-        self.kv_key = lambda: None  # what else the KV depends on (the engine: the brownout threshold)
+        self.kv_key = lambda: None  # what else the KV depends on (the engine: its expert routing's state)
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens looked up / found in the cache
 
     # -- admission ---------------------------------------------------------
