@@ -120,23 +120,41 @@ def _step_inputs(B: int, T: int, max_blocks: int, sharding=None):
 
 
 def _sampler(B: int, vocab: int, logits_dtype, sharding=None) -> Program:
+    """The sampler program for B rows (``sampling.sample``: the argument order of
+    ``ModelRunner._execute``)."""
     import jax.numpy as jnp
 
     from jaxmoe.sampling import sample
 
     def trace():
-        args = (
-            _sds((B, vocab), logits_dtype, sharding),
-            _sds((B,), jnp.float32, sharding),
-            _sds((B,), jnp.int32, sharding),
-            _sds((B,), jnp.float32, sharding),
-            _sds((B,), jnp.uint32, sharding),
-            _sds((B,), jnp.int32, sharding),
-            _sds((), jnp.bool_, sharding),
-        )
-        return sample.trace(*args)
+        f32, i32 = jnp.float32, jnp.int32
+        logits = _sds((B, vocab), logits_dtype, sharding)
+        per_row = [_sds((B,), t, sharding) for t in (f32, i32, f32, f32, jnp.uint32, i32)]  # temperature .. steps
+        return sample.trace(logits, logits, *per_row, _sds((), jnp.bool_, sharding))
 
     return Program(f"sampler[B={B}]", trace)
+
+
+def _logit_adjuster(B: int, vocab: int, window: int, logits_dtype, sharding=None) -> Program:
+    """The program that applies penalties and logit bias before sampling (``sampling.adjust_logits``),
+    for B rows and a ``window``-token history."""
+    import jax.numpy as jnp
+
+    from jaxmoe.sampling import MAX_LOGIT_BIAS, adjust_logits
+
+    def trace():
+        f32, i32 = jnp.float32, jnp.int32
+        args = (
+            _sds((B, vocab), logits_dtype, sharding),
+            *(_sds((B,), f32, sharding) for _ in range(3)),  # presence, frequency, repetition
+            _sds((B, window), i32, sharding),
+            _sds((B,), i32, sharding),
+            _sds((B, MAX_LOGIT_BIAS), i32, sharding),
+            _sds((B, MAX_LOGIT_BIAS), f32, sharding),
+        )
+        return adjust_logits.trace(*args)
+
+    return Program(f"adjust_logits[B={B}]", trace)
 
 
 def _logits_dtype(params) -> object:
@@ -184,6 +202,8 @@ def monolithic_programs(
         if rows not in seen:
             seen.add(rows)
             yield _sampler(rows, cfg.vocab_size, _logits_dtype(params), one)
+            window = max_blocks * engine_config.block_size
+            yield _logit_adjuster(rows, cfg.vocab_size, window, _logits_dtype(params), one)
 
 
 def _max_blocks(cfg, engine_config) -> int:
@@ -386,6 +406,8 @@ def disaggregated_programs(
             seen.add(B)
             one = None if devices is None else jax.sharding.SingleDeviceSharding(devices[0])
             yield _sampler(B, cfg.vocab_size, _logits_dtype(params), one)
+            window = _max_blocks(cfg, engine_config) * engine_config.block_size
+            yield _logit_adjuster(B, cfg.vocab_size, window, _logits_dtype(params), one)
 
 
 def _transfer_programs(spec, B: int, T: int, D: int, dtype, shape: str, devices=None) -> Iterator[Program]:

@@ -40,6 +40,9 @@ def test_monolithic_every_family_lowers_for_cuda_and_tpu(capsys, checkpoint_dir,
             "sampler[B=1]",
             "sampler[B=2]",
             "sampler[B=4]",
+            "adjust_logits[B=1]",
+            "adjust_logits[B=2]",
+            "adjust_logits[B=4]",
         }
     assert set(report["notes"]) == {"cuda", "tpu"}
 
