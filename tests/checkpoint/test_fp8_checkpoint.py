@@ -199,7 +199,7 @@ def test_sharded_checkpoint_quantizes_shard_by_shard(checkpoint_dir, tmp_path):
     name = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
     assert index[name + "_scale_inv"] == index[name]
     assert sorted(set(index.values())) == sorted(p.name for p in src.glob("*.safetensors"))
-    assert SafetensorsCheckpoint(fp8).dtype("model.layers.0.block_sparse_moe.gate.weight") == "F32"  # a router
+    assert SafetensorsCheckpoint(fp8).dtype_name("model.layers.0.block_sparse_moe.gate.weight") == "F32"  # a router
     cfg = load_config(fp8)
     plain = jax_leaves(load_params(src, cfg))
     for a, b in zip(jax_leaves(load_params(fp8, cfg)), plain):
