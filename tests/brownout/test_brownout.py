@@ -220,7 +220,7 @@ def test_bad_brownout_input(checkpoint_dir, tmp_path, capsys):
     assert main(serve + ["--salc"]) == 2
     assert "SALC needs an SLO" in capsys.readouterr().err
     assert main(serve + ["--brownout-threshold", "-1"]) == 2
-    assert "threshold must be a number in [0, 1], got -1.0" in capsys.readouterr().err
+    assert "--brownout-threshold: must be in [0, 1], got -1.0" in capsys.readouterr().err  # before the model loads
     assert main(serve + ["--brownout-threshold", "0.5"]) == 2  # the checkpoint has no united experts
     assert "has no united experts" in capsys.readouterr().err
 
