@@ -129,27 +129,28 @@ class _EngineCollector:
             for expert, n in enumerate(depth):
                 q.add_metric([str(expert)], n)
             yield q
-        layout = current_layout(self.async_engine.engine)
+        engine = getattr(self.async_engine, "engine", None)  # the LLMEngine (None: a snapshot source alone)
+        layout = None if engine is None else current_layout(engine)
         if layout is not None:  # read at scrape time: after a live rescale, the new layout
             yield GaugeMetricFamily("jaxmoe_attention_instances", "Attention instances serving now", value=layout[1])
             yield GaugeMetricFamily("jaxmoe_expert_instances", "Expert instances serving now", value=layout[2])
-            rescaler = LiveRescaler.find(self.async_engine.engine)
+            rescaler = LiveRescaler.find(engine)
             if rescaler is not None:
                 yield CounterMetricFamily("jaxmoe_rescales", "Live rescales done", value=len(rescaler.history))
         yield CounterMetricFamily(
             "jaxmoe_prefix_cache_queries",
             "Tokens of sequences looked up in the prefix cache when they started computing their KV",
-            value=snap["prefix_cache_queries"],
+            value=snap.get("prefix_cache_queries", 0),
         )
         yield CounterMetricFamily(
             "jaxmoe_prefix_cache_hits",
             "Tokens whose KV came from the prefix cache (of jaxmoe_prefix_cache_queries_total)",
-            value=snap["prefix_cache_hits"],
+            value=snap.get("prefix_cache_hits", 0),
         )
         yield GaugeMetricFamily(
             "jaxmoe_prefix_cache_blocks",
             "KV blocks in the prefix cache (held by a request or kept until memory is needed)",
-            value=snap["prefix_cache_blocks"],
+            value=snap.get("prefix_cache_blocks", 0),
         )
         yield CounterMetricFamily("jaxmoe_engine_steps", "Engine steps", value=snap["steps"])
         yield CounterMetricFamily("jaxmoe_engine_step_errors", "Engine steps that raised", value=snap["step_errors"])
@@ -158,7 +159,7 @@ class _EngineCollector:
             "Scheduling-policy decisions that raised or were invalid (the default policy decided instead)",
             value=snap["policy_errors"],
         )
-        report = getattr(self.async_engine.engine.runner.executor, "op_impls", None)
+        report = None if engine is None else getattr(engine.executor, "op_impls", None)
         if callable(report):
             info = GaugeMetricFamily(
                 "jaxmoe_op_impl", "The implementation each op runs (1 per op)", labels=["op", "impl"]
