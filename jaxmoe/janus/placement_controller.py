@@ -39,7 +39,9 @@ class PlacementController:
     def __init__(self, executor: ReplicaPlacement, every_steps: int = 0, min_tokens: int = 1):
         if not isinstance(executor, ReplicaPlacement):
             raise TypeError(f"{type(executor).__name__} has no expert replicas to place (use a mesh file)")
-        self.executor, self.every_steps, self.min_tokens = executor, every_steps, min_tokens
+        self.every_steps, self.min_tokens = every_steps, min_tokens
+        self.engine = None  # attached: place the replicas of whichever executor the engine serves with
+        self._executor = self._window_of = executor
         self._seen = executor.expert_coactivation()  # the window starts now
         self._steps = 0
         self.history: collections.deque[Rebalance] = collections.deque(maxlen=100)
@@ -47,12 +49,23 @@ class PlacementController:
     @classmethod
     def attach(cls, engine, every_steps: int) -> "PlacementController":
         """A controller for the engine's executor, run after every engine step that ran the model."""
-        return engine.add_hook(cls(engine.executor, every_steps=every_steps))
+        controller = cls(engine.executor, every_steps=every_steps)
+        controller.engine = engine
+        return engine.add_hook(controller)
+
+    @property
+    def executor(self) -> ReplicaPlacement:
+        return self._executor if self.engine is None else self.engine.executor
+
+    def _window(self) -> ReplicaPlacement:
+        """The executor serving now; when live re-scaling swapped it in, its statistics window starts."""
+        ex = self.executor
+        if ex is not self._window_of:
+            self._window_of, self._seen = ex, ex.expert_coactivation()
+        return ex
 
     def before_step(self, engine) -> None:
-        if engine.executor is not self.executor:  # live re-scaling swapped it in: a new window
-            self.executor = engine.executor
-            self._seen = self.executor.expert_coactivation()
+        self._window()
 
     def after_step(self, engine, outputs) -> None:
         """Rebalance every ``every_steps`` steps that ran the model (0: never)."""
@@ -65,7 +78,7 @@ class PlacementController:
     def rebalance(self) -> Rebalance | None:
         """Plan and apply a new placement from the window's statistics; None (nothing changed)
         when a layer saw fewer than ``min_tokens`` tokens."""
-        ex = self.executor
+        ex = self._window()
         now = ex.expert_coactivation()
         window = [a - b for a, b in zip(now, self._seen)]
         tokens = [int(np.diagonal(w).sum()) for w in window]
