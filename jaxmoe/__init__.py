@@ -9,7 +9,7 @@ Public API::
     engine = build_engine(RuntimeConfig(model="demo", mesh="meshes/cpu-8.yaml"))  # the engine itself
 """
 
-import importlib
+from jaxmoe.lazy import lazy_exports
 
 # name -> module: imported on first use (PEP 562), so ``jaxmoe --help`` and ``jaxmoe client`` do not
 # pay for importing JAX
@@ -39,17 +39,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxmoe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [

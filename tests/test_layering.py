@@ -33,6 +33,7 @@ LAYERS = {
     "jaxmoe.progress": 1,
     "jaxmoe.options": 1,
     "jaxmoe.quantization": 1,
+    "jaxmoe.lazy": 1,
     "jaxmoe.compilation": 1,
     "jaxmoe.tokenizer": 1,
     "jaxmoe.checkpoint": 1,

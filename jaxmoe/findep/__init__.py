@@ -1,7 +1,7 @@
 """Planning (control plane, never imported by the per-step hot path): FinDEP's performance models,
 the time model of a pipelined disaggregated step, and its configuration solver."""
 
-import importlib
+from jaxmoe.lazy import lazy_exports
 
 # imported on first use (PEP 562): the command line registers its subcommands without importing these
 _EXPORTS = {
@@ -27,13 +27,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [

@@ -5,7 +5,7 @@ and a cluster simulator that replays a synthetic diurnal, bursty trace (``jaxmoe
 Control plane only: nothing here is imported by the per-step hot path.
 """
 
-import importlib
+from jaxmoe.lazy import lazy_exports
 
 # imported on first use (PEP 562): the command line registers its subcommands without importing these
 _EXPORTS = {
@@ -24,13 +24,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [
