@@ -140,7 +140,7 @@ def test_flags_override_the_mesh_file(tmp_path, capsys):
     assert main(["serve", "--model", "nowhere", "--mesh", path, "--salc-shrink-ratio", "1.5"]) == 2
     assert "SALC shrink_ratio must be in (0, 1), got 1.5" in capsys.readouterr().err
     assert main(["serve", "--model", "nowhere", "--mesh", path, "--brownout-threshold", "2"]) == 2
-    assert "threshold must be a number in [0, 1], got 2.0" in capsys.readouterr().err
+    assert "--brownout-threshold: must be in [0, 1], got 2.0" in capsys.readouterr().err
     bad = _write(tmp_path, {"salc": True, "tw": -3, "slo_tpot_ms": 50}, "bad.yaml")
     assert main(["serve", "--model", "nowhere", "--mesh", bad]) == 2
     assert f"{bad}: brownout.tw: SALC window must be > 0 seconds, got -3" in capsys.readouterr().err
