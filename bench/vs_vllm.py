@@ -34,6 +34,11 @@ all non-embedding weights once), and each engine's "start": process start to the
     python bench/vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python
     python bench/vs_vllm.py ... --dtypes float32 --batches 16 --rounds 1      # a quick look
     python bench/vs_vllm.py ... --benchmarks BENCHMARKS.md                    # write the table there
+    python bench/vs_vllm.py ... --engines jaxmoe,baseline,vllm --baseline ../jaxmoe-old   # before/after
+
+``--baseline DIR`` adds the engine ``baseline``: jaxmoe from another checkout (an older commit, with its
+own ``.venv``), run by that checkout's interpreter and its own copy of this file, in the same rounds, so
+a change's speed is compared with the code before it in one run (table "jaxmoe now / baseline").
 
 Imports here are the standard library only: vLLM's interpreter runs this file as its worker
 (``--worker vllm``) without the project installed.
@@ -53,7 +58,7 @@ import time
 
 T0 = time.perf_counter()
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENGINES = ("jaxmoe", "vllm", "transformers")
+ENGINES = ("jaxmoe", "vllm", "transformers", "baseline")
 MARK_BEGIN, MARK_END = "<!-- bench/vs_vllm.py: begin -->", "<!-- bench/vs_vllm.py: end -->"
 
 
@@ -173,6 +178,12 @@ def worker_transformers(args) -> dict:
 WORKERS = {"jaxmoe": worker_jaxmoe, "vllm": worker_vllm, "transformers": worker_transformers}
 
 
+def baseline_rev(tree: pathlib.Path) -> str:
+    """The short commit of the baseline checkout (``?`` when it is not a git checkout)."""
+    out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
 # ---------------------------------------------------------------------------------------------- driver
 
 
@@ -198,7 +209,11 @@ def weight_bytes(ckpt: pathlib.Path, dtype: str) -> int:
 
 def run_engine(engine: str, dtype: str, args) -> dict:
     cmd = [args.vllm_python if engine == "vllm" else sys.executable, str(pathlib.Path(__file__).resolve())]
-    cmd += ["--worker", engine, "--dtype", dtype, "--ckpt", str(args.ckpt_dir)]
+    cwd = ROOT
+    if engine == "baseline":  # the other checkout's interpreter and its own worker, so it imports its own jaxmoe
+        cwd = args.baseline.resolve()
+        cmd = [str(cwd / ".venv" / "bin" / "python"), str(cwd / "bench" / "vs_vllm.py")]
+    cmd += ["--worker", "jaxmoe" if engine == "baseline" else engine, "--dtype", dtype, "--ckpt", str(args.ckpt_dir)]
     cmd += ["--batches", ",".join(map(str, args.batches)), "--repeats", str(args.repeats)]
     cmd += ["--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--vocab", str(args.vocab)]
     env = dict(os.environ)
@@ -214,7 +229,7 @@ def run_engine(engine: str, dtype: str, args) -> dict:
             env["LD_PRELOAD"] = ":".join(preload)
     load = os.getloadavg()[0]
     print(f"  {engine} {dtype} (load {load:.2f}) ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=args.timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{engine} {dtype} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -246,7 +261,9 @@ def table(results: dict, args) -> str:
                 ref = r["jaxmoe"]["batches"][b]["tokens"]
                 cell = lambda e: f"{tok[e]:.1f}" if e in tok else "-"  # noqa: E731
                 ratio = lambda e: f"{tok['jaxmoe'] / tok[e]:.2f}x" if e in tok else "-"  # noqa: E731
-                same = "; ".join(agree(ref, r[e]["batches"][b]["tokens"]) for e in args.engines if e != "jaxmoe")
+                same = "; ".join(
+                    agree(ref, r[e]["batches"][b]["tokens"]) for e in args.engines if e not in ("jaxmoe", "baseline")
+                )
                 loads = ", ".join(f"{r[e]['load'][0]:.1f}" for e in args.engines)
                 ratios.setdefault((dtype, b), []).append(tok["jaxmoe"] / tok["vllm"] if "vllm" in tok else None)
                 rows.append(
@@ -288,7 +305,29 @@ def table(results: dict, args) -> str:
         if hf
         else []
     )
-    return "\n".join(rows + roof + starts + notes) + "\n"
+    return "\n".join(rows + before_after(results, args) + roof + starts + notes) + "\n"
+
+
+def before_after(results: dict, args) -> list[str]:
+    """The same rounds, jaxmoe now against the ``--baseline`` checkout (empty without one)."""
+    if "baseline" not in args.engines:
+        return []
+    rows = [
+        "",
+        f"jaxmoe now against the baseline checkout ({baseline_rev(args.baseline)}), same rounds:",
+        "",
+        "| dtype | batch | round | jaxmoe now tok/s | baseline tok/s | now / baseline | greedy = now: rows (mean common prefix) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for dtype in args.dtypes:
+        for b in map(str, args.batches):
+            for rnd in range(args.rounds):
+                now, before = (results[(rnd, dtype, e)]["batches"][b] for e in ("jaxmoe", "baseline"))
+                rows.append(
+                    f"| {dtype} | {b} | {rnd + 1} | {now['tok_s']:.1f} | {before['tok_s']:.1f} "
+                    f"| {now['tok_s'] / before['tok_s']:.2f}x | {agree(now['tokens'], before['tokens'])} |"
+                )
+    return rows
 
 
 def header(args) -> str:
@@ -303,7 +342,9 @@ def header(args) -> str:
         f"- **Date:** {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. **Machine:** {os.cpu_count()}-core {cpu}, "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU. jax {versions}.\n"
         f"- **Command:** `python bench/vs_vllm.py --vllm-python {args.vllm_python} --engines {','.join(args.engines)}"
-        f" --dtypes {','.join(args.dtypes)} --batches {','.join(map(str, args.batches))} --rounds {args.rounds}`\n\n"
+        f" --dtypes {','.join(args.dtypes)} --batches {','.join(map(str, args.batches))} --rounds {args.rounds}"
+        + (f" --baseline {args.baseline} ({baseline_rev(args.baseline)})" if "baseline" in args.engines else "")
+        + "`\n\n"
     )
 
 
@@ -325,6 +366,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--baseline", type=pathlib.Path, help="a jaxmoe checkout with its own .venv: the engine 'baseline'")
     p.add_argument("--out", type=pathlib.Path, help="also write the markdown here")
     p.add_argument(
         "--benchmarks", type=pathlib.Path, help=f"replace the text between {MARK_BEGIN!r} and {MARK_END!r} here"
@@ -338,6 +380,8 @@ def main(argv=None) -> int:
     args.dtypes = args.dtypes.split(",")
     if args.engines[0] != "jaxmoe" or any(e not in ENGINES for e in args.engines):
         raise SystemExit(f"--engines: jaxmoe first, then any of {ENGINES}; got {args.engines}")
+    if "baseline" in args.engines and not (args.baseline and (args.baseline / ".venv" / "bin" / "python").exists()):
+        raise SystemExit("--baseline: the engine 'baseline' needs a checkout with its own .venv (DIR/.venv/bin/python)")
     write_checkpoint(args.ckpt_dir)
     results = {}
     for rnd in range(args.rounds):
