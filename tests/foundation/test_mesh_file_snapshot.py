@@ -97,3 +97,24 @@ def test_a_shipped_file_loaded_by_path_names_itself(path):
     spec = load_mesh(path)
     assert spec.source == str(path)
     assert dataclasses.replace(spec, source="<dict>") == load_mesh(yaml.safe_load(path.read_text()))
+
+
+def test_bytes_read_as_pydantic_bytesize():
+    raw = yaml.safe_load((ROOT / "meshes" / "cpu-8.yaml").read_text())
+    raw["transfer"].update(direct_min_bytes="1.5 MiB", multicast_min_bytes="2KB")
+    t = load_mesh(raw).transfer
+    assert (t.direct_min_bytes, t.multicast_min_bytes) == (3 << 19, 2000) and type(t.direct_min_bytes) is int
+
+
+def test_many_mistakes_give_one_line_naming_one_field():
+    raw = {"platform": "cuda", "nodes": "2", "experts": {"slots_per_instanc": 4, "devices": "x"}, "colour": 1}
+    with pytest.raises(MeshConfigError) as info:
+        load_mesh(raw)
+    text = str(info.value)  # an unknown key first: a typo also leaves its field missing
+    assert "\n" not in text and "pydantic" not in text and "validation error" not in text
+    assert (
+        text
+        == "<dict>: experts.slots_per_instanc: unknown key (expected one of: instances, devices_per_instance, devices, slots_per_instance)"
+    )
+    with pytest.raises(MeshConfigError, match=r"^<dict>: platform: expected one of cpu, gpu, tpu, got 'cuda'$"):
+        load_mesh({k: v for k, v in raw.items() if k != "colour"} | {"experts": {"slots_per_instance": 4}})
