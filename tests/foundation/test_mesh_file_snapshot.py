@@ -118,3 +118,24 @@ def test_many_mistakes_give_one_line_naming_one_field():
     )
     with pytest.raises(MeshConfigError, match=r"^<dict>: platform: expected one of cpu, gpu, tpu, got 'cuda'$"):
         load_mesh({k: v for k, v in raw.items() if k != "colour"} | {"experts": {"slots_per_instance": 4}})
+
+
+@pytest.mark.parametrize(
+    "section,line",
+    [
+        (
+            {"transfer": {"direct_min_bytes": "4XB"}},
+            "transfer.direct_min_bytes: expected bytes (an integer >= 0 or e.g.",
+        ),
+        ({"brownout": {"tw": 0}}, "brownout.tw: SALC window must be > 0 seconds, got 0"),
+    ],
+)
+def test_jaxmoe_mesh_show_prints_one_line_naming_file_and_field(tmp_path, capsys, section, line):
+    from jaxmoe.cli import main
+
+    raw = yaml.safe_load((ROOT / "meshes" / "cpu-8.yaml").read_text()) | section
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["mesh", "show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxmoe: error: {path}: {line}") and err.count("\n") == 1
