@@ -74,19 +74,20 @@ class _MeshFile(_Model):
     experts: _Experts
     shared_experts: Literal[SHARED_EXPERTS] = "attention"
     transfer: _Transfer = _Transfer()
-    brownout: dict[str, Any] = None  # handed over as written: the brownout package validates it
+    brownout: dict[Any, Any] = None  # handed over as written: the brownout package validates it
 
 
 def one_line(exc: ValidationError, src: str, model: type[BaseModel], prefix: str = "") -> MeshConfigError:
     """The first of pydantic's errors (an unknown key first: a typo also makes its field missing) as one
     line ``SRC: field.path[i]: problem``; ``prefix`` names the section ``model`` validated."""
-    errors = exc.errors()
+    errors = [{**e, "type": "extra_forbidden" if e["type"] == "invalid_key" else e["type"]} for e in exc.errors()]
     e = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-    loc, value, ctx = e["loc"], e.get("input"), e.get("ctx", {})
+    loc, value, ctx, unknown = e["loc"], e.get("input"), e.get("ctx", {}), e["type"] == "extra_forbidden"
     field = prefix
-    for part in loc:
-        field += f"[{part}]" if isinstance(part, int) else f".{part}" if field else str(part)
-    for part in loc[:-1] if e["type"] == "extra_forbidden" else ():  # the model of the mapping holding it
+    for i, part in enumerate(loc):  # [i]: a list index; an unknown key is a key, whatever its type
+        key = not isinstance(part, int) or (unknown and i == len(loc) - 1)
+        field += f".{part}" if key and field else str(part) if key else f"[{part}]"
+    for part in loc[:-1] if unknown else ():  # the model of the mapping holding it
         model = model.model_fields[part].annotation if isinstance(part, str) else model
     keys = ", ".join(f.alias or name for name, f in model.model_fields.items())
     expected = ctx.get("expected", "").replace("'", "").replace(" or ", ", ")  # a Literal's options

@@ -139,3 +139,13 @@ def test_jaxmoe_mesh_show_prints_one_line_naming_file_and_field(tmp_path, capsys
     assert main(["mesh", "show", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"jaxmoe: error: {path}: {line}") and err.count("\n") == 1
+
+
+def test_a_key_that_is_not_a_string_is_an_unknown_key():
+    raw = yaml.safe_load((ROOT / "meshes" / "cpu-8-brownout.yaml").read_text())
+    with pytest.raises(MeshConfigError, match=r"^<dict>: 1: unknown key \(expected one of: platform, nodes,"):
+        load_mesh({**raw, 1: "x"})
+    with pytest.raises(MeshConfigError, match=r"^<dict>: experts\.2: unknown key \(expected one of: instances,"):
+        load_mesh({**raw, "experts": {**raw["experts"], 2: 3}})
+    with pytest.raises(MeshConfigError, match=r"^<dict>: brownout\.1: unknown key \(expected one of: salc, threshold,"):
+        mesh_brownout({**raw, "brownout": {**raw["brownout"], 1: 2}})
