@@ -25,9 +25,13 @@ the P90 of both, and the server's ``jaxmoe_brownout_threshold`` scraped twice a 
 what the thresholds SALC chose cost: the held-out perplexity (``jaxmoe eval --brownout-threshold
 T``) at the run's mean threshold over the burst.
 
-Run (from the repository root, a few minutes):
-  PYTHONPATH=. .venv/bin/python bench/brownout_burst.py --united /work/runs/brownout/demo-u4-index \\
+Run (from the repository root, a few minutes; UNITED from ``jaxmoe unite``):
+  PYTHONPATH=. .venv/bin/python bench/brownout_burst.py --united UNITED \\
       --png docs/brownout_burst.png --out bench/results/brownout_burst.json
+Re-draw a plot from a saved run (seconds; runs saved before ``info`` kept the run's settings need
+their ``--load`` / ``--base-rate`` and ``--salc-period`` given again):
+  PYTHONPATH=. .venv/bin/python bench/brownout_burst.py --replot bench/results/brownout_burst.json \\
+      --load 0.45 --png docs/brownout_burst.png
 """
 
 from __future__ import annotations
@@ -243,10 +247,22 @@ def plot(results: dict, path: str, slo_ttft: float, slo_tpot: float, burst_at: f
     for ax in axes:
         ax.axvline(burst_at, color="gray", ls=":", lw=1)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
-    axes[0].set_title(f"jaxmoe serve, demo model{setting}: request rate doubles at the dotted line", fontsize=10)
+    axes[0].set_title(
+        "P90 latency and brownout threshold in a traffic burst, without brownout and with SALC\n"
+        f"jaxmoe serve, demo model{setting}; the request rate doubles at the dotted line",
+        fontsize=10,
+    )
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def _setting(info: dict) -> str:
+    """The run's settings for the plot's title: its base rate (a share of the measured capacity, or
+    fixed) and SALC period."""
+    arg = info.get("base_rate_arg", "auto")
+    rate = f"load {float(info['load']):g} of capacity" if arg == "auto" else f"{float(arg):g} req/s"
+    return f" ({rate}, SALC period {float(info['salc_period']):g} s)"
 
 
 def perplexity(model: str, threshold: float | None, max_tokens: int) -> float:
@@ -259,7 +275,8 @@ def perplexity(model: str, threshold: float | None, max_tokens: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--united", required=True, help="a model directory with united experts (jaxmoe unite)")
+    ap.add_argument("--united", help="a model directory with united experts (jaxmoe unite); required unless --replot")
+    ap.add_argument("--replot", help="only re-draw --png from this saved --out JSON")
     ap.add_argument("--duration", type=float, default=90.0, help="seconds of trace per run")
     ap.add_argument("--base-rate", default="auto", help="req/s before the burst, or auto")
     ap.add_argument("--load", type=float, default=0.8, help="auto base rate = this x measured capacity")
@@ -278,6 +295,15 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also write everything as JSON here")
     ap.add_argument("--logs", default="/tmp/brownout_burst")
     args = ap.parse_args()
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        info = {**vars(args), "base_rate_arg": args.base_rate, **saved["info"]}  # saved settings win
+        burst_at = 0.3 * float(info["duration"])
+        plot(saved["results"], args.png, info["slo_ttft"], info["slo_tpot"], burst_at, _setting(info))
+        print(f"plot: {args.png}")
+        return 0
+    if not args.united:
+        ap.error("--united is required (or --replot)")
 
     from bench.brownout_quality import heldout_prompts
 
@@ -286,7 +312,8 @@ def main() -> int:
     prompts = heldout_prompts(64, args.prompt_len, 0)
     common = ["--max-num-seqs", str(args.max_num_seqs), "--max-batch-tokens", "512", "--dtype", "float32"]
     results: dict = {}
-    info: dict = {}
+    info: dict = {k: getattr(args, k) for k in ("duration", "load", "salc_period")}
+    info["base_rate_arg"] = args.base_rate
     for mode in ("off", "salc"):
         if mode == "off":
             server = Server(["--model", "demo", *common], logs / "off.log")
@@ -321,8 +348,7 @@ def main() -> int:
     info["ppl_at_mean_threshold"] = perplexity(args.united, mean_t, args.ppl_tokens)
     info["mean_threshold_after_burst"] = mean_t
     info["min_threshold"] = min((v for _, v in results["salc"]["thresholds"]), default=1.0)
-    setting = f" (load {args.load:g} of capacity, SALC period {args.salc_period:g} s)"
-    plot(results, args.png, info["slo_ttft"], info["slo_tpot"], burst_at, setting)
+    plot(results, args.png, info["slo_ttft"], info["slo_tpot"], burst_at, _setting(info))
     n = len(info["trace"])
     print(
         f"\ntrace: {n} requests over {args.duration:.0f} s, {info['base_rate']:.2f} req/s then "

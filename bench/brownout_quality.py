@@ -23,7 +23,7 @@ Threshold 1 rows are the check that zero brownout is the model itself (perplexit
 agreement 1.0).
 
 Run (from the repository root):
-  PYTHONPATH=. .venv/bin/python bench/brownout_quality.py --root /work/runs/brownout \\
+  PYTHONPATH=. .venv/bin/python bench/brownout_quality.py --root RUNS \\
       --out bench/results/brownout_quality.json
 """
 

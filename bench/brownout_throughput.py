@@ -16,7 +16,7 @@ AEBS). Workload: ``--batch`` held-out prompts of ``--prompt-len`` tokens, greedy
   (``activated_experts()``) in an untimed run; the original model reads at most 8 per layer.
 
 Run (from the repository root; needs the united-expert directories):
-  PYTHONPATH=. .venv/bin/python bench/brownout_throughput.py --root /work/runs/brownout --mesh meshes/cpu-8.yaml
+  PYTHONPATH=. .venv/bin/python bench/brownout_throughput.py --root RUNS --mesh meshes/cpu-8.yaml
 """
 
 from __future__ import annotations

@@ -321,7 +321,8 @@ def timeline(args, run, profile, rows, seq, layers):
         }
         for e in events
     ]
-    plot_timelines(pred, measured, args.plot, f"one MoE layer, {p.order} r1={p.r1} r2={p.r2}, CPU mesh")
+    title = f"One MoE layer's tasks per stream, predicted vs measured ({p.order} r1={p.r1} r2={p.r2}, CPU mesh)"
+    plot_timelines(pred, measured, args.plot, title)
     print(f"\ntimeline of layer {layer} written to {args.plot}")
 
 

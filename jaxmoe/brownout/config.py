@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 
 class BrownoutError(ValueError):
@@ -140,54 +143,46 @@ class BrownoutSettings:
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-# the mesh file's ``brownout:`` keys -> (BrownoutSettings field, check_salc name, scale to the field's
-# unit); threshold, use_full_brownout and salc are checked on their own
-_MESH_NUMBERS = {
-    "slo_ttft_ms": ("slo_ttft_s", "slo_ttft_ms", 1e-3),
-    "slo_tpot_ms": ("slo_tpot_s", "slo_tpot_ms", 1e-3),
-    "tw": ("window_s", "window", 1.0),
-    "warning_factor": ("warning_factor", "warning_factor", 1.0),
-    "increment": ("increment", "increment", 1.0),
-    "shrink_ratio": ("shrink_ratio", "shrink_ratio", 1.0),
-    "period": ("period_s", "period", 1.0),
-}
-MESH_KEYS = ("salc", "threshold", "use_full_brownout", *_MESH_NUMBERS)
+def _salc(name: str, scale: float = 1.0):
+    """A SALC number checked by ``check_salc`` (as the flags are), times ``scale`` (to seconds)."""
+
+    def check(value):
+        check_salc(**{name: value})
+        return value
+
+    return Annotated[float, BeforeValidator(check), AfterValidator(lambda value: value * scale)]
+
+
+class MeshSection(BaseModel):
+    """The mesh file's ``brownout:`` section (keys as written: SLOs in ms, ``tw`` and ``period`` in s) as
+    ``BrownoutSettings`` fields; a key left out keeps its default there, an explicit null is refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    salc: bool = None
+    threshold: Annotated[float, BeforeValidator(check_threshold)] = None
+    use_full_brownout: bool = None
+    slo_ttft_s: _salc("slo_ttft_ms", 1e-3) = Field(None, alias="slo_ttft_ms")
+    slo_tpot_s: _salc("slo_tpot_ms", 1e-3) = Field(None, alias="slo_tpot_ms")
+    window_s: _salc("window") = Field(None, alias="tw")
+    warning_factor: _salc("warning_factor") = None
+    increment: _salc("increment") = None
+    shrink_ratio: _salc("shrink_ratio") = None
+    period_s: _salc("period") = Field(None, alias="period")
 
 
 def settings_from_mesh(section, src: str = "<dict>") -> BrownoutSettings:
     """A mesh file's ``brownout:`` section (``ClusterSpec.brownout``, handed over as written) as
     ``BrownoutSettings``; a ``MeshConfigError`` names the file, the field and the value otherwise."""
     from jaxmoe.mesh import MeshConfigError
+    from jaxmoe.mesh_file import one_line
 
-    def err(field: str, msg: str) -> MeshConfigError:
-        return MeshConfigError(f"{src}: brownout{'.' + field if field else ''}: {msg}")
-
-    if not isinstance(section, dict):
-        raise err("", f"expected a mapping, got {type(section).__name__}")
-    for key in section:
-        if key not in MESH_KEYS:
-            raise err(str(key), f"unknown key (expected one of: {', '.join(MESH_KEYS)})")
-    fields: dict = {}
-    for key in ("salc", "use_full_brownout"):
-        if key in section:
-            if not isinstance(section[key], bool):
-                raise err(key, f"expected true or false, got {section[key]!r}")
-            fields[key] = section[key]
-    if "threshold" in section:
-        try:
-            fields["threshold"] = check_threshold(section["threshold"])
-        except BrownoutError as exc:
-            raise err("threshold", str(exc)) from None
-    for key, (name, check_name, scale) in _MESH_NUMBERS.items():
-        if key in section:
-            try:
-                check_salc(**{check_name: section[key]})
-            except BrownoutError as exc:
-                raise err(key, str(exc)) from None
-            fields[name] = section[key] * scale
-    if fields.get("salc") and "slo_ttft_s" not in fields and "slo_tpot_s" not in fields:
-        raise err("salc", "SALC needs an SLO: give slo_ttft_ms and/or slo_tpot_ms")
-    return BrownoutSettings(**fields)
+    try:
+        section = MeshSection.model_validate(section)
+    except ValidationError as exc:
+        raise one_line(exc, src, MeshSection, "brownout") from None
+    if section.salc and section.slo_ttft_s is None and section.slo_tpot_s is None:
+        raise MeshConfigError(f"{src}: brownout.salc: SALC needs an SLO: give slo_ttft_ms and/or slo_tpot_ms")
+    return BrownoutSettings(**section.model_dump(exclude_unset=True))
 
 
 def mesh_brownout(mesh) -> BrownoutSettings | None:

@@ -357,7 +357,7 @@ def plot_profile(profile: Profile, path):
         import matplotlib.pyplot as plt
     except ImportError:
         raise ProfileError("plotting needs matplotlib: pip install 'jaxmoe[plot]'") from None
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
     st = profile.stages
     pts = {k: np.asarray(v) for k, v in profile.samples.items()}
     ax = axes[0]
@@ -367,8 +367,7 @@ def plot_profile(profile: Profile, path):
         sel = sel[np.argsort(sel[:, 0])]
         ax.plot(sel[:, 0], sel[:, 2] * 1e3, "o", label=f"measured, attended {ctx}")
         ax.plot(sel[:, 0], [st.attention(x, x * ctx) * 1e3 for x in sel[:, 0]], "-", color=ax.lines[-1].get_color())
-    ax.set(title=f"attention  R²={st.attention.r2:.3f}", xlabel="tokens per instance", ylabel="ms")
-    ax.legend(fontsize=7)
+    ax.set(title=f"attention  R²={st.attention.r2:.3f}", xlabel="tokens per instance", ylabel="time (ms)")
     for ax, stage, label in ((axes[1], "expert", "tokens per step"), (axes[2], "a2e", "bytes per instance")):
         p = pts[stage][np.argsort(pts[stage][:, 0])]
         model = getattr(st, stage)
@@ -379,10 +378,15 @@ def plot_profile(profile: Profile, path):
             q = pts["e2a"][np.argsort(pts["e2a"][:, 0])]
             ax.plot(q[:, 0], q[:, 1] * 1e3, "s", label="e2a measured")
             ax.plot(q[:, 0], [st.e2a(x) * 1e3 for x in q[:, 0]], "--", label=f"e2a fit R²={st.e2a.r2:.3f}")
-        ax.set(title=stage if stage == "expert" else "a2e / e2a", xlabel=label, ylabel="ms")
-        ax.legend(fontsize=7)
-    fig.suptitle(f"{profile.model} on {profile.mesh} ({profile.dtype}, {profile.device})", fontsize=9)
+        ax.set(title=stage if stage == "expert" else "a2e / e2a", xlabel=label, ylabel="time (ms)")
+    for ax in axes:  # below the panels: over no data
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
+    fig.suptitle(
+        f"Stage times measured on {profile.mesh} (points) against the fitted stage models (lines)\n"
+        f"{profile.model} ({profile.dtype}, {profile.device})",
+        fontsize=9,
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

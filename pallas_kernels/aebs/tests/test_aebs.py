@@ -1,6 +1,6 @@
 """Tests for pallas_kernels.aebs: kernel == reference, validity, edge cases, aebs_plus.
 
-Run: /work/main/.venv/bin/python -m pytest pallas_kernels/aebs/tests -q
+Run: python -m pytest pallas_kernels/aebs/tests -q
 (interpret mode on CPU; shapes are shared across cases to limit recompiles).
 """
 
