@@ -44,6 +44,10 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes (BOS and EOS: none)."""
+        return [bytes((i,)) for i in range(256)] + [b"", b""]
+
     def decode_stream(self):
         """An incremental decoder: ``.step(token_id)`` -> the new text, or None while a UTF-8
         character is incomplete."""
@@ -74,6 +78,11 @@ class HFTokenizer:
         self.chat_template = template
         self._special = {"bos_token": _content(conf.get("bos_token")), "eos_token": _content(conf.get("eos_token"))}
         self.vocab_size = self._tok.get_vocab_size()
+
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` underneath (its ``to_str()`` is the tokenizer.json)."""
+        return self._tok
 
     def _token_id(self, token) -> int | None:
         token = _content(token)
