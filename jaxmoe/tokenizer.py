@@ -53,8 +53,10 @@ class ByteTokenizer:
         character is incomplete."""
         return _ByteStream()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
+        """``<|role|>`` lines; ``tools`` (OpenAI's JSON) first, as a ``<|tools|>`` turn of one JSON list."""
+        text = f"<|tools|>\n{json.dumps(tools)}\n" if tools else ""
+        text += "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
@@ -102,14 +104,17 @@ class HFTokenizer:
         new text, or None while it waits for the rest of a character."""
         return _HFStream(self._tok)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
+        """The conversation through the checkpoint's template; ``tools`` (OpenAI's JSON) reach it
+        as transformers passes them (``tools=``), when given."""
         if not self.chat_template:
             raise ValueError("this checkpoint's tokenizer has no chat template")
         env = _Sandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         try:
+            extra = {"tools": tools} if tools else {}
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special
+                messages=messages, add_generation_prompt=add_generation_prompt, **extra, **self._special
             )
         except SecurityError as e:
             raise ChatTemplateError(
