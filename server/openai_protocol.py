@@ -67,14 +67,8 @@ class JsonSchemaFormat(BaseModel):
 
     name: Annotated[Text, Field(max_length=64)] | None = None
     description: Text | None = None
-    schema_: dict | None = Field(default=None, alias="schema")
+    schema_: dict = Field(alias="schema")
     strict: StrictBool | None = None
-
-    @model_validator(mode="after")
-    def _has_schema(self):
-        if self.schema_ is None:
-            raise ValueError("schema: a json_schema response_format needs its JSON schema")
-        return self
 
 
 class ResponseFormat(BaseModel):
