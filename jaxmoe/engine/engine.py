@@ -148,8 +148,8 @@ class LLMEngine:
         if sampling.structured_outputs is not None:
             try:
                 grammar = self.grammars.grammar(sampling.structured_outputs)
-            except ValueError as e:
-                raise SamplingParamsError(sampling.structured_outputs.param, str(e)) from None
+            except Exception as e:  # llguidance refused the grammar, or this tokenizer
+                raise SamplingParamsError(sampling.structured_outputs.param, str(e).split("\n")[0]) from None
         seq = Sequence(request_id, prompt_ids, sampling, Priority.parse(priority), cache_salt=cache_salt)
         seq.use_prefix_cache = sampling.prompt_logprobs is None  # prompt logprobs need every position computed
         self.scheduler.add(seq)
