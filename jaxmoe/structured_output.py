@@ -103,7 +103,10 @@ class Grammar:
         import numpy as np
 
         words = np.zeros(self.width, np.int32)
-        self._m.unsafe_compute_mask_ptr(words.ctypes.data, 4 * self._words)
+        try:
+            self._m.unsafe_compute_mask_ptr(words.ctypes.data, 4 * self._words)
+        except Exception:  # nothing allowed: ``accept`` then fails this request alone, with the matcher's error
+            words[:] = 0
         return words
 
     def accept(self, token: int) -> None:
