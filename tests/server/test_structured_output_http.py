@@ -117,6 +117,10 @@ def test_json_object_and_guided_fields(server):
         server, "/v1/completions", {"prompt": "x", "max_tokens": 8, "structured_outputs": {"choice": ["yes", "no"]}}
     )
     assert status == 200 and r["choices"][0]["text"] in ("yes", "no"), r
+    for grammar in ('start: "a" ("b" | "c") NUM\nNUM: /[0-9]/', 'root ::= "a" ("b" | "c") [0-9]'):  # Lark, GBNF
+        status, r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 8, "guided_grammar": grammar})
+        text = r["choices"][0]["text"]
+        assert status == 200 and len(text) == 3 and text[:2] in ("ab", "ac") and text[2].isdigit(), r
 
 
 def test_plain_requests_are_unchanged_beside_structured_ones(server):
