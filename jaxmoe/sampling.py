@@ -10,7 +10,9 @@ batch that does not use it does not pay for it). Logit bias and penalties are ``
 small program of its own that a step runs before ``sample`` only when one of its rows asks for one
 (``SamplingParams.adjusts_logits``): it takes each row's token history (prompt + output ids, padded
 to a fixed width so one program serves every step of a batch size) and counts the tokens on the
-device. Logprobs are those of the model's own distribution (before bias, penalties and
+device. Structured output (``structured_outputs``: ``jaxmoe.structured_output``) is ``mask_logits``,
+another small program run only in steps where a row has a grammar: it keeps the tokens of each
+row's bitmask of allowed tokens. Logprobs are those of the model's own distribution (before bias, penalties and
 temperature), as vLLM's default.
 """
 
@@ -22,6 +24,8 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+
+from jaxmoe.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -58,7 +62,8 @@ class SamplingParams:
     (once, or per occurrence); ``repetition_penalty`` > 0 divides positive (multiplies negative)
     logits of tokens in the prompt or the output (1 = off). ``min_p`` in [0, 1] drops tokens less
     likely than min_p times the most likely one. ``logit_bias``: {token id: bias in [-100, 100]}
-    added to the logits."""
+    added to the logits. ``structured_outputs``: what the output must match (a JSON schema, any
+    JSON object, a regex, a choice, a grammar: ``jaxmoe.structured_output``), as vLLM's."""
 
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
@@ -77,6 +82,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         stop = self.stop
@@ -101,8 +107,8 @@ class SamplingParams:
         self.validate()
 
     def __hash__(self):  # logit_bias is a dict: hash its items
-        fields = dataclasses.astuple(dataclasses.replace(self, logit_bias=None))
-        return hash((fields, tuple(sorted((self.logit_bias or {}).items()))))
+        fields = dataclasses.astuple(dataclasses.replace(self, logit_bias=None, structured_outputs=None))
+        return hash((fields, tuple(sorted((self.logit_bias or {}).items())), self.structured_outputs))
 
     def validate(self) -> None:
         """Raise ``SamplingParamsError`` naming the first field of a wrong type or out of range."""
@@ -143,6 +149,16 @@ class SamplingParams:
             for t, b in self.logit_bias.items():
                 _int_in(f"logit_bias[{t!r}]", t, 0, TOP_K_LIMIT)
                 _real_in(f"logit_bias[{t}]", b, -100.0, 100.0)
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise SamplingParamsError(
+                    "structured_outputs", f"must be a StructuredOutputsParams, got {type(so).__name__}"
+                )
+            try:
+                so.validate()
+            except ValueError as e:
+                raise SamplingParamsError(so.param, str(e)) from None
 
     @property
     def adjusts_logits(self) -> bool:
@@ -295,3 +311,13 @@ def adjust_logits(logits, presence, frequency, repetition, history, num_prompt, 
     rep = repetition[:, None]
     adjusted = jnp.where(seen, jnp.where(adjusted > 0, adjusted / rep, adjusted * rep), adjusted)
     return adjusted - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+@jax.jit
+def mask_logits(logits, allowed):
+    """Keep, in each row of ``logits`` [B, V], the tokens whose bit is set in ``allowed`` [B, W]
+    int32 (bit ``t % 32`` of word ``t // 32``; rows without a grammar: every bit set); the others
+    become -inf. Structured output's program, run before ``sample`` only in steps that need it."""
+    ids = jnp.arange(logits.shape[-1])
+    keep = (jnp.take(allowed, ids // 32, axis=1) >> (ids % 32)) & 1
+    return jnp.where(keep.astype(jnp.bool_), logits, -jnp.inf).astype(logits.dtype)

@@ -44,13 +44,19 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes (BOS and EOS: none)."""
+        return [bytes((i,)) for i in range(256)] + [b"", b""]
+
     def decode_stream(self):
         """An incremental decoder: ``.step(token_id)`` -> the new text, or None while a UTF-8
         character is incomplete."""
         return _ByteStream()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
+        """``<|role|>`` lines; ``tools`` (OpenAI's JSON) first, as a ``<|tools|>`` turn of one JSON list."""
+        text = f"<|tools|>\n{json.dumps(tools)}\n" if tools else ""
+        text += "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
@@ -75,6 +81,11 @@ class HFTokenizer:
         self._special = {"bos_token": _content(conf.get("bos_token")), "eos_token": _content(conf.get("eos_token"))}
         self.vocab_size = self._tok.get_vocab_size()
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` underneath (its ``to_str()`` is the tokenizer.json)."""
+        return self._tok
+
     def _token_id(self, token) -> int | None:
         token = _content(token)
         return None if token is None else self._tok.token_to_id(token)
@@ -93,14 +104,17 @@ class HFTokenizer:
         new text, or None while it waits for the rest of a character."""
         return _HFStream(self._tok)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
+        """The conversation through the checkpoint's template; ``tools`` (OpenAI's JSON) reach it
+        as transformers passes them (``tools=``), when given."""
         if not self.chat_template:
             raise ValueError("this checkpoint's tokenizer has no chat template")
         env = _Sandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         try:
+            extra = {"tools": tools} if tools else {}
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special
+                messages=messages, add_generation_prompt=add_generation_prompt, **extra, **self._special
             )
         except SecurityError as e:
             raise ChatTemplateError(

@@ -6,6 +6,8 @@ Endpoints: ``POST /v1/completions`` (one prompt or a list of them, one choice ea
 ``POST /tokenize`` / ``POST /detokenize`` / ``GET /version``, the Prometheus
 ``GET /metrics`` and the OpenAPI schema ``GET /openapi.json`` (generated from the request models).
 Request bodies are validated by strict pydantic models (``jaxmoe.server.openai_protocol``).
+Structured output (``response_format``, vLLM's ``guided_*``) and chat's ``tools`` / ``tool_choice``:
+``openai_protocol`` and ``tool_calls``.
 Extension: ``"priority": "ls" | "be"`` in the body, or an ``X-Priority`` header (the body wins);
 ``top_k``, ``stop_token_ids``, ``ignore_eos`` and ``cache_salt`` (requests share cached prefix KV only
 with requests of the same salt) as in vLLM; ``usage.prompt_tokens_details.cached_tokens`` counts the
@@ -42,7 +44,7 @@ from jaxmoe.server import openai_protocol as protocol
 from jaxmoe.server.http_body import BodyGuard
 from jaxmoe.server.http_errors import ApiError, ErrorResponse, bad, error_response, install_error_handlers
 from jaxmoe.server.layout import current_layout
-from jaxmoe.server.prompts import PromptPreparer, PromptTooLong
+from jaxmoe.server.prompts import PromptPreparer, PromptTooLong, ToolsNotRendered
 from jaxmoe.server.openai_format import ChatFormat, CompletionFormat, merge_final, total_usage
 from jaxmoe.server.request_log import log_request
 
@@ -210,7 +212,10 @@ class OpenAIServer:
         try:
             if chat:
                 sampling = req.to_sampling(self.engine.engine.max_model_len, self.engine.engine.sampling_defaults)
-                prompts = [await self.prompts.chat_ids(req.conversation())]
+                mode = req.tool_mode
+                tools = mode.rendered() if mode is not None else None
+                auto = mode is not None and not mode.forced
+                prompts = [await self.prompts.chat_ids(req.conversation(), tools=tools, tools_must_show=auto)]
             else:
                 sampling = req.to_sampling(self.engine.engine.sampling_defaults)
                 texts = req.prompts()
@@ -220,6 +225,8 @@ class OpenAIServer:
                 prompts = [await self.prompts.prompt_ids(p, _prompt_param(texts, i)) for i, p in enumerate(texts)]
         except PromptTooLong as e:
             raise bad(str(e), e.param) from None
+        except ToolsNotRendered as e:
+            raise bad(str(e), "tool_choice") from None
         except SamplingParamsError as e:
             raise bad(str(e), e.param) from None
         except (ValueError, TemplateError) as e:  # chat template errors
@@ -267,7 +274,7 @@ class OpenAIServer:
             return error_response(e, {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None)
         rid = streams[0].request_id
         fmts = [
-            ChatFormat(self, rid, i) if chat else CompletionFormat(self, rid, i, echo=req.echo)
+            ChatFormat(self, rid, i, req.tool_mode) if chat else CompletionFormat(self, rid, i, echo=req.echo)
             for i in range(len(streams))
         ]
         per_prompt = sampling.num_sequences
@@ -318,7 +325,9 @@ class OpenAIServer:
                         or (out.logprobs and out.delta_token_ids)
                         or _echo_ready(fmts[i], out)
                     ):
-                        yield _sse(fmts[i].chunk(out))
+                        chunk = fmts[i].chunk(out)
+                        if chunk is not None:  # None: held back (a tool call is sent whole at the end)
+                            yield _sse(chunk)
             except EngineStepError as e:
                 code = "timeout" if isinstance(e, RequestTimeoutError) else "internal_error"
                 status = 504 if code == "timeout" else 500

@@ -163,13 +163,23 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    """``chat.completion`` / ``chat.completion.chunk`` objects."""
+    """``chat.completion`` / ``chat.completion.chunk`` objects. With tools in play (``tools``, a
+    ``server.tool_calls.ToolMode``) the reply's calls are read from the finished text: streamed,
+    the text is held back and sent in the last chunk, with the calls as ``delta.tool_calls``."""
 
     pending = False
 
-    def __init__(self, server: Server, rid: str, index: int = 0):
+    def __init__(self, server: Server, rid: str, index: int = 0, tools=None):
         self.server, self.rid, self.index, self.created = server, rid, index, int(time.time())
         self.tok = server.tokenizer
+        self.tools = tools
+
+    def _message(self, out: RequestOutput) -> tuple[dict, str | None]:
+        """(the reply's message, its finish_reason): tool calls when the text holds them."""
+        content, calls = (out.text, []) if self.tools is None else self.tools.parse(out.text)
+        if not calls:
+            return {"role": "assistant", "content": out.text}, out.finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     def _base(self, obj_type, choices, usage=None):
         obj = {
@@ -214,6 +224,8 @@ class ChatFormat:
         ]
 
     def chunk(self, out: RequestOutput):
+        if self.tools is not None:
+            return self._tool_chunk(out)
         delta = {"content": out.delta_text} if out.delta_text else {}
         return self._base(
             "chat.completion.chunk",
@@ -227,18 +239,32 @@ class ChatFormat:
             ],
         )
 
+    def _tool_chunk(self, out: RequestOutput):
+        """Streamed with tools: nothing until the end, then the whole reply in one chunk."""
+        if not out.finished:
+            return None
+        message, reason = self._message(out)
+        delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(delta["tool_calls"])]
+        return self._base(
+            "chat.completion.chunk",
+            [{"index": self.index, "delta": delta, "logprobs": self._logprobs(out, False), "finish_reason": reason}],
+        )
+
     def usage_chunk(self, usage: dict):
         return self._base("chat.completion.chunk", [], usage)
 
     def final(self, out: RequestOutput):
+        message, reason = self._message(out)
         return self._base(
             "chat.completion",
             [
                 {
                     "index": self.index,
-                    "message": {"role": "assistant", "content": out.text},
+                    "message": message,
                     "logprobs": self._logprobs(out, False),
-                    "finish_reason": out.finish_reason,
+                    "finish_reason": reason,
                 }
             ],
             total_usage([out]),

@@ -5,17 +5,21 @@ Strict: a field of the wrong JSON type is refused, never coerced (``"stream": "f
 ``"max_tokens": true``, ``"seed": 1.5`` are 400s naming the field). Sampling fields: the OpenAI
 API's (``n``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` with token ids as string
 keys, completions' ``best_of``) and vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``). Fields the OpenAI API defines that jaxmoe does not implement
-are refused when set to a value that would change the output (``suffix``, ``response_format``
-other than text, ``tools``, ``tool_choice`` other than none, vLLM's ``guided_*``), a 400 naming the
-field, never silently ignored; other unknown fields
-are ignored, as the OpenAI API and vLLM do. Unset temperature / top_p / top_k come from the
+``stop_token_ids``, ``ignore_eos``). Structured output: ``response_format`` (``json_object``,
+``json_schema``) and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar`` / ``structured_outputs`` become ``SamplingParams.structured_outputs`` (at most
+one of them per request); chat's ``tools`` / ``tool_choice`` are ``ChatCompletionRequest.tool_mode``
+(``server.tool_calls``). Fields the OpenAI API defines that jaxmoe does not implement are refused
+when set to a value that would change the output (``suffix``, ``functions``, ``audio``, ...), a 400
+naming the field, never silently ignored; other unknown fields are ignored, as the OpenAI API and
+vLLM do. Unset temperature / top_p / top_k come from the
 checkpoint's ``generation_config.json`` (when it sets ``do_sample``), else greedy: the one default
 every front end shares (docs/serving.md); completions' ``max_tokens`` defaults to 16.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -32,6 +36,8 @@ from pydantic import (
 )
 
 from jaxmoe.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from jaxmoe.server.tool_calls import ToolChoice, ToolMode, Tools, tool_mode
+from jaxmoe.structured_output import StructuredOutputsParams
 
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_MESSAGES = 1024
@@ -54,6 +60,59 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Annotated[Text, Field(max_length=64)] | None = None
+    description: Text | None = None
+    schema_: dict = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object``, ``json_schema``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('json_schema: {"type": "json_schema"} needs a json_schema object with its schema')
+        return self
+
+
+class GuidedOptions(BaseModel):
+    """vLLM's ``structured_outputs`` body field: one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+
+
+STRUCTURE_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+def _structures(name: str, value) -> bool:
+    """Whether a structured-output field is set to something that constrains the output."""
+    if name == "response_format":
+        return value is not None and value.type != "text"
+    return value is not None
 
 
 class _Common(BaseModel):
@@ -81,27 +140,47 @@ class _Common(BaseModel):
     # extension (vLLM): requests share cached prefix KV only with requests of the same salt
     cache_salt: Annotated[Text, Field(min_length=1, max_length=1024)] | None = None
     user: Text | None = None
-    # fields that would change the output and are not implemented: refused (400 naming the field)
-    # rather than silently ignored, unless set to their no-op value
-    response_format: Any = None
-    guided_json: Any = None  # vLLM's structured-output extras
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
+    # structured output (``structured``): OpenAI's response_format, vLLM's guided_* / structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: GuidedOptions | None = None
 
     @model_validator(mode="after")
-    def _not_implemented(self):
-        rf = self.response_format
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            raise ValueError(
-                "response_format: structured output (json_object, json_schema) is not supported by this server; "
-                'omit it or send {"type": "text"}'
-            )
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}: structured output is not supported by this server")
+    def _one_structure(self):
+        given = [name for name in STRUCTURE_FIELDS if _structures(name, getattr(self, name))]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give at most one of {', '.join(given)} (each constrains the output)")
         return self
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """What the output must match (None: free text); checked by ``SamplingParams``."""
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True, param="response_format")
+        if rf is not None and rf.type == "json_schema":
+            return StructuredOutputsParams(json=rf.json_schema.schema_, param="response_format")
+        if self.guided_json is not None:
+            return StructuredOutputsParams(json=self.guided_json, param="guided_json")
+        if self.guided_regex is not None:
+            return StructuredOutputsParams(regex=self.guided_regex, param="guided_regex")
+        if self.guided_choice is not None:
+            return StructuredOutputsParams(choice=tuple(self.guided_choice), param="guided_choice")
+        if self.guided_grammar is not None:
+            return StructuredOutputsParams(grammar=self.guided_grammar, param="guided_grammar")
+        so = self.structured_outputs
+        if so is not None:
+            return StructuredOutputsParams(
+                json=so.json_,
+                regex=so.regex,
+                choice=so.choice and tuple(so.choice),
+                grammar=so.grammar,
+                json_object=so.json_object,
+                param="structured_outputs",
+            )
+        return None
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -120,12 +199,15 @@ class _Common(BaseModel):
         prompt_logprobs: int | None = None,
         best_of: int | None = None,
         defaults: dict | None = None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The shared validator (``SamplingParams``); temperature, top_p and top_k the request leaves
-        unset take ``defaults`` (the checkpoint's generation_config), else greedy."""
+        unset take ``defaults`` (the checkpoint's generation_config), else greedy. ``structured``:
+        the output's grammar when the request's own fields do not say it (a forced tool call)."""
         stop = self.stop if self.stop is not None else ()
         defaults = defaults or {}
         return SamplingParams(
+            structured_outputs=structured if structured is not None else self.structured(),
             n=self.n,
             best_of=best_of,
             presence_penalty=self.presence_penalty or 0.0,
@@ -195,12 +277,39 @@ class TextPart(BaseModel):
     text: Text
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Text
+    arguments: Text  # JSON text, as the OpenAI API returns it
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant turn made (sent back in the conversation)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def rendered(self) -> dict:
+        """As chat templates read it: ``arguments`` as an object (what transformers' templates expect)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns
+    tool_call_id: Text | None = None  # tool turns
 
     def text(self) -> str:
         if self.content is None:
@@ -216,8 +325,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # at most one call is made per reply either way
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -226,10 +336,11 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _chat_not_implemented(self):
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by this server; omit tools")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError('tool_choice: tool calling is not supported by this server; omit it or send "none"')
+        mode = self.tool_mode
+        if mode is not None and mode.forced:
+            given = [name for name in STRUCTURE_FIELDS if _structures(name, getattr(self, name))]
+            if given:
+                raise ValueError(f"{given[0]}: cannot be combined with a forced tool call (tool_choice)")
         for name in ("functions", "function_call", "audio", "prediction"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: not supported by this server")
@@ -239,14 +350,31 @@ class ChatCompletionRequest(_Common):
 
     def to_sampling(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        mode = self.tool_mode
         return self.sampling(
             default_max_tokens if limit is None else limit,
             (self.top_logprobs or 0) if self.logprobs else None,
             defaults=defaults,
+            structured=mode.grammar() if mode is not None else None,
         )
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    @property
+    def tool_mode(self) -> ToolMode | None:
+        """How the tools are used (``server.tool_calls``); None: no tools in play."""
+        return tool_mode(self.tools, self.tool_choice)
+
+    def conversation(self) -> list[dict]:
+        out = []
+        for m in self.messages:
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = [c.rendered() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None and m.role == "tool":
+                msg["name"] = m.name
+            out.append(msg)
+        return out
 
 
 class TokenizeRequest(BaseModel):

@@ -25,6 +25,10 @@ class PromptTooLong(ValueError):
         self.param = param
 
 
+class ToolsNotRendered(ValueError):
+    """``tool_choice: "auto"`` with a chat template that does not show the tools to the model."""
+
+
 class PromptPreparer:
     def __init__(self, engine, workers: int = DEFAULT_WORKERS):
         """``engine``: the ``LLMEngine`` (its tokenizer and ``max_model_len``)."""
@@ -61,16 +65,29 @@ class PromptPreparer:
         self.check_tokens(len(ids), param)
         return ids
 
-    async def chat_ids(self, conversation: list[dict[str, str]], param: str = "messages") -> list[int]:
-        """The conversation through the chat template, tokenized; raises PromptTooLong, or the
-        template's own errors (ValueError, jinja2.TemplateError)."""
+    async def chat_ids(
+        self, conversation: list[dict], param: str = "messages", tools=None, tools_must_show: bool = False
+    ) -> list[int]:
+        """The conversation (and ``tools``, OpenAI's JSON) through the chat template, tokenized;
+        raises PromptTooLong, ToolsNotRendered (``tools_must_show`` and the template renders the
+        same text without them), or the template's own errors (ValueError, jinja2.TemplateError)."""
         self.check_chars(sum(len(m["content"]) for m in conversation), param)
-        ids = await self._run(self._chat, conversation)
+        ids = await self._run(self._chat, conversation, tools, tools_must_show)
         self.check_tokens(len(ids), param)
         return ids
 
-    def _chat(self, conversation) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    def _chat(self, conversation, tools=None, tools_must_show: bool = False) -> list[int]:
+        plain = None
+        if not tools or tools_must_show:  # a tokenizer without tool support still renders tool-less chats
+            plain = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        text = plain
+        if tools:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tools=tools)
+            if tools_must_show and text == plain:
+                raise ToolsNotRendered(
+                    "tool_choice: this checkpoint's chat template does not render tools, so the model cannot "
+                    'choose to call one ("auto"); send "required" or name a function (the call is then forced)'
+                )
         return self.tokenizer.encode(text)
 
     def close(self) -> None:

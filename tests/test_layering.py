@@ -36,6 +36,7 @@ LAYERS = {
     "jaxmoe.lazy": 1,
     "jaxmoe.compilation": 1,
     "jaxmoe.tokenizer": 1,
+    "jaxmoe.structured_output": 1,
     "jaxmoe.checkpoint": 1,
     "jaxmoe.kv_layout": 1,
     "jaxmoe.demo": 1,

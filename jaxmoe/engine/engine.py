@@ -33,6 +33,7 @@ from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
 from jaxmoe.runtime.executor import Executor
 from jaxmoe.sampling import SamplingParams, SamplingParamsError
+from jaxmoe.structured_output import Grammar, GrammarBackend
 from jaxmoe.tokenizer import Detokenizer
 
 
@@ -47,6 +48,7 @@ class _RequestState:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cumulative_logprob: float = 0.0
     detok: Detokenizer | None = None  # streaming detokenization (each token decoded once)
+    grammar: Grammar | None = None  # structured output: what the output must match
 
 
 class LLMEngine:
@@ -75,6 +77,7 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self._requests: dict[str, _RequestState] = {}
+        self.grammars = GrammarBackend(tokenizer, cfg.vocab_size, self.eos_ids)  # structured output
         self._counter = 0
         self._seeds = _unseeded_seeds()
         self.hooks: list[StepHook] = []  # run before and after every step (``add_hook``)
@@ -141,6 +144,12 @@ class LLMEngine:
         sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        grammar = None
+        if sampling.structured_outputs is not None:
+            try:
+                grammar = self.grammars.grammar(sampling.structured_outputs)
+            except Exception as e:  # llguidance refused the grammar, or this tokenizer
+                raise SamplingParamsError(sampling.structured_outputs.param, str(e).split("\n")[0]) from None
         seq = Sequence(request_id, prompt_ids, sampling, Priority.parse(priority), cache_salt=cache_salt)
         seq.use_prefix_cache = sampling.prompt_logprobs is None  # prompt logprobs need every position computed
         self.scheduler.add(seq)
@@ -152,6 +161,7 @@ class LLMEngine:
             logprobs=[] if sampling.logprobs is not None else None,
             prompt_logprobs=[None] if sampling.prompt_logprobs is not None else None,
             detok=Detokenizer(self.tokenizer),
+            grammar=grammar,
         )
         return request_id
 
@@ -230,7 +240,11 @@ class LLMEngine:
                 finished[seq.request_id] = "length"
                 continue
             try:
+                if state.grammar is not None:
+                    state.grammar.accept(s.token_id)
                 reason = self._stop_reason(state, s.token_id)
+                if reason is None and state.grammar is not None and state.grammar.done:
+                    reason = "stop"  # the output is complete: nothing more fits the grammar
             except Exception as e:  # this request's own settings broke its post-processing
                 errors[seq.request_id] = f"{type(e).__name__}: {e}"
                 continue
@@ -342,6 +356,7 @@ class LLMEngine:
             seq.num_output_tokens,
             history=seq.prompt_ids + seq.output_ids if penalized else None,
             num_prompt=len(seq.prompt_ids),
+            allowed=state.grammar.mask() if sample and state.grammar is not None else None,
         )
 
     def _stop_reason(self, state: _RequestState, token: int) -> str | None:

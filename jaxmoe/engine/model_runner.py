@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
-from jaxmoe.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, adjust_logits, sample
+from jaxmoe.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, adjust_logits, mask_logits, sample
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.runtime.executor import ExpertQueueing, LowersAhead
 
@@ -41,6 +41,7 @@ class Row:
     step: int = 0  # tokens generated so far (varies the random key)
     history: list[int] | None = None  # prompt + output ids, for penalties (``SamplingParams.adjusts_logits``)
     num_prompt: int = 0  # how many of ``history`` are the prompt
+    allowed: np.ndarray | None = None  # structured output: the tokens allowed next (packed bits, ``mask_logits``)
 
 
 @dataclasses.dataclass
@@ -123,6 +124,7 @@ class ModelRunner:
             _sampling_arrays(B),
             want_logprobs=False,
             between_layers=(lambda layer: None) if layer_by_layer else None,
+            allowed=self._allowed_array(B, self.executor.cfg.vocab_size),
         )
 
     def lower(self, rows_per_instance: int, tokens: int, sampler: bool = True) -> list[jax.stages.Lowered] | None:
@@ -137,6 +139,10 @@ class ModelRunner:
         if sampler:
             programs.append(sample.lower(logits, logits, *_sampling_arrays(B), np.bool_(False)))
             programs.append(adjust_logits.lower(logits, *self._adjusted_arrays(B)))
+            allowed = self._allowed_array(B, logits.shape[-1])
+            programs.append(mask_logits.lower(logits, allowed))
+            if logits.dtype != jnp.float32:  # after ``adjust_logits`` (float32)
+                programs.append(mask_logits.lower(jax.ShapeDtypeStruct(logits.shape, jnp.float32), allowed))
         return programs
 
     def score(self, row: Row, targets: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -204,9 +210,11 @@ class ModelRunner:
         adjusted = any(r.sampling is not None and r.sampling.adjusts_logits for r in rows)
         sampling = _sampling_arrays(B, rows, where)
         extras = self._adjusted_arrays(B, rows, where) if adjusted else None
+        masked = any(r.sampling is not None and r.allowed is not None for r in rows)
+        allowed = self._allowed_array(B, self.executor.cfg.vocab_size, rows, where) if masked else None
         want_logprobs = any(r.sampling is not None and r.sampling.logprobs is not None for r in rows)
         tokens, chosen, rank, top_ids, top_lp = self._execute(
-            tokens_in, batch, last, sampling, want_logprobs, between_layers, extras
+            tokens_in, batch, last, sampling, want_logprobs, between_layers, extras, allowed
         )
         out: list[Sampled | None] = []
         for i, r in zip(where, rows):
@@ -242,11 +250,23 @@ class ModelRunner:
                 bias_values[i, : len(s.logit_bias)] = list(s.logit_bias.values())
         return presence, frequency, repetition, history, num_prompt, bias_ids, bias_values
 
-    def _execute(self, tokens, batch, last, sampling, want_logprobs: bool, between_layers=None, extras=None):
+    def _allowed_array(self, B: int, vocab: int, rows: list[Row] = (), where=()) -> np.ndarray:
+        """What ``mask_logits`` takes: [B, ceil(vocab / 32)] packed bits, every bit set but in rows
+        with a grammar (``Row.allowed``)."""
+        allowed = np.full((B, -(-vocab // 32)), -1, np.int32)
+        for i, r in zip(where, rows):
+            if r.sampling is not None and r.allowed is not None:
+                allowed[i] = r.allowed[: allowed.shape[1]]
+        return allowed
+
+    def _execute(
+        self, tokens, batch, last, sampling, want_logprobs: bool, between_layers=None, extras=None, allowed=None
+    ):
         """The executor's forward pass, then the sampler as its own program (compiled once per batch
         size, shared by every token bucket); only the sampled tokens come back to the host.
         ``between_layers``: the executor runs layer by layer and calls it between layers. ``extras``:
-        the arguments of ``adjust_logits`` (``_adjusted_arrays``), None when no row needs it."""
+        the arguments of ``adjust_logits`` (``_adjusted_arrays``), None when no row needs it; ``allowed``
+        the tokens ``mask_logits`` keeps (``_allowed_array``), None when no row has a grammar."""
         if between_layers is None:
             logits = self.executor.forward(tokens, batch, last)
         else:
@@ -254,6 +274,8 @@ class ModelRunner:
             logits = self.executor.forward(tokens, batch, last, between_layers=between_layers)
         flag = np.bool_(want_logprobs)
         adjusted = logits if extras is None else adjust_logits(logits, *extras)
+        if allowed is not None:
+            adjusted = mask_logits(adjusted, allowed)
         result = sample(adjusted, logits, *sampling, flag)
         return jax.device_get(result)  # one host transfer for all five
 

@@ -1,5 +1,6 @@
 """vLLM's ``/tokenize``, ``/detokenize`` and ``/version``, and OpenAI fields the server does not
-implement (structured output, tools) refused with a 400 naming the field instead of ignored."""
+implement (legacy ``functions``, audio, ``suffix``) refused with a 400 naming the field instead of
+ignored (structured output and tools: test_structured_output_http.py)."""
 
 from __future__ import annotations
 
@@ -54,12 +55,11 @@ def test_tokenize_detokenize_version(server):
 @pytest.mark.parametrize(
     "path, extra, param",
     [
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
+        ("/v1/chat/completions", {"audio": {"voice": "x"}}, "audio"),
+        ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
     ],
 )
 def test_unimplemented_fields_are_refused_by_name(server, path, extra, param):

@@ -1,6 +1,6 @@
 """Warm-up covers every program serving runs: after ready, plain, sampled, logprobs, echo (with
-prompt logprobs, any prompt length), penalties, min-p and n > 1 requests compile nothing, as
-``/metrics`` shows (``jaxmoe_compiles_after_warmup``)."""
+prompt logprobs, any prompt length), penalties, min-p, n > 1 and structured-output requests compile
+nothing, as ``/metrics`` shows (``jaxmoe_compiles_after_warmup``)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ CASES = [
     {"prompt": "Hello", "max_tokens": 4, "frequency_penalty": 1.0, "logit_bias": {"65": 3}},
     {"prompt": "Hello", "max_tokens": 4, "min_p": 0.1, "temperature": 1.0, "repetition_penalty": 1.2},
     {"prompt": "Hello", "max_tokens": 4, "n": 3, "temperature": 1.0},
+    {"prompt": "Hello", "max_tokens": 4, "response_format": {"type": "json_object"}},
+    {"prompt": "Hello", "max_tokens": 4, "guided_choice": ["yes", "no"], "temperature": 1.0, "frequency_penalty": 1.0},
 ]
 
 
