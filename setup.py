@@ -36,19 +36,19 @@ def prebuild_kernels(out: pathlib.Path) -> str:
     try:
         wanted = os.environ.get("JAXMOE_PREBUILD_VARIANTS", "").strip()
         if wanted.lower() == "none":
-            return "not prebuilt: JAXMOE_PREBUILD_VARIANTS=none (they build on first use)"
+            return "C++ CPU kernels not prebuilt: JAXMOE_PREBUILD_VARIANTS=none (they build on first use)"
         spec = importlib.util.spec_from_file_location("_jaxmoe_cpu_variants", KERNELS / "cpu_variants.py")
         variants = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(variants)
         try:
             import jax
         except ImportError as e:
-            return f"not prebuilt: jax is not importable in the build environment ({e}); they build on first use"
+            return f"C++ CPU kernels not prebuilt: jax is not importable in the build environment ({e}); they build on first use"
         chosen = [v.strip() for v in wanted.split(",") if v.strip()] or None
         _, line = variants.prebuild(KERNELS, out, jax.ffi.include_dir(), jax.__version__, variants=chosen)
         return line
     except Exception as e:  # the kernels must never fail the install
-        return f"not prebuilt: {type(e).__name__}: {e} (they build on first use)"
+        return f"C++ CPU kernels not prebuilt: {type(e).__name__}: {e} (they build on first use)"
 
 
 class BuildPyWithKernels(build_py):
@@ -60,7 +60,7 @@ class BuildPyWithKernels(build_py):
             out = KERNELS / "_prebuilt"
         else:
             out = pathlib.Path(self.build_lib) / "jaxmoe" / "pallas_kernels" / "_prebuilt"
-        print(f"jaxmoe: C++ CPU kernels {prebuild_kernels(out)}", file=sys.stderr, flush=True)
+        print(f"jaxmoe: {prebuild_kernels(out)}", file=sys.stderr, flush=True)
 
 
 setup(packages=packages, package_dir=NESTED, cmdclass={"build_py": BuildPyWithKernels})

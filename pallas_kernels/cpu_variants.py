@@ -78,14 +78,23 @@ def prebuild(
     (``jobs``, default the CPU count). Never raises for a missing compiler or a failed compile:
     returns the libraries built and one line saying what happened."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return [], f"not prebuilt: the machine is {platform.machine()}, not x86-64 (they build on first use)"
+        return (
+            [],
+            f"C++ CPU kernels not prebuilt: the machine is {platform.machine()}, not x86-64 (they build on first use)",
+        )
     cxx = _compiler()
     if cxx is None:
-        return [], "not prebuilt: no C++ compiler (c++, g++ or clang++) on PATH (they build on first use)"
+        return (
+            [],
+            "C++ CPU kernels not prebuilt: no C++ compiler (c++, g++ or clang++) on PATH (they build on first use)",
+        )
     variants = list(VARIANTS) if variants is None else variants
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
-        return [], f"not prebuilt: unknown variant(s) {', '.join(unknown)} (known: {', '.join(VARIANTS)})"
+        return (
+            [],
+            f"C++ CPU kernels not prebuilt: unknown variant(s) {', '.join(unknown)} (known: {', '.join(VARIANTS)})",
+        )
     out.mkdir(parents=True, exist_ok=True)
     tasks = []
     for rel in SOURCES:

@@ -63,6 +63,22 @@ def test_the_build_hook_never_fails_for_want_of_a_compiler(monkeypatch, tmp_path
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_variants.platform, "machine", lambda: "x86_64")
     built, line = cpu_variants.prebuild(cpu_build.COMMON.parent, tmp_path, jax.ffi.include_dir(), jax.__version__)
-    assert built == [] and line.startswith("not prebuilt: no C++ compiler") and not list(tmp_path.iterdir())
+    assert (
+        built == []
+        and line.startswith("C++ CPU kernels not prebuilt: no C++ compiler")
+        and not list(tmp_path.iterdir())
+    )
     monkeypatch.setattr(cpu_variants.platform, "machine", lambda: "aarch64")
-    assert cpu_variants.prebuild(cpu_build.COMMON.parent, tmp_path, "", "")[1].startswith("not prebuilt: the machine")
+    assert cpu_variants.prebuild(cpu_build.COMMON.parent, tmp_path, "", "")[1].startswith(
+        "C++ CPU kernels not prebuilt: the machine"
+    )
+
+
+def test_a_failed_compile_is_one_line_not_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails every build
+    monkeypatch.setattr(cpu_variants.platform, "machine", lambda: "x86_64")
+    kernels = cpu_build.COMMON.parent
+    built, line = cpu_variants.prebuild(kernels, tmp_path, jax.ffi.include_dir(), jax.__version__, ["x86-64-v3"])
+    assert built == [] and line.startswith("prebuilt 0 of 2 C++ CPU kernel libraries (x86-64-v3)") and "failed" in line
+    assert not list(tmp_path.iterdir())  # nothing half-built is left
+    assert "unknown variant(s) x86-64-v9" in cpu_variants.prebuild(kernels, tmp_path, "", "", ["x86-64-v9"])[1]

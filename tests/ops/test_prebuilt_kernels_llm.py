@@ -29,7 +29,7 @@ def wheel_kernels(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("wheel")
     env = {**os.environ, "JAXMOE_PREBUILD_VARIANTS": "x86-64-v3"}
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-3000:]
     (wheel,) = out.glob("jaxmoe-*.whl")
     with zipfile.ZipFile(wheel) as z:
@@ -39,6 +39,7 @@ def wheel_kernels(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the wheel's fixture compiles two kernels (minutes on a loaded 2-core machine)
 def test_a_wheel_carries_the_prebuilt_variant_libraries(wheel_kernels):
     names = sorted(p.name for p in wheel_kernels.glob("*.so"))
     for source in (cpu_kernel.SOURCE, attention_kernel.SOURCE):
@@ -59,6 +60,7 @@ print(llm.generate([[3, 9, 27, 81]], SamplingParams(max_tokens=5, ignore_eos=Tru
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the wheel's fixture compiles two kernels (minutes on a loaded 2-core machine)
 def test_llm_runs_the_prebuilt_kernels_with_no_compiler_and_no_cache(wheel_kernels, checkpoint_dir, tmp_path):
     if not set(cpu_variants.VARIANTS["x86-64-v3"][1]) <= set(cpu_build._cpu_flags().split()):
         pytest.skip("this CPU is below x86-64-v3")
