@@ -1,8 +1,8 @@
 """The ``cpu_kernel`` implementation of the expert FFN: ``cpu/expert_ffn.cc`` as an XLA:CPU custom
-call (``jax.ffi``), built on first use with the machine's C++ compiler; and ``layer_matmul``, its
+call (``jax.ffi``), prebuilt at install time or built on first use with the machine's C++ compiler; and ``layer_matmul``, its
 tile as a matmul by one layer's matrix of a stacked weight (the model's attention projections).
 
-Built and registered by ``pallas_kernels.cpu_build`` (cached per source and machine;
+Found or built, and registered, by ``pallas_kernels.cpu_build`` (prebuilt, else cached per source and machine;
 ``JAXMOE_CPU_KERNEL=0`` turns it off); with no compiler (or a failed build) ``available()`` is False
 and says why, and ``"auto"`` picks an XLA implementation instead.
 
