@@ -17,6 +17,7 @@ or, set to ``none``, skips the prebuild.
 import importlib.util
 import os
 import pathlib
+import shutil
 import sys
 
 from setuptools import find_packages, setup
@@ -32,8 +33,10 @@ for name, folder in NESTED.items():
 
 
 def prebuild_kernels(out: pathlib.Path) -> str:
-    """Compiles the kernel variants into ``out``; returns the one line to print (never raises)."""
+    """Compiles the kernel variants into ``out`` (emptied first: no stale library from an earlier
+    build is kept); returns the one line to print (never raises)."""
     try:
+        shutil.rmtree(out, ignore_errors=True)
         wanted = os.environ.get("JAXMOE_PREBUILD_VARIANTS", "").strip()
         if wanted.lower() == "none":
             return "C++ CPU kernels not prebuilt: JAXMOE_PREBUILD_VARIANTS=none (they build on first use)"

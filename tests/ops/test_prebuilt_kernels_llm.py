@@ -91,3 +91,35 @@ def test_llm_runs_the_prebuilt_kernels_with_no_compiler_and_no_cache(wheel_kerne
     xla_impls, xla_tokens, _ = generate(JAXMOE_CPU_KERNEL="0")
     assert xla_impls["expert_ffn"].startswith("bucketed_loop") and "cpu_kernel_library" not in xla_impls
     assert tokens == xla_tokens and len(tokens) == 5
+
+
+@pytest.mark.slow
+def test_a_wheel_builds_without_a_compiler_saying_so_in_one_line(tmp_path):
+    (tmp_path / "bin").mkdir()  # PATH: nothing but an empty folder, so no c++, g++ or clang++
+    env = {**os.environ, "PATH": str(tmp_path / "bin")}
+    env.pop("CXX", None)
+    env.pop("JAXMOE_PREBUILD_VARIANTS", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-v",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(tmp_path),
+        str(ROOT),
+    ]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [
+        line.strip() for line in (run.stdout + run.stderr).splitlines() if "jaxmoe: " in line and "prebuilt" in line
+    ]
+    assert lines == [
+        "jaxmoe: C++ CPU kernels not prebuilt: no C++ compiler (c++, g++ or clang++) on PATH (they build on first use)"
+    ]
+    (wheel,) = tmp_path.glob("jaxmoe-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert "jaxmoe/pallas_kernels/cpu_build.py" in z.namelist()
+        assert not [n for n in z.namelist() if n.endswith(".so")]
