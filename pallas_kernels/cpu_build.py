@@ -1,5 +1,11 @@
-"""Builds the ops' C++ XLA:CPU custom calls (``jax.ffi``) with the machine's compiler, caches the
-libraries and registers their handlers: what every op's ``cpu_kernel`` shares.
+"""Finds or builds the ops' C++ XLA:CPU custom calls (``jax.ffi``), caches the libraries and
+registers their handlers: what every op's ``cpu_kernel`` shares.
+
+Load order: ``JAXMOE_CPU_KERNEL=0`` turns every kernel off; else the prebuilt library of the best
+x86-64 variant this CPU runs (``cpu_variants``: compiled at install time into the package's
+``_prebuilt`` folder, or the folder ``JAXMOE_PREBUILT_KERNELS`` names), if one was built from this
+source for this jax version; else the cached build; else a build now; else the XLA form, with one
+warning line. ``CppKernels.origin()`` says which library runs.
 
 Build: ``c++ -O3 -march=native`` (a kernel is tuned to the CPU it runs on) into
 ``$XDG_CACHE_HOME/jaxmoe/kernels`` (default ``~/.cache``), named by a hash of the source, the shared
@@ -27,10 +33,11 @@ import time
 
 import jax
 
+from . import cpu_variants
 from .platform import target_platform
 
 COMMON = pathlib.Path(__file__).with_name("cpu")  # common.h, included by every source
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
+FLAGS = [*cpu_variants.BASE_FLAGS[:1], "-march=native", *cpu_variants.BASE_FLAGS[1:]]
 
 
 class KernelUnavailable(RuntimeError):
@@ -40,6 +47,11 @@ class KernelUnavailable(RuntimeError):
 def cache_dir() -> pathlib.Path:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(root) / "jaxmoe" / "kernels"
+
+
+def prebuilt_dir() -> pathlib.Path:
+    """Where the install put the prebuilt libraries (``JAXMOE_PREBUILT_KERNELS`` overrides)."""
+    return pathlib.Path(os.environ.get("JAXMOE_PREBUILT_KERNELS") or pathlib.Path(__file__).with_name("_prebuilt"))
 
 
 def _cpu_flags() -> str:
@@ -72,6 +84,27 @@ class CppKernels:
         """``fallback``: what runs instead when this library is unavailable (named in the warning)."""
         self.source, self.targets, self.fallback = source, targets, fallback
         self._loaded: str | None | bool = False  # False: not tried yet; then None (loaded) or why not
+        self._origin: str | None = None  # which library was loaded (``origin()``)
+        self._built_now = False
+
+    def prebuilt(self) -> tuple[pathlib.Path, str] | None:
+        """The prebuilt library and its variant this process can load: the best variant the CPU's
+        flags allow whose library was built from this source and header for this jax version."""
+        folder = prebuilt_dir()
+        if not folder.is_dir():
+            return None
+        for variant in cpu_variants.choose(frozenset(_cpu_flags().split())):
+            name = cpu_variants.library_name(
+                COMMON.parent, self.source, variant, jax.ffi.include_dir(), jax.__version__
+            )
+            if (folder / name).is_file():
+                return folder / name, variant
+        return None
+
+    def origin(self) -> str | None:
+        """Which library runs in this process: "prebuilt <variant>", "cached build (-march=native)" or
+        "built now (-march=native)"; None while none is loaded."""
+        return self._origin if self._loaded is None else None
 
     def library_path(self) -> pathlib.Path:
         """Where the built library for this source, compiler and CPU lives (built or not)."""
@@ -90,6 +123,7 @@ class CppKernels:
         out = self.library_path()
         if out.exists():
             return out
+        self._built_now = True
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
@@ -126,10 +160,17 @@ class CppKernels:
         return self._loaded
 
     def _load(self) -> str | None:
+        found = self.prebuilt()
+        if found is not None:
+            try:
+                self._register(ctypes.cdll.LoadLibrary(str(found[0])))
+                self._origin = f"prebuilt {found[1]}"
+                return None
+            except OSError:  # an unloadable prebuilt library: build one instead, as if it were absent
+                pass
         try:
-            library = ctypes.cdll.LoadLibrary(str(self.build()))
-            for target, symbol in self.targets.items():
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+            self._register(ctypes.cdll.LoadLibrary(str(self.build())))
+            self._origin = f"{'built now' if self._built_now else 'cached build'} (-march=native)"
         except (KernelUnavailable, OSError) as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             print(
@@ -140,3 +181,7 @@ class CppKernels:
             )
             return str(e)
         return None
+
+    def _register(self, library: ctypes.CDLL) -> None:
+        for target, symbol in self.targets.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")

@@ -10,7 +10,9 @@ line and return it from ``executor.op_impls()``; the server shows it in ModelInf
 * ``aebs``: the replica scheduler's policy and form (disaggregated executor only);
 * ``paged_attention``: the C++ XLA:CPU kernel reading the KV cache in place, or the XLA form;
 * ``layer_matmul``: attention projections read in place by the CPU kernel (decode-sized rows),
-  or XLA's slice and matmul.
+  or XLA's slice and matmul;
+* ``cpu_kernel_library``: where a CPU kernel runs, which library each loaded: a prebuilt x86-64
+  variant, the cached build or one built now (``pallas_kernels.cpu_build``).
 
 A form that is not the fastest for the platform carries the reason in parentheses (the CPU
 kernels' ``unavailable_reason()``, or the setting that decided).
@@ -26,6 +28,7 @@ from jaxmoe.pallas_kernels.platform import target_platform
 
 logger = logging.getLogger("jaxmoe.runtime")
 
+LIBRARIES = {"expert_ffn": expert_kernel, "paged_attention": attention_kernel}  # each C++ kernel, by op
 _GROUPED = {"ragged_dot": "xla ragged_dot", "padded_einsum": "padded einsum", "grouped": "dispatch + batched matmul"}
 
 
@@ -85,6 +88,9 @@ def build(
         else in_place(reads_in_place, attention_kernel, "the KV cache")
     )
     impls["layer_matmul"] = in_place(reads_in_place, expert_kernel, "a layer's projection")
+    libraries = [(op, kernel.LIBRARY.origin()) for op, kernel in LIBRARIES.items()]
+    if any(origin for _, origin in libraries):
+        impls["cpu_kernel_library"] = ", ".join(f"{op}: {origin}" for op, origin in libraries if origin)
     return impls
 
 

@@ -1,10 +1,11 @@
 """The ``cpu_kernel`` implementation of the expert FFN: ``cpu/expert_ffn.cc`` as an XLA:CPU custom
-call (``jax.ffi``), built on first use with the machine's C++ compiler; and ``layer_matmul``, its
-tile as a matmul by one layer's matrix of a stacked weight (the model's attention projections).
+call (``jax.ffi``), prebuilt at install time or built on first use with the machine's C++ compiler;
+and ``layer_matmul``, its tile as a matmul by one layer's matrix of a stacked weight (the model's
+attention projections).
 
-Built and registered by ``pallas_kernels.cpu_build`` (cached per source and machine;
-``JAXMOE_CPU_KERNEL=0`` turns it off); with no compiler (or a failed build) ``available()`` is False
-and says why, and ``"auto"`` picks an XLA implementation instead.
+Found or built, and registered, by ``pallas_kernels.cpu_build`` (prebuilt, else cached per source and
+machine; ``JAXMOE_CPU_KERNEL=0`` turns it off); with no prebuilt library and no compiler (or a failed
+build) ``available()`` is False and says why, and ``"auto"`` picks an XLA implementation instead.
 
 The call reads the stacked weights in place at the layer (``ExpertWeights.layered``): no slice of
 them is copied. The monolithic executor stores them as column ``Panels`` (``panels.py``) when it

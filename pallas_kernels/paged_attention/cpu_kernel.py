@@ -1,5 +1,6 @@
 """The ``cpu_kernel`` implementation of paged attention: ``cpu/paged_attention.cc`` as an XLA:CPU
-custom call (``jax.ffi``), built and registered by ``pallas_kernels.cpu_build`` on first use.
+custom call (``jax.ffi``), prebuilt at install time or built on first use, and registered by
+``pallas_kernels.cpu_build``.
 
 It reads the KV cache stacked over layers in place at the layer (the monolithic scan's cache), each
 key and value once for the query heads that share it; XLA's form gathers every row's keys into a

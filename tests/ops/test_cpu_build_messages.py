@@ -1,4 +1,4 @@
-"""With no C++ compiler, the CPU kernels say so in one warning line naming the slower path that runs
+"""With no C++ compiler and no prebuilt library, the CPU kernels say so in one warning line naming the slower path that runs
 instead and why (once per process), and serving still works on the XLA forms."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ def test_no_compiler_is_one_warning_line_naming_the_fallback(tmp_path):
         "PATH": str(tmp_path),  # no c++, g++ or clang++
         "CXX": "",
         "XDG_CACHE_HOME": str(tmp_path / "cache"),  # no library built before
+        "JAXMOE_PREBUILT_KERNELS": str(tmp_path / "no-prebuilt"),  # and none prebuilt by the install
         "JAX_PLATFORMS": "cpu",
     }
     env.pop("JAXMOE_CPU_KERNEL", None)

@@ -1,4 +1,4 @@
-"""With no C++ compiler on PATH and no built kernel in the cache, ``LLM`` still generates (the ops'
+"""With no C++ compiler on PATH, no built kernel in the cache and no prebuilt one, ``LLM`` still generates (the ops'
 XLA forms run) and each C++ CPU kernel it would have used prints exactly one warning line on stderr
 saying which slower path runs instead and why."""
 
@@ -23,6 +23,7 @@ def test_no_compiler_one_warning_line_per_kernel_naming_the_fallback(checkpoint_
     model = checkpoint_dir("mixtral")
     (tmp_path / "bin").mkdir()  # PATH: nothing but an empty folder, so no c++, g++ or clang++
     env = {**os.environ, "PATH": str(tmp_path / "bin"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env["JAXMOE_PREBUILT_KERNELS"] = str(tmp_path / "no-prebuilt")  # none prebuilt by the install either
     env.pop("CXX", None)
     env.pop("JAXMOE_CPU_KERNEL", None)
     run = subprocess.run(
