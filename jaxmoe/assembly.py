@@ -38,6 +38,7 @@ class QLLMConfig:
     layer_preemption: bool = False  # latency-sensitive work may run between the layers of a BE step
     expert_queues: int = 0  # serve each MoE layer's experts in this many rounds (needs layer_preemption; 0: off)
     max_paused_state_bytes: int | None = None  # a step whose paused state is bigger is not paused (None: any)
+    ls_merge: bool = True  # LS work joins a paused BE step at a layer boundary (False: runs as a step of its own)
 
     def __post_init__(self):
         q = self.expert_queues
@@ -224,7 +225,7 @@ def attach_features(engine: LLMEngine, config: RuntimeConfig, salc: SALCConfig |
     if config.qllm.layer_preemption:
         from jaxmoe.qllm.layer_preemption import LayerPreemption
 
-        engine.layer_hook = LayerPreemption(config.qllm.max_paused_state_bytes)
+        engine.layer_hook = LayerPreemption(config.qllm.max_paused_state_bytes, config.qllm.ls_merge)
     if config.mesh is not None:
         from jaxmoe.janus.live_rescale import LiveRescaler
 

@@ -38,6 +38,7 @@ from jaxmoe.models.transformer import (
 )
 from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime import op_impls
+from jaxmoe.runtime.executor import RowMerge
 from jaxmoe.runtime.pause_points import PausePoints
 
 
@@ -149,6 +150,7 @@ class MonolithicExecutor:
         self.pause_every = pause_every
         self.expert_rounds = check_rounds(expert_rounds, self.num_logical_experts)
         self._queued = None  # (ids, first expert not yet served) while a step waits between expert rounds
+        self.pause_stage = None  # "layer" or "experts" while a layer-by-layer step waits at a pause point
         dtype = self.stacked["embed"].dtype
 
         def some_layers(group, x, batch, group_cache, start, state, n):  # the layer-by-layer mode
@@ -236,7 +238,8 @@ class MonolithicExecutor:
         last (``n``: the layers done); what it runs on this
         executor meanwhile (another batch, on other KV slots) does not change this step's result.
         With ``expert_rounds``, ``between_layers(n)`` is also called between the expert rounds of a
-        MoE layer (``n``: the layers done so far).
+        MoE layer (``n``: the layers done so far). At a layer boundary it may return a ``RowMerge``
+        (QLLM's merge): the logits are then those of the merged rows (``executor.MergesRows``).
         Without it: the whole model as one fused program (the fast path)."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
         state = self.routing_state
@@ -246,30 +249,80 @@ class MonolithicExecutor:
         x = self._embed(self.stacked, tokens)
         pause = PausePoints(between_layers)
         done, total = 0, self.cfg.num_layers
+        for g, j, n, queued in self._layer_steps():
+            x = self._run_layers(g, j, n, queued, x, batch, state, lambda partial: self._pause(pause, done, partial))
+            done += n
+            if done < total:
+                self.pause_stage = "layer"
+                try:
+                    merge = pause(done, x)
+                finally:
+                    self.pause_stage = None
+                if merge is not None:  # QLLM's merge: new rows catch up to this layer, then join the batch
+                    x, batch, index = self._merge(merge, x, done, state)
+        return self._head(self.stacked, x, index)
+
+    def merge_ready(self) -> bool:
+        """Whether the step now paused can take rows (``executor.MergesRows``): at a layer boundary."""
+        return self.pause_stage == "layer"
+
+    def _pause(self, pause, done: int, partial) -> None:
+        """A pause point between the expert groups of a MoE layer (rows cannot join here)."""
+        self.pause_stage = "experts"
+        try:
+            pause(done, partial)
+        finally:
+            self.pause_stage = None
+
+    def _layer_steps(self):
+        """(group, first layer in it, layers, per-expert queues) of each program of the layer-by-layer
+        mode, in order."""
         for g, group in enumerate(self.stacked["groups"]):
             size, j = jax.tree.leaves(group)[0].shape[0], 0
             while j < size:
-                if self.expert_rounds and "moe" in group:
-                    x, n = self._queued_layer(g, j, x, batch, state, lambda partial: pause(done, partial)), 1
-                else:
-                    n = min(self.pause_every, size - j)
-                    x, self.cache[g] = self._layers(group, x, batch, self.cache[g], np.int32(j), state, n)
-                j, done = j + n, done + n
-                if done < total:
-                    pause(done, x)
-        return self._head(self.stacked, x, index)
+                queued = bool(self.expert_rounds) and "moe" in group
+                n = 1 if queued else min(self.pause_every, size - j)
+                yield g, j, n, queued
+                j += n
 
-    def _queued_layer(self, g: int, j: int, x, batch: AttentionBatch, state, pause_point):
+    def _run_layers(self, g: int, j: int, n: int, queued: bool, x, batch, state, pause_point=None):
+        if queued:
+            return self._queued_layer(g, j, x, batch, state, pause_point)
+        group = self.stacked["groups"][g]
+        x, self.cache[g] = self._layers(group, x, batch, self.cache[g], np.int32(j), state, n)
+        return x
+
+    def _merge(self, merge: RowMerge, x, layers: int, state):
+        """QLLM's merge (Fig. 1b): the new rows run layers 0 .. ``layers``-1 alone (the catch-up, the
+        same per-layer programs as the step's), then the running rows and the new ones form one batch
+        (assembled on the host: no program per pair of shapes) for the remaining layers."""
+        tokens, batch, _ = self._args(merge.tokens, merge.batch, None)
+        new, done = self._embed(self.stacked, tokens), 0
+        for g, j, n, queued in self._layer_steps():
+            if done >= layers:
+                break
+            new = self._run_layers(g, j, n, queued, new, batch, state)
+            done += n
+        merged_batch = AttentionBatch(*(_int32(a) for a in merge.merged_batch))
+        index = _int32(merge.merged_index)
+        old, new = jax.device_get((x, new))
+        B, T = merged_batch.slots.shape
+        merged = np.zeros((B, T, old.shape[-1]), old.dtype)
+        merged[: merge.keep, : old.shape[1]] = old[: merge.keep]
+        merged[merge.keep : merge.keep + merge.rows, : new.shape[1]] = new[: merge.rows]
+        return jax.device_put(merged), merged_batch, index
+
+    def _queued_layer(self, g: int, j: int, x, batch: AttentionBatch, state, pause_point=None):
         """Layer ``j`` of group ``g`` with per-expert queues: attention and routing, then the expert
-        rounds with ``pause_point(partial)`` between them; the tokens' outputs join the residual stream
-        after the last round."""
+        rounds with ``pause_point(partial)`` between them (None: no pauses); the tokens' outputs join the
+        residual stream after the last round."""
         group = self.stacked["groups"][g]
         h, xn, ids, weights, partial, self.cache[g] = self._gate(group, x, batch, self.cache[g], np.int32(j), state)
         for r, (lo, hi) in enumerate(self.expert_rounds):
             partial, x = self._expert_round(
                 group, h, xn, ids, weights, partial, np.int32(j), np.int32(lo), np.int32(hi)
             )
-            if r + 1 < len(self.expert_rounds):
+            if pause_point is not None and r + 1 < len(self.expert_rounds):
                 self._queued = (ids, hi)
                 try:
                     pause_point(partial)
