@@ -335,3 +335,38 @@ class _Async:  # what the server's collector reads
         from jaxmoe.engine.stats import EngineStats
 
         return EngineStats().snapshot(self.engine, in_flight=0, step_errors=0)
+
+
+@pytest.mark.slow
+def test_a_merge_compiles_nothing_after_warm_up():
+    """The merge runs only programs warm-up compiled: the catch-up runs the new rows' own (warmed)
+    shape, the merged batch is assembled on the host and has a shape of ``plan.shapes()``."""
+    from jaxmoe.assembly import QLLMConfig, RuntimeConfig, attach_features, build_executor
+    from jaxmoe.compilation import compile_events
+    from jaxmoe.config import from_hf_config
+    from jaxmoe.demo import DEMO_HF_CONFIG, demo_params
+    from jaxmoe.engine.engine import EngineConfig, LLMEngine
+    from jaxmoe.engine.warmup import warm_up
+    from jaxmoe.tokenizer import ByteTokenizer
+
+    tiny = dict(DEMO_HF_CONFIG, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    cfg = from_hf_config(dict(tiny, num_hidden_layers=2))
+    config = RuntimeConfig(
+        engine=EngineConfig(max_num_seqs=2, max_prefill_chunk=16, max_model_len=64, num_blocks=16),
+        qllm=QLLMConfig(layer_preemption=True),
+    )
+    engine = attach_features(
+        LLMEngine(cfg, build_executor(cfg, demo_params(cfg, seed=3), config), ByteTokenizer(), config.engine), config
+    )
+    # the shapes this trace meets: prefills and decodes of 1 and 2 rows (the merged batch: 2 rows x 16)
+    warm_up(engine, [(1, 1), (2, 1), (1, 16), (2, 16)], progress=False, workers=2)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("best effort", params, "be")
+    engine.step()  # its prefill
+    before = compile_events()["programs"]
+    arrivals = ["urgent"]
+    engine.poll = lambda: arrivals and engine.add_request(arrivals.pop(), params, "ls")
+    engine.step()  # a BE decode; the LS prompt arrives after layer 1 (of 2) and joins it
+    assert engine.layer_hook.ls_merges == 1
+    engine.run_until_done(timeout=60)
+    assert compile_events()["programs"] == before
