@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 class QLLMConfig:
     """QLLM: layer-level preemption of best-effort steps, and per-expert queues."""
 
-    layer_preemption: bool = False  # latency-sensitive work may run between the layers of a BE step
+    # latency-sensitive work may join (or run between) the layers of a BE step; None: on where it was
+    # measured to cost <= 2 % when nothing preempts (the monolithic executor, not in deterministic mode)
+    layer_preemption: bool | None = None
     expert_queues: int = 0  # serve each MoE layer's experts in this many rounds (needs layer_preemption; 0: off)
     max_paused_state_bytes: int | None = None  # a step whose paused state is bigger is not paused (None: any)
     ls_merge: bool = True  # LS work joins a paused BE step at a layer boundary (False: runs as a step of its own)
@@ -44,8 +46,18 @@ class QLLMConfig:
         q = self.expert_queues
         if not isinstance(q, int) or isinstance(q, bool) or q < 0:
             raise ValueError(f"expert_queues must be a non-negative integer, got {q!r}")
-        if q and not self.layer_preemption:
-            raise ValueError("expert_queues needs layer_preemption=True (its rounds are pause points of a BE step)")
+        if q and self.layer_preemption is False:
+            raise ValueError("expert_queues needs layer_preemption (its rounds are pause points of a BE step)")
+        if self.layer_preemption not in (None, True, False):
+            raise ValueError(f"layer_preemption must be True, False or None (auto), got {self.layer_preemption!r}")
+
+    def preempts(self, config: RuntimeConfig) -> bool:
+        """Whether the engine gets layer-level preemption: as asked, else (None) on the monolithic
+        executor outside deterministic mode, where pausable steps cost <= 2 % when nothing preempts
+        (``bench/qllm.py``; BENCHMARKS.md). Deterministic mode needs every step on one program path."""
+        if self.layer_preemption is not None:
+            return self.layer_preemption
+        return bool(self.expert_queues) or (config.mesh is None and not config.engine.deterministic)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +234,7 @@ def build_engine(config: RuntimeConfig) -> LLMEngine:
 
 def attach_features(engine: LLMEngine, config: RuntimeConfig, salc: SALCConfig | None = None) -> LLMEngine:
     """Plug the features ``config`` asks for into ``engine`` (``salc``: the resolved SALC settings)."""
-    if config.qllm.layer_preemption:
+    if config.qllm.preempts(config):
         from jaxmoe.qllm.layer_preemption import LayerPreemption
 
         engine.layer_hook = LayerPreemption(config.qllm.max_paused_state_bytes, config.qllm.ls_merge)

@@ -1,6 +1,9 @@
 """QLLM's preemption below the iteration level (arXiv:2503.09304, Sec. 3.3), as the engine's layer hook.
 
-A step whose batch is all best-effort runs layer by layer (``pausable``). At each pause point
+A step whose batch is all best-effort runs layer by layer (``pausable``) where a request can arrive
+while it runs: the engine polls for arrivals (``engine.poll``: the serving loop, ``AsyncEngine``).
+Without a poll (``LLM.generate`` adds every request before the first step) nothing can arrive
+mid-step and the step stays one fused program. At each pause point
 (``between_layers``: after every ``pause_every`` layers, and between the expert rounds of a MoE layer
 with per-expert queues) the hook admits what arrived meanwhile (``engine.poll``) and asks the
 scheduling policy whether to pause there (``Scheduler.pause_at_layer``); if so, it schedules the
@@ -38,7 +41,7 @@ class LayerPreemption:
         self.expert_queue_depth: list[int] | None = None  # per expert, assignments queued at the latest expert pause
 
     def pausable(self, engine, batch) -> bool:
-        return all(s.priority is Priority.BE for s in batch.seqs)
+        return engine.poll is not None and all(s.priority is Priority.BE for s in batch.seqs)
 
     def between_layers(self, engine, layer: int) -> None:
         if engine.poll is not None:

@@ -93,6 +93,31 @@ def step_program(cfg: ModelConfig, block_size: int, impl: str, routing):
     return jax.jit(step, donate_argnums=(3,))
 
 
+def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype, in_place: bool):
+    """The layer-by-layer mode's programs, jitted (what a pausable step runs, warm-up compiles and
+    ``jaxmoe lower`` lowers): ``embed(params, tokens)``; ``layers(group, x, batch, group_cache, start,
+    state, n)``: ``n`` (static) layers of a layer group from ``start`` (traced), the cache donated;
+    ``head(params, x, logits_index)``. ``dtype``: the parameters'; ``in_place``: the expert weights
+    are read in place (``cpu_kernel``)."""
+
+    def some_layers(group, x, batch, group_cache, start, state, n):
+        def body(carry, index):
+            x, group_cache = carry
+            layer = layer_view(group, index, dtype, in_place=in_place)
+            step = layer_step(layer, cfg, x, batch, group_cache, block_size, index, routing, state, impl, in_place)
+            return step, None
+
+        (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), start + jnp.arange(n))
+        return x, group_cache
+
+    def head(params, x, logits_index):
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
+        return lm_head(params, cfg, x)
+
+    return jax.jit(embed), jax.jit(some_layers, donate_argnums=(3,), static_argnums=(6,)), jax.jit(head)
+
+
 class MonolithicExecutor:
     """Owns the parameters and the paged KV cache; ``forward`` runs one step over all layers.
 
@@ -153,16 +178,6 @@ class MonolithicExecutor:
         self.pause_stage = None  # "layer" or "experts" while a layer-by-layer step waits at a pause point
         dtype = self.stacked["embed"].dtype
 
-        def some_layers(group, x, batch, group_cache, start, state, n):  # the layer-by-layer mode
-            def body(carry, index):
-                x, group_cache = carry
-                layer = layer_view(group, index, dtype, in_place=in_place)
-                step = layer_step(layer, cfg, x, batch, group_cache, block_size, index, routing, state, impl, in_place)
-                return step, None
-
-            (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), start + jnp.arange(n))
-            return x, group_cache
-
         def gate(group, x, batch, group_cache, index, state):  # expert rounds: attention side + routing
             layer = layer_view(group, index, dtype, in_place=in_place)
             h, xn, group_cache = attention_side(layer, cfg, x, batch, group_cache, block_size, index, in_place)
@@ -177,15 +192,8 @@ class MonolithicExecutor:
             partial = partial + routed_experts_in(moe, xn, ids, weights, lo, hi, index, impl).astype(jnp.float32)
             return partial, h + partial.reshape(h.shape).astype(h.dtype)
 
-        def head(params, x, logits_index):
-            if logits_index is not None:
-                x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-            return lm_head(params, cfg, x)
-
         self._step = step_program(cfg, block_size, impl, routing)
-        self._embed = jax.jit(embed)
-        self._layers = jax.jit(some_layers, donate_argnums=(3,), static_argnums=(6,))
-        self._head = jax.jit(head)
+        self._embed, self._layers, self._head = layer_programs(cfg, block_size, impl, routing, dtype, in_place)
         self._gate = jax.jit(gate, donate_argnums=(3,))
         self._expert_round = jax.jit(expert_round)
 

@@ -117,6 +117,7 @@ def test_latency_sensitive_work_runs_between_expert_rounds_with_exact_tokens():
         max_num_seqs=8,
         layer_preemption=True,
         expert_queues=4,
+        ls_merge=False,  # LS decodes too run nested between expert rounds (else they merge at a layer boundary)
     )
     _drive(llm)
     engine = llm.engine
@@ -138,9 +139,27 @@ def test_latency_sensitive_work_runs_between_expert_rounds_with_exact_tokens():
     assert families["jaxmoe_paused_state_bytes_max"].samples[0].value == engine.layer_hook.paused_state_bytes_max
 
 
+def test_expert_queues_with_merges_keep_every_token():
+    """With merges on (the default), LS work that arrives between expert rounds still runs nested
+    there (rows join only at layer boundaries); the LS decodes that wait at a later layer boundary
+    of the same step merge into it. Tokens stay exact."""
+    llm = LLM(
+        "tiny-random",
+        dtype="float32",
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=8,
+        layer_preemption=True,
+        expert_queues=4,
+    )
+    _drive(llm)
+    hook = llm.engine.layer_hook
+    assert llm.engine.scheduler.preemptions["expert_pause"]["be"] >= len(ARRIVALS) and hook.ls_merges > 0
+
+
 def test_expert_queues_settings_are_checked():
     with pytest.raises(ValueError, match="layer_preemption"):
-        QLLMConfig(expert_queues=2)
+        QLLMConfig(expert_queues=2, layer_preemption=False)
     with pytest.raises(ValueError, match="expert_queues"):
         QLLMConfig(expert_queues=-1, layer_preemption=True)
     with pytest.raises(ValueError, match="monolithic executor only"):
