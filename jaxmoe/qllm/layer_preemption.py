@@ -24,6 +24,7 @@ latency-sensitive work waits for the step boundary.
 
 from __future__ import annotations
 
+from jaxmoe.engine.policies import PausePoint
 from jaxmoe.engine.sequence import Priority
 from jaxmoe.runtime.executor import ExpertQueueing
 
@@ -48,7 +49,10 @@ class LayerPreemption:
             engine.poll()
         paused = frozenset(engine.step_request_ids)
         scheduler = engine.scheduler
-        if not scheduler.pause_at_layer(paused, layer):
+        executor = engine.executor
+        depth = executor.expert_queue_depth if isinstance(executor, ExpertQueueing) else None
+        point = PausePoint(layer, getattr(executor, "pause_stage", None) or "layer", depth)
+        if not scheduler.pause_at_layer(paused, point):  # the policy sees the stage and the queue depths
             return
         state = engine.runner.pausable_state_bytes
         budget = self.max_paused_state_bytes
@@ -63,10 +67,9 @@ class LayerPreemption:
             return
         self.layer_pauses += 1
         self.paused_state_bytes_max = max(self.paused_state_bytes_max, state)
-        executor = engine.executor
-        depth = executor.expert_queue_depth() if isinstance(executor, ExpertQueueing) else None
+        depth = point.queue_depth
         if depth is not None:
-            self.expert_queue_depth = [int(n) for n in depth]
+            self.expert_queue_depth = depth
         for rid in paused:
             seq = scheduler.get(rid)
             if seq is not None:
