@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 class QLLMConfig:
     """QLLM: layer-level preemption of best-effort steps, and per-expert queues."""
 
-    # latency-sensitive work may join (or run between) the layers of a BE step; None: on where it was
-    # measured to cost <= 2 % when nothing preempts (the monolithic executor, not in deterministic mode)
+    # latency-sensitive work may join (or run between) the layers of a BE step; None: only with expert_queues
+    # (the cost when nothing preempts did not measure within 2 % on a loaded CPU, so it stays opt-in)
     layer_preemption: bool | None = None
     expert_queues: int = 0  # serve each MoE layer's experts in this many rounds (needs layer_preemption; 0: off)
     max_paused_state_bytes: int | None = None  # a step whose paused state is bigger is not paused (None: any)
@@ -52,12 +52,12 @@ class QLLMConfig:
             raise ValueError(f"layer_preemption must be True, False or None (auto), got {self.layer_preemption!r}")
 
     def preempts(self, config: RuntimeConfig) -> bool:
-        """Whether the engine gets layer-level preemption: as asked, else (None) on the monolithic
-        executor outside deterministic mode, where pausable steps cost <= 2 % when nothing preempts
-        (``bench/qllm.py``; BENCHMARKS.md). Deterministic mode needs every step on one program path."""
+        """Whether the engine gets layer-level preemption: as asked, else (None) only with expert queues
+        (their rounds are its pause points). Not on by default: pausable steps did not measure within
+        2 % of the fused step when nothing preempts (``bench/qllm.py``, BENCHMARKS.md)."""
         if self.layer_preemption is not None:
             return self.layer_preemption
-        return bool(self.expert_queues) or (config.mesh is None and not config.engine.deterministic)
+        return bool(self.expert_queues)
 
 
 @dataclasses.dataclass(frozen=True)

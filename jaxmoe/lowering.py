@@ -5,9 +5,8 @@ What is lowered is what warm-up compiles (``engine.warmup``) for each shape of t
 ``ShapePlan`` (``engine.buckets``), built by the same factories the executors use:
 
 * monolithic (no mesh file): the fused step (``runtime.monolithic.step_program``) per bucket, and
-  the sampler (``sampling.sample``) per batch size; with layer-level preemption (on by default, as
-  in ``jaxmoe serve``; ``--no-layer-preemption``) also the layer-by-layer programs a pausable step
-  runs (``runtime.monolithic.layer_programs``: ``embed``, each layer group's ``layers``, ``head``);
+  the sampler (``sampling.sample``) per batch size; with ``--layer-preemption`` (as ``jaxmoe serve
+  --layer-preemption``) also the layer-by-layer programs a pausable step runs (``runtime.monolithic.layer_programs``: ``embed``, each layer group's ``layers``, ``head``);
 * disaggregated (a mesh file): per bucket the attention side's ``embed``, one ``layer`` per kind
   of layer (dense / MoE; every layer of a kind shares it), ``shared`` (shared experts on the
   attention side) and ``head`` (``runtime.attention_program``), the expert program of each kind of
@@ -500,11 +499,11 @@ def lower_all(
     compile: bool = False,
     aebs_impl: str | None = None,
     log: Callable[[str], None] | None = None,
-    layer_preemption: bool = True,
+    layer_preemption: bool = False,
 ) -> dict:
     """Lower (and with ``compile``, compile where JAX can) every program serving ``model`` on
     ``mesh`` would compile, for each platform (``layer_preemption``: with the layer-by-layer programs
-    of the monolithic executor's pausable steps, as ``jaxmoe serve`` runs by default). Returns ``{"programs": [...], "ok": bool, "notes":
+    of the monolithic executor's pausable steps, as ``jaxmoe serve --layer-preemption`` runs). Returns ``{"programs": [...], "ok": bool, "notes":
     {platform: what was done}}``; a program that fails is reported with its error, the others go on."""
     from jaxmoe.engine.buckets import ShapePlan
     from jaxmoe.engine.config import EngineConfig
@@ -604,10 +603,9 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--expert-impl", default="auto", help="expert-FFN implementation (auto: the platform's)")
     p.add_argument(
-        "--no-layer-preemption",
-        dest="layer_preemption",
-        action="store_false",
-        help="leave out the layer-by-layer programs of pausable steps (as serve --no-layer-preemption)",
+        "--layer-preemption",
+        action="store_true",
+        help="also the layer-by-layer programs of pausable steps (as serve --layer-preemption)",
     )
     p.add_argument("--pause-every", type=int, default=1, metavar="LAYERS", help="layers per layer-by-layer program")
     p.set_defaults(func=cmd_lower)

@@ -55,8 +55,7 @@ def register(sub, add_model_args) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="QLLM: latency-sensitive requests join a running best-effort step at its next layer boundary "
-        "(default: on with the monolithic executor outside --deterministic, where it costs <= 2 %% when nothing "
-        "preempts; --no-layer-preemption: off)",
+        "(default: off, on with --expert-queues)",
     )
     serve.add_argument(
         "--no-prefix-caching",

@@ -1,8 +1,8 @@
-"""Layer-level preemption is on by default where it was measured to cost <= 2 % when nothing preempts
-(the monolithic executor outside deterministic mode): ``LLM`` and ``jaxmoe serve`` attach QLLM's layer
-hook unless told not to (``layer_preemption=False``, ``--no-layer-preemption``). A step runs layer by
-layer only where a request can arrive during it (a serving loop's poll): ``LLM.generate``'s steps stay
-one fused program."""
+"""Layer-level preemption stays opt-in (pausable steps did not measure within 2 % of the fused step
+when nothing preempts): ``layer_preemption=True`` / ``jaxmoe serve --layer-preemption`` turn it on,
+``--expert-queues`` implies it, ``--no-layer-preemption`` keeps it off. A step runs layer by layer
+only where a request can arrive during it (a serving loop's poll): ``LLM.generate``'s steps stay one
+fused program even with it on."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ from jaxmoe.server.cli import runtime_config
 TINY = dict(num_blocks=32, block_size=8, max_num_seqs=4)
 
 
-def test_llm_has_layer_preemption_by_default_and_turns_it_off():
-    llm = LLM("tiny-random", **TINY)
+def test_llm_turns_layer_preemption_on_and_offline_steps_stay_fused():
+    assert LLM("tiny-random", **TINY).engine.layer_hook is None
+    llm = LLM("tiny-random", layer_preemption=True, **TINY)
     assert isinstance(llm.engine.layer_hook, LayerPreemption)
-    assert LLM("tiny-random", layer_preemption=False, **TINY).engine.layer_hook is None
-    assert LLM("tiny-random", deterministic=True, **TINY).engine.layer_hook is None  # one program path
     # offline generation: nothing can arrive mid-step, so no step runs layer by layer
     calls = []
     forward = llm.executor.forward
@@ -30,18 +29,25 @@ def test_llm_has_layer_preemption_by_default_and_turns_it_off():
     assert calls and all(c is None for c in calls)
 
 
-def test_the_default_is_on_only_for_the_monolithic_executor():
-    assert QLLMConfig().preempts(RuntimeConfig())
-    assert not QLLMConfig().preempts(RuntimeConfig(mesh="meshes/cpu-8.yaml"))  # not measured there: opt-in
+def test_the_setting():
+    assert not QLLMConfig().preempts(RuntimeConfig())
+    assert QLLMConfig(expert_queues=2).preempts(RuntimeConfig())  # its rounds are pause points
     assert QLLMConfig(layer_preemption=True).preempts(RuntimeConfig(mesh="meshes/cpu-8.yaml"))
-    assert not QLLMConfig(layer_preemption=False).preempts(RuntimeConfig())
     with pytest.raises(ValueError, match="expert_queues needs layer_preemption"):
         QLLMConfig(layer_preemption=False, expert_queues=2)
     with pytest.raises(ValueError, match="layer_preemption"):
         QLLMConfig(layer_preemption="yes")
 
 
-@pytest.mark.parametrize("flags,on", [((), True), (("--layer-preemption",), True), (("--no-layer-preemption",), False)])
+@pytest.mark.parametrize(
+    "flags,on",
+    [
+        ((), False),
+        (("--layer-preemption",), True),
+        (("--no-layer-preemption",), False),
+        (("--expert-queues", "2"), True),
+    ],
+)
 def test_serve_flags(flags, on):
     args = build_parser().parse_args(["serve", "--model", "tiny-random", *flags])
     config = runtime_config(args)[0]
