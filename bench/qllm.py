@@ -1,6 +1,8 @@
 """QLLM (arXiv:2503.09304) on the CPU: latency-sensitive TTFT and best-effort throughput under FCFS,
 step-level preemption (QLLM's batches, preemption at step boundaries) and layer-level preemption
-(a best-effort step pauses between layers for latency-sensitive work).
+(latency-sensitive work that arrives during a best-effort step is merged into it at the next layer
+boundary, the paper's Fig. 1b: ``layer-level``; or runs as a nested step while the best-effort step
+waits: ``layer-nested``).
 
 The engine runs in this process as the serving loop runs it (``AsyncEngine``: admit what arrived
 between steps and, with layer-level preemption, between layers; deliver the tokens of a step run
@@ -13,7 +15,7 @@ Rates are multiples of the measured capacity (best-effort requests per second wh
 once). Also measured: the cost of pausable steps when nothing preempts (the same 16 best-effort
 decodes stepped on each engine, rounds interleaved across engines, median ms per step).
 
-    python bench/qllm.py [--layers 16] [--requests 60] [--loads 0.4,0.7,0.9] [--json out.json]
+    python bench/qllm.py [--layers 16] [--requests 60] [--loads 0.4,0.7,0.9] [--modes ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from jaxmoe.assembly import QLLMConfig, RuntimeConfig, attach_features, build_ex
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.tokenizer import ByteTokenizer
 
-MODES = {  # name: (policy, layer_preemption, expert_queues, pause_every)
+MODES = {  # name: (policy, layer_preemption, expert_queues, pause_every, ls_merge)
     "fcfs": ("fcfs", False, 0),
     "step-level": ("qllm", False, 0),
-    "layer-level": ("qllm", True, 0),  # pause points after every layer (EngineConfig.pause_every default)
+    "layer-level": ("qllm", True, 0),  # pause points after every layer; LS work merges into the BE step
+    "layer-nested": ("qllm", True, 0, 1, False),  # the same pause points; LS work runs as a nested step
     "every-4-layers": ("qllm", True, 0, 4),  # pause points after every 4 layers
     "expert-queues": ("qllm", True, 4),  # every layer + per-expert queues served in 4 rounds per MoE layer
 }
@@ -46,7 +49,12 @@ BE = dict(prompt=192, tokens=32)
 
 
 def build_engine(
-    layers: int, policy: str, layer_preemption: bool, expert_queues: int = 0, pause_every: int = 1
+    layers: int,
+    policy: str,
+    layer_preemption: bool,
+    expert_queues: int = 0,
+    pause_every: int = 1,
+    ls_merge: bool = True,
 ) -> LLMEngine:
     cfg = from_hf_config({**DEMO_HF_CONFIG, "num_hidden_layers": layers})
     config = RuntimeConfig(
@@ -59,7 +67,7 @@ def build_engine(
             policy=policy,
             pause_every=pause_every,
         ),
-        qllm=QLLMConfig(layer_preemption, expert_queues),
+        qllm=QLLMConfig(layer_preemption, expert_queues, ls_merge=ls_merge),
     )
     executor = build_executor(cfg, demo_params(cfg), config)
     engine = attach_features(LLMEngine(cfg, executor, ByteTokenizer(), config.engine), config)
@@ -121,6 +129,7 @@ def counters(engine: LLMEngine) -> dict:
         "preemptions_step": sum(pre["keep_kv"].values()) + sum(pre["recompute"].values()),
         "preemptions_layer": sum(pre["pause"].values()) + sum(pre["expert_pause"].values()),
         "layer_pauses": engine.layer_hook.layer_pauses if engine.layer_hook else 0,
+        "ls_merges": engine.layer_hook.ls_merges if engine.layer_hook else 0,
     }
 
 
@@ -160,7 +169,7 @@ def decode_step_cost(engines: dict[str, LLMEngine], modes, rounds: int, steps: i
     prompts = [rng.integers(0, 256, 64).tolist() for _ in range(16)]
     for mode in modes:  # same 16 sequences on every engine, all past their prefill
         engine, started = engines[mode], set()
-        engine.poll = engine.emit = None
+        engine.poll, engine.emit = (lambda: None), None  # a serving loop's poll: arrivals possible, none come
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_tokens=400, ignore_eos=True), "be", request_id=f"cost-{i}")
         while len(started) < len(prompts):
@@ -194,10 +203,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds of the no-preemption step cost")
     ap.add_argument("--json", default=None, help="write the results here too")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     args = ap.parse_args(argv)
 
-    engines = {mode: build_engine(args.layers, *MODES[mode]) for mode in MODES}
-    cap = capacity(engines["fcfs"], 16)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {', '.join(unknown)}")
+    if "step-level" not in modes:
+        ap.error("--modes: step-level (the baseline of the cost) must be one")
+    engines = {mode: build_engine(args.layers, *MODES[mode]) for mode in modes}
+    cap = capacity(engines["fcfs" if "fcfs" in modes else "step-level"], 16) if args.loads.strip() else 0.0
     print(
         f"# {platform.node()} {platform.processor() or platform.machine()}, jax {jax.__version__}, "
         f"{args.layers} layers, capacity {cap:.2f} BE req/s (16 at once)"
@@ -205,10 +221,10 @@ def main(argv=None) -> int:
     results = {"capacity_req_s": cap, "layers": args.layers, "rows": []}
     print(
         "| load | rate req/s | mode | LS TTFT P50 ms | LS TTFT P90 ms | BE tok/s | BE turnaround s | "
-        "preempt step | preempt layer | max saved state KiB |"
+        "preempt step | preempt layer | LS merges | max saved state KiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for load in (float(x) for x in args.loads.split(",")):
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for load in (float(x) for x in args.loads.split(",") if x.strip()):  # --loads "": the cost only
         rate = load * cap
         trace = make_trace(args.requests, rate, args.ls_share, args.seed)
         for mode, engine in engines.items():
@@ -218,13 +234,15 @@ def main(argv=None) -> int:
                 f"| {load:.1f} | {rate:.2f} | {mode} | {_ms(row['ls_ttft_p50_s'])} | "
                 f"{_ms(row['ls_ttft_p90_s'])} | {row['be_throughput_tok_s']:.1f} | "
                 f"{row['be_turnaround_mean_s']:.2f} | {row['preemptions_step']} | {row['preemptions_layer']} | "
+                f"{row['ls_merges']} | "
                 f"{row['saved_state_bytes_max'] / 1024:.0f} |",
                 flush=True,
             )
 
     # the price of pausable steps when nothing preempts: the same 16 decodes, step by step
-    cost = decode_step_cost(engines, ("step-level", "layer-level", "every-4-layers", "expert-queues"), args.rounds)
-    overhead = {m: cost[m] / cost["step-level"] - 1 for m in ("layer-level", "every-4-layers", "expert-queues")}
+    pausable = [m for m in modes if MODES[m][1]]
+    cost = decode_step_cost(engines, ["step-level", *pausable], args.rounds)
+    overhead = {m: cost[m] / cost["step-level"] - 1 for m in pausable}
     results["no_preemption_step_ms"] = cost
     results["pausable_step_overhead"] = overhead
     print(f"\nNothing preempts: 16 BE decodes, median over {args.rounds} interleaved rounds of 8 steps:")

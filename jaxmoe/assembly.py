@@ -35,16 +35,29 @@ log = logging.getLogger(__name__)
 class QLLMConfig:
     """QLLM: layer-level preemption of best-effort steps, and per-expert queues."""
 
-    layer_preemption: bool = False  # latency-sensitive work may run between the layers of a BE step
+    # latency-sensitive work may join (or run between) the layers of a BE step; None: only with expert_queues
+    # (the cost when nothing preempts did not measure within 2 % on a loaded CPU, so it stays opt-in)
+    layer_preemption: bool | None = None
     expert_queues: int = 0  # serve each MoE layer's experts in this many rounds (needs layer_preemption; 0: off)
     max_paused_state_bytes: int | None = None  # a step whose paused state is bigger is not paused (None: any)
+    ls_merge: bool = True  # LS work joins a paused BE step at a layer boundary (False: runs as a step of its own)
 
     def __post_init__(self):
         q = self.expert_queues
         if not isinstance(q, int) or isinstance(q, bool) or q < 0:
             raise ValueError(f"expert_queues must be a non-negative integer, got {q!r}")
-        if q and not self.layer_preemption:
-            raise ValueError("expert_queues needs layer_preemption=True (its rounds are pause points of a BE step)")
+        if q and self.layer_preemption is False:
+            raise ValueError("expert_queues needs layer_preemption (its rounds are pause points of a BE step)")
+        if self.layer_preemption not in (None, True, False):
+            raise ValueError(f"layer_preemption must be True, False or None (auto), got {self.layer_preemption!r}")
+
+    def preempts(self, config: RuntimeConfig) -> bool:
+        """Whether the engine gets layer-level preemption: as asked, else (None) only with expert queues
+        (their rounds are its pause points). Not on by default: pausable steps did not measure within
+        2 % of the fused step when nothing preempts (``bench/qllm.py``, BENCHMARKS.md)."""
+        if self.layer_preemption is not None:
+            return self.layer_preemption
+        return bool(self.expert_queues)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,10 +234,10 @@ def build_engine(config: RuntimeConfig) -> LLMEngine:
 
 def attach_features(engine: LLMEngine, config: RuntimeConfig, salc: SALCConfig | None = None) -> LLMEngine:
     """Plug the features ``config`` asks for into ``engine`` (``salc``: the resolved SALC settings)."""
-    if config.qllm.layer_preemption:
+    if config.qllm.preempts(config):
         from jaxmoe.qllm.layer_preemption import LayerPreemption
 
-        engine.layer_hook = LayerPreemption(config.qllm.max_paused_state_bytes)
+        engine.layer_hook = LayerPreemption(config.qllm.max_paused_state_bytes, config.qllm.ls_merge)
     if config.mesh is not None:
         from jaxmoe.janus.live_rescale import LiveRescaler
 

@@ -5,7 +5,8 @@ What is lowered is what warm-up compiles (``engine.warmup``) for each shape of t
 ``ShapePlan`` (``engine.buckets``), built by the same factories the executors use:
 
 * monolithic (no mesh file): the fused step (``runtime.monolithic.step_program``) per bucket, and
-  the sampler (``sampling.sample``) per batch size;
+  the sampler (``sampling.sample``) per batch size; with ``--layer-preemption`` (as ``jaxmoe serve
+  --layer-preemption``) also the layer-by-layer programs a pausable step runs (``runtime.monolithic.layer_programs``: ``embed``, each layer group's ``layers``, ``head``);
 * disaggregated (a mesh file): per bucket the attention side's ``embed``, one ``layer`` per kind
   of layer (dense / MoE; every layer of a kind shares it), ``shared`` (shared experts on the
   attention side) and ``head`` (``runtime.attention_program``), the expert program of each kind of
@@ -168,10 +169,12 @@ def _logits_dtype(params) -> object:
 
 
 def monolithic_programs(
-    cfg, params: dict, engine_config, shapes: list[tuple[int, int]], devices=None
+    cfg, params: dict, engine_config, shapes: list[tuple[int, int]], devices=None, layer_by_layer: bool = True
 ) -> Iterator[Program]:
     """The programs of ``MonolithicExecutor`` + ``ModelRunner`` for each (rows, tokens) shape
-    (``devices``: on the first of these, e.g. a TPU topology's, to compile ahead; None: unplaced)."""
+    (``devices``: on the first of these, e.g. a TPU topology's, to compile ahead; None: unplaced);
+    ``layer_by_layer``: also those of a pausable step (layer-level preemption), ``pause_every`` layers
+    per program."""
     import jax
 
     from jaxmoe.kv_layout import KVLayout
@@ -179,7 +182,7 @@ def monolithic_programs(
     from jaxmoe.models.transformer import init_stacked_cache, stack_layers, store_as_panels
     from jaxmoe.pallas_kernels.expert_ffn import resolve
     from jaxmoe.models.routing import TopKRouting
-    from jaxmoe.runtime.monolithic import step_program
+    from jaxmoe.runtime.monolithic import layer_programs, step_program
 
     impl = resolve(engine_config.expert_impl, AUTO_EXPERT_IMPL)
     stacked = jax.eval_shape(stack_layers, params)
@@ -191,6 +194,11 @@ def monolithic_programs(
     if one is not None:
         stacked, cache = _shaped(stacked, one), _shaped(cache, one)
     step = step_program(cfg, engine_config.block_size, impl, TopKRouting())
+    dtype = stacked["embed"].dtype
+    embed, layers, head = layer_programs(
+        cfg, engine_config.block_size, impl, TopKRouting(), dtype, in_place=impl == "cpu_kernel"
+    )
+    pause_every = engine_config.pause_every
     max_blocks = _max_blocks(cfg, engine_config)
     seen: set[int] = set()
     for rows, T in shapes:
@@ -199,6 +207,20 @@ def monolithic_programs(
             f"monolithic.step[{rows}x{T}]",
             lambda tokens=tokens, batch=batch, index=index: step.trace(stacked, tokens, batch, cache, index, None),
         )
+        if layer_by_layer:
+            x = _sds((rows, T, cfg.hidden_size), dtype, one)
+            yield Program(f"monolithic.embed[{rows}x{T}]", lambda tokens=tokens: embed.trace(stacked, tokens))
+            for g, group in enumerate(stacked["groups"]):
+                size = jax.tree.leaves(group)[0].shape[0]
+                start = _sds((), np.int32, one)
+                for n in sorted({min(pause_every, size - j) for j in range(0, size, pause_every)}):
+                    yield Program(
+                        f"monolithic.layers[group {g}, {n} layers][{rows}x{T}]",
+                        lambda group=group, g=g, n=n, x=x, batch=batch, start=start: layers.trace(
+                            group, x, batch, cache[g], start, None, n
+                        ),
+                    )
+            yield Program(f"monolithic.head[{rows}x{T}]", lambda x=x, index=index: head.trace(stacked, x, index))
         if rows not in seen:
             seen.add(rows)
             yield _sampler(rows, cfg.vocab_size, _logits_dtype(params), one)
@@ -477,9 +499,11 @@ def lower_all(
     compile: bool = False,
     aebs_impl: str | None = None,
     log: Callable[[str], None] | None = None,
+    layer_preemption: bool = False,
 ) -> dict:
     """Lower (and with ``compile``, compile where JAX can) every program serving ``model`` on
-    ``mesh`` would compile, for each platform. Returns ``{"programs": [...], "ok": bool, "notes":
+    ``mesh`` would compile, for each platform (``layer_preemption``: with the layer-by-layer programs
+    of the monolithic executor's pausable steps, as ``jaxmoe serve --layer-preemption`` runs). Returns ``{"programs": [...], "ok": bool, "notes":
     {platform: what was done}}``; a program that fails is reported with its error, the others go on."""
     from jaxmoe.engine.buckets import ShapePlan
     from jaxmoe.engine.config import EngineConfig
@@ -505,7 +529,7 @@ def lower_all(
         devices, why_not = (None, "not asked (--compile)") if not compile else compile_target(platform, _devices(spec))
         with lowering_for(platform):
             if spec is None:
-                programs = monolithic_programs(cfg, params, engine_config, shapes, devices)
+                programs = monolithic_programs(cfg, params, engine_config, shapes, devices, layer_preemption)
             else:
                 programs = disaggregated_programs(
                     cfg, params, engine_config, spec, shapes, aebs_impl=aebs_impl, devices=devices
@@ -578,6 +602,12 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--expert-impl", default="auto", help="expert-FFN implementation (auto: the platform's)")
+    p.add_argument(
+        "--layer-preemption",
+        action="store_true",
+        help="also the layer-by-layer programs of pausable steps (as serve --layer-preemption)",
+    )
+    p.add_argument("--pause-every", type=int, default=1, metavar="LAYERS", help="layers per layer-by-layer program")
     p.set_defaults(func=cmd_lower)
 
 
@@ -595,9 +625,19 @@ def cmd_lower(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_prefill_chunk=args.max_prefill_chunk,
         expert_impl=args.expert_impl,
+        pause_every=args.pause_every,
     )
     log = None if args.json else (lambda line: print(line, flush=True))
-    report = lower_all(args.model, args.mesh, platforms, args.dtype, config, args.compile, log=log)
+    report = lower_all(
+        args.model,
+        args.mesh,
+        platforms,
+        args.dtype,
+        config,
+        args.compile,
+        log=log,
+        layer_preemption=args.layer_preemption,
+    )
     if args.json:
         print(json.dumps(report))
     else:

@@ -52,8 +52,10 @@ def register(sub, add_model_args) -> None:
     serve.add_argument("--max-batch-tokens", type=int, default=2048)
     serve.add_argument(
         "--layer-preemption",
-        action="store_true",
-        help="QLLM: latency-sensitive requests run between the layers of a best-effort step",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="QLLM: latency-sensitive requests join a running best-effort step at its next layer boundary "
+        "(default: off, on with --expert-queues)",
     )
     serve.add_argument(
         "--no-prefix-caching",
@@ -73,7 +75,7 @@ def register(sub, add_model_args) -> None:
         type=int,
         default=0,
         metavar="ROUNDS",
-        help="QLLM per-expert queues (with --layer-preemption): serve each MoE layer's experts in ROUNDS rounds, "
+        help="QLLM per-expert queues (with layer preemption): serve each MoE layer's experts in ROUNDS rounds, "
         "with a pause point between rounds (0: off)",
     )
     serve.add_argument(

@@ -114,6 +114,12 @@ class _EngineCollector:
             "(the latency-sensitive work waited for the step boundary)",
             value=layer_preemption.get("pauses_over_budget", 0),
         )
+        yield CounterMetricFamily(
+            "jaxmoe_ls_merges",
+            "Latency-sensitive requests merged into a running best-effort step at a layer boundary "
+            "(QLLM's merge: they caught up to that layer, then shared the remaining layers)",
+            value=layer_preemption.get("ls_merges", 0),
+        )
         yield GaugeMetricFamily(
             "jaxmoe_paused_state_bytes_max",
             "The most device memory a paused step kept (hidden states, expert-queue state)",

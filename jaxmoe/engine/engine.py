@@ -86,6 +86,7 @@ class LLMEngine:
         self.poll = None  # poll(): admit requests that arrived meanwhile (AsyncEngine; between layers)
         self.emit = None  # emit(outputs): deliver outputs made inside a step at once (else step() returns them)
         self._delivered: list[RequestOutput] = []
+        self._merged: list = []  # (batch, rows, seqs, MergedRows) merged into the step now running
         self.last_step_ran = False  # the latest step ran the model
         # what a front end's request leaves unset takes these (the checkpoint's generation_config)
         self.sampling_defaults: dict = {}
@@ -214,8 +215,42 @@ class LLMEngine:
 
     def run_batch(self, batch, between_layers=None) -> list[RequestOutput]:
         """Run one scheduled batch through the model, sample and record its tokens; the outputs of
-        its requests (failed ones with ``error`` set). ``between_layers``: called at the step's pause
-        points (a layer hook may run another batch there)."""
+        its requests (failed ones with ``error`` set), and of the batches merged into it at its pause
+        points (``merge_batch``). ``between_layers``: called at the step's pause points (a layer hook
+        may run another batch there, or merge one into this)."""
+        rows, seqs = self._rows(batch)
+        self.step_request_ids = [seq.request_id for seq in seqs]
+        outer, self._merged = self._merged, []
+        errors: dict[str, str] = {}
+        try:
+            sampled = self._run_isolating(rows, seqs, errors, between_layers)
+        finally:
+            self.step_request_ids = [seq.request_id for seq in seqs]
+            merged, self._merged = self._merged, outer
+        outputs = []
+        for inner, inner_rows, inner_seqs, group in merged:
+            if group.sampled is None:  # the merged call failed: the inner batch runs again on its own
+                outputs += self.run_batch(inner)
+            else:
+                outputs += self._finish(inner, inner_rows, inner_seqs, group.sampled, {})
+        return outputs + self._finish(batch, rows, seqs, sampled, errors)
+
+    def merge_batch(self, batch) -> bool:
+        """QLLM's merge: join a scheduled batch to the step now paused at a layer boundary (called at
+        its pause point); its rows catch up to that layer alone, then share the remaining layers with
+        the step's, and its outputs come with the step's. False: it cannot join here (the runner's
+        ``offer_merge``); the caller runs it another way."""
+        if batch.is_empty:
+            return False
+        rows, seqs = self._rows(batch)
+        group = self.runner.offer_merge(rows)
+        if group is None:
+            return False
+        self._merged.append((batch, rows, seqs, group))
+        self.step_request_ids = self.step_request_ids + [seq.request_id for seq in seqs]
+        return True
+
+    def _rows(self, batch) -> tuple[list[Row], list[Sequence]]:
         rows, seqs = [], []
         for seq, start, end in batch.prefills:
             rows.append(self._row(seq, seq.all_ids[start:end], start, sample=end == seq.num_tokens))
@@ -223,13 +258,11 @@ class LLMEngine:
         for seq in batch.decodes:
             rows.append(self._row(seq, [seq.last_token_id], seq.num_tokens - 1, sample=True))
             seqs.append(seq)
-        self.step_request_ids = [seq.request_id for seq in seqs]
-        errors: dict[str, str] = {}
-        try:
-            sampled = self._run_isolating(rows, seqs, errors, between_layers)
-        finally:
-            self.step_request_ids = [seq.request_id for seq in seqs]
+        return rows, seqs
 
+    def _finish(self, batch, rows: list[Row], seqs: list[Sequence], sampled, errors: dict[str, str]):
+        """Record a batch's sampled tokens (stop conditions, logprobs, the scheduler's postprocess);
+        its outputs."""
         self._score_prompts(batch, rows, errors)
         new_tokens, finished = {}, {}
         for seq, s in zip(seqs, sampled):

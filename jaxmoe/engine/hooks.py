@@ -44,6 +44,10 @@ class EngineView(Protocol):
         """Run a scheduled batch through the model (another batch may be paused meanwhile)."""
         ...
 
+    def merge_batch(self, batch) -> bool:
+        """Join a scheduled batch to the step paused at a layer boundary (False: it cannot join there)."""
+        ...
+
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand outputs made inside a step (by a batch run while another was paused) to their streams."""
         ...

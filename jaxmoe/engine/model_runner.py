@@ -26,7 +26,7 @@ import numpy as np
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
 from jaxmoe.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, adjust_logits, mask_logits, sample
 from jaxmoe.models.attention import AttentionBatch
-from jaxmoe.runtime.executor import ExpertQueueing, LowersAhead
+from jaxmoe.runtime.executor import ExpertQueueing, LowersAhead, MergesRows, RowMerge
 
 
 @dataclasses.dataclass
@@ -42,6 +42,24 @@ class Row:
     history: list[int] | None = None  # prompt + output ids, for penalties (``SamplingParams.adjusts_logits``)
     num_prompt: int = 0  # how many of ``history`` are the prompt
     allowed: np.ndarray | None = None  # structured output: the tokens allowed next (packed bits, ``mask_logits``)
+
+
+@dataclasses.dataclass
+class MergedRows:
+    """Rows merged into a running program call at a layer boundary (QLLM's merge): ``sampled`` is
+    set, in ``rows``' order, once the call has run (None: it failed before)."""
+
+    rows: list[Row]
+    sampled: list | None = None
+
+
+@dataclasses.dataclass
+class _Call:
+    """The program call now running layer by layer: its rows (merged ones appended), the merges."""
+
+    rows: list[Row]
+    groups: list[MergedRows] = dataclasses.field(default_factory=list)
+    pending: RowMerge | None = None  # handed to the executor when the pause point returns
 
 
 @dataclasses.dataclass
@@ -61,6 +79,7 @@ class ModelRunner:
         self.kv = executor.kv_layout  # slots, and which attention instance holds a block
         self.pausable_state_bytes = 0  # of the step now running layer by layer (layer-level preemption)
         self.last_calls: list[tuple[int, int]] = []  # (rows, tokens per row) of each program call of the last run
+        self._call: _Call | None = None  # the call running layer by layer (rows may merge into it)
         self.num_instances = self.kv.num_instances
         # deterministic mode (EngineConfig.deterministic): every step is one call of ``fixed_rows`` rows per
         # attention instance of ``row_tokens`` tokens (decodes padded too), so every program runs on one
@@ -202,20 +221,55 @@ class ModelRunner:
             per_instance = {j: idx[k:] for j, idx in per_instance.items()}
         return calls
 
+    def offer_merge(self, rows: list[Row]) -> MergedRows | None:
+        """QLLM's merge: ``rows`` join the program call now paused at a layer boundary (called from
+        its pause point); they catch up to that layer alone, then share the remaining layers with the
+        call's rows. None (nothing merged) where the executor cannot merge there (``MergesRows``), with
+        several attention instances, or where the merged batch's shape is not one warm-up compiles
+        (``plan.shapes()``): the caller runs the rows another way."""
+        call, ex = self._call, self.executor
+        if call is None or call.pending is not None or not rows or self.num_instances != 1:
+            return None
+        if not (isinstance(ex, MergesRows) and ex.merge_ready()):
+            return None
+        merged = call.rows + rows
+        if self.row_tokens and max(len(r.token_ids) for r in merged) > self.row_tokens:
+            return None
+        _, merged_batch, merged_last, _ = self.prepare(merged)
+        if tuple(merged_batch.slots.shape) not in self.plan.shapes():
+            return None
+        tokens, batch, _, _ = self.prepare(rows)
+        call.pending = RowMerge(tokens, batch, len(rows), len(call.rows), merged_batch, merged_last)
+        call.rows = merged
+        group = MergedRows(list(rows))
+        call.groups.append(group)
+        return group
+
     def _run(self, rows: list[Row], between_layers=None) -> list[Sampled | None]:
-        """Forward + sample one padded batch; only the sampled tokens (and logprobs) come back."""
+        """Forward + sample one padded batch; only the sampled tokens (and logprobs) come back. Rows
+        merged in at its pause points (``offer_merge``) are sampled with it: their results go to their
+        ``MergedRows``."""
         tokens_in, batch, last, where = self.prepare(rows)
         self.last_calls.append(tuple(tokens_in.shape))
-        B = tokens_in.shape[0]
+        call, outer = _Call(list(rows)), self._call
+        if between_layers is not None:
+            between_layers = self._merge_points(between_layers, call)
+        self._call = call if between_layers is not None else None
+        try:
+            logits = self._forward(tokens_in, batch, last, between_layers)
+        finally:
+            self._call = outer
+        if call.groups:  # the merged rows (the running ones first, in order, then the new ones)
+            rows = call.rows
+            where = self.placement(rows, self.fixed_rows)[0]
+        B = logits.shape[0]
         adjusted = any(r.sampling is not None and r.sampling.adjusts_logits for r in rows)
         sampling = _sampling_arrays(B, rows, where)
         extras = self._adjusted_arrays(B, rows, where) if adjusted else None
         masked = any(r.sampling is not None and r.allowed is not None for r in rows)
         allowed = self._allowed_array(B, self.executor.cfg.vocab_size, rows, where) if masked else None
         want_logprobs = any(r.sampling is not None and r.sampling.logprobs is not None for r in rows)
-        tokens, chosen, rank, top_ids, top_lp = self._execute(
-            tokens_in, batch, last, sampling, want_logprobs, between_layers, extras, allowed
-        )
+        tokens, chosen, rank, top_ids, top_lp = self._sample(logits, sampling, want_logprobs, extras, allowed)
         out: list[Sampled | None] = []
         for i, r in zip(where, rows):
             if r.sampling is None:
@@ -224,7 +278,20 @@ class ModelRunner:
             n = r.sampling.logprobs
             top = [(int(t), float(lp)) for t, lp in zip(top_ids[i, : n or 0], top_lp[i, : n or 0])]
             out.append(Sampled(int(tokens[i]), float(chosen[i]), top, None if n is None else int(rank[i])))
-        return out
+        first = len(out) - sum(len(g.rows) for g in call.groups)
+        for group in call.groups:
+            group.sampled, first = out[first : first + len(group.rows)], first + len(group.rows)
+        return out[: len(out) - sum(len(g.rows) for g in call.groups)]
+
+    def _merge_points(self, between_layers, call: _Call):
+        """``between_layers`` that hands the executor the rows merged at the pause point (or None)."""
+
+        def point(layer):
+            between_layers(layer)
+            pending, call.pending = call.pending, None
+            return pending
+
+        return point
 
     def _adjusted_arrays(self, B: int, rows: list[Row] = (), where=()) -> tuple[np.ndarray, ...]:
         """What ``adjust_logits`` takes beyond the logits: presence, frequency, repetition [B], history [B, W], num_prompt [B], bias ids / values
@@ -262,16 +329,23 @@ class ModelRunner:
     def _execute(
         self, tokens, batch, last, sampling, want_logprobs: bool, between_layers=None, extras=None, allowed=None
     ):
-        """The executor's forward pass, then the sampler as its own program (compiled once per batch
-        size, shared by every token bucket); only the sampled tokens come back to the host.
-        ``between_layers``: the executor runs layer by layer and calls it between layers. ``extras``:
-        the arguments of ``adjust_logits`` (``_adjusted_arrays``), None when no row needs it; ``allowed``
-        the tokens ``mask_logits`` keeps (``_allowed_array``), None when no row has a grammar."""
+        """The executor's forward pass, then the sampler (``_sample``)."""
+        logits = self._forward(tokens, batch, last, between_layers)
+        return self._sample(logits, sampling, want_logprobs, extras, allowed)
+
+    def _forward(self, tokens, batch, last, between_layers=None):
+        """The executor's forward pass (``between_layers``: the executor runs layer by layer and calls
+        it between layers)."""
         if between_layers is None:
-            logits = self.executor.forward(tokens, batch, last)
-        else:
-            self.pausable_state_bytes = self._pause_state_bytes(int(np.prod(np.shape(tokens))))
-            logits = self.executor.forward(tokens, batch, last, between_layers=between_layers)
+            return self.executor.forward(tokens, batch, last)
+        self.pausable_state_bytes = self._pause_state_bytes(int(np.prod(np.shape(tokens))))
+        return self.executor.forward(tokens, batch, last, between_layers=between_layers)
+
+    def _sample(self, logits, sampling, want_logprobs: bool, extras=None, allowed=None):
+        """The sampler as its own program (compiled once per batch size, shared by every token
+        bucket); only the sampled tokens come back to the host. ``extras``: the arguments of
+        ``adjust_logits`` (``_adjusted_arrays``), None when no row needs it; ``allowed`` the tokens
+        ``mask_logits`` keeps (``_allowed_array``), None when no row has a grammar."""
         flag = np.bool_(want_logprobs)
         adjusted = logits if extras is None else adjust_logits(logits, *extras)
         if allowed is not None:

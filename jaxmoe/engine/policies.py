@@ -19,7 +19,10 @@ each in arrival order) and the step budget (``Budget``). The policy returns
 * ``pause_at_layer(running, waiting, layer) -> bool``: with layer-level
   preemption on, between two layers of a best-effort step (``running``),
   whether to pause it there and run the waiting latency-sensitive work
-  (``waiting``: the LS queues) first.
+  (``waiting``: the LS queues) first. ``layer`` is a ``PausePoint``: an int
+  (the layers done) that also says the ``stage`` ("layer": a layer boundary;
+  "experts": after routing, between the expert groups of a MoE layer) and the
+  per-expert ``queue_depth`` there (None outside expert groups).
 
 Policies are plain objects; subclass ``Policy`` to inherit the default victim
 rule (BE before LS, newest first) and pause rule (whenever LS work waits). They must not mutate sequences. The scheduler calls a policy through
@@ -101,6 +104,27 @@ class SchedulingPolicy(Protocol):
     def pause_at_layer(self, running: list[Sequence], waiting: Queues, layer: int) -> bool:
         """Whether the best-effort step ``running`` pauses after ``layer`` layers for ``waiting``."""
         ...
+
+
+class PausePoint(int):
+    """Where a pausable step waits: the layers done (the int), the ``stage`` ("layer" or "experts")
+    and, between expert groups, the assignments still queued at each logical expert (``queue_depth``,
+    read from the device when first asked; None outside expert groups)."""
+
+    stage: str
+
+    def __new__(cls, layers_done: int, stage: str = "layer", queue_depth=None):
+        """``queue_depth``: the depths, or a function that reads them."""
+        point = super().__new__(cls, layers_done)
+        point.stage, point._depth = stage, queue_depth
+        return point
+
+    @property
+    def queue_depth(self) -> list[int] | None:
+        if callable(self._depth):
+            depth = self._depth()
+            self._depth = None if depth is None else [int(n) for n in depth]
+        return self._depth
 
 
 class Policy:

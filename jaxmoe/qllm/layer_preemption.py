@@ -1,17 +1,30 @@
 """QLLM's preemption below the iteration level (arXiv:2503.09304, Sec. 3.3), as the engine's layer hook.
 
-A step whose batch is all best-effort runs layer by layer (``pausable``). At each pause point
+A step whose batch is all best-effort runs layer by layer (``pausable``) where a request can arrive
+while it runs: the engine polls for arrivals (``engine.poll``: the serving loop, ``AsyncEngine``).
+Without a poll (``LLM.generate`` adds every request before the first step) nothing can arrive
+mid-step and the step stays one fused program. At each pause point
 (``between_layers``: after every ``pause_every`` layers, and between the expert rounds of a MoE layer
 with per-expert queues) the hook admits what arrived meanwhile (``engine.poll``) and asks the
-scheduling policy whether to pause there (``Scheduler.pause_at_layer``); if so, it runs the waiting
-latency-sensitive work as a batch of its own (its tokens go out at once, ``engine.deliver``), then
-the paused step goes on from the next layer with its hidden states (kept on the device) and the KV
-it wrote. A step whose paused state (hidden states) would exceed ``max_paused_state_bytes`` is not
-paused: its latency-sensitive work waits for the step boundary.
+scheduling policy whether to pause there (``Scheduler.pause_at_layer``); if so, it schedules the
+waiting latency-sensitive work and
+
+* merges it into the step (``merge``, the default; the paper's Fig. 1b): at a layer boundary its rows
+  run the layers done so far alone (the catch-up), then they and the step's rows share the remaining
+  layers in one batch (``LLMEngine.merge_batch``); their tokens come with the step's. Several
+  arrivals may merge into one step, each at its own boundary; counted in ``ls_merges``.
+* else (``merge=False``, between expert groups, on an executor that cannot merge, or where the merged
+  batch's shape is not one warm-up compiled) runs it as a batch of its own while the step waits (its
+  tokens go out at once, ``engine.deliver``), then the paused step goes on from the next layer with
+  its hidden states (kept on the device) and the KV it wrote.
+
+A step whose paused state (hidden states) would exceed ``max_paused_state_bytes`` is not paused: its
+latency-sensitive work waits for the step boundary.
 """
 
 from __future__ import annotations
 
+from jaxmoe.engine.policies import PausePoint
 from jaxmoe.engine.sequence import Priority
 from jaxmoe.runtime.executor import ExpertQueueing
 
@@ -19,22 +32,27 @@ from jaxmoe.runtime.executor import ExpertQueueing
 class LayerPreemption:
     stats_key = "layer_preemption"
 
-    def __init__(self, max_paused_state_bytes: int | None = None):
+    def __init__(self, max_paused_state_bytes: int | None = None, merge: bool = True):
         self.max_paused_state_bytes = max_paused_state_bytes
+        self.merge = merge  # LS work joins the paused step (else it runs as a step of its own)
+        self.ls_merges = 0  # latency-sensitive requests merged into a running step at a layer boundary
         self.layer_pauses = 0  # times a step was paused between layers for latency-sensitive work
         self.paused_state_bytes_max = 0  # the most device memory a paused step kept (hidden states)
         self.pauses_over_budget = 0  # pauses refused: the step's state exceeded max_paused_state_bytes
         self.expert_queue_depth: list[int] | None = None  # per expert, assignments queued at the latest expert pause
 
     def pausable(self, engine, batch) -> bool:
-        return all(s.priority is Priority.BE for s in batch.seqs)
+        return engine.poll is not None and all(s.priority is Priority.BE for s in batch.seqs)
 
     def between_layers(self, engine, layer: int) -> None:
         if engine.poll is not None:
             engine.poll()
         paused = frozenset(engine.step_request_ids)
         scheduler = engine.scheduler
-        if not scheduler.pause_at_layer(paused, layer):
+        executor = engine.executor
+        depth = executor.expert_queue_depth if isinstance(executor, ExpertQueueing) else None
+        point = PausePoint(layer, getattr(executor, "pause_stage", None) or "layer", depth)
+        if not scheduler.pause_at_layer(paused, point):  # the policy sees the stage and the queue depths
             return
         state = engine.runner.pausable_state_bytes
         budget = self.max_paused_state_bytes
@@ -44,12 +62,14 @@ class LayerPreemption:
         inner = scheduler.schedule(exclude=paused, priority=Priority.LS)
         if inner.is_empty:
             return
+        if self.merge and engine.merge_batch(inner):
+            self.ls_merges += len(inner.prefills) + len(inner.decodes)
+            return
         self.layer_pauses += 1
         self.paused_state_bytes_max = max(self.paused_state_bytes_max, state)
-        executor = engine.executor
-        depth = executor.expert_queue_depth() if isinstance(executor, ExpertQueueing) else None
+        depth = point.queue_depth
         if depth is not None:
-            self.expert_queue_depth = [int(n) for n in depth]
+            self.expert_queue_depth = depth
         for rid in paused:
             seq = scheduler.get(rid)
             if seq is not None:
@@ -63,6 +83,7 @@ class LayerPreemption:
     def stats(self) -> dict:
         return {
             "layer_pauses": self.layer_pauses,
+            "ls_merges": self.ls_merges,
             "pauses_over_budget": self.pauses_over_budget,
             "paused_state_bytes_max": self.paused_state_bytes_max,
             "expert_queue_depth": self.expert_queue_depth,

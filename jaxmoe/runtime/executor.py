@@ -7,7 +7,8 @@ that need them: ``ReplicaPlacement`` (expert replicas re-placed between steps: t
 executor; ``jaxmoe.janus.placement_controller``) and ``Routed`` (the expert routing it runs and its
 run-time state: both executors; e.g. ``jaxmoe.brownout`` moves the threshold) and ``ExpertQueueing``
 (per-expert queues: pause points between the expert rounds of a MoE layer; the monolithic executor,
-with rounds from ``jaxmoe.qllm``) and ``LowersAhead`` (the
+with rounds from ``jaxmoe.qllm``) and ``MergesRows`` (rows that join a layer-by-layer step at a layer
+boundary: QLLM's merge; the monolithic executor) and ``LowersAhead`` (the
 step's programs traced and lowered without running them, so warm-up can compile them in parallel:
 the monolithic executor). Layer-level preemption (QLLM) is every executor's:
 ``forward(..., between_layers=...)``.
@@ -16,7 +17,7 @@ the monolithic executor). Layer-level preemption (QLLM) is every executor's:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -105,6 +106,32 @@ class ExpertQueueing(Protocol):
     def expert_queue_depth(self) -> np.ndarray | None:
         """Assignments waiting at each logical expert [E + U] while a step is paused between expert
         rounds (None anywhere else)."""
+        ...
+
+
+class RowMerge(NamedTuple):
+    """Rows that join a step paused at a layer boundary (QLLM's merge, ``MergesRows``): ``between_layers``
+    returns one. ``tokens`` / ``batch`` [B', T']: the new rows alone, padded (their first ``rows`` rows
+    are real); they run the layers done so far alone (the catch-up, writing their KV there). Then the
+    step goes on over ``merged_batch`` / ``merged_index`` [Bm, Tm]: the running step's first ``keep``
+    rows, then the new rows, then padding."""
+
+    tokens: Any
+    batch: AttentionBatch
+    rows: int
+    keep: int
+    merged_batch: AttentionBatch
+    merged_index: Any
+
+
+@runtime_checkable
+class MergesRows(Protocol):
+    """QLLM's merge (Fig. 1b): at a layer boundary of a layer-by-layer step, ``between_layers`` may
+    return a ``RowMerge``; the new rows catch up to that layer alone, then every row shares the
+    remaining layers in one batch, and ``forward`` returns the logits of the merged rows."""
+
+    def merge_ready(self) -> bool:
+        """Whether the step now paused can take rows here (a layer boundary, not between expert groups)."""
         ...
 
 

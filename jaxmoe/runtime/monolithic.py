@@ -38,6 +38,7 @@ from jaxmoe.models.transformer import (
 )
 from jaxmoe.pallas_kernels.expert_ffn import resolve
 from jaxmoe.runtime import op_impls
+from jaxmoe.runtime.executor import RowMerge
 from jaxmoe.runtime.pause_points import PausePoints
 
 
@@ -90,6 +91,31 @@ def step_program(cfg: ModelConfig, block_size: int, impl: str, routing):
         return forward(params, cfg, tokens, batch, cache, block_size, logits_index, routing, state, impl)
 
     return jax.jit(step, donate_argnums=(3,))
+
+
+def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype, in_place: bool):
+    """The layer-by-layer mode's programs, jitted (what a pausable step runs, warm-up compiles and
+    ``jaxmoe lower`` lowers): ``embed(params, tokens)``; ``layers(group, x, batch, group_cache, start,
+    state, n)``: ``n`` (static) layers of a layer group from ``start`` (traced), the cache donated;
+    ``head(params, x, logits_index)``. ``dtype``: the parameters'; ``in_place``: the expert weights
+    are read in place (``cpu_kernel``)."""
+
+    def some_layers(group, x, batch, group_cache, start, state, n):
+        def body(carry, index):
+            x, group_cache = carry
+            layer = layer_view(group, index, dtype, in_place=in_place)
+            step = layer_step(layer, cfg, x, batch, group_cache, block_size, index, routing, state, impl, in_place)
+            return step, None
+
+        (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), start + jnp.arange(n))
+        return x, group_cache
+
+    def head(params, x, logits_index):
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
+        return lm_head(params, cfg, x)
+
+    return jax.jit(embed), jax.jit(some_layers, donate_argnums=(3,), static_argnums=(6,)), jax.jit(head)
 
 
 class MonolithicExecutor:
@@ -149,17 +175,8 @@ class MonolithicExecutor:
         self.pause_every = pause_every
         self.expert_rounds = check_rounds(expert_rounds, self.num_logical_experts)
         self._queued = None  # (ids, first expert not yet served) while a step waits between expert rounds
+        self.pause_stage = None  # "layer" or "experts" while a layer-by-layer step waits at a pause point
         dtype = self.stacked["embed"].dtype
-
-        def some_layers(group, x, batch, group_cache, start, state, n):  # the layer-by-layer mode
-            def body(carry, index):
-                x, group_cache = carry
-                layer = layer_view(group, index, dtype, in_place=in_place)
-                step = layer_step(layer, cfg, x, batch, group_cache, block_size, index, routing, state, impl, in_place)
-                return step, None
-
-            (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), start + jnp.arange(n))
-            return x, group_cache
 
         def gate(group, x, batch, group_cache, index, state):  # expert rounds: attention side + routing
             layer = layer_view(group, index, dtype, in_place=in_place)
@@ -175,15 +192,8 @@ class MonolithicExecutor:
             partial = partial + routed_experts_in(moe, xn, ids, weights, lo, hi, index, impl).astype(jnp.float32)
             return partial, h + partial.reshape(h.shape).astype(h.dtype)
 
-        def head(params, x, logits_index):
-            if logits_index is not None:
-                x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-            return lm_head(params, cfg, x)
-
         self._step = step_program(cfg, block_size, impl, routing)
-        self._embed = jax.jit(embed)
-        self._layers = jax.jit(some_layers, donate_argnums=(3,), static_argnums=(6,))
-        self._head = jax.jit(head)
+        self._embed, self._layers, self._head = layer_programs(cfg, block_size, impl, routing, dtype, in_place)
         self._gate = jax.jit(gate, donate_argnums=(3,))
         self._expert_round = jax.jit(expert_round)
 
@@ -236,7 +246,8 @@ class MonolithicExecutor:
         last (``n``: the layers done); what it runs on this
         executor meanwhile (another batch, on other KV slots) does not change this step's result.
         With ``expert_rounds``, ``between_layers(n)`` is also called between the expert rounds of a
-        MoE layer (``n``: the layers done so far).
+        MoE layer (``n``: the layers done so far). At a layer boundary it may return a ``RowMerge``
+        (QLLM's merge): the logits are then those of the merged rows (``executor.MergesRows``).
         Without it: the whole model as one fused program (the fast path)."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
         state = self.routing_state
@@ -246,30 +257,80 @@ class MonolithicExecutor:
         x = self._embed(self.stacked, tokens)
         pause = PausePoints(between_layers)
         done, total = 0, self.cfg.num_layers
+        for g, j, n, queued in self._layer_steps():
+            x = self._run_layers(g, j, n, queued, x, batch, state, lambda partial: self._pause(pause, done, partial))
+            done += n
+            if done < total:
+                self.pause_stage = "layer"
+                try:
+                    merge = pause(done, x)
+                finally:
+                    self.pause_stage = None
+                if merge is not None:  # QLLM's merge: new rows catch up to this layer, then join the batch
+                    x, batch, index = self._merge(merge, x, done, state)
+        return self._head(self.stacked, x, index)
+
+    def merge_ready(self) -> bool:
+        """Whether the step now paused can take rows (``executor.MergesRows``): at a layer boundary."""
+        return self.pause_stage == "layer"
+
+    def _pause(self, pause, done: int, partial) -> None:
+        """A pause point between the expert groups of a MoE layer (rows cannot join here)."""
+        self.pause_stage = "experts"
+        try:
+            pause(done, partial)
+        finally:
+            self.pause_stage = None
+
+    def _layer_steps(self):
+        """(group, first layer in it, layers, per-expert queues) of each program of the layer-by-layer
+        mode, in order."""
         for g, group in enumerate(self.stacked["groups"]):
             size, j = jax.tree.leaves(group)[0].shape[0], 0
             while j < size:
-                if self.expert_rounds and "moe" in group:
-                    x, n = self._queued_layer(g, j, x, batch, state, lambda partial: pause(done, partial)), 1
-                else:
-                    n = min(self.pause_every, size - j)
-                    x, self.cache[g] = self._layers(group, x, batch, self.cache[g], np.int32(j), state, n)
-                j, done = j + n, done + n
-                if done < total:
-                    pause(done, x)
-        return self._head(self.stacked, x, index)
+                queued = bool(self.expert_rounds) and "moe" in group
+                n = 1 if queued else min(self.pause_every, size - j)
+                yield g, j, n, queued
+                j += n
 
-    def _queued_layer(self, g: int, j: int, x, batch: AttentionBatch, state, pause_point):
+    def _run_layers(self, g: int, j: int, n: int, queued: bool, x, batch, state, pause_point=None):
+        if queued:
+            return self._queued_layer(g, j, x, batch, state, pause_point)
+        group = self.stacked["groups"][g]
+        x, self.cache[g] = self._layers(group, x, batch, self.cache[g], np.int32(j), state, n)
+        return x
+
+    def _merge(self, merge: RowMerge, x, layers: int, state):
+        """QLLM's merge (Fig. 1b): the new rows run layers 0 .. ``layers``-1 alone (the catch-up, the
+        same per-layer programs as the step's), then the running rows and the new ones form one batch
+        (assembled on the host: no program per pair of shapes) for the remaining layers."""
+        tokens, batch, _ = self._args(merge.tokens, merge.batch, None)
+        new, done = self._embed(self.stacked, tokens), 0
+        for g, j, n, queued in self._layer_steps():
+            if done >= layers:
+                break
+            new = self._run_layers(g, j, n, queued, new, batch, state)
+            done += n
+        merged_batch = AttentionBatch(*(_int32(a) for a in merge.merged_batch))
+        index = _int32(merge.merged_index)
+        old, new = jax.device_get((x, new))
+        B, T = merged_batch.slots.shape
+        merged = np.zeros((B, T, old.shape[-1]), old.dtype)
+        merged[: merge.keep, : old.shape[1]] = old[: merge.keep]
+        merged[merge.keep : merge.keep + merge.rows, : new.shape[1]] = new[: merge.rows]
+        return jax.device_put(merged), merged_batch, index
+
+    def _queued_layer(self, g: int, j: int, x, batch: AttentionBatch, state, pause_point=None):
         """Layer ``j`` of group ``g`` with per-expert queues: attention and routing, then the expert
-        rounds with ``pause_point(partial)`` between them; the tokens' outputs join the residual stream
-        after the last round."""
+        rounds with ``pause_point(partial)`` between them (None: no pauses); the tokens' outputs join the
+        residual stream after the last round."""
         group = self.stacked["groups"][g]
         h, xn, ids, weights, partial, self.cache[g] = self._gate(group, x, batch, self.cache[g], np.int32(j), state)
         for r, (lo, hi) in enumerate(self.expert_rounds):
             partial, x = self._expert_round(
                 group, h, xn, ids, weights, partial, np.int32(j), np.int32(lo), np.int32(hi)
             )
-            if r + 1 < len(self.expert_rounds):
+            if pause_point is not None and r + 1 < len(self.expert_rounds):
                 self._queued = (ids, hi)
                 try:
                     pause_point(partial)

@@ -24,11 +24,12 @@ class PausePoints:
         self.hook, self.every = hook, every
         self._previous = None
 
-    def __call__(self, layers_done: int, *outputs) -> None:
-        """A boundary after the program(s) that produce ``outputs`` (dispatched, maybe not done)."""
+    def __call__(self, layers_done: int, *outputs):
+        """A boundary after the program(s) that produce ``outputs`` (dispatched, maybe not done); what
+        the hook returns (e.g. rows to merge into the step, ``executor.RowMerge``)."""
         if layers_done % self.every:
-            return
+            return None
         if self._previous is not None:
             jax.block_until_ready(self._previous)
         self._previous = outputs
-        self.hook(layers_done)
+        return self.hook(layers_done)

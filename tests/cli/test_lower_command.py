@@ -47,6 +47,32 @@ def test_monolithic_every_family_lowers_for_cuda_and_tpu(capsys, checkpoint_dir,
     assert set(report["notes"]) == {"cuda", "tpu"}
 
 
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
+def test_layer_preemption_programs_lower(capsys, checkpoint_dir, family):
+    """``--layer-preemption``: the layer-by-layer programs of pausable steps lower too (embed, each
+    layer group's layers, head) for every shape, ``--pause-every`` layers per program."""
+    code, report = lower(capsys, "--model", str(checkpoint_dir(family)), "--platforms", "tpu", "--layer-preemption")
+    assert code == 0 and report["ok"], [p for p in report["programs"] if not p["ok"]]
+    got = names(report, "tpu")
+    for shape in ("1x1", "1x16", "2x16", "4x16"):
+        assert {f"monolithic.step[{shape}]", f"monolithic.embed[{shape}]", f"monolithic.head[{shape}]"} <= got
+        per_layer = [n for n in got if n.startswith("monolithic.layers[") and n.endswith(f"[{shape}]")]
+        assert per_layer and all(", 1 layers]" in n for n in per_layer), per_layer
+    if family == "mixtral":  # its 2 layers in one group: one program of 2 layers
+        code, report = lower(
+            capsys,
+            "--model",
+            str(checkpoint_dir(family)),
+            "--platforms",
+            "tpu",
+            "--pause-every",
+            "2",
+            "--layer-preemption",
+        )
+        got = {n for n in names(report, "tpu") if n.startswith("monolithic.layers[") and n.endswith("[1x1]")}
+        assert code == 0 and got == {"monolithic.layers[group 0, 2 layers][1x1]"}
+
+
 def test_cpu_only_kernel_is_a_failed_program_and_exit_1(capsys, checkpoint_dir):
     """The XLA:CPU expert kernel, forced on CUDA: it cannot run there, so every step program fails
     (named, with the reason) while the sampler still lowers."""

@@ -117,6 +117,7 @@ def test_latency_sensitive_work_runs_between_expert_rounds_with_exact_tokens():
         max_num_seqs=8,
         layer_preemption=True,
         expert_queues=4,
+        ls_merge=False,  # LS decodes too run nested between expert rounds (else they merge at a layer boundary)
     )
     _drive(llm)
     engine = llm.engine
@@ -138,10 +139,70 @@ def test_latency_sensitive_work_runs_between_expert_rounds_with_exact_tokens():
     assert families["jaxmoe_paused_state_bytes_max"].samples[0].value == engine.layer_hook.paused_state_bytes_max
 
 
+def test_expert_queues_with_merges_keep_every_token():
+    """With merges on (the default), LS work that arrives between expert rounds still runs nested
+    there (rows join only at layer boundaries); the LS decodes that wait at a later layer boundary
+    of the same step merge into it. Tokens stay exact."""
+    llm = LLM(
+        "tiny-random",
+        dtype="float32",
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=8,
+        layer_preemption=True,
+        expert_queues=4,
+    )
+    _drive(llm)
+    hook = llm.engine.layer_hook
+    assert llm.engine.scheduler.preemptions["expert_pause"]["be"] >= len(ARRIVALS) and hook.ls_merges > 0
+
+
 def test_expert_queues_settings_are_checked():
     with pytest.raises(ValueError, match="layer_preemption"):
-        QLLMConfig(expert_queues=2)
+        QLLMConfig(expert_queues=2, layer_preemption=False)
     with pytest.raises(ValueError, match="expert_queues"):
         QLLMConfig(expert_queues=-1, layer_preemption=True)
     with pytest.raises(ValueError, match="monolithic executor only"):
         LLM("tiny-random", mesh="meshes/cpu-8.yaml", layer_preemption=True, expert_queues=2, num_blocks=64)
+
+
+def test_the_policy_sees_the_stage_and_the_queue_depths():
+    """``pause_at_layer``'s ``layer`` is a ``PausePoint``: between expert groups its stage is
+    "experts" with the per-expert queue depths; at a layer boundary "layer" with none. A policy that
+    pauses only at layer boundaries gets no pause between expert rounds."""
+    from jaxmoe.qllm.policy import QLLMPolicy
+
+    seen = []
+
+    class AtLayerBoundaries(QLLMPolicy):
+        name = "at_layer_boundaries"
+
+        def pause_at_layer(self, running, waiting, layer):
+            seen.append((int(layer), layer.stage, layer.queue_depth))
+            return layer.stage == "layer" and super().pause_at_layer(running, waiting, layer)
+
+    llm = LLM(
+        "tiny-random",
+        dtype="float32",
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=8,
+        expert_queues=4,
+        policy=AtLayerBoundaries(),
+    )
+    engine = llm.engine
+    alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in BE_PROMPTS}
+    alone[LS_PROMPTS[0]] = llm.generate([LS_PROMPTS[0]], LS, priority="ls")[0].token_ids
+    ids = {p: engine.add_request(p, BE, "be") for p in BE_PROMPTS}
+    engine.step()  # the BE prefills
+    # an LS prompt arrives at the first expert pause point of the next step; it waits to the layer boundary
+    engine.poll = lambda: (
+        LS_PROMPTS[0] not in ids and ids.update({LS_PROMPTS[0]: engine.add_request(LS_PROMPTS[0], LS, "ls")})
+    )
+    finished = {out.request_id: out.token_ids for out in engine.run_until_done(timeout=120).values()}
+    assert all(finished[rid] == alone[p] for p, rid in ids.items())
+    assert engine.layer_hook.ls_merges == 1
+    experts = [d for _, stage, d in seen if stage == "experts"]
+    assert experts and all(d is not None and len(d) == 8 for d in experts)
+    assert all(d is None for _, stage, d in seen if stage == "layer")
+    assert llm.engine.scheduler.preemptions["expert_pause"]["be"] == 0  # never paused between expert groups

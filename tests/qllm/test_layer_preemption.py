@@ -1,7 +1,9 @@
 """QLLM layer-level preemption: latency-sensitive requests that arrive while a best-effort step is
-between two layers run at once, as a step of their own; the paused step then finishes from the next
-layer. Every request's greedy tokens equal the tokens it gets when served alone, on the monolithic
-and the disaggregated executor, with pauses during BE prefill and during BE decode."""
+between two layers are merged into it (they catch up to that layer alone, then share the remaining
+layers: the paper's Fig. 1b; the monolithic executor), or run at once as a step of their own while
+the paused step waits (``ls_merge=False``, and the disaggregated executor). Every request's greedy
+tokens equal the tokens it gets when served alone, on the monolithic and the disaggregated executor,
+with pauses during BE prefill and during BE decode."""
 
 from __future__ import annotations
 
@@ -21,15 +23,22 @@ LS_PROMPTS = ["urgent a", "urgent bb", "urgent ccc"]
 ARRIVALS = [(0, 1), (7, 3), (11, 2)]
 
 
-def _llm(mesh):
-    kw = dict(mesh=mesh) if mesh else {}
+def _llm(mesh, **kw):
+    if mesh:
+        kw["mesh"] = mesh
     return LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8, layer_preemption=True, **kw)
+
+
+def _below_iteration(hook) -> int:
+    """Latency-sensitive work run inside a best-effort step: nested steps and merged requests."""
+    return hook.layer_pauses + hook.ls_merges
 
 
 def _drive(llm):
     """Serve the BE prompts with the LS ones arriving between layers as ``ARRIVALS`` scripts (an
     arrival whose step had no layer boundary comes at the next step); asserts every request's tokens
-    equal its standalone tokens and all KV blocks are free after. Returns (layer pauses, overdue arrivals)."""
+    equal its standalone tokens and all KV blocks are free after. Returns (LS work run inside a BE step:
+    nested steps + merged requests, overdue arrivals)."""
     engine = llm.engine
     alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in BE_PROMPTS}
     alone.update({p: llm.generate([p], LS, priority="ls")[0].token_ids for p in LS_PROMPTS})
@@ -55,7 +64,7 @@ def _drive(llm):
     engine.poll = poll
     hook.between_layers = between
     be_ids = {p: engine.add_request(p, BE, "be") for p in BE_PROMPTS}
-    pauses, finished, overdue = engine.layer_hook.layer_pauses, {}, 0
+    pauses, finished, overdue = _below_iteration(engine.layer_hook), {}, 0
     while engine.has_work() or pending:
         for (s, at), prompt in list(pending):  # overdue: its step ran fused (not pausable) or never paused
             if s < step["n"]:
@@ -69,17 +78,26 @@ def _drive(llm):
     for p, rid in {**be_ids, **ls_ids}.items():
         assert finished[rid] == alone[p], p
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    return engine.layer_hook.layer_pauses - pauses, overdue
+    return _below_iteration(engine.layer_hook) - pauses, overdue
 
 
-@pytest.mark.parametrize("mesh", [None, "meshes/cpu-8.yaml"], ids=["monolithic", "cpu8-disaggregated"])
-def test_layer_preemption_keeps_every_token(mesh):
-    llm = _llm(mesh)
+@pytest.mark.parametrize(
+    "mesh,merge",
+    [(None, True), (None, False), ("meshes/cpu-8.yaml", True)],
+    ids=["monolithic-merge", "monolithic-nested", "cpu8-disaggregated"],
+)
+def test_layer_preemption_keeps_every_token(mesh, merge):
+    llm = _llm(mesh, ls_merge=merge)
     pauses, overdue = _drive(llm)
+    hook = llm.engine.layer_hook
     assert overdue == 0  # every scripted arrival happened inside a paused BE step
     assert pauses >= len(ARRIVALS)  # LS decodes may run between later layers too
-    assert llm.engine.layer_hook.paused_state_bytes_max > 0 and llm.engine.layer_hook.pauses_over_budget == 0
-    assert llm.engine.scheduler.preemptions["pause"]["be"] >= len(ARRIVALS)
+    assert hook.pauses_over_budget == 0
+    if merge and mesh is None:  # every arrival joined the BE step it arrived in
+        assert hook.ls_merges >= len(ARRIVALS) and hook.layer_pauses == 0
+    else:  # nested steps (the disaggregated executor cannot merge rows into a step)
+        assert hook.ls_merges == 0 and hook.paused_state_bytes_max > 0
+        assert llm.engine.scheduler.preemptions["pause"]["be"] >= len(ARRIVALS)
 
 
 class NeverPause(QLLMPolicy):
@@ -145,9 +163,10 @@ def test_no_pause_without_latency_sensitive_work():
 
 
 def test_latency_sensitive_tokens_go_out_while_the_paused_step_waits():
-    """The outputs of the step run inside a paused one are emitted at once (``engine.emit``: the
-    serving loop delivers them to their streams), not held until the paused step ends."""
-    llm = _llm(None)
+    """Nested steps (``ls_merge=False``): the outputs of the step run inside a paused one are emitted
+    at once (``engine.emit``: the serving loop delivers them to their streams), not held until the
+    paused step ends."""
+    llm = _llm(None, ls_merge=False)
     engine, events, ls = llm.engine, [], {}
     engine.emit = lambda outs: events.append(("inner", [o.request_id for o in outs]))
 
@@ -261,4 +280,93 @@ def test_random_mixed_traces_keep_every_token(mesh, seed):
     for prompt, rid in ids.items():
         assert finished[rid] == alone[prompt], prompt
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    assert engine.layer_hook.layer_pauses > 0  # the trace did preempt between layers
+    assert _below_iteration(engine.layer_hook) > 0  # the trace did preempt between layers
+    if mesh is None:
+        assert engine.layer_hook.ls_merges > 0  # and merged LS work into running BE steps
+
+
+def test_several_arrivals_merge_into_one_step():
+    """Two LS requests arrive during one BE decode step, after layers 1 and 2 of the 4: both join
+    that step (each catches up to its layer alone), their first tokens come with the step's outputs,
+    the step is never paused for a nested step, and every token equals the standalone ones. The merges
+    are counted in ``jaxmoe_ls_merges_total``."""
+    from jaxmoe.server.metrics import _EngineCollector
+
+    llm = _llm(None)
+    engine = llm.engine
+    alone = {p: llm.generate([p], LS, priority="ls")[0].token_ids for p in LS_PROMPTS[:2]}
+    be_alone = llm.generate([BE_PROMPTS[0]], BE, priority="be")[0].token_ids
+    be = engine.add_request(BE_PROMPTS[0], BE, "be")
+    engine.step()  # the BE prefill
+    ls, calls = {}, []
+
+    def poll():  # the 1st pause point of the step comes after layer 1, the 2nd after layer 2
+        calls.append(1)
+        if len(calls) <= 2:
+            prompt = LS_PROMPTS[len(calls) - 1]
+            ls[prompt] = engine.add_request(prompt, LS, "ls")
+
+    engine.poll = poll
+    merged_before = engine.layer_hook.ls_merges
+    outs = engine.step()
+    engine.poll = None
+    assert {o.request_id for o in outs} == {be, *ls.values()}  # both LS first tokens came with the step
+    assert engine.layer_hook.ls_merges - merged_before == 2 and engine.layer_hook.layer_pauses == 0
+    assert len(engine.runner.last_calls) == 1  # one program call: the BE decode row, the LS rows joined it
+    finished = {o.request_id: o.token_ids for o in outs if o.finished}
+    for out in engine.run_until_done(timeout=60).values():
+        finished[out.request_id] = out.token_ids
+    assert finished[be] == be_alone
+    for prompt, rid in ls.items():
+        assert finished[rid] == alone[prompt], prompt
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    families = {f.name: f for f in _EngineCollector(_Async(engine)).collect()}
+    assert families["jaxmoe_ls_merges"].samples[0].name == "jaxmoe_ls_merges_total"
+    assert families["jaxmoe_ls_merges"].samples[0].value == engine.layer_hook.ls_merges
+
+
+class _Async:  # what the server's collector reads
+    compiles_after_warmup = None
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def snapshot(self):
+        from jaxmoe.engine.stats import EngineStats
+
+        return EngineStats().snapshot(self.engine, in_flight=0, step_errors=0)
+
+
+@pytest.mark.slow
+def test_a_merge_compiles_nothing_after_warm_up():
+    """The merge runs only programs warm-up compiled: the catch-up runs the new rows' own (warmed)
+    shape, the merged batch is assembled on the host and has a shape of ``plan.shapes()``."""
+    from jaxmoe.assembly import QLLMConfig, RuntimeConfig, attach_features, build_executor
+    from jaxmoe.compilation import compile_events
+    from jaxmoe.config import from_hf_config
+    from jaxmoe.demo import DEMO_HF_CONFIG, demo_params
+    from jaxmoe.engine.engine import EngineConfig, LLMEngine
+    from jaxmoe.engine.warmup import warm_up
+    from jaxmoe.tokenizer import ByteTokenizer
+
+    tiny = dict(DEMO_HF_CONFIG, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    cfg = from_hf_config(dict(tiny, num_hidden_layers=2))
+    config = RuntimeConfig(
+        engine=EngineConfig(max_num_seqs=2, max_prefill_chunk=16, max_model_len=64, num_blocks=16),
+        qllm=QLLMConfig(layer_preemption=True),
+    )
+    engine = attach_features(
+        LLMEngine(cfg, build_executor(cfg, demo_params(cfg, seed=3), config), ByteTokenizer(), config.engine), config
+    )
+    # the shapes this trace meets: prefills and decodes of 1 and 2 rows (the merged batch: 2 rows x 16)
+    warm_up(engine, [(1, 1), (2, 1), (1, 16), (2, 16)], progress=False, workers=2)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("best effort", params, "be")
+    engine.step()  # its prefill
+    before = compile_events()["programs"]
+    arrivals = ["urgent"]
+    engine.poll = lambda: arrivals and engine.add_request(arrivals.pop(), params, "ls")
+    engine.step()  # a BE decode; the LS prompt arrives after layer 1 (of 2) and joins it
+    assert engine.layer_hook.ls_merges == 1
+    engine.run_until_done(timeout=60)
+    assert compile_events()["programs"] == before
