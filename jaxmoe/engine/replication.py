@@ -138,10 +138,7 @@ def follow(engine, channel: StepChannel | None = None, on_step: Callable[[list],
             if kind == ADD:
                 _, rid, prompt_ids, sampling, priority, cache_salt, seed = op
                 engine.add_request(prompt_ids, sampling, priority, rid, cache_salt=cache_salt)
-                if engine._requests[rid].seed != seed:
-                    raise ClusterFailedError(
-                        f"request {rid}: seed {engine._requests[rid].seed} here, {seed} on process 0 (engines diverged)"
-                    )
+                engine._requests[rid].seed = seed  # the seed process 0 drew (unseeded requests)
             elif kind == ABORT:
                 engine.abort(op[1])
             elif kind == STEP:
