@@ -82,6 +82,7 @@ class Cluster:
         return "\n".join(f"--- process {i} (exit {p.poll()}):\n{_log(self.logs[i])}" for i, p in enumerate(self.procs))
 
     def kill(self) -> None:
+        print(self.report())  # shown when the test fails
         for p in self.procs:  # SIGKILL: jax's preemption notifier catches SIGTERM
             if p.poll() is None:
                 p.kill()
