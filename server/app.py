@@ -95,7 +95,10 @@ class JaxmoeServer:
         )
         self.cluster_failed = asyncio.Event()
         self.failure: str | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        try:  # where the engine thread reports a cluster failure (start() sets it otherwise)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self.metrics.watch(self.async_engine)
         self.ready = False
         self.grpc_port = self.http_port = None
@@ -105,7 +108,9 @@ class JaxmoeServer:
         self._grpc = self._health = self._http = None
 
     def _on_cluster_failure(self, reason: str) -> None:
-        """(the engine thread) A process of the cluster is gone: stop answering as healthy."""
+        """(the engine thread, or the watchdog) A process of the cluster is gone: stop answering as healthy."""
+        if self.failure is not None:
+            return
         self.ready = False
         self.failure = reason
         if self._loop is not None:

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from jaxmoe.options import EXPERT_IMPLS
 from jaxmoe.server.brownout_flags import add_brownout_args, serve_brownout
@@ -423,13 +424,16 @@ async def _serve(engine, opts, abort_on_shutdown: bool, grace: float, multihost:
     from jaxmoe.engine.async_engine import WarmupCancelled
     from jaxmoe.engine.replication import ClusterFailedError, Leader
     from jaxmoe.server.app import JaxmoeServer
-    from jaxmoe.server.multihost import FAILED_LINGER_S
+    from jaxmoe.server.multihost import FAILED_LINGER_S, watch_processes
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server = JaxmoeServer(engine, opts, leader=Leader() if multihost else None)
+    watching = threading.Event()
+    if multihost:
+        watch_processes(server.async_engine, watching)
     print("jaxmoe: warming up (compiling) ..." if opts.warmup else "jaxmoe: starting ...", flush=True)
     starting = asyncio.ensure_future(server.start())
     stopping = asyncio.ensure_future(stop.wait())
@@ -465,6 +469,7 @@ async def _serve(engine, opts, abort_on_shutdown: bool, grace: float, multihost:
         await asyncio.sleep(FAILED_LINGER_S)
         await server.stop(abort_inflight=True, grace=0.0)
         return 1
+    watching.set()  # the followers leave after the drain: not a failure
     print("jaxmoe: shutting down", flush=True)
     await server.stop(abort_inflight=abort_on_shutdown, grace=grace)
     print("jaxmoe: stopped", flush=True)

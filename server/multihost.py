@@ -7,12 +7,17 @@ process 0 broadcasts (``jaxmoe.engine.replication``), with no front end. docs/mu
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import threading
 
 from jaxmoe.server.serve_options import MAX_PORT, ServeOptionError
 
-HEARTBEAT_TIMEOUT_S = 30  # jax's coordination service declares a silent process dead after this
+log = logging.getLogger(__name__)
+
+HEARTBEAT_TIMEOUT_S = 10  # jax's coordination service declares a silent process dead after this
+WATCH_INTERVAL_S = 1.0  # process 0 asks the coordination service which processes live this often
 SHUTDOWN_TIMEOUT_S = 30  # jax.distributed.shutdown's barrier waits at most this
 FAILED_LINGER_S = 5.0  # after a process is gone, process 0 answers 503 this long, then exits 1
 
@@ -57,6 +62,10 @@ def join(kwargs: dict) -> None:
 
     if "jax_cpu_collectives_implementation" in jax.config.values:  # the default on jax 0.10
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if "jax_enable_recoverability" in jax.config.values:
+        # a dead process is reported (``get_live_nodes``) instead of terminating every other one, so
+        # that process 0 can answer 503 and end its requests with an error before it exits
+        jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(
         **kwargs,
         initialization_timeout=int(os.environ.get("JAXMOE_JOIN_TIMEOUT", "300")),
@@ -84,6 +93,36 @@ def check_multihost(args, spec) -> None:
     ):
         if on:
             raise ServeOptionError(f"{flag}: not available when serving on several processes")
+
+
+def watch_processes(async_engine, stop: threading.Event) -> threading.Thread:
+    """Process 0: a thread asking jax's coordination service every ``WATCH_INTERVAL_S`` which processes
+    live; one missing fails the cluster (``AsyncEngine.fail_cluster``) even while the engine loop is busy
+    compiling or idle."""
+    import jax
+    from jax._src import distributed  # the client jax.distributed.initialize made (no public handle)
+
+    n = jax.process_count()
+
+    def run() -> None:
+        client = distributed.global_state.client
+        while client is not None and not stop.wait(WATCH_INTERVAL_S):
+            try:
+                live = client.get_live_nodes(list(range(n)))
+            except Exception as e:  # noqa: BLE001 - the service itself is in this process: keep asking
+                log.warning("get_live_nodes failed: %s", e)
+                continue
+            gone = sorted(set(range(n)) - set(live))
+            if gone:
+                async_engine.fail_cluster(
+                    f"a process of the cluster is gone: process {', '.join(map(str, gone))} stopped sending "
+                    "heartbeats to jax's coordination service"
+                )
+                return
+
+    thread = threading.Thread(target=run, name="jaxmoe-watch-processes", daemon=True)
+    thread.start()
+    return thread
 
 
 def follow(engine) -> int:

@@ -79,6 +79,8 @@ class AsyncEngine:
         self.engine = engine
         self.leader = leader
         self.on_cluster_failure = on_cluster_failure
+        self._failure_reported = False
+        self._failure_lock = threading.Lock()
         self.request_timeout_s = request_timeout_s
         self._deferred: list = []  # commands that arrived while a step was paused between layers
         engine.poll = self._admit_arrivals
@@ -347,6 +349,28 @@ class AsyncEngine:
         if self.leader is not None:
             self.leader.aborted(rid)
 
+    def fail_cluster(self, reason: str) -> None:
+        """(any thread; multi-host) A process is gone, seen from outside the loop (jax's coordination
+        service): new requests are refused and the ones in flight end with ``ClusterFailedError`` now,
+        even while the loop is busy (compiling); the loop itself stops at its next broadcast."""
+        if self.leader is None or self.leader.failed is not None:
+            return
+        self.leader.fail(reason)
+        for stream in dict(self._streams).values():  # a copy: the loop thread may change the dict
+            stream.put(ClusterFailedError(reason))  # thread-safe; a stream ends at its first error
+        self._report_failure(reason)
+
+    def _report_failure(self, reason: str) -> None:
+        with self._failure_lock:
+            if self._failure_reported:
+                return
+            self._failure_reported = True
+        if self.on_cluster_failure is not None:
+            try:
+                self.on_cluster_failure(reason)
+            except Exception:
+                log.exception("on_cluster_failure hook failed")
+
     def _cluster_failed(self, reason: str) -> None:
         """A process of the cluster is gone: end every request with the reason, take no more."""
         self._closing = True
@@ -356,11 +380,7 @@ class AsyncEngine:
             self._admitted.pop(rid, None)
             self._last.pop(rid, None)
             self._streams.pop(rid).put(ClusterFailedError(reason))
-        if self.on_cluster_failure is not None:
-            try:
-                self.on_cluster_failure(reason)
-            except Exception:
-                log.exception("on_cluster_failure hook failed")
+        self._report_failure(reason)
 
     def _step(self) -> None:
         self.engine.step_request_ids = []

@@ -109,3 +109,23 @@ def test_a_failed_broadcast_ends_every_request_and_refuses_new_ones():
         ae.add("again", SamplingParams(max_tokens=2))
     assert not ae.running
     assert calls["n"] == 4  # no broadcast after the failed one
+
+
+def test_a_process_reported_gone_from_outside_the_loop_ends_requests_at_once():
+    """``fail_cluster`` (process 0's watchdog thread): the request in flight ends with the reason and a
+    new one is refused, without waiting for the loop; the loop stops at its next broadcast."""
+    llm = LLM("tiny-random", **ENGINE)
+    reasons: list[str] = []
+    ae = AsyncEngine(llm.engine, leader=Leader(StepChannel(lambda buf: buf)), on_cluster_failure=reasons.append)
+    ae.start()
+    stream = ae.add("The mixture of experts", SamplingParams(max_tokens=400, ignore_eos=True))
+    assert next(iter(stream)).finished is False
+    ae.fail_cluster("process 1 stopped sending heartbeats")
+    with pytest.raises(ClusterFailedError, match="process 1 stopped sending heartbeats"):
+        for _ in stream:
+            pass
+    with pytest.raises(EngineClosedError, match="the serving cluster stopped: process 1"):
+        ae.add("again", SamplingParams(max_tokens=2))
+    ae.shutdown(timeout=30)
+    assert not ae.running
+    assert reasons == ["process 1 stopped sending heartbeats"]  # once, though the loop failed too

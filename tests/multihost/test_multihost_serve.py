@@ -214,3 +214,40 @@ def test_mesh_that_does_not_match_the_cluster_is_refused(tmp_path, nodes, per_no
     for log in logs:
         lines = [ln for ln in log.splitlines() if ln.startswith("jaxmoe:")]
         assert len(lines) == 1 and lines[0].startswith(f"jaxmoe: {mesh}: {field}"), log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rescale_over_http_on_two_processes(tmp_path):
+    """meshes/cpu-8-1a7e.yaml (attention on process 0, experts on both): ``POST /admin/rescale`` to
+    4a4e while a request runs reaches both processes (built on each, swapped at the same step); the
+    request in flight and the ones after it keep the single-process monolithic greedy tokens."""
+    from jaxmoe import LLM, SamplingParams
+
+    few_shapes = ["--max-num-seqs", "2", "--max-prefill-chunk", "16", "--max-batch-tokens", "32"]
+    cluster = Cluster(tmp_path, ROOT / "meshes" / "cpu-8-1a7e.yaml", *few_shapes)
+    try:
+        cluster.wait_serving()
+        first = _complete(cluster, PROMPTS[0])
+        inflight: dict = {}
+        t = threading.Thread(target=lambda: inflight.update(r=_complete(cluster, PROMPTS[1], 24)), daemon=True)
+        t.start()
+        time.sleep(0.5)
+        rescaled = cluster.post("/admin/rescale", {"attention": 4, "experts": 4}, timeout=600)
+        t.join(600)
+        after = _complete(cluster, PROMPTS[0])
+        cluster.procs[0].send_signal(signal.SIGTERM)
+        codes = cluster.wait_exit(30)
+        report = cluster.report()
+    finally:
+        cluster.kill()
+    assert rescaled[0] == 200, (rescaled, report)
+    assert rescaled[1]["attention"] == 4 and rescaled[1]["experts"] == 4, rescaled
+    assert codes == [0, 0], report
+    ref = LLM("tiny-random", dtype="float32", **ENGINE)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want0 = ref.generate(PROMPTS[:1], greedy)[0].text
+    want1 = ref.generate(PROMPTS[1:], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].text
+    assert first[0] == after[0] == 200 and first[1]["choices"][0]["text"] == after[1]["choices"][0]["text"] == want0
+    status, body = inflight["r"]
+    assert status == 200 and body["choices"][0]["text"] == want1, inflight
