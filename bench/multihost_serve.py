@@ -70,7 +70,7 @@ def stop(procs) -> None:
 
 
 def one(port: int, prompt: str, max_tokens: int) -> tuple[float, float]:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     body["stream"] = True
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}

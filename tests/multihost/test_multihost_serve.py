@@ -44,14 +44,14 @@ def _log(path: Path, lines: int = 30) -> str:
 class Cluster:
     """Two ``jaxmoe serve`` processes joined by ``jax.distributed`` on 127.0.0.1."""
 
-    def __init__(self, tmp_path: Path, mesh: Path = MESH, *flags: str):
+    def __init__(self, tmp_path: Path, mesh: Path = MESH, *flags: str, model: str = "tiny-random"):
         self.http_port, self.grpc_port, coordinator = _free_port(), _free_port(), _free_port()
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
         env["JAXMOE_JOIN_TIMEOUT"] = "120"
         self.logs = [tmp_path / f"serve{i}.log" for i in range(2)]
         self.procs = []
         for i in range(2):
-            cmd = [sys.executable, "-m", "jaxmoe.cli", "serve", "--model", "tiny-random", "--dtype", "float32"]
+            cmd = [sys.executable, "-m", "jaxmoe.cli", "serve", "--model", model, "--dtype", "float32"]
             cmd += ["--mesh", str(mesh), "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2"]
             cmd += ["--process-id", str(i), "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
             cmd += ["--no-warmup", *ENGINE_FLAGS, *flags]
@@ -111,7 +111,7 @@ class Cluster:
 
 
 def _complete(cluster: Cluster, prompt: str, max_tokens: int = MAX_TOKENS, timeout: float = 300.0):
-    body = {"model": "tiny-random", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     return cluster.post("/v1/completions", body, timeout)
 
 
@@ -251,3 +251,28 @@ def test_rescale_over_http_on_two_processes(tmp_path):
     assert first[0] == after[0] == 200 and first[1]["choices"][0]["text"] == after[1]["choices"][0]["text"] == want0
     status, body = inflight["r"]
     assert status == 200 and body["choices"][0]["text"] == want1, inflight
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
+def test_two_process_server_answers_like_one_process_per_family(tmp_path, checkpoint_dir, family):
+    """The other model families (tiny Hugging Face checkpoints; ``tiny-random`` above is the Mixtral
+    form): greedy text over HTTP from two processes == the single-process monolithic engine's."""
+    from jaxmoe import LLM, SamplingParams
+
+    path = checkpoint_dir(family)
+    cluster = Cluster(tmp_path, MESH, model=str(path))
+    try:
+        cluster.wait_serving()
+        got = _complete(cluster, PROMPTS[0])
+        cluster.procs[0].send_signal(signal.SIGTERM)
+        codes = cluster.wait_exit(30)
+        report = cluster.report()
+    finally:
+        cluster.kill()
+    assert codes == [0, 0], report
+    ref = LLM(str(path), dtype="float32", **ENGINE)
+    want = ref.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    assert got[0] == 200, got
+    assert got[1]["choices"][0]["text"] == want.text and got[1]["usage"]["completion_tokens"] == MAX_TOKENS
