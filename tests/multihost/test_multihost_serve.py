@@ -1,8 +1,10 @@
 """``jaxmoe serve`` on two JAX processes (loopback, 4 CPU devices each, meshes/cpu-2x4.yaml: attention and
 expert instances on both): process 0 answers HTTP and gRPC with the tokens the single-process monolithic
-engine makes; SIGTERM to process 0 stops both; a follower killed with SIGKILL makes process 0 unhealthy
-(503), ends the request in flight with an error and exits non-zero; a mesh file that does not match the
-cluster is refused at start with one line naming the field."""
+engine makes, for every model family; SIGTERM to process 0 stops both; a follower killed with SIGKILL
+makes process 0 unhealthy (503), ends the request in flight with an error and exits non-zero; a mesh
+file that does not match the cluster is refused at start with one line naming the field;
+``POST /admin/rescale`` re-scales both processes while a request runs (meshes/cpu-8-1a7e.yaml).
+Each cluster test takes 2-4 minutes on 2 busy cores (the step programs compile on first use)."""
 
 from __future__ import annotations
 
@@ -190,6 +192,7 @@ def test_killed_follower_stops_process_0(tmp_path):
     assert codes[0] not in (None, 0) and exit_s < 60, (codes, exit_s, report)
 
 
+@pytest.mark.slow  # two jax processes start and join: 20-30 s each on 2 busy cores
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "nodes, per_node, field",
