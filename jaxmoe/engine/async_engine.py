@@ -394,6 +394,8 @@ class AsyncEngine:
                 raise ClusterFailedError(self.leader.failed) from e
             self._step_failed(e)
             return
+        if self.leader is not None:
+            self.leader.stepped(self.engine.step_request_ids)
         self.num_steps += 1
         self._deliver_all(outputs)
         self._publish()

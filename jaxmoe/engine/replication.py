@@ -8,7 +8,10 @@ sends the journal and the step (or call) to the other processes (*followers*) th
 ``multihost_utils.broadcast_one_to_all`` of a fixed-size byte buffer (a journal longer than the
 buffer follows in a second broadcast, its size rounded up to a power of two so that few programs
 compile). A follower (``follow``) applies each journal to its own ``LLMEngine`` in order, then the
-step or the call; its outputs are dropped (the leader's front ends answer).
+step or the call; its outputs are dropped (the leader's front ends answer). Each process runs its own
+scheduler on the same input, and the scheduler is deterministic; as a check, every journal starts
+with the requests process 0's previous step ran (``CHECK``), and a follower whose step ran others
+stops with ``ClusterFailedError`` (engines diverged) instead of launching mismatched collectives.
 
 When the leader is idle it sends an empty journal every ``AsyncEngine`` idle poll (a heartbeat), so a
 dead follower is noticed within a second: the broadcast (or the step's collectives) fails and the
@@ -27,7 +30,7 @@ from jaxmoe.engine.request_stream import EngineStepError
 
 log = logging.getLogger(__name__)
 
-ADD, ABORT, STEP, CALL, STOP = "add", "abort", "step", "call", "stop"
+ADD, ABORT, STEP, CALL, STOP, CHECK = "add", "abort", "step", "call", "stop", "check"
 HEADER_BYTES = 4096  # one broadcast carries a journal of up to HEADER_BYTES - 8 bytes (most steps)
 
 
@@ -87,6 +90,7 @@ class Leader:
     def __init__(self, channel: StepChannel | None = None):
         self.channel = channel or StepChannel()
         self.pending: list[tuple] = []
+        self.last_step: list[str] | None = None  # the request ids of the step run since the last sync
         self.failed: str | None = None  # why the cluster stopped (None: serving)
         self.stopped = False
 
@@ -98,6 +102,9 @@ class Leader:
             (ADD, request_id, list(seq.prompt_ids), state.sampling, seq.priority.value, seq.cache_salt, state.seed)
         )
 
+    def stepped(self, request_ids: list[str]) -> None:
+        self.last_step = list(request_ids)
+
     def aborted(self, request_id: str) -> None:
         self.pending.append((ABORT, request_id))
 
@@ -106,7 +113,8 @@ class Leader:
         ``ClusterFailedError`` when a process is gone."""
         if self.failed is not None:
             raise ClusterFailedError(self.failed)
-        journal, self.pending = self.pending + list(ops), []
+        check = [(CHECK, self.last_step)] if self.last_step is not None else []
+        journal, self.pending, self.last_step = check + self.pending + list(ops), [], None
         try:
             self.channel.send(journal)
         except Exception as e:  # noqa: BLE001 - whatever the collective raises, the cluster is broken
@@ -142,6 +150,7 @@ def follow(engine, channel: StepChannel | None = None, on_step: Callable[[list],
             elif kind == ABORT:
                 engine.abort(op[1])
             elif kind == STEP:
+                engine.step_request_ids = []  # as process 0's AsyncEngine does before each step
                 outputs = engine.step()
                 if on_step is not None:
                     on_step(outputs)
@@ -150,5 +159,11 @@ def follow(engine, channel: StepChannel | None = None, on_step: Callable[[list],
                     op[1](engine)
                 except Exception:  # noqa: BLE001
                     log.exception("replicated call failed (as on process 0)")
+            elif kind == CHECK:
+                if list(engine.step_request_ids) != op[1]:
+                    raise ClusterFailedError(
+                        f"engines diverged: this process's last step ran requests {list(engine.step_request_ids)}, "
+                        f"process 0's ran {op[1]}"
+                    )
             elif kind == STOP:
                 return 0

@@ -86,6 +86,11 @@ def test_follower_replaying_the_journal_makes_the_leaders_tokens():
     assert "a0" not in finals  # aborted on the follower too (no final output of its own)
     assert all(len(v["tokens"]) == 8 for v in got.values())
     assert not follower_llm.engine.has_work() and follower_llm.engine.block_manager.num_free == 64
+    assert ae.leader.channel.broadcasts > 0
+    # a follower whose last step ran other requests than process 0's stops before the next step
+    tx.send([("check", ["g0", "g1"]), ("step",)])
+    with pytest.raises(ClusterFailedError, match=r"engines diverged: .* process 0's ran \['g0', 'g1'\]"):
+        follow(follower_llm.engine, rx)
 
 
 def test_a_failed_broadcast_ends_every_request_and_refuses_new_ones():
