@@ -439,13 +439,19 @@ async def _serve(engine, opts, abort_on_shutdown: bool, grace: float, multihost:
     stopping = asyncio.ensure_future(stop.wait())
     failing = asyncio.ensure_future(server.cluster_failed.wait())
     await asyncio.wait({starting, stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
-    if failing.done() or (starting.done() and isinstance(starting.exception(), ClusterFailedError)):
+
+    async def cluster_failed(reason) -> int:
         # a process of the cluster is gone: every request has ended with an error; answer 503 a
         # little longer (health checks, load balancers), then exit non-zero for the supervisor
-        print(f"jaxmoe: error: {server.failure}; exiting in {FAILED_LINGER_S:g} s", file=sys.stderr, flush=True)
+        print(f"jaxmoe: error: {reason}; exiting in {FAILED_LINGER_S:g} s", file=sys.stderr, flush=True)
         await asyncio.sleep(FAILED_LINGER_S)
         await server.stop(abort_inflight=True, grace=0.0)
         return 1
+
+    if starting.done() and isinstance(starting.exception(), ClusterFailedError):
+        return await cluster_failed(starting.exception())
+    if failing.done():
+        return await cluster_failed(server.failure)
     if starting.done() and isinstance(starting.exception(), OSError):  # a port taken since the check
         print(f"jaxmoe: {starting.exception()}", file=sys.stderr, flush=True)
         await server.stop(abort_inflight=True, grace=0.0)
@@ -465,10 +471,7 @@ async def _serve(engine, opts, abort_on_shutdown: bool, grace: float, multihost:
     print(f"jaxmoe: http listening on {opts.host}:{server.http_port}", flush=True)
     await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
     if failing.done():
-        print(f"jaxmoe: error: {server.failure}; exiting in {FAILED_LINGER_S:g} s", file=sys.stderr, flush=True)
-        await asyncio.sleep(FAILED_LINGER_S)
-        await server.stop(abort_inflight=True, grace=0.0)
-        return 1
+        return await cluster_failed(server.failure)
     watching.set()  # the followers leave after the drain: not a failure
     print("jaxmoe: shutting down", flush=True)
     await server.stop(abort_inflight=abort_on_shutdown, grace=grace)
