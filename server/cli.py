@@ -364,8 +364,7 @@ def cmd_serve(args) -> int:
             if config.brownout.salc is not None:
                 raise ServeOptionError("--salc: not available when serving on several processes (--no-salc)")
         except (ServeOptionError, MeshConfigError) as e:
-            print(f"jaxmoe: {e}", file=sys.stderr)
-            return 2
+            multihost.refuse(str(e))
     engine = build_engine(config)
     if process_index > 0:  # a follower: the same engine, the steps process 0 broadcasts, no front end
         code = multihost.follow(engine)
@@ -376,6 +375,8 @@ def cmd_serve(args) -> int:
     try:
         check_max_model_len(args, engine.cfg.max_position)
     except ServeOptionError as e:
+        if processes > 1:
+            multihost.refuse(str(e))
         print(f"jaxmoe: {e}", file=sys.stderr)
         return 2
     opts = ServeOptions(

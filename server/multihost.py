@@ -125,6 +125,25 @@ def watch_processes(async_engine, stop: threading.Event) -> threading.Thread:
     return thread
 
 
+def refuse(message: str) -> None:
+    """After joining: print the one-line refusal and leave at once (status 2), once every process has
+    printed its own (they meet at a barrier, then process 0, which holds jax's coordination service,
+    leaves last: a process still connected when it goes is aborted by jax)."""
+    import time
+
+    import jax
+    from jax._src import distributed
+
+    print(f"jaxmoe: {message}", file=sys.stderr, flush=True)
+    try:
+        distributed.global_state.client.wait_at_barrier("jaxmoe_refused", 10_000)
+        if jax.process_index() == 0:
+            time.sleep(1.0)
+    except Exception:  # noqa: BLE001 - another process did not refuse: leave anyway
+        pass
+    os._exit(2)
+
+
 def follow(engine) -> int:
     """A follower's life: run process 0's steps until it stops (0) or is gone (1)."""
     import jax
