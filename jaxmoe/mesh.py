@@ -119,6 +119,31 @@ def build_meshes(spec: ClusterSpec, devices: Sequence | None = None) -> SubMeshe
     return SubMeshes(spec, mesh(spec.attention, ATTN_AXES), mesh(spec.experts, EXPERT_AXES), devices, node_ids)
 
 
+def check_cluster(spec: ClusterSpec, process_count: int, local_device_count: int, platform: str) -> None:
+    """Before the model loads on a ``jax.distributed`` cluster: the file's ``nodes`` must be the
+    process count, ``devices_per_node`` each process's device count and ``platform`` the devices'
+    (``MeshConfigError`` naming the field otherwise)."""
+    src = spec.source
+    if spec.nodes != process_count:
+        raise MeshConfigError(
+            f"{src}: nodes: the file describes {spec.nodes} nodes (one process each) but jax.distributed "
+            f"reports {process_count} processes"
+        )
+    if spec.devices_per_node != local_device_count:
+        raise MeshConfigError(
+            f"{src}: devices_per_node: the file says {spec.devices_per_node} but this process has "
+            f"{local_device_count} jax devices"
+            + (
+                f" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={spec.devices_per_node})"
+                if platform == "cpu"
+                else ""
+            )
+        )
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    if platform != spec.platform:
+        raise MeshConfigError(f"{src}: platform: the file says {spec.platform} but the jax devices are {platform}")
+
+
 # --------------------------------------------------------------------------- helpers
 
 

@@ -9,6 +9,7 @@ status to answer) on bad input. The front ends only translate: the gRPC ``Rescal
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import grpc
 import pydantic
@@ -45,18 +46,28 @@ def parse_rescale(payload) -> RescaleRequest:
         raise AdminError(f"{field}: {err['msg']} (got {err.get('input')!r})") from None
 
 
+def _start_rescale(attention: int, experts: int, slots: int | None, engine):
+    return LiveRescaler.of(engine).start(attention, experts, slots)
+
+
+def _apply_rescale(engine) -> bool:
+    return LiveRescaler.of(engine).apply()
+
+
 def rescale(async_engine, payload, timeout_s: float = 600.0) -> dict:
     """Change the attention / expert instances of the running engine; returns ``RescaleResult``'s
     fields once the new layout serves (build and compile in the background, swap at a step
     boundary). Errors: 400 / INVALID_ARGUMENT (does not fit: nothing changed), 409 / ABORTED (one is
     in progress), 504 / DEADLINE_EXCEEDED (not done in ``timeout_s``; it goes on)."""
     req = parse_rescale(payload)
+    # multi-host: every process starts (and applies) the same rescale at the same point of the steps
+    start = functools.partial(_start_rescale, req.attention, req.experts, req.slots_per_instance)
     try:
-        job = async_engine.call(lambda e: LiveRescaler.of(e).start(req.attention, req.experts, req.slots_per_instance))
+        job = async_engine.call(start, timeout=timeout_s, replicate=start)
         if not job.wait_ready(timeout_s):
             raise TimeoutError(f"the {job.target} layout was not built in {timeout_s}s")
         if not job.done():  # built (not failed nor cancelled): swap now when idle, else at the next step
-            async_engine.call(lambda e: LiveRescaler.of(e).apply())
+            async_engine.call(_apply_rescale, replicate=_apply_rescale)
         return job.result(timeout_s).as_dict()
     except RescaleCancelledError as e:
         raise AdminError(str(e), 503, grpc.StatusCode.UNAVAILABLE) from None

@@ -6,12 +6,17 @@ taking new RPCs, lets in-flight requests finish for ``grace`` seconds (or aborts
 ``abort_inflight=True``; their streams end with ``finish_reason="abort"``), then closes both.
 
 ``ServerThread`` runs a server on its own event loop in a background thread (tests, benchmarks).
+
+Multi-host (``leader``): this is process 0 of a ``jax.distributed`` cluster; when another process is
+gone the engine loop ends every request with an error, health turns NOT_SERVING (HTTP ``/health``
+503, new requests 503) and ``cluster_failed`` is set (``jaxmoe serve`` then exits non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import threading
 
 from jaxmoe.janus.live_rescale import LiveRescaler
@@ -76,12 +81,24 @@ def op_impls(engine: LLMEngine) -> dict[str, str]:
 
 
 class JaxmoeServer:
-    def __init__(self, engine: LLMEngine, opts: ServeOptions = ServeOptions()):
+    def __init__(self, engine: LLMEngine, opts: ServeOptions = ServeOptions(), leader=None):
         self.opts = opts
         self.metrics = ServerMetrics()
         self.async_engine = AsyncEngine(
-            engine, on_finish=self.metrics.observe_finished, request_timeout_s=opts.request_timeout_s
+            engine,
+            on_finish=self.metrics.observe_finished,
+            request_timeout_s=opts.request_timeout_s,
+            leader=leader,
+            on_cluster_failure=self._on_cluster_failure,
+            # across processes an expert-count read is a collective the followers would not join
+            counts_every_s=math.inf if leader is not None else 1.0,
         )
+        self.cluster_failed = asyncio.Event()
+        self.failure: str | None = None
+        try:  # where the engine thread reports a cluster failure (start() sets it otherwise)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self.metrics.watch(self.async_engine)
         self.ready = False
         self.grpc_port = self.http_port = None
@@ -90,8 +107,22 @@ class JaxmoeServer:
         self.cancel_warmup = threading.Event()  # set it to stop start() between two warm-up compiles
         self._grpc = self._health = self._http = None
 
+    def _on_cluster_failure(self, reason: str) -> None:
+        """(the engine thread, or the watchdog) A process of the cluster is gone: stop answering as healthy."""
+        if self.failure is not None:
+            return
+        self.ready = False
+        self.failure = reason
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._failed_on_loop)
+
+    def _failed_on_loop(self) -> None:
+        self.cluster_failed.set()
+        if self._health is not None:
+            asyncio.ensure_future(set_serving(self._health, False))
+
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self.async_engine.start()
         o = self.opts
         if o.warmup:
@@ -122,8 +153,9 @@ class JaxmoeServer:
         self.http_port = self._http.port
         await self._http.start()
         await self._grpc.start()
-        await set_serving(self._health, True)
-        self.ready = True
+        if self.failure is None:
+            await set_serving(self._health, True)
+            self.ready = True
 
     async def stop(self, abort_inflight: bool = False, grace: float = 10.0) -> None:
         """Stop taking requests, finish (or abort) the in-flight ones, close both servers."""

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from jaxmoe.options import EXPERT_IMPLS
 from jaxmoe.server.brownout_flags import add_brownout_args, serve_brownout
@@ -211,6 +212,18 @@ def register(sub, add_model_args) -> None:
         help="comma-separated Host header values accepted ('*': any; default: the bound address)",
     )
     serve.add_argument("--abort-on-shutdown", action="store_true", help="abort in-flight requests at once")
+    multi = serve.add_argument_group(
+        "multi-host (jax.distributed; process 0 serves HTTP and gRPC, the others follow its steps: docs/multi_host.md)"
+    )
+    multi.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address for jax")
+    multi.add_argument("--num-processes", type=int, default=None, help="processes in the cluster (= mesh nodes)")
+    multi.add_argument("--process-id", type=int, default=None, help="this process: 0 .. --num-processes - 1")
+    multi.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join the cluster jax.distributed detects by itself (Cloud TPU, SLURM, Open MPI, Kubernetes); "
+        "automatic under SLURM / Open MPI with several tasks or with $JAX_COORDINATOR_ADDRESS",
+    )
     serve.set_defaults(func=cmd_serve)
 
     client = sub.add_parser("client", help="talk to a running server over gRPC")
@@ -302,6 +315,7 @@ def cmd_serve(args) -> int:
     from jaxmoe.server.http_server import HttpLimits
     from jaxmoe.server.security import SecurityOptions
 
+    from jaxmoe.server import multihost
     from jaxmoe.server.serve_options import (
         ServeOptionError,
         check_max_model_len,
@@ -317,10 +331,23 @@ def cmd_serve(args) -> int:
         logging.getLogger("jaxmoe.requests").setLevel(logging.WARNING)
     try:  # every option, and the ports, before the model loads: one line naming the option
         validate_serve_args(args)
-        check_ports_free(args.host, {"--grpc-port": args.grpc_port, "--http-port": args.http_port})
+        cluster = multihost.distributed_args(args)
+        if cluster is None or args.process_id in (None, 0):
+            check_ports_free(args.host, {"--grpc-port": args.grpc_port, "--http-port": args.http_port})
     except ServeOptionError as e:
         print(f"jaxmoe: {e}", file=sys.stderr)
         return 2
+    processes, process_index = 1, 0
+    if cluster is not None:
+        try:
+            multihost.join(cluster)
+        except Exception as e:  # noqa: BLE001 - a coordinator that does not answer, a bad environment
+            where = "--coordinator" if "coordinator_address" in cluster else "jax.distributed"
+            print(f"jaxmoe: {where}: could not join the cluster: {str(e).splitlines()[0][:300]}", file=sys.stderr)
+            return 2
+        import jax
+
+        processes, process_index = jax.process_count(), jax.process_index()
     raise_open_files_limit()  # thousands of HTTP connections (--http-max-connections)
     if args.autoscale and not (args.mesh and args.slo_tpot_ms):
         print("jaxmoe: --autoscale needs --mesh and --slo-tpot-ms", file=sys.stderr)
@@ -331,10 +358,27 @@ def cmd_serve(args) -> int:
     from jaxmoe.assembly import build_engine
 
     config, mesh_description = runtime_config(args)
+    if processes > 1:
+        from jaxmoe.mesh import MeshConfigError, load_mesh
+
+        try:
+            multihost.check_multihost(args, load_mesh(args.mesh) if args.mesh else None)
+            if config.brownout.salc is not None:
+                raise ServeOptionError("--salc: not available when serving on several processes (--no-salc)")
+        except (ServeOptionError, MeshConfigError) as e:
+            multihost.refuse(str(e))
     engine = build_engine(config)
+    if process_index > 0:  # a follower: the same engine, the steps process 0 broadcasts, no front end
+        code = multihost.follow(engine)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     try:
         check_max_model_len(args, engine.cfg.max_position)
     except ServeOptionError as e:
+        if processes > 1:
+            multihost.refuse(str(e))
         print(f"jaxmoe: {e}", file=sys.stderr)
         return 2
     opts = ServeOptions(
@@ -365,7 +409,9 @@ def cmd_serve(args) -> int:
         print(
             f"jaxmoe: warning: binding {args.host} without --api-key: anyone who reaches it can use it", file=sys.stderr
         )
-    code = asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace))
+    code = asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace, multihost=processes > 1))
+    if processes > 1 and code == 0:
+        multihost.shutdown()  # the followers got STOP from the engine loop and leave too
     # Everything is stopped and drained: exit now. The interpreter's own teardown (the XLA client and
     # gRPC core freeing their thread pools, a cancelled rescale build finishing its compile) takes
     # seconds more and does nothing a server needs.
@@ -375,21 +421,40 @@ def cmd_serve(args) -> int:
     os._exit(code)
 
 
-async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:
+async def _serve(engine, opts, abort_on_shutdown: bool, grace: float, multihost: bool = False) -> int:
     import asyncio
 
     from jaxmoe.engine.async_engine import WarmupCancelled
+    from jaxmoe.engine.replication import ClusterFailedError, Leader
     from jaxmoe.server.app import JaxmoeServer
+    from jaxmoe.server.multihost import FAILED_LINGER_S, watch_processes
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = JaxmoeServer(engine, opts)
+    server = JaxmoeServer(engine, opts, leader=Leader() if multihost else None)
+    watching = threading.Event()
+    if multihost:
+        watch_processes(server.async_engine, watching)
     print("jaxmoe: warming up (compiling) ..." if opts.warmup else "jaxmoe: starting ...", flush=True)
     starting = asyncio.ensure_future(server.start())
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    failing = asyncio.ensure_future(server.cluster_failed.wait())
+    await asyncio.wait({starting, stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+
+    async def cluster_failed(reason) -> int:
+        # a process of the cluster is gone: every request has ended with an error; answer 503 a
+        # little longer (health checks, load balancers), then exit non-zero for the supervisor
+        print(f"jaxmoe: error: {reason}; exiting in {FAILED_LINGER_S:g} s", file=sys.stderr, flush=True)
+        await asyncio.sleep(FAILED_LINGER_S)
+        await server.stop(abort_inflight=True, grace=0.0)
+        return 1
+
+    if starting.done() and isinstance(starting.exception(), ClusterFailedError):
+        return await cluster_failed(starting.exception())
+    if failing.done():
+        return await cluster_failed(server.failure)
     if starting.done() and isinstance(starting.exception(), OSError):  # a port taken since the check
         print(f"jaxmoe: {starting.exception()}", file=sys.stderr, flush=True)
         await server.stop(abort_inflight=True, grace=0.0)
@@ -407,7 +472,10 @@ async def _serve(engine, opts, abort_on_shutdown: bool, grace: float) -> int:
     print(f"jaxmoe: warm-up took {server.warmup_seconds:.1f}s", flush=True)
     print(f"jaxmoe: grpc listening on {opts.host}:{server.grpc_port}", flush=True)
     print(f"jaxmoe: http listening on {opts.host}:{server.http_port}", flush=True)
-    await stopping
+    await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+    if failing.done():
+        return await cluster_failed(server.failure)
+    watching.set()  # the followers leave after the drain: not a failure
     print("jaxmoe: shutting down", flush=True)
     await server.stop(abort_inflight=abort_on_shutdown, grace=grace)
     print("jaxmoe: stopped", flush=True)

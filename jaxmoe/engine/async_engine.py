@@ -15,6 +15,10 @@ command queue that the loop drains between steps:
   loop keeps serving the others (re-allocating the KV cache if the failed program took it).
 * ``shutdown(abort_inflight)``; ``snapshot()``: statistics published after every step (metrics);
   ``call(fn)`` runs ``fn(engine)`` on the loop.
+* Multi-host (``leader``: a ``replication.Leader``, process 0 of a ``jax.distributed`` cluster): the
+  requests admitted and aborted, each step and each ``call(..., replicate=fn)`` reach the other
+  processes before they run here (``engine/replication.py``); when a process is gone every request
+  ends with ``ClusterFailedError``, the loop stops and ``on_cluster_failure(reason)`` is called.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -31,6 +36,7 @@ from typing import Any, Callable
 from jaxmoe.compilation import compile_events
 from jaxmoe.engine.engine import LLMEngine
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError
+from jaxmoe.engine.replication import STEP, CALL, ClusterFailedError, Leader
 from jaxmoe.engine.request_stream import (  # noqa: F401  (re-exported: the errors are part of this API)
     END,
     EngineClosedError,
@@ -64,10 +70,17 @@ class AsyncEngine:
         idle_poll_s: float = 0.5,
         counts_every_s: float = 1.0,
         request_timeout_s: float | None = None,
+        leader: Leader | None = None,
+        on_cluster_failure: Callable[[str], None] | None = None,
     ):
         """``request_timeout_s``: a request still running that long after admission is ended
-        with ``RequestTimeoutError`` (None: no deadline)."""
+        with ``RequestTimeoutError`` (None: no deadline). ``leader``: multi-host serving, this is
+        process 0 (see the module docstring)."""
         self.engine = engine
+        self.leader = leader
+        self.on_cluster_failure = on_cluster_failure
+        self._failure_reported = False
+        self._failure_lock = threading.Lock()
         self.request_timeout_s = request_timeout_s
         self._deferred: list = []  # commands that arrived while a step was paused between layers
         engine.poll = self._admit_arrivals
@@ -137,7 +150,9 @@ class AsyncEngine:
 
     def _submit(self, prompt, sampling, priority, request_id, loop, cache_salt=None) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if self._closing or not self.running:
+        if self.leader is not None and self.leader.failed is not None:
+            future.set_exception(EngineClosedError(f"the serving cluster stopped: {self.leader.failed}"))
+        elif self._closing or not self.running:
             future.set_exception(EngineClosedError("the engine is not running (shutting down?)"))
         else:
             self._commands.put(("add", _Add(prompt, sampling, priority, request_id, loop, future, cache_salt)))
@@ -147,12 +162,19 @@ class AsyncEngine:
         """Abort a request (no-op if unknown or finished); processed before the next step."""
         self._commands.put(("abort", request_id))
 
-    def call(self, fn: Callable[[LLMEngine], Any], timeout: float | None = 60.0) -> Any:
-        """Run ``fn(engine)`` on the loop thread between steps and return its result."""
+    def call(
+        self, fn: Callable[[LLMEngine], Any], timeout: float | None = 60.0, replicate: Callable | None = None
+    ) -> Any:
+        """Run ``fn(engine)`` on the loop thread between steps and return its result. Multi-host:
+        ``replicate`` (picklable, e.g. a ``functools.partial`` of a module function) runs on every
+        other process at the same point; give it for anything that runs programs or changes the
+        engine (a ``fn`` without it runs here only)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if not self.running:
+            if self.leader is not None and replicate is not None:
+                self.leader.sync((CALL, replicate))
             return fn(self.engine)  # no loop: the caller is the only user of the engine
-        self._commands.put(("call", fn, future))
+        self._commands.put(("call", fn, future, replicate))
         return future.result(timeout)
 
     def snapshot(self) -> dict[str, Any]:
@@ -172,12 +194,17 @@ class AsyncEngine:
         and lines otherwise (``jaxmoe.progress``; False: none). ``cancel``: set it to stop between two shapes (``WarmupCancelled``).
         Afterwards ``compiles_after_warmup`` counts programs compiled while serving."""
 
+        replicate = None
+        if self.leader is not None:  # every process compiles the same shapes; no cancel half-way
+            cancel = None
+            replicate = functools.partial(warm_up, shapes=shapes, progress=False, scoring=scoring)
+
         def run(engine: LLMEngine) -> float:
             seconds = warm_up(engine, shapes, progress, cancel, scoring=scoring)
             self._compiles_at_ready = compile_events()["programs"]
             return seconds
 
-        return self.call(run, timeout=None)
+        return self.call(run, timeout=None, replicate=replicate)
 
     @property
     def compiles_after_warmup(self) -> int | None:
@@ -201,6 +228,12 @@ class AsyncEngine:
                         break
                 if self.engine.has_work():
                     self._step()
+                elif self.leader is not None:
+                    self.leader.sync()  # idle: the journal so far, and a heartbeat
+            if self.leader is not None:
+                self.leader.stop()
+        except ClusterFailedError as e:
+            self._cluster_failed(str(e))
         except BaseException:  # a bug in the loop itself: fail everyone rather than hang them
             log.exception("jaxmoe engine loop crashed")
             self._fail(list(self._streams), "the engine loop crashed")
@@ -246,10 +279,15 @@ class AsyncEngine:
         elif kind == "abort":
             self._abort(cmd[1])
         elif kind == "call":
-            fn, future = cmd[1], cmd[2]
+            fn, future, replicate = cmd[1], cmd[2], cmd[3]
             if future.set_running_or_notify_cancel():
                 try:
+                    if self.leader is not None and replicate is not None:
+                        self.leader.sync((CALL, replicate))  # ClusterFailedError ends the loop
                     future.set_result(fn(self.engine))
+                except ClusterFailedError as e:
+                    future.set_exception(e)
+                    raise
                 except BaseException as e:
                     future.set_exception(e)
         elif kind == "stop":
@@ -269,6 +307,8 @@ class AsyncEngine:
         except Exception as e:  # ValueError, OverloadedError: the caller gets it, nothing queued
             req.future.set_exception(e)
             return
+        if self.leader is not None:
+            self.leader.added(self.engine, rid)
         stream = RequestStream(rid, req.stream_loop)
         self._streams[rid] = stream
         self._admitted[rid] = time.monotonic()
@@ -279,7 +319,7 @@ class AsyncEngine:
         if stream is None:
             return
         seq = self.engine.scheduler.get(rid)
-        self.engine.abort(rid)
+        self._engine_abort(rid)
         last = self._last.get(rid)
         if seq is not None:
             out = RequestOutput(
@@ -304,25 +344,70 @@ class AsyncEngine:
         for rid in list(self._streams):
             self._abort(rid)
 
+    def _engine_abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+        if self.leader is not None:
+            self.leader.aborted(rid)
+
+    def fail_cluster(self, reason: str) -> None:
+        """(any thread; multi-host) A process is gone, seen from outside the loop (jax's coordination
+        service): new requests are refused and the ones in flight end with ``ClusterFailedError`` now,
+        even while the loop is busy (compiling); the loop itself stops at its next broadcast."""
+        if self.leader is None or self.leader.failed is not None:
+            return
+        self.leader.fail(reason)
+        for stream in dict(self._streams).values():  # a copy: the loop thread may change the dict
+            stream.put(ClusterFailedError(reason))  # thread-safe; a stream ends at its first error
+        self._report_failure(reason)
+
+    def _report_failure(self, reason: str) -> None:
+        with self._failure_lock:
+            if self._failure_reported:
+                return
+            self._failure_reported = True
+        if self.on_cluster_failure is not None:
+            try:
+                self.on_cluster_failure(reason)
+            except Exception:
+                log.exception("on_cluster_failure hook failed")
+
+    def _cluster_failed(self, reason: str) -> None:
+        """A process of the cluster is gone: end every request with the reason, take no more."""
+        self._closing = True
+        if self.leader is not None:
+            self.leader.fail(reason)
+        for rid in list(self._streams):
+            self._admitted.pop(rid, None)
+            self._last.pop(rid, None)
+            self._streams.pop(rid).put(ClusterFailedError(reason))
+        self._report_failure(reason)
+
     def _step(self) -> None:
         self.engine.step_request_ids = []
+        if self.leader is not None:
+            self.leader.sync((STEP,))  # ClusterFailedError ends the loop
         try:
             outputs = self.engine.step()
-        except StepFailedError as e:  # the model run failed and took the KV cache: fail that step
-            self.step_errors += 1
-            log.exception("engine step failed")
-            self._fail(e.request_ids, str(e))
-            self._after_failure()
+        except Exception as e:
+            if self.leader is not None:  # a collective failed: the processes cannot agree any more
+                self.leader.fail(f"a step failed across processes: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                raise ClusterFailedError(self.leader.failed) from e
+            self._step_failed(e)
             return
-        except Exception as e:  # scheduling / bookkeeping failed: the step's requests, by id
-            self.step_errors += 1
-            log.exception("engine step failed")
-            self._fail(self.engine.step_request_ids, f"engine step failed: {type(e).__name__}: {e}")
-            self._after_failure()
-            return
+        if self.leader is not None:
+            self.leader.stepped(self.engine.step_request_ids)
         self.num_steps += 1
         self._deliver_all(outputs)
         self._publish()
+
+    def _step_failed(self, e: Exception) -> None:
+        self.step_errors += 1
+        log.error("engine step failed", exc_info=e)
+        if isinstance(e, StepFailedError):  # the model run failed and took the KV cache: fail that step
+            self._fail(e.request_ids, str(e))
+        else:  # scheduling / bookkeeping failed: the step's requests, by id
+            self._fail(self.engine.step_request_ids, f"engine step failed: {type(e).__name__}: {e}")
+        self._after_failure()
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         """The outputs of a step (also of one run inside a paused step: ``engine.emit``) to their streams."""
@@ -353,7 +438,7 @@ class AsyncEngine:
     def _fail(self, rids: list[str], message: str, error: type[EngineStepError] = EngineStepError) -> None:
         for rid in rids:
             try:
-                self.engine.abort(rid)
+                self._engine_abort(rid)
             except Exception:  # keep failing the others
                 log.exception("abort of %s failed", rid)
             stream = self._streams.pop(rid, None)
