@@ -1,10 +1,11 @@
 """SALC driving a running engine: a step hook (``jaxmoe.engine.hooks``) that feeds the SLO analyzer
 and moves the threshold.
 
-After every step: each request that got its first token in it adds a TTFT sample; a step that
-decoded adds its wall time as a TPOT sample (the time every decoding request waited for its next
-token). Then (after every step, or at most every ``period_s`` seconds) Algorithm 2 runs per phase that has an SLO and the executor's brownout threshold
-becomes the lower of the phases' thresholds (the stricter phase wins). ``state()`` is what metrics
+After every step: each request that got its first token in it adds a TTFT sample; each request
+that got a later token adds one TPOT sample, the time since its previous token (so the TPOT P90 is
+over tokens, as the paper's SLO violations are, not over steps). Then (after every step, or at
+most every ``period_s`` seconds) Algorithm 2 runs per phase that has an SLO and the executor's
+brownout threshold becomes the lower of the phases' thresholds (the stricter phase wins). ``state()`` is what metrics
 export (``jaxmoe_brownout_threshold``, the P90s).
 """
 
@@ -31,12 +32,12 @@ class BrownoutController:
             for phase, slo in (("ttft", config.slo_ttft_s), ("tpot", config.slo_tpot_s))
             if slo is not None
         }
-        self._last = self._updated = None
-        self._seen_first: set[str] = set()
+        self._updated = None
+        self._last_token: dict[str, float] = {}  # request -> when its latest token was seen
 
     @classmethod
-    def attach(cls, engine, config: SALCConfig) -> BrownoutController:
-        return engine.add_hook(cls(engine.executor, config))
+    def attach(cls, engine, config: SALCConfig, clock=time.monotonic) -> BrownoutController:
+        return engine.add_hook(cls(engine.executor, config, clock))
 
     def before_step(self, engine) -> None:
         if engine.executor is not self.executor:  # live re-scaling swapped it in (with the threshold)
@@ -44,25 +45,26 @@ class BrownoutController:
 
     def after_step(self, engine, outputs) -> None:
         if engine.last_step_ran:
-            self.update(engine)
+            self.update(engine, outputs)
 
-    def update(self, engine) -> None:
-        """Feed the analyzer with the step's samples and move the threshold (Algorithm 2)."""
+    def update(self, engine, outputs=()) -> None:
+        """Feed the analyzer with the samples of the step's ``outputs`` (``RequestOutput``) and move
+        the threshold (Algorithm 2)."""
         now = self.clock()
-        decoded = False
-        for rid in engine.step_request_ids:
-            seq = engine.scheduler.get(rid)
-            if seq is None or seq.first_token_time is None:
+        for out in outputs:
+            n = len(out.delta_token_ids)
+            if n == 0:
                 continue
-            if rid not in self._seen_first:
-                self._seen_first.add(rid)
-                self.analyzer.record("ttft", seq.first_token_time - seq.arrival_time, now)
-            elif seq.num_output_tokens > 1:
-                decoded = True
-        self._seen_first &= {s.request_id for s in engine.scheduler.running}
-        if decoded and self._last is not None:
-            self.analyzer.record("tpot", now - self._last, now)
-        self._last = now
+            last = self._last_token.pop(out.request_id, None)
+            if last is None:
+                if out.ttft is not None:
+                    self.analyzer.record("ttft", out.ttft, now)
+            else:
+                for _ in range(n):  # one sample per decoded token
+                    self.analyzer.record("tpot", (now - last) / n, now)
+            if not out.finished:
+                self._last_token[out.request_id] = now
+        self._last_token = {r: t for r, t in self._last_token.items() if engine.scheduler.get(r) is not None}
         if self._updated is not None and now - self._updated < self.config.period_s:
             return
         self._updated = now

@@ -32,13 +32,18 @@ class SLOAnalyzer:
             raise BrownoutError(f"unknown phase {phase!r} (ttft, tpot)")
         self._samples[phase].append((self.clock() if at is None else at, float(latency_s)))
 
-    def p90(self, phase: str, now: float | None = None) -> float | None:
-        """P90 latency of ``phase`` over the last window (None: no sample in it)."""
+    def samples(self, phase: str, now: float | None = None) -> list[float]:
+        """The latencies of ``phase`` in the last window (oldest first)."""
         now = self.clock() if now is None else now
         q = self._samples[phase]
         while q and q[0][0] < now - self.window_s:
             q.popleft()
-        return float(np.percentile([v for _, v in q], 90)) if q else None
+        return [v for _, v in q]
+
+    def p90(self, phase: str, now: float | None = None) -> float | None:
+        """P90 latency of ``phase`` over the last window (None: no sample in it)."""
+        q = self.samples(phase, now)
+        return float(np.percentile(q, 90)) if q else None
 
 
 @dataclasses.dataclass

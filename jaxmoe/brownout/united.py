@@ -3,13 +3,16 @@ distilled to reproduce the group's outputs, saved beside a checkpoint, and attac
 
 ``unite(model_dir, ways, out_dir)``: for every MoE layer, the layer's inputs (post-attention-norm
 hidden states) are collected from real forward passes over text (the corpus's training part, windows
-spread evenly over it); experts are grouped (``index``:
-experts k*j .. k*j + k - 1, as the paper; ``similarity``: greedily by the distance between the
-experts' outputs on those tokens; ``coactivation``: greedily by how often the router picks two
-experts for the same token; both our extensions); each united expert starts as the mean of its
-group's weights and is trained with optax (Adam) to minimise eq. 4, the mean over the group's
-experts of the MSE between its output and theirs, on the tokens routed to the group. Each finished
-layer is saved at once (``out_dir/.unite/``): a stopped run resumes at the next layer.
+spread evenly over it); the m experts are split into ceil(m / k) groups (the last one short when k
+does not divide m; ``index``: experts k*j .. k*j + k - 1, as the paper; ``similarity``: greedily by
+the distance between the experts' outputs on those tokens; ``coactivation``: greedily by how often
+the router picks two experts for the same token; both our extensions); each united expert starts as
+the mean of its group's weights and is trained with optax (Adam) to minimise eq. 4, the squared
+error between its output and each group expert's output, taken on the tokens the router gave that
+expert (the token subsets of the paper's Fig. 3: what the united expert replaces at serving time),
+weighted by the router's combine weight. The eq. 4 loss at the group-mean start and after training
+is reported per united expert. Each finished layer is saved at once (``out_dir/.unite/``): a
+stopped run resumes at the next layer.
 
 ``out_dir`` gets a copy of the checkpoint files plus ``united_experts.safetensors`` (tensor names
 ``model.layers.{i}.united_experts.{j}.{w_gate,w_up,w_down}``, jaxmoe's [in, out] layout) and
@@ -40,8 +43,13 @@ NAMES = ("w_gate", "w_up", "w_down")
 
 
 def check_ways(num_experts: int, ways: int) -> None:
-    if not isinstance(ways, int) or ways < 2 or ways > num_experts or num_experts % ways:
-        raise BrownoutError(f"ways {ways!r} must be >= 2 and divide the {num_experts} experts of a layer")
+    if not isinstance(ways, int) or isinstance(ways, bool) or ways < 2 or ways > num_experts:
+        raise BrownoutError(f"ways {ways!r} must be an integer from 2 to the {num_experts} experts of a layer")
+
+
+def num_groups(num_experts: int, ways: int) -> int:
+    """ceil(m / k): the united experts of a layer with m experts in groups of k (the last may be short)."""
+    return -(-num_experts // ways)
 
 
 def group_by_index(num_experts: int, ways: int) -> np.ndarray:
@@ -56,7 +64,7 @@ def group_by_similarity(outputs: np.ndarray, ways: int) -> np.ndarray:
     sq = (flat**2).sum(1)
     dist = sq[:, None] + sq[None, :] - 2 * flat @ flat.T
     groups = np.full(E, -1)
-    for g in range(E // ways):
+    for g in range(num_groups(E, ways)):
         free = np.flatnonzero(groups < 0)
         seed = free[0]
         near = free[np.argsort(dist[seed, free], kind="stable")][:ways]
@@ -71,7 +79,7 @@ def group_by_coactivation(ids: np.ndarray, num_experts: int, ways: int) -> np.nd
     np.put_along_axis(picked, np.asarray(ids), 1.0, axis=1)
     together = picked.T @ picked  # [E, E] tokens routed to both
     groups = np.full(num_experts, -1)
-    for g in range(num_experts // ways):
+    for g in range(num_groups(num_experts, ways)):
         free = np.flatnonzero(groups < 0)
         seed, others = free[0], free[1:]
         near = others[np.argsort(-together[seed, others], kind="stable")][: ways - 1]
@@ -83,12 +91,46 @@ def _expert(w: dict, e: int) -> dict:
     return {k: w[k][e] for k in NAMES}
 
 
+def eq4_loss(united: dict, x, target, weight):
+    """Eq. 4 over a group's (token, original expert) pairs: the weighted mean over the pairs of the
+    squared error between the united expert's output on the token and the expert's (per hidden
+    dimension). ``x`` [n, D] the pairs' tokens, ``target`` [n, D] the chosen experts' outputs,
+    ``weight`` [n] the router's combine weights."""
+    err = jnp.mean((swiglu_mlp(united, x) - target) ** 2, axis=-1)
+    return jnp.sum(weight * err) / jnp.maximum(jnp.sum(weight), 1e-9)
+
+
+def group_pairs(members, ids, weights, outs, x):
+    """(tokens [n, D], targets [n, D], weights [n]) of the (token, expert) pairs where the router
+    chose an expert of ``members`` for the token: what the group's experts computed on their own
+    tokens (the token subsets of the paper's Fig. 3). No pair in the sample: every token against
+    every member, weight 1."""
+    rows, cols = np.nonzero(np.isin(ids, members))
+    if len(rows) == 0:
+        rows = np.tile(np.arange(x.shape[0]), len(members))
+        chosen = np.repeat(members, x.shape[0])
+        return x[rows], outs[chosen, rows], jnp.ones(len(rows), jnp.float32)
+    return x[rows], outs[ids[rows, cols], rows], jnp.asarray(weights[rows, cols], jnp.float32)
+
+
+def _padded(x, target, weight):
+    """The pairs padded with zero-weight rows to a power of two (one compiled update for most groups)."""
+    n = len(weight)
+    pad = (1 << max(0, n - 1).bit_length()) - n
+    return (
+        jnp.pad(x, ((0, pad), (0, 0))),
+        jnp.pad(target, ((0, pad), (0, 0))),
+        jnp.pad(weight, (0, pad)),
+    )
+
+
 def distill_layer(moe: dict, cfg, xs: np.ndarray, ways: int, grouping: str, steps: int, lr: float, seed: int):
-    """(united weights {name: [U, ...]}, groups [E], final losses [U]) for one layer's inputs xs [N, D]."""
+    """(united weights {name: [U, ...]}, groups [E], {"initial": [U], "final": [U]} eq. 4 losses at the
+    group-mean start and after training) for one layer's inputs xs [N, D]; U = ceil(E / ways)."""
     E = moe["w_gate"].shape[0]
     x = jnp.asarray(xs, jnp.float32)
     w = {k: jnp.asarray(moe[k], jnp.float32) for k in NAMES}
-    ids, _ = route({k: jnp.asarray(v, jnp.float32) for k, v in moe.items() if k not in NAMES}, cfg.moe, x)
+    ids, weights = route({k: jnp.asarray(v, jnp.float32) for k, v in moe.items() if k not in NAMES}, cfg.moe, x)
     outs = jax.vmap(lambda e: swiglu_mlp(jax.tree.map(lambda a: a[e], w), x))(jnp.arange(E))  # [E, N, D]
     if grouping == "index":
         groups = group_by_index(E, ways)
@@ -99,29 +141,24 @@ def distill_layer(moe: dict, cfg, xs: np.ndarray, ways: int, grouping: str, step
     else:
         raise BrownoutError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
     opt = optax.adam(lr)
-    united, losses = {k: [] for k in NAMES}, []
-    ids = np.asarray(ids)
-    for g in range(E // ways):
+    united, losses = {k: [] for k in NAMES}, {"initial": [], "final": []}
+    ids, weights = np.asarray(ids), np.asarray(weights)
+
+    @jax.jit
+    def update(p, state, xg, target, wg):
+        loss, grad = jax.value_and_grad(eq4_loss)(p, xg, target, wg)
+        upd, state = opt.update(grad, state, p)
+        return optax.apply_updates(p, upd), state, loss
+
+    for g in range(int(groups.max()) + 1):
         members = np.flatnonzero(groups == g)
-        rows = np.flatnonzero(np.isin(ids, members).any(axis=1))
-        if len(rows) == 0:  # never routed here in the sample: the group's mean
-            rows = np.arange(len(xs))
-        xg, target = x[rows], outs[members][:, rows]  # [n, D], [k, n, D]
-        params = {k: w[k][members].mean(axis=0) for k in NAMES}
-
-        def loss_fn(p, xg=xg, target=target):  # eq. 4: mean over the group's experts of the MSE
-            return jnp.mean((swiglu_mlp(p, xg)[None] - target) ** 2)
-
-        @jax.jit
-        def update(p, state):
-            loss, grad = jax.value_and_grad(loss_fn)(p)
-            upd, state = opt.update(grad, state, p)
-            return optax.apply_updates(p, upd), state, loss
-
+        xg, target, wg = _padded(*group_pairs(members, ids, weights, outs, x))
+        params = {k: w[k][members].mean(axis=0) for k in NAMES}  # the group's mean: the start
+        losses["initial"].append(float(eq4_loss(params, xg, target, wg)))
         state = opt.init(params)
         for _ in range(steps):
-            params, state, loss = update(params, state)
-        losses.append(float(loss_fn(params)))
+            params, state, _ = update(params, state, xg, target, wg)
+        losses["final"].append(float(eq4_loss(params, xg, target, wg)))
         for k in NAMES:
             united[k].append(np.asarray(params[k]))
     return {k: np.stack(v) for k, v in united.items()}, groups.astype(np.int32), losses
@@ -188,9 +225,19 @@ def unite(
             united, groups, losses = distill_layer(
                 params["layers"][i]["moe"], cfg, inputs[i], ways, grouping, steps, lr, seed
             )
-            np.savez(done, groups=groups, losses=np.asarray(losses), **united)
+            np.savez(
+                done,
+                groups=groups,
+                losses=np.asarray(losses["final"]),
+                initial_losses=np.asarray(losses["initial"]),
+                **united,
+            )
         saved = np.load(done)
-        report[i] = {"groups": saved["groups"].tolist(), "losses": saved["losses"].tolist()}
+        report[i] = {
+            "groups": saved["groups"].tolist(),
+            "losses": saved["losses"].tolist(),
+            "initial_losses": saved["initial_losses"].tolist(),
+        }
     _write(model_dir, out_dir, work, moe_layers, ways, grouping, report, params)
     return report
 
@@ -240,7 +287,7 @@ def attach(params: dict, cfg, directory) -> dict:
         if entry is None:
             raise BrownoutError(f"{directory / META_FILE}: no united experts for MoE layer {i}")
         dtype = layers[i]["moe"]["w_gate"].dtype
-        U = cfg.moe.num_experts // meta["ways"]
+        U = max(entry["groups"]) + 1
         united = {
             k: jnp.asarray(np.stack([tensors[f"model.layers.{i}.united_experts.{j}.{k}"] for j in range(U)]), dtype)
             for k in NAMES

@@ -43,7 +43,12 @@ def register(sub, add_model_args) -> None:
 
     un = sub.add_parser("unite", help="distil united experts (BrownoutServe) for a checkpoint")
     add_model_args(un, mesh=False, dtype=False)  # distilled in float32 on one device
-    un.add_argument("--ways", type=int, required=True, help="experts per united expert (k)")
+    un.add_argument(
+        "--ways",
+        type=int,
+        required=True,
+        help="experts per united expert (k); ceil(m / k) groups, the last one short when k does not divide m",
+    )
     un.add_argument("--grouping", default="index", choices=["index", "similarity", "coactivation"])
     un.add_argument("--tokens", type=int, default=8192, help="tokens of text whose hidden states train them")
     un.add_argument("--steps", type=int, default=300, help="Adam steps per united expert")
@@ -122,8 +127,8 @@ def cmd_unite(args) -> int:
     report = unite(args.model, args.ways, args.out, grouping=args.grouping, tokens=args.tokens, steps=args.steps)
     for layer, r in report.items():
         print(
-            f"layer {layer}: groups {r['groups']}, distillation MSE per united expert "
-            + ", ".join(f"{v:.4g}" for v in r["losses"])
+            f"layer {layer}: groups {r['groups']}, eq. 4 loss per united expert (group-mean start -> distilled) "
+            + ", ".join(f"{a:.4g} -> {b:.4g}" for a, b in zip(r["initial_losses"], r["losses"]))
         )
     print(f"united experts written to {args.out}")
     return 0

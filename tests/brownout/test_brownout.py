@@ -133,6 +133,20 @@ def test_unite_writes_united_experts(united_dir):
         assert all(np.isfinite(v) and v >= 0 for v in r["losses"])
 
 
+def test_distillation_lowers_eq4_from_the_group_mean_start(united_dir):
+    """Each united expert's eq. 4 loss after training is well below its value at the group-mean start
+    (both reported by ``unite`` and saved in brownout.json)."""
+    import json
+
+    out, report = united_dir
+    meta = json.loads((out / "brownout.json").read_text())
+    for i, r in report.items():
+        assert meta["layers"][str(i)]["initial_losses"] == r["initial_losses"]
+        assert len(r["initial_losses"]) == len(r["losses"]) == 4
+        for start, end in zip(r["initial_losses"], r["losses"]):
+            assert end < 0.8 * start, (i, r)
+
+
 def test_threshold_one_is_the_original_model_and_moving_it_does_not_recompile(united_dir, checkpoint_dir):
     out, _ = united_dir
     want = [o.token_ids for o in LLM(checkpoint_dir("mixtral"), dtype="float32").generate(PROMPTS, GREEDY)]
@@ -144,6 +158,29 @@ def test_threshold_one_is_the_original_model_and_moving_it_does_not_recompile(un
         outs = llm.generate(PROMPTS, GREEDY)
         assert all(len(o.token_ids) == 8 for o in outs)
     assert compile_events()["programs"] == before
+
+
+def test_ways_that_do_not_divide_the_experts_give_a_short_last_group(checkpoint_dir, tmp_path):
+    """The paper's k = 3, m = 8 example: ceil(8 / 3) = 3 united experts over groups of 3, 3 and 2;
+    threshold 1 is still the original model, and lower thresholds run (the special case keeps a lone
+    browned-out expert of a group)."""
+    from jaxmoe.brownout.united import unite
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("textwrap.py", "bisect.py"):
+        shutil.copy(stdlib / name, corpus / name)
+    out = tmp_path / "u3"
+    report = unite(checkpoint_dir("mixtral"), 3, out, tokens=512, steps=5, corpus=str(corpus), progress=False)
+    for r in report.values():
+        assert r["groups"] == [0, 0, 0, 1, 1, 1, 2, 2] and len(r["losses"]) == 3
+    want = [o.token_ids for o in LLM(checkpoint_dir("mixtral"), dtype="float32").generate(PROMPTS, GREEDY)]
+    llm = LLM(out, dtype="float32", brownout=BrownoutConfig(threshold=1.0))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    assert llm.executor.num_logical_experts == 8 + 3  # E originals + ceil(E / k) united experts
+    set_threshold(llm.executor, 0.0)
+    assert all(len(o.token_ids) == 8 for o in llm.generate(PROMPTS, GREEDY))
 
 
 def test_eval_with_brownout(united_dir, capsys, tmp_path):
@@ -185,10 +222,10 @@ def test_bad_brownout_input(checkpoint_dir, tmp_path, capsys):
     for bad in (-0.1, 1.5, float("nan"), True):
         with pytest.raises(BrownoutError, match=rf"threshold must be a number in \[0, 1\], got {bad!r}"):
             BrownoutConfig(threshold=bad)
-    with pytest.raises(BrownoutError, match="ways 3 must be >= 2 and divide the 8 experts"):
-        unite(checkpoint_dir("mixtral"), 3, tmp_path / "x", progress=False)
+    with pytest.raises(BrownoutError, match="ways 1 must be an integer from 2 to the 8 experts"):
+        unite(checkpoint_dir("mixtral"), 1, tmp_path / "x", progress=False)
     assert main(["unite", "--model", str(checkpoint_dir("mixtral")), "--ways", "16", "--out", str(tmp_path / "y")]) == 2
-    assert "ways 16 must be >= 2 and divide the 8 experts" in capsys.readouterr().err
+    assert "ways 16 must be an integer from 2 to the 8 experts" in capsys.readouterr().err
     with pytest.raises(BrownoutError, match=f"{checkpoint_dir('mixtral')} has no united experts"):
         LLM(checkpoint_dir("mixtral"), brownout=BrownoutConfig(0.5))
     llm = LLM(checkpoint_dir("mixtral"), dtype="float32", num_blocks=8)
@@ -282,6 +319,26 @@ def test_salc_moves_the_threshold_of_a_serving_engine(united_dir):
         SALCConfig()
 
 
+def test_salc_tpot_samples_are_per_token(united_dir):
+    """Every decoded token is one TPOT sample (the time since its request's previous token), so the
+    P90 is over tokens: 3 requests x 7 tokens after the first = 21 samples, 3 TTFT samples."""
+    from jaxmoe.brownout.controller import BrownoutController, SALCConfig
+
+    out, _ = united_dir
+    now = [0.0]
+
+    def clock():
+        now[0] += 0.001
+        return now[0]
+
+    llm = LLM(out, dtype="float32", brownout=BrownoutConfig(threshold=1.0))
+    ctl = BrownoutController.attach(llm.engine, SALCConfig(slo_tpot_s=60.0, window_s=1e6), clock=clock)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert sum(len(o.token_ids) - 1 for o in outs) == 21
+    assert len(ctl.analyzer.samples("tpot")) == 21 and len(ctl.analyzer.samples("ttft")) == 3
+    assert all(v > 0 for v in ctl.analyzer.samples("tpot"))
+
+
 def test_salc_period_spaces_the_updates(united_dir):
     """With ``period_s`` Algorithm 2 runs at most once per period (samples are still taken every
     step): on a frozen clock one update, one shrink (1.0 x 0.8); without a period, one per step."""
@@ -331,7 +388,7 @@ def test_distil_with_coactivation_grouping(checkpoint_dir):
     ids, _ = route({k: v for k, v in moe.items() if k not in ("w_gate", "w_up", "w_down")}, cfg.moe, jnp.asarray(xs))
     np.testing.assert_array_equal(groups, group_by_coactivation(np.asarray(ids), 8, 2))
     assert sorted(np.bincount(groups).tolist()) == [2, 2, 2, 2]
-    assert united["w_gate"].shape[0] == 4 and len(losses) == 4 and all(np.isfinite(losses))
+    assert united["w_gate"].shape[0] == 4 and len(losses["final"]) == 4 and all(np.isfinite(losses["final"]))
     with pytest.raises(BrownoutError, match="grouping must be one of"):
         distill_layer(moe, cfg, xs, 2, "bogus", steps=1, lr=1e-3, seed=0)
 
