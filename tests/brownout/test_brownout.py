@@ -46,6 +46,7 @@ def test_the_papers_worked_example():
     assert set(np.unique(orig[orig >= 0])) == {1, 3, 7} and (united < 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 def test_split_equals_the_direct_reading(seed):
     rng = np.random.default_rng(seed)
@@ -77,6 +78,7 @@ def _layer(rng, E=8, D=16, F=24, U=4):
     }
 
 
+@pytest.mark.slow
 def test_moe_layer_with_brownout_equals_a_plain_reference(checkpoint_dir):
     """eq. 5: original experts for S1, united experts (same weights g) for S2, computed per token;
     padding tokens (not valid) activate no expert."""
@@ -124,6 +126,7 @@ def united_dir(checkpoint_dir, tmp_path_factory):
     return out, report
 
 
+@pytest.mark.slow
 def test_unite_writes_united_experts(united_dir):
     out, report = united_dir
     assert (out / "united_experts.safetensors").exists() and (out / "brownout.json").exists()
@@ -147,6 +150,7 @@ def test_distillation_lowers_eq4_from_the_group_mean_start(united_dir):
             assert end < 0.8 * start, (i, r)
 
 
+@pytest.mark.slow
 def test_threshold_one_is_the_original_model_and_moving_it_does_not_recompile(united_dir, checkpoint_dir):
     out, _ = united_dir
     want = [o.token_ids for o in LLM(checkpoint_dir("mixtral"), dtype="float32").generate(PROMPTS, GREEDY)]
@@ -160,6 +164,7 @@ def test_threshold_one_is_the_original_model_and_moving_it_does_not_recompile(un
     assert compile_events()["programs"] == before
 
 
+@pytest.mark.slow
 def test_ways_that_do_not_divide_the_experts_give_a_short_last_group(checkpoint_dir, tmp_path):
     """The paper's k = 3, m = 8 example: ceil(8 / 3) = 3 united experts over groups of 3, 3 and 2;
     threshold 1 is still the original model, and lower thresholds run (the special case keeps a lone
@@ -183,6 +188,7 @@ def test_ways_that_do_not_divide_the_experts_give_a_short_last_group(checkpoint_
     assert all(len(o.token_ids) == 8 for o in llm.generate(PROMPTS, GREEDY))
 
 
+@pytest.mark.slow
 def test_eval_with_brownout(united_dir, capsys, tmp_path):
     import json
 
@@ -215,6 +221,7 @@ def test_eval_with_brownout(united_dir, capsys, tmp_path):
     assert results[2] != pytest.approx(results[0], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_bad_brownout_input(checkpoint_dir, tmp_path, capsys):
     from jaxmoe.brownout.united import unite
     from jaxmoe.cli import main
@@ -289,6 +296,7 @@ def test_slo_analyzer_p90_over_a_sliding_window():
         a.record("e2e", 1.0)
 
 
+@pytest.mark.slow
 def test_salc_moves_the_threshold_of_a_serving_engine(united_dir):
     """A TPOT SLO no step can meet shrinks the threshold; the gauge and P90 are exported."""
     import http.client
@@ -319,6 +327,7 @@ def test_salc_moves_the_threshold_of_a_serving_engine(united_dir):
         SALCConfig()
 
 
+@pytest.mark.slow
 def test_salc_tpot_samples_are_per_token(united_dir):
     """Every decoded token is one TPOT sample (the time since its request's previous token), so the
     P90 is over tokens: 3 requests x 7 tokens after the first = 21 samples, 3 TTFT samples."""
@@ -339,6 +348,7 @@ def test_salc_tpot_samples_are_per_token(united_dir):
     assert all(v > 0 for v in ctl.analyzer.samples("tpot"))
 
 
+@pytest.mark.slow
 def test_salc_period_spaces_the_updates(united_dir):
     """With ``period_s`` Algorithm 2 runs at most once per period (samples are still taken every
     step): on a frozen clock one update, one shrink (1.0 x 0.8); without a period, one per step."""
@@ -376,6 +386,7 @@ def test_coactivation_grouping_recovers_planted_groups(seed, ways):
     assert got == sorted(sorted(g.tolist()) for g in planted)
 
 
+@pytest.mark.slow
 def test_distil_with_coactivation_grouping(checkpoint_dir):
     from jaxmoe.brownout.united import distill_layer, group_by_coactivation
     from jaxmoe.checkpoint.model import load_model
@@ -393,6 +404,7 @@ def test_distil_with_coactivation_grouping(checkpoint_dir):
         distill_layer(moe, cfg, xs, 2, "bogus", steps=1, lr=1e-3, seed=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_activated_experts_counts_the_weights_a_step_reads(seed):
     from jaxmoe.brownout.routing import activated_experts

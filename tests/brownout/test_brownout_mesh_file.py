@@ -170,6 +170,7 @@ def _run(engine, n=len(PROMPTS)):
     raise AssertionError("the engine did not finish")
 
 
+@pytest.mark.slow
 def test_a_mesh_file_with_salc_on_runs_salc_and_off_does_not(united, tmp_path):
     from jaxmoe.assembly import build_engine
     from jaxmoe.server.cli import runtime_config

@@ -51,6 +51,7 @@ def test_flags_that_would_be_ignored_are_not_offered(argv, capsys):
     assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_mesh_needing_more_cpu_devices_says_how(capsys, tmp_path):
     # the test session has 8 host devices; this file needs 16
     raw = {

@@ -52,6 +52,7 @@ def test_the_expert_impl_choices_match_the_kernels():
     assert EXPERT_IMPLS == tuple(IMPLS)
 
 
+@pytest.mark.slow
 def test_the_package_still_exports_its_api():
     import jaxmoe
 

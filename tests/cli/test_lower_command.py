@@ -26,6 +26,7 @@ def names(report: dict, platform: str) -> set[str]:
     return {p["name"] for p in report["programs"] if p["platform"] == platform}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_monolithic_every_family_lowers_for_cuda_and_tpu(capsys, checkpoint_dir, family):
     code, report = lower(capsys, "--model", str(checkpoint_dir(family)), "--platforms", "cuda,tpu")
@@ -47,6 +48,7 @@ def test_monolithic_every_family_lowers_for_cuda_and_tpu(capsys, checkpoint_dir,
     assert set(report["notes"]) == {"cuda", "tpu"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
 def test_layer_preemption_programs_lower(capsys, checkpoint_dir, family):
     """``--layer-preemption``: the layer-by-layer programs of pausable steps lower too (embed, each
@@ -86,6 +88,7 @@ def test_cpu_only_kernel_is_a_failed_program_and_exit_1(capsys, checkpoint_dir):
     assert all(p["ok"] for p in report["programs"] if p["name"].startswith("sampler"))
 
 
+@pytest.mark.slow
 def test_disaggregated_with_tensor_parallel_attention(capsys, checkpoint_dir):
     """cpu-8-tp2: two nodes, attention heads split over two devices per instance; bf16 weights."""
     code, report = lower(
@@ -132,6 +135,7 @@ def test_bad_platform_is_a_clear_error(capsys, checkpoint_dir):
     assert "--platforms: unknown platform 'vulkan'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_compile_ahead_where_jax_can(capsys, checkpoint_dir):
     """``--compile``: TPU programs compile against libtpu's topology description when libtpu is
     installed (``jaxmoe[tpu]``), else they are lowered only, with the reason; CUDA programs are

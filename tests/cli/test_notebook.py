@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import pathlib
 
 import nbformat
@@ -10,6 +12,7 @@ from nbclient import NotebookClient
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs():
     nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()

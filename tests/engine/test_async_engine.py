@@ -46,6 +46,7 @@ def _drain(stream):
     return outs
 
 
+@pytest.mark.slow
 def test_threads_stream_the_standalone_tokens(aengine, reference):
     results, errors = {}, []
 
@@ -67,6 +68,7 @@ def test_threads_stream_the_standalone_tokens(aengine, reference):
     assert results == reference
 
 
+@pytest.mark.slow
 def test_asyncio_stream(aengine, reference):
     async def main():
         streams = [await aengine.add_async(p, GREEDY, "be") for p in PROMPTS[:2]]
@@ -187,6 +189,7 @@ def test_snapshot_is_published(aengine):
     assert snap["kv_free_blocks"] == snap["num_blocks"]
 
 
+@pytest.mark.slow
 def test_default_warmup_compiles_the_shapes_serving_meets(llm):
     """warmup() compiles every shape of the engine's ShapePlan (decodes of every power-of-two batch up
     to max_num_seqs, prefill chunks of 1-4 rows of 16..max_prefill_chunk tokens; block tables have
@@ -225,6 +228,7 @@ def test_default_warmup_compiles_the_shapes_serving_meets(llm):
     assert compiled_late == 0
 
 
+@pytest.mark.slow
 def test_warmup_can_be_cancelled_between_programs(llm):
     import threading
 

@@ -25,6 +25,7 @@ def _with_template(d, template: str):
     return load_tokenizer(d)
 
 
+@pytest.mark.slow
 def test_an_ordinary_template_renders(model_dir):
     tok = _with_template(
         model_dir, "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | upper }}{% endfor %}{{ eos_token }}"

@@ -45,6 +45,7 @@ def test_generation_config_fills_every_front_end(sampled_dir, tmp_path):
     assert sampling_from_proto(pb.SamplingParams()).temperature == 0.0
 
 
+@pytest.mark.slow
 def test_llm_uses_the_generation_config_when_given_no_sampling_params(sampled_dir):
     llm = LLM(sampled_dir, num_blocks=32, block_size=8, max_num_seqs=2)
     assert llm.engine.sampling_defaults == {"temperature": 0.6, "top_p": 0.8}

@@ -56,6 +56,7 @@ def check(llm, target, others):
     assert_identical(eng.run_until_done()[rid], alone)
 
 
+@pytest.mark.slow
 def test_deterministic_mode_is_batch_chunk_cache_and_preemption_invariant():
     llm = LLM("tiny-random", deterministic=True, block_size=16, num_blocks=128, max_num_seqs=8)
     assert llm.engine.runner.plan.shapes() == [(8, 16)]
@@ -67,6 +68,7 @@ def test_deterministic_mode_needs_the_monolithic_executor():
         LLM("tiny-random", mesh="meshes/cpu-8.yaml", deterministic=True)
 
 
+@pytest.mark.slow
 def test_deterministic_config():
     cfg = EngineConfig(deterministic=True, max_prefill_chunk=512)
     assert cfg.expert_impl == "dense" and cfg.max_prefill_chunk == 16

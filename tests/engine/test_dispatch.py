@@ -72,6 +72,7 @@ def llm(checkpoint_dir):
     return LLM(checkpoint_dir("mixtral"), dtype="float32", mesh="meshes/cpu-8.yaml", **ENGINE)
 
 
+@pytest.mark.slow
 def test_engine_dispatches_by_load_and_tokens_unchanged(llm, checkpoint_dir):
     """Through the engine on 2 attention instances: the long-running request sits on instance 0,
     a long prompt that is almost done on instance 1 (more blocks); a new request joins instance 1.

@@ -22,6 +22,7 @@ def llm():
 PROMPTS = ["Hello, MoE world", "a", "The quick brown fox jumps over the lazy dog"]
 
 
+@pytest.mark.slow
 def test_same_seed_same_tokens_and_seeds_differ(llm):
     s = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=7)
     a = llm.generate(PROMPTS, s)
@@ -38,6 +39,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy(llm):
     assert [o.token_ids for o in greedy] == [o.token_ids for o in topk1] == [o.token_ids for o in topp]
 
 
+@pytest.mark.slow
 def test_batched_prompts_equal_individual_generation(llm):
     s = SamplingParams(max_tokens=16, ignore_eos=True)
     together = llm.generate(PROMPTS, s)
@@ -46,6 +48,7 @@ def test_batched_prompts_equal_individual_generation(llm):
     assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in together)
 
 
+@pytest.mark.slow
 def test_mixed_step_runs_decodes_and_prefills_as_separate_batches(llm):
     """A prompt arriving while others decode: that step runs [B, 1] decodes and the [b, T] prefill
     as two batches (no decode row padded to the chunk's length), and every request still gets
@@ -126,6 +129,7 @@ def test_bad_prompts_raise_and_lose_nothing(llm):
     assert llm.generate("still fine", SamplingParams(max_tokens=2))[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_cli_generate_runs_the_demo():
     out = subprocess.run(
         [

@@ -184,6 +184,7 @@ def test_cache_aware_dispatch_rule():
     assert choose_cached_instance(bm, [busy], 40, [0, 3], chunk=64) == 1
 
 
+@pytest.mark.slow
 def test_soak_every_read_position_holds_its_own_tokens():
     """Random arrivals of prompts that share prefixes with each other, a cache small enough to evict and
     recompute-preempt: before every step, every position a scheduled sequence has as computed holds the

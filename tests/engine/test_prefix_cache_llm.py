@@ -44,6 +44,7 @@ def assert_same(cached, plain, tol=1e-3):
         assert np.allclose([t.logprob for t in c.logprobs], [t.logprob for t in p.logprobs], atol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", pytest.param("deepseek_v2", marks=pytest.mark.slow)])
 def test_cached_and_uncached_outputs_agree_monolithic(checkpoint_dir, family):
     path = checkpoint_dir(family)
@@ -81,6 +82,7 @@ def test_preemption_drop_all_kv_and_scoring_with_the_cache():
     assert scored.num_cached_tokens == 0 and len(scored.prompt_logprobs) == len(prompts[-1])
 
 
+@pytest.mark.slow
 def test_cache_salt_through_the_engine():
     llm = LLM("tiny-random", **ENGINE)
     prompt = shared_prompts()[-1]

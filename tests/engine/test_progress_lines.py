@@ -3,6 +3,8 @@ line when it starts, lines with counts and seconds while it runs, and one when i
 
 from __future__ import annotations
 
+import pytest
+
 import re
 
 from jaxmoe import LLM
@@ -24,6 +26,7 @@ def test_line_progress_counts_and_seconds(capsys):
     assert not isinstance(progress("x", 1, "step", enabled=False), LineProgress)
 
 
+@pytest.mark.slow
 def test_warm_up_reports_lines_off_a_terminal(capsys):
     llm = LLM("tiny-random", num_blocks=16, block_size=8, max_num_seqs=2)
     capsys.readouterr()

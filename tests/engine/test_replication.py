@@ -52,6 +52,7 @@ def _final(stream) -> dict:
     return {"tokens": list(last.token_ids), "finish": last.finish_reason}
 
 
+@pytest.mark.slow
 def test_follower_replaying_the_journal_makes_the_leaders_tokens():
     leader_llm, follower_llm = LLM("tiny-random", **ENGINE), LLM("tiny-random", **ENGINE)
     tx, rx = _pipe()
@@ -93,6 +94,7 @@ def test_follower_replaying_the_journal_makes_the_leaders_tokens():
         follow(follower_llm.engine, rx)
 
 
+@pytest.mark.slow
 def test_a_failed_broadcast_ends_every_request_and_refuses_new_ones():
     llm = LLM("tiny-random", **ENGINE)
     calls = {"n": 0}
@@ -116,6 +118,7 @@ def test_a_failed_broadcast_ends_every_request_and_refuses_new_ones():
     assert calls["n"] == 4  # no broadcast after the failed one
 
 
+@pytest.mark.slow
 def test_a_process_reported_gone_from_outside_the_loop_ends_requests_at_once():
     """``fail_cluster`` (process 0's watchdog thread): the request in flight ends with the reason and a
     new one is refused, without waiting for the loop; the loop stops at its next broadcast."""

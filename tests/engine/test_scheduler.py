@@ -505,6 +505,7 @@ def test_random_soak_never_loses_tokens(policy, seed, parts):
             assert s.output_ids == expected_outputs(s), s
 
 
+@pytest.mark.slow
 def test_the_documented_policy_runs():
     """docs/scheduling.md's example policy (order and pause) works as written."""
     text = (ROOT / "docs" / "scheduling.md").read_text()

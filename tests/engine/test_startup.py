@@ -47,6 +47,7 @@ def _warm(layers: int) -> tuple[int, int, int]:
         ae.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
 def test_programs_and_mappings_do_not_grow_with_depth():
     shallow, deep = _warm(2), _warm(32)
@@ -89,6 +90,7 @@ def _wait_for(proc: subprocess.Popen, text: str, timeout: float) -> str:
     raise AssertionError(f"{text!r} not seen in {timeout}s; output:\n{seen}")
 
 
+@pytest.mark.slow
 def test_sigterm_during_warmup_stops_within_seconds(tmp_path):
     proc = _serve(cache=tmp_path / "xla")  # a fresh cache: warm-up compiles for over a minute
     try:
@@ -107,6 +109,7 @@ def test_sigterm_during_warmup_stops_within_seconds(tmp_path):
     assert took < 15, took
 
 
+@pytest.mark.slow
 def test_sigterm_while_serving_drains_and_exits():
     proc = _serve("--max-num-seqs", "2", "--max-prefill-chunk", "16", "--max-model-len", "64")
     try:
@@ -135,6 +138,7 @@ def test_compile_workers_setting(monkeypatch):
             compile_workers()
 
 
+@pytest.mark.slow
 def test_warmup_with_layer_preemption_covers_both_paths():
     """The fused step compiles ahead on the pool; the layer-by-layer programs (layer preemption) warm
     by running: afterwards neither path compiles."""

@@ -60,6 +60,7 @@ def test_a_4000_token_stream_costs_linear_time(checkpoint_dir, kind):
     assert times[3] < 3 * times[0] + 0.05, times
 
 
+@pytest.mark.slow
 def test_engine_deltas_add_up_and_stop_strings_still_cut(checkpoint_dir):
     llm = LLM(checkpoint_dir("mixtral"), num_blocks=64, block_size=8, max_num_seqs=2)
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)

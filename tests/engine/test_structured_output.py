@@ -100,6 +100,7 @@ def test_a_hugging_face_tokenizer_drives_the_grammar():
     jsonschema.validate(json.loads(tok.decode(ids)), SCHEMA)
 
 
+@pytest.mark.slow
 def test_the_chat_template_receives_tools(tmp_path):
     shutil.copy(DEMO_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
     template = (

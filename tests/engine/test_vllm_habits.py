@@ -17,6 +17,7 @@ def llm():
     return LLM("tiny-random", num_blocks=128, block_size=8, max_num_seqs=8)
 
 
+@pytest.mark.slow
 def test_outputs_are_completion_outputs_with_text_ids_and_logprobs(llm):
     out = llm.generate("Hello", SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2))[0]
     assert out.prompt == "Hello"
@@ -36,6 +37,7 @@ def test_outputs_are_completion_outputs_with_text_ids_and_logprobs(llm):
     assert first.token_id == c.token_ids[0] and len(first.top) == 2 and first.decoded_token is not None
 
 
+@pytest.mark.slow
 def test_n_returns_n_seeded_completions_and_best_of_keeps_the_most_likely(llm):
     s = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=3, ignore_eos=True)
     out = llm.generate(["abc", "xyz"], s)
@@ -83,6 +85,7 @@ def test_logit_bias_forces_a_token_and_is_checked_against_the_vocabulary(llm):
         llm.generate("Hello", SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))
 
 
+@pytest.mark.slow
 def test_repetition_penalties_change_greedy_output_and_plain_requests_are_unchanged(llm):
     plain = SamplingParams(max_tokens=24, ignore_eos=True)
     base = llm.generate("aaaa", plain)[0].token_ids
@@ -108,6 +111,7 @@ def _reference(logits, history, num_prompt, presence, frequency, repetition, bia
     return out
 
 
+@pytest.mark.slow
 def test_adjusted_logits_match_a_numpy_reference_and_logprobs_stay_raw():
     rng = np.random.default_rng(0)
     B, V, W, K = 4, 50, 16, 8
@@ -141,6 +145,7 @@ def test_adjusted_logits_match_a_numpy_reference_and_logprobs_stay_raw():
     np.testing.assert_array_equal(np.asarray(none), logits)
 
 
+@pytest.mark.slow
 def test_min_p_keeps_only_tokens_near_the_most_likely():
     B = 2
     logits = np.log(np.array([[0.5, 0.3, 0.1, 0.05, 0.03, 0.02]] * B, np.float32))
@@ -153,6 +158,7 @@ def test_min_p_keeps_only_tokens_near_the_most_likely():
     assert hits == {0, 1}  # 0.3 >= 0.5 * 0.5 survives, 0.1 does not
 
 
+@pytest.mark.slow
 def test_chat_takes_one_conversation_or_a_list(llm):
     convo = [{"role": "user", "content": "hi"}]
     other = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "yo"}]

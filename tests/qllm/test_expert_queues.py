@@ -41,6 +41,7 @@ def test_queue_depth_counts_what_waits():
     assert queue_depth(ids, 0, 8).sum() == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rounds", [1, 3, 8])
 def test_expert_rounds_give_the_fused_logits(rounds):
     cfg = demo_config()
@@ -108,6 +109,7 @@ def _drive(llm):
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_latency_sensitive_work_runs_between_expert_rounds_with_exact_tokens():
     llm = LLM(
         "tiny-random",
@@ -139,6 +141,7 @@ def test_latency_sensitive_work_runs_between_expert_rounds_with_exact_tokens():
     assert families["jaxmoe_paused_state_bytes_max"].samples[0].value == engine.layer_hook.paused_state_bytes_max
 
 
+@pytest.mark.slow
 def test_expert_queues_with_merges_keep_every_token():
     """With merges on (the default), LS work that arrives between expert rounds still runs nested
     there (rows join only at layer boundaries); the LS decodes that wait at a later layer boundary
@@ -166,6 +169,7 @@ def test_expert_queues_settings_are_checked():
         LLM("tiny-random", mesh="meshes/cpu-8.yaml", layer_preemption=True, expert_queues=2, num_blocks=64)
 
 
+@pytest.mark.slow
 def test_the_policy_sees_the_stage_and_the_queue_depths():
     """``pause_at_layer``'s ``layer`` is a ``PausePoint``: between expert groups its stage is
     "experts" with the per-expert queue depths; at a layer boundary "layer" with none. A policy that

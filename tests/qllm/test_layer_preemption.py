@@ -81,6 +81,7 @@ def _drive(llm):
     return _below_iteration(engine.layer_hook) - pauses, overdue
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh,merge",
     [(None, True), (None, False), ("meshes/cpu-8.yaml", True)],
@@ -116,6 +117,7 @@ class BrokenPause(QLLMPolicy):
         raise RuntimeError("bug in a user policy")
 
 
+@pytest.mark.slow
 def test_a_step_over_the_memory_budget_is_not_paused():
     """``max_paused_state_bytes``: a step whose hidden states exceed it runs on (step-level
     preemption instead), counted; tokens are still exact."""
@@ -132,12 +134,14 @@ def test_a_step_over_the_memory_budget_is_not_paused():
     assert pauses == 0 and llm.engine.layer_hook.pauses_over_budget > 0
 
 
+@pytest.mark.slow
 def test_a_user_policy_decides_the_pauses():
     llm = _llm(None)
     llm.engine.scheduler.policy.policy = NeverPause()  # the scheduler's (guarded) policy
     assert _drive(llm)[0] == 0
 
 
+@pytest.mark.slow
 def test_a_failing_pause_decision_falls_back_to_qllm(caplog):
     llm = LLM(
         "tiny-random",
@@ -155,6 +159,7 @@ def test_a_failing_pause_decision_falls_back_to_qllm(caplog):
     assert "broken_pause" in caplog.text and "bug in a user policy" in caplog.text
 
 
+@pytest.mark.slow
 def test_no_pause_without_latency_sensitive_work():
     llm = _llm(None)
     before = llm.engine.layer_hook.layer_pauses
@@ -162,6 +167,7 @@ def test_no_pause_without_latency_sensitive_work():
     assert all(len(o.token_ids) == 16 for o in outs) and llm.engine.layer_hook.layer_pauses == before
 
 
+@pytest.mark.slow
 def test_latency_sensitive_tokens_go_out_while_the_paused_step_waits():
     """Nested steps (``ls_merge=False``): the outputs of the step run inside a paused one are emitted
     at once (``engine.emit``: the serving loop delivers them to their streams), not held until the
@@ -209,6 +215,7 @@ def test_pause_points_wait_for_the_device():
     assert events == ["hook 2", "wait layer2", "hook 4"]
 
 
+@pytest.mark.slow
 def test_pause_every_runs_layers_in_groups_with_the_same_tokens():
     """``pause_every=2`` on the 4-layer model: one pause point (after layer 2) and the same logits as
     the fused program."""
@@ -232,6 +239,7 @@ def test_pause_every_runs_layers_in_groups_with_the_same_tokens():
         LLM("tiny-random", layer_preemption=True, pause_every=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh,seed", [(None, 0), (None, 3), ("meshes/cpu-8.yaml", 2)], ids=["monolithic-0", "monolithic-3", "cpu8-2"]
 )
@@ -285,6 +293,7 @@ def test_random_mixed_traces_keep_every_token(mesh, seed):
         assert engine.layer_hook.ls_merges > 0  # and merged LS work into running BE steps
 
 
+@pytest.mark.slow
 def test_several_arrivals_merge_into_one_step():
     """Two LS requests arrive during one BE decode step, after layers 1 and 2 of the 4: both join
     that step (each catches up to its layer alone), their first tokens come with the step's outputs,

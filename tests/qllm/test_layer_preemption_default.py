@@ -17,6 +17,7 @@ from jaxmoe.server.cli import runtime_config
 TINY = dict(num_blocks=32, block_size=8, max_num_seqs=4)
 
 
+@pytest.mark.slow
 def test_llm_turns_layer_preemption_on_and_offline_steps_stay_fused():
     assert LLM("tiny-random", **TINY).engine.layer_hook is None
     llm = LLM("tiny-random", layer_preemption=True, **TINY)
@@ -39,6 +40,7 @@ def test_the_setting():
         QLLMConfig(layer_preemption="yes")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags,on",
     [

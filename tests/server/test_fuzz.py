@@ -177,6 +177,7 @@ def _post_raw(server, path, data: bytes):
 HTTP_SEEN: list[int] = []
 
 
+@pytest.mark.slow
 @FUZZ
 @given(req=bad_http())
 def test_fuzz_http(server, background, req):
@@ -229,6 +230,7 @@ def channel(server):
         yield ch
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=450)
 @given(data=bad_grpc())
 def test_fuzz_grpc(server, background, channel, data):
@@ -246,6 +248,7 @@ def test_fuzz_grpc(server, background, channel, data):
         )
 
 
+@pytest.mark.slow
 def test_good_requests_were_untouched_and_everything_is_free(server, background):
     results, errors, finish = background
     finish()  # stop the good traffic, wait for its last requests

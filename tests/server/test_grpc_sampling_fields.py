@@ -23,6 +23,7 @@ def client():
     st.stop(abort_inflight=True)
 
 
+@pytest.mark.slow
 def test_logit_bias_and_penalties_over_grpc(client):
     out = client.complete("Hello", max_tokens=3, temperature=0.0, logit_bias={ord("q"): 100.0}, timeout=120)
     assert out["text"] == "qqq"
@@ -41,6 +42,7 @@ def test_logit_bias_and_penalties_over_grpc(client):
     assert len(set(penalised["text"])) > len(set(plain["text"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kw, name",
     [

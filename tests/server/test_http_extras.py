@@ -68,6 +68,7 @@ def test_unimplemented_fields_are_refused_by_name(server, path, extra, param):
     assert status == 400 and err["error"]["param"] == param, err
 
 
+@pytest.mark.slow
 def test_their_no_op_values_are_accepted(server):
     body = {"messages": CHAT, "max_tokens": 2, "response_format": {"type": "text"}, "tool_choice": "none"}
     status, r = _call(server, "POST", "/v1/chat/completions", body)

@@ -34,6 +34,7 @@ def _post(server, path, body):
     return resp.status, (json.loads(raw) if raw.startswith("{") else raw)
 
 
+@pytest.mark.slow
 def test_n_choices_and_usage_counts_the_prompt_once(server):
     body = {"prompt": "Hello", "max_tokens": 4, "n": 3, "temperature": 1.0, "seed": 5, "ignore_eos": True}
     status, r = _post(server, "/v1/completions", body)
@@ -76,6 +77,7 @@ def test_logit_bias_and_penalties_are_applied(server):
     assert status == 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra, param",
     [

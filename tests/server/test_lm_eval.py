@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(600)
 PAIRS = [("The cat", " sat on the mat"), ("Hello", " world"), ("abc", "d"), ("Mixture of", " experts")]
 
 
+@pytest.mark.slow
 def test_lm_eval_loglikelihood_equals_llm_prompt_logprobs(checkpoint_dir):
     path = checkpoint_dir("mixtral")
     llm = LLM(path, dtype="float32", num_blocks=64, block_size=4, max_num_seqs=4)

@@ -60,6 +60,7 @@ def test_which_cluster_is_joined():
     assert distributed_args(_args(*flags), {"JAX_COORDINATOR_ADDRESS": "h:1"}) == dict(num_processes=2, process_id=0)
 
 
+@pytest.mark.slow
 def test_mesh_file_must_match_the_cluster():
     spec = load_mesh(MESHES / "cpu-2x4.yaml")
     check_cluster(spec, 2, 4, "cpu")

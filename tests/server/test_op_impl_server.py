@@ -14,6 +14,7 @@ from jaxmoe.server.testing import shared_demo_llm
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 def test_model_info_and_metrics_name_each_op_implementation():
     engine = shared_demo_llm().engine
     expected = engine.runner.executor.op_impls()

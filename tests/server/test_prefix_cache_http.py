@@ -51,6 +51,7 @@ def complete(server, q, **extra):
     return obj
 
 
+@pytest.mark.slow
 def test_cached_tokens_in_usage_and_outputs_unchanged(server, plain):
     first = complete(server, "one?")
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
@@ -77,6 +78,7 @@ def test_cached_tokens_in_usage_and_outputs_unchanged(server, plain):
     assert status == 200 and "cached_tokens" in chat["usage"]["prompt_tokens_details"]
 
 
+@pytest.mark.slow
 def test_cache_salt_isolates_tenants(server):
     assert complete(server, "salted?", cache_salt="a")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert complete(server, "salted!", cache_salt="b")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -91,6 +93,7 @@ def test_cache_salt_isolates_tenants(server):
         assert c.complete(PROMPT + "grpc!", max_tokens=2)["usage"]["cached_tokens"] == 80
 
 
+@pytest.mark.slow
 def test_prefix_cache_metrics(server):
     complete(server, "metrics?")
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)

@@ -40,6 +40,7 @@ def _lines(caplog):
     return [r.getMessage() for r in caplog.records if r.name == "jaxmoe.requests"]
 
 
+@pytest.mark.slow
 def test_each_request_logs_one_line(server, caplog):
     caplog.set_level(logging.INFO, logger="jaxmoe.requests")
     assert _post(server, {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}) == 200
@@ -60,6 +61,7 @@ def test_each_request_logs_one_line(server, caplog):
     )
 
 
+@pytest.mark.slow
 def test_serve_flags():
     p = build_parser()
     assert p.parse_args(["serve"]).log_requests is True and not p.parse_args(["serve"]).quiet

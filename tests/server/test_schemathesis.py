@@ -86,6 +86,7 @@ def background(server):
     finish()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_openapi_schema_holds(server, background, mode):
     schema = schemathesis.openapi.from_url(server.http_url + "/openapi.json")
@@ -109,6 +110,7 @@ def test_openapi_schema_holds(server, background, mode):
     assert {"/v1/completions", "/v1/chat/completions"} <= covered
 
 
+@pytest.mark.slow
 def test_good_requests_untouched_and_everything_free(server, background):
     results, finish = background
     finish()

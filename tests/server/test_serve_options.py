@@ -65,6 +65,7 @@ def _serve(*flags, timeout=120):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, option",
     [
@@ -80,6 +81,7 @@ def test_cli_bad_option_one_line_no_traceback(flags, option):
     assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith(f"jaxmoe: {option}:"), err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["--http-port", "--grpc-port"])
 def test_cli_busy_port_one_line_no_traceback(which):
     with socket.socket() as busy:

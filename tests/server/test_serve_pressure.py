@@ -87,6 +87,7 @@ def _stream(port, times: list, result: dict):
     conn.close()
 
 
+@pytest.mark.slow
 def test_huge_prompts_refused_by_length_while_others_go_on(server):
     spy = server.prompts.tokenizer
     limit = max_prompt_chars(server.async_engine.engine.max_model_len)
@@ -200,6 +201,7 @@ def _check_burst(results, latencies, counted, n):
     return statuses.count(200), len(refused)
 
 
+@pytest.mark.slow
 def test_http_burst_is_answered_by_the_application(server):
     """300 simultaneous requests, at most 32 may wait: only 200s and JSON 429s (Retry-After, counted)."""
     served, refused = _check_burst(*_burst(server, 300, max_waiting=32), 300)
@@ -215,6 +217,7 @@ def test_http_burst_of_1200_on_default_limits(server):
     assert served >= 600
 
 
+@pytest.mark.slow
 def test_health_answers_past_the_connection_limit():
     """Idle connections far past the limit: other requests get a JSON 429, /health still answers
     (idle connections are closed to make room for it)."""

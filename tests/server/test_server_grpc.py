@@ -70,6 +70,7 @@ def _collect(call):
     return chunks, ids, "".join(c.delta_text for c in chunks)
 
 
+@pytest.mark.slow
 def test_model_info_health_and_reflection(server, client):
     info = client.model_info()
     assert (info.model, info.family, info.vocab_size, info.max_context) == ("demo", "mixtral", 320, 256)
@@ -190,6 +191,7 @@ def _jaxmoe_command() -> list[str]:
     return [script] if script else [sys.executable, "-m", "jaxmoe.cli"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_jaxmoe_serve_subprocess_exits_cleanly_on_sigterm():
     cmd = _jaxmoe_command() + [
@@ -244,6 +246,7 @@ def test_jaxmoe_serve_subprocess_exits_cleanly_on_sigterm():
             proc.wait(10)
 
 
+@pytest.mark.slow
 def test_request_proto_roundtrip():
     req = make_request([1, 2, 3], max_tokens=5, seed=7, stop=["x"], priority="ls")
     assert req.WhichOneof("prompt") == "token_ids" and req.sampling.HasField("seed")

@@ -70,6 +70,7 @@ def _get(server, path):
     return resp.status, resp.read().decode()
 
 
+@pytest.mark.slow
 def test_completion_matches_standalone(oai, reference):
     r = oai.completions.create(model="demo-moe", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     ref = reference["completion"]
@@ -401,6 +402,7 @@ def test_request_deadline(server):
     assert wait_until(lambda: ae.snapshot()["in_flight"] == 0, timeout=10) and engine_idle_and_free(ae)
 
 
+@pytest.mark.slow
 def test_echo_with_prompt_logprobs_as_lm_eval_sends_it(server, llm):
     """lm-evaluation-harness `local-completions` loglikelihood: echo + logprobs, max_tokens 0 or 1;
     the prompt's token logprobs equal the engine's prompt logprobs."""
@@ -462,6 +464,7 @@ def test_openapi_schema_is_served(server):
     assert "400" in schema["paths"]["/v1/completions"]["post"]["responses"]
 
 
+@pytest.mark.slow
 def test_every_block_free_at_the_end(server):
     ae = server.async_engine
     assert wait_until(lambda: ae.snapshot()["in_flight"] == 0, timeout=10)

@@ -27,6 +27,7 @@ def _rejected(server) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+@pytest.mark.slow
 def test_500_streams_with_health_probes(tmp_path):
     llm = shared_demo_llm()
     st = ServerThread(llm.engine, ServeOptions(model_name="m", **WARMUP))

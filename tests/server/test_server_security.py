@@ -45,6 +45,7 @@ BODY = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+@pytest.mark.slow
 def test_api_key_on_http(server):
     admitted = server.async_engine.call(lambda e: e.scheduler.stats()["admitted"])
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -93,6 +94,7 @@ def test_api_key_on_grpc(server):
         assert chunks[-1].finish_reason and client.model_info().model == "m"
 
 
+@pytest.mark.slow
 def test_slow_body_is_refused_with_408():
     """A client that sends headers and then trickles (or never sends) its body gets 408 and frees the
     connection, instead of holding a handler forever."""

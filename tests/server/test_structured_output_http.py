@@ -76,6 +76,7 @@ def _schema_format(schema):
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}])
 def test_json_schema_output_validates(server, sampling):
     body = {"messages": CHAT, "max_tokens": 120, "response_format": _schema_format(SCHEMA), **sampling}
@@ -91,6 +92,7 @@ def test_json_schema_output_validates(server, sampling):
     jsonschema.validate(json.loads(c["choices"][0]["text"]), SCHEMA)
 
 
+@pytest.mark.slow
 def test_json_schema_streamed_and_n(server):
     body = {"messages": CHAT, "max_tokens": 120, "response_format": _schema_format(SCHEMA), "stream": True}
     status, events = _post(server, "/v1/chat/completions", {**body, "n": 2, "temperature": 1.0, "seed": 3})
@@ -123,6 +125,7 @@ def test_json_object_and_guided_fields(server):
         assert status == 200 and len(text) == 3 and text[:2] in ("ab", "ac") and text[2].isdigit(), r
 
 
+@pytest.mark.slow
 def test_plain_requests_are_unchanged_beside_structured_ones(server):
     plain = {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     _, alone = _post(server, "/v1/completions", plain)
@@ -193,6 +196,7 @@ def _arguments(call, tool):
     return args
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}])
 def test_required_tool_call(server, sampling):
     body = {"messages": CHAT, "max_tokens": 160, "tools": [WEATHER, TIME], "tool_choice": "required", **sampling}
@@ -205,6 +209,7 @@ def test_required_tool_call(server, sampling):
     _arguments(call, {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]])
 
 
+@pytest.mark.slow
 def test_named_tool_call_streamed_and_the_tools_reach_the_template(server):
     named = {"type": "function", "function": {"name": "get_time"}}
     body = {"messages": CHAT, "max_tokens": 160, "tools": [WEATHER, TIME], "tool_choice": named}
@@ -224,6 +229,7 @@ def test_named_tool_call_streamed_and_the_tools_reach_the_template(server):
     assert all("content" not in e["choices"][0]["delta"] for e in events[1:])  # the JSON is not sent as text
 
 
+@pytest.mark.slow
 def test_auto_reads_hermes_tool_calls_and_none_leaves_text(server):
     # the random model writes a Hermes call only when a regex makes it; "auto" must read it back
     regex = (
@@ -241,6 +247,7 @@ def test_auto_reads_hermes_tool_calls_and_none_leaves_text(server):
     assert r["usage"]["prompt_tokens"] == len("<|user|>\nhi\n<|assistant|>\n") + 1  # "none": tools not rendered
 
 
+@pytest.mark.slow
 def test_a_conversation_with_tool_results(server):
     messages = [
         {"role": "user", "content": "weather in Oslo?"},

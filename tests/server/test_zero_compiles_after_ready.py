@@ -41,6 +41,7 @@ def _call(server, method, path, body=None):
     return resp.status, raw
 
 
+@pytest.mark.slow
 def test_no_program_compiles_after_ready():
     llm = LLM("tiny-random", num_blocks=64, block_size=8, max_num_seqs=4, max_prefill_chunk=32, max_batch_tokens=64)
     st = ServerThread(llm.engine, ServeOptions(model_name="t", warmup_progress=False))
