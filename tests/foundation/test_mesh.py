@@ -166,7 +166,14 @@ def _with(path, value):
     return raw
 
 
-DELETE = object()
+class _Delete:
+    """The marker for "remove this key"; its repr keeps test ids equal across processes (pytest-xdist)."""
+
+    def __repr__(self):
+        return "DELETE"
+
+
+DELETE = _Delete()
 BAD = [
     # unknown keys
     ("colour", "blue", r"colour: unknown key"),
