@@ -4,8 +4,10 @@ signal handlers: ``jaxmoe serve`` owns SIGTERM / SIGINT and stops it through ``J
 Overload is answered by the application, as JSON: a request that arrives while more than
 ``max_connections`` connections are open (or requests in flight) gets a 429 with ``Retry-After``
 (``ConnectionLimit``; uvicorn's own ``limit_concurrency`` would answer a plain-text 503, to
-``/health`` too). ``/health`` has its own reserve: it is served whatever the load, and
-``health_reserve`` connections past the limit stay open for it; past those, a new connection
+``/health`` too). ``/health`` has its own reserve: it is served whatever the load, answered by
+the connection as its request head arrives (``HttpServer(health=...)``: no ASGI task, so it does
+not queue behind the tasks of the requests that arrived before it), and ``health_reserve``
+connections past the limit stay open for it; past those, a new connection
 closes the longest-idle kept-alive one (or, if every connection has a request running, itself),
 so the process never runs out of file descriptors. uvicorn's options set the rest:
 ``timeout_keep_alive`` (an idle kept-alive connection is closed), ``h11_max_incomplete_event_size``
@@ -19,6 +21,7 @@ OpenAI-style JSON error every other refusal has (uvicorn's own is plain text).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -42,14 +45,67 @@ class HttpLimits:
     header_timeout_s: float = 10.0  # a new connection's request head must arrive within this
     max_header_bytes: int = 64 << 10  # uvicorn h11_max_incomplete_event_size (the request head)
     shutdown_timeout_s: int = 5  # uvicorn timeout_graceful_shutdown, after the engine drained
+    starts_per_tick: int | None = 8  # requests that start their work in one event-loop iteration (None: all)
+
+
+def _health_head(data: bytes) -> dict[str, str] | None:
+    """The headers of ``data`` when it is exactly one complete ``GET /health`` request head with no
+    body (lower-case names); None for anything else."""
+    if not data.startswith(b"GET /health HTTP/1.") or not data.endswith(b"\r\n\r\n") or len(data) > 8192:
+        return None
+    lines = data[:-4].split(b"\r\n")
+    if lines[0] not in (b"GET /health HTTP/1.1", b"GET /health HTTP/1.0"):
+        return None
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip():
+            return None
+        headers[name.decode("latin-1").lower()] = value.strip().decode("latin-1")
+    if "content-length" in headers or "transfer-encoding" in headers or "upgrade" in headers:
+        return None
+    return headers
 
 
 class _HeaderTimeoutH11(H11Protocol):
     """uvicorn's h11 protocol plus a request-head timeout: a connection whose next request head is
-    not complete ``header_timeout_s`` after it opened, or after its previous response, is closed."""
+    not complete ``header_timeout_s`` after it opened, or after its previous response, is closed.
+
+    ``/health`` is answered as its request head arrives, by ``health(headers)`` ((status, JSON
+    body), or None to leave the request to the app): no ASGI task is made for it, so it does not
+    wait for the loop to run the tasks of every request that arrived before it."""
 
     header_timeout_s = 10.0
     max_open = None  # connections at most (max_connections + health_reserve); None: no bound
+    health = None  # headers -> (status, body bytes) | None
+
+    def data_received(self, data: bytes) -> None:
+        if self.health is not None and self._idle() and self.conn.their_state is h11.IDLE:
+            headers = _health_head(data)
+            answer = headers is not None and self.health(headers)
+            if answer and self._answer_at_once(data, *answer):
+                return
+        super().data_received(data)
+
+    def _answer_at_once(self, data: bytes, status: int, body: bytes) -> bool:
+        self._unset_keepalive_if_required()
+        self.conn.receive_data(data)
+        try:
+            request, end = self.conn.next_event(), self.conn.next_event()
+        except h11.RemoteProtocolError as e:  # e.g. HTTP/1.1 without a Host header
+            self.send_400_response(f"Invalid HTTP request received: {e}")
+            return True
+        if not isinstance(request, h11.Request) or not isinstance(end, h11.EndOfMessage):
+            self.transport.close()  # cannot happen for a head _health_head took
+            return True
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        if self.conn.our_state is h11.MUST_CLOSE:
+            self.transport.close()
+            return True
+        self.on_response_complete()  # the next request on this connection, timed as any
+        return True
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -97,16 +153,57 @@ class _HeaderTimeoutH11(H11Protocol):
         self.transport.close()
 
 
+class _Pacer:
+    """Requests start their work at most ``per_tick`` per event-loop iteration, in arrival order.
+
+    asyncio runs, in one iteration, every callback that was ready when it began: a burst of N
+    requests whose heads arrived together would run the first step of N handlers (parse, validate,
+    route) in one iteration, and anything that becomes ready meanwhile -- a health probe, a stream's
+    next token -- waits for all of them. Here a request waits for its turn on a future that
+    ``_release`` resolves ``per_tick`` at a time, once per iteration, so no iteration runs more than
+    ``per_tick`` of those first steps."""
+
+    def __init__(self, per_tick: int):
+        self.per_tick = per_tick
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+        self._scheduled = False
+
+    async def turn(self) -> None:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(future)
+        if not self._scheduled:
+            self._scheduled = True
+            future.get_loop().call_soon(self._release)
+        await future
+
+    def _release(self) -> None:
+        released = 0
+        while self._waiting and released < self.per_tick:
+            future = self._waiting.popleft()
+            if not future.done():  # (cancelled: its client went away)
+                future.set_result(None)
+                released += 1
+        self._scheduled = bool(self._waiting)
+        if self._scheduled:
+            asyncio.get_running_loop().call_soon(self._release)  # the next iteration
+
+
 class ConnectionLimit:
     """ASGI middleware: a request that arrives while ``load()`` (open connections or requests in
     flight) exceeds ``limit`` is answered with a JSON 429 and ``Retry-After``, counted by
-    ``on_refuse()``; ``HEALTH_PATHS`` are always served."""
+    ``on_refuse()``; ``HEALTH_PATHS`` are always served. Other requests start at most
+    ``starts_per_tick`` per event-loop iteration (``_Pacer``; None: as they come)."""
 
-    def __init__(self, app, limit: int, load, on_refuse=None, retry_after_s: int = 1):
+    def __init__(self, app, limit: int, load, on_refuse=None, retry_after_s: int = 1, starts_per_tick=None):
         self.app, self.limit, self.load, self.on_refuse, self.retry_after_s = app, limit, load, on_refuse, retry_after_s
+        self.pacer = _Pacer(starts_per_tick) if starts_per_tick else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in HEALTH_PATHS and self.load() > self.limit:
+        if scope["type"] != "http" or scope["path"] in HEALTH_PATHS:
+            return await self.app(scope, receive, send)
+        if self.pacer is not None:
+            await self.pacer.turn()
+        if self.load() > self.limit:
             if self.on_refuse is not None:
                 self.on_refuse()
             error = ApiError(
@@ -126,14 +223,22 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, limits: HttpLimits = HttpLimits(), on_refuse=None):
-        """``on_refuse()``: called for each request refused by the connection limit (metrics)."""
+    def __init__(self, app, host: str, port: int, limits: HttpLimits = HttpLimits(), on_refuse=None, health=None):
+        """``on_refuse()``: called for each request refused by the connection limit (metrics).
+        ``health(headers)``: (status, JSON body) of a ``GET /health``, answered as it arrives, or
+        None to leave it to the app (its answer must equal the app's)."""
         protocol = type(
             "H11",
             (_HeaderTimeoutH11,),
-            {"header_timeout_s": limits.header_timeout_s, "max_open": limits.max_connections + limits.health_reserve},
+            {
+                "header_timeout_s": limits.header_timeout_s,
+                "max_open": limits.max_connections + limits.health_reserve,
+                "health": staticmethod(health) if health is not None else None,
+            },
         )
-        app = ConnectionLimit(app, limits.max_connections, self._load, on_refuse)
+        app = ConnectionLimit(
+            app, limits.max_connections, self._load, on_refuse, starts_per_tick=limits.starts_per_tick
+        )
         config = uvicorn.Config(
             app,
             http=protocol,
