@@ -45,7 +45,8 @@ class HttpLimits:
     header_timeout_s: float = 10.0  # a new connection's request head must arrive within this
     max_header_bytes: int = 64 << 10  # uvicorn h11_max_incomplete_event_size (the request head)
     shutdown_timeout_s: int = 5  # uvicorn timeout_graceful_shutdown, after the engine drained
-    starts_per_tick: int | None = 8  # requests that start their work in one event-loop iteration (None: all)
+    starts_per_tick: int | None = 8  # requests (and connections) taken up per event-loop iteration (None: all)
+    listen_backlog: int = 2048  # connections the kernel queues before they are accepted
 
 
 def _health_head(data: bytes) -> dict[str, str] | None:
@@ -78,13 +79,28 @@ class _HeaderTimeoutH11(H11Protocol):
     header_timeout_s = 10.0
     max_open = None  # connections at most (max_connections + health_reserve); None: no bound
     health = None  # headers -> (status, body bytes) | None
+    pacer = None  # _Pacer: new requests per event-loop iteration (None: no bound)
+    _waiting = False  # a request head that waits for its turn (pacer)
 
     def data_received(self, data: bytes) -> None:
-        if self.health is not None and self._idle() and self.conn.their_state is h11.IDLE:
-            headers = _health_head(data)
-            answer = headers is not None and self.health(headers)
-            if answer and self._answer_at_once(data, *answer):
+        if self._idle() and self.conn.their_state is h11.IDLE:  # the start of a request
+            if self.health is not None:
+                headers = _health_head(data)
+                answer = headers is not None and self.health(headers)
+                if answer and self._answer_at_once(data, *answer):
+                    return
+            if self.pacer is not None and not self.pacer.take():  # its turn comes in a later iteration
+                self.transport.pause_reading()
+                self._waiting = True  # its head has arrived: the head timer does not close it
+                self.pacer.defer(lambda: self._resume(data))
                 return
+        super().data_received(data)
+
+    def _resume(self, data: bytes) -> None:
+        self._waiting = False
+        if self.transport.is_closing():
+            return
+        self.transport.resume_reading()
         super().data_received(data)
 
     def _answer_at_once(self, data: bytes, status: int, body: bytes) -> bool:
@@ -130,7 +146,7 @@ class _HeaderTimeoutH11(H11Protocol):
 
     def _head_late(self) -> None:
         waiting = self.cycle is self._head_cycle and (self.cycle is None or self.cycle.response_complete)
-        if waiting and not self.transport.is_closing():  # no new complete request head in time
+        if waiting and not self._waiting and not self.transport.is_closing():  # no new complete request head in time
             self.transport.close()
 
     def on_response_complete(self) -> None:
@@ -154,55 +170,60 @@ class _HeaderTimeoutH11(H11Protocol):
 
 
 class _Pacer:
-    """Requests start their work at most ``per_tick`` per event-loop iteration, in arrival order.
+    """At most ``per_tick`` new requests start per event-loop iteration, in arrival order.
 
-    asyncio runs, in one iteration, every callback that was ready when it began: a burst of N
-    requests whose heads arrived together would run the first step of N handlers (parse, validate,
-    route) in one iteration, and anything that becomes ready meanwhile -- a health probe, a stream's
-    next token -- waits for all of them. Here a request waits for its turn on a future that
-    ``_release`` resolves ``per_tick`` at a time, once per iteration, so no iteration runs more than
-    ``per_tick`` of those first steps."""
+    asyncio runs, in one iteration, every callback that was ready when it began: the heads of a
+    burst of N requests that arrive together would be parsed, and N handler tasks made (whose first
+    steps -- parse, validate, route -- all run in the next iteration), while anything that becomes
+    ready meanwhile -- a health probe, a stream's next token -- waits for all of them. A connection
+    whose request head arrives when this iteration's ``per_tick`` turns are taken (or others
+    wait) pauses reading and keeps the bytes; ``_tick`` hands them on, ``per_tick`` connections
+    per iteration."""
 
     def __init__(self, per_tick: int):
         self.per_tick = per_tick
-        self._waiting: collections.deque[asyncio.Future] = collections.deque()
-        self._scheduled = False
+        self.used = 0  # turns taken in this iteration
+        self._waiting: collections.deque = collections.deque()
+        self._ticking = False
 
-    async def turn(self) -> None:
-        future = asyncio.get_running_loop().create_future()
-        self._waiting.append(future)
-        if not self._scheduled:
-            self._scheduled = True
-            future.get_loop().call_soon(self._release)
-        await future
+    def take(self) -> bool:
+        """A turn now (True), or False: ``defer`` the work."""
+        if self._waiting or self.used >= self.per_tick:
+            return False
+        self.used += 1
+        self._schedule()
+        return True
 
-    def _release(self) -> None:
-        released = 0
-        while self._waiting and released < self.per_tick:
-            future = self._waiting.popleft()
-            if not future.done():  # (cancelled: its client went away)
-                future.set_result(None)
-                released += 1
-        self._scheduled = bool(self._waiting)
-        if self._scheduled:
-            asyncio.get_running_loop().call_soon(self._release)  # the next iteration
+    def defer(self, fn) -> None:
+        self._waiting.append(fn)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._ticking:
+            self._ticking = True
+            asyncio.get_running_loop().call_soon(self._tick)  # runs in the next iteration
+
+    def _tick(self) -> None:
+        self._ticking = False
+        self.used = 0
+        while self._waiting and self.used < self.per_tick:
+            self.used += 1
+            self._waiting.popleft()()
+        if self._waiting or self.used:
+            self._schedule()
 
 
 class ConnectionLimit:
     """ASGI middleware: a request that arrives while ``load()`` (open connections or requests in
     flight) exceeds ``limit`` is answered with a JSON 429 and ``Retry-After``, counted by
-    ``on_refuse()``; ``HEALTH_PATHS`` are always served. Other requests start at most
-    ``starts_per_tick`` per event-loop iteration (``_Pacer``; None: as they come)."""
+    ``on_refuse()``; ``HEALTH_PATHS`` are always served."""
 
-    def __init__(self, app, limit: int, load, on_refuse=None, retry_after_s: int = 1, starts_per_tick=None):
+    def __init__(self, app, limit: int, load, on_refuse=None, retry_after_s: int = 1):
         self.app, self.limit, self.load, self.on_refuse, self.retry_after_s = app, limit, load, on_refuse, retry_after_s
-        self.pacer = _Pacer(starts_per_tick) if starts_per_tick else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in HEALTH_PATHS:
             return await self.app(scope, receive, send)
-        if self.pacer is not None:
-            await self.pacer.turn()
         if self.load() > self.limit:
             if self.on_refuse is not None:
                 self.on_refuse()
@@ -234,11 +255,11 @@ class HttpServer:
                 "header_timeout_s": limits.header_timeout_s,
                 "max_open": limits.max_connections + limits.health_reserve,
                 "health": staticmethod(health) if health is not None else None,
+                "pacer": _Pacer(limits.starts_per_tick) if limits.starts_per_tick else None,
             },
         )
-        app = ConnectionLimit(
-            app, limits.max_connections, self._load, on_refuse, starts_per_tick=limits.starts_per_tick
-        )
+        self._backlog = limits.listen_backlog
+        app = ConnectionLimit(app, limits.max_connections, self._load, on_refuse)
         config = uvicorn.Config(
             app,
             http=protocol,
@@ -249,6 +270,9 @@ class HttpServer:
             timeout_keep_alive=limits.keep_alive_timeout_s,
             h11_max_incomplete_event_size=limits.max_header_bytes,
             timeout_graceful_shutdown=limits.shutdown_timeout_s,
+            # asyncio accepts up to `backlog` connections per loop iteration and sets each up in the
+            # next one: the listening socket's own queue is raised to listen_backlog once it serves
+            backlog=limits.starts_per_tick or limits.listen_backlog,
         )
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         self._sock = socket.socket(family, kind, proto)
@@ -273,6 +297,7 @@ class HttpServer:
                 self._task.result()  # startup failed: raise it
                 raise RuntimeError("the HTTP server stopped during startup")
             await asyncio.sleep(0.01)
+        self._sock.listen(self._backlog)  # the kernel's queue of connections not yet accepted
 
     async def stop(self) -> None:
         """Stop listening, let open responses finish (up to ``shutdown_timeout_s``), close."""
