@@ -8,8 +8,10 @@ naming the value; nothing changes) and returns a ``RescaleJob``. Then:
 1. **Build, in the background** (a thread; the old executor keeps serving): the new executor on the
    new layout (``runtime.rescale.build_rescaled``: attention parameters copied to the new attention
    devices; expert replicas kept on the devices that already hold them, only the others copied),
-   and every step program of the serving shapes compiled by running it on padding rows (no KV
-   written) -- the same shapes as warm-up. The thread runs at niceness ``BUILD_NICE`` and the GIL
+   and the step programs the new layout needs to serve the live requests now compiled by running
+   them on padding rows (no KV written): ``ShapePlan.shapes_for`` the sequences live when the
+   rescale starts (``full_warmup=True``: every warm-up shape). A shape met later compiles when
+   first met, on the engine's thread (a one-time stall), as any jitted program. The thread runs at niceness ``BUILD_NICE`` and the GIL
    switch interval is ``BUILD_SWITCH_INTERVAL_S`` meanwhile, so the serving steps wait less for the
    host cores and the GIL.
 2. **Swap, at a step boundary** (``before_step``, on the engine's thread; ``apply`` when the engine
@@ -97,6 +99,7 @@ class RescaleResult:
     expert_bytes_copied: int
     # (rows, tokens per row) of each program call of the first step on the new layout ([]: idle)
     first_step_calls: list = dataclasses.field(default_factory=list)
+    shapes_compiled: int = 0  # step shapes the build compiled (the rest compile when first met)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -120,6 +123,7 @@ class RescaleJob:
         self.previous = ""
         self.inline = False  # built in the caller's thread, between steps (jax.distributed)
         self.cancelled = False  # Rescaler.cancel(): the build stops before its next compile
+        self.shapes: list[tuple[int, int]] = []  # (rows per instance, tokens per row) the build compiles
 
     @property
     def target(self) -> str:
@@ -186,7 +190,11 @@ class LiveRescaler:
         return rescaler
 
     # -- request ------------------------------------------------------------------------------
-    def start(self, attention: int, experts: int, slots_per_instance: int | None = None) -> RescaleJob:
+    def start(
+        self, attention: int, experts: int, slots_per_instance: int | None = None, full_warmup: bool = False
+    ) -> RescaleJob:
+        """Start a rescale (on the engine's thread, between steps). The build compiles the shapes the
+        live sequences need now (``full_warmup``: every shape warm-up compiles)."""
         ex = self.engine.executor
         if not isinstance(ex, DisaggregatedExecutor):
             raise RescaleError("rescale needs the disaggregated executor (start the engine with a mesh file)")
@@ -219,6 +227,8 @@ class LiveRescaler:
                 )
             job = self.job = RescaleJob(attention, experts, C)
         job.previous = f"{ex.num_attention}a{ex.num_expert_instances}e"
+        plan = self.engine.runner.plan
+        job.shapes = plan.shapes() if full_warmup else plan.shapes_for(self.engine.scheduler.sequences())
         # the baseline: steps before the build (those during it compete with it for the host)
         job.before = list(self._step_times)
         if jax.process_count() > 1:
@@ -265,7 +275,7 @@ class LiveRescaler:
             job.executor, job.stats = build_rescaled(old, spec, cfg.num_blocks * cfg.block_size, **self.executor_kwargs)
             runner = self.engine.runner
             job.runner = ModelRunner(job.executor, runner.block_size, runner.max_blocks_per_seq, runner.plan)
-            for rows, tokens in runner.plan.shapes():  # compile by running on padding rows (no KV)
+            for rows, tokens in job.shapes:  # compile by running on padding rows (no KV)
                 if job.cancelled:
                     return  # cancel() failed the job already
                 job.runner.warm(rows, tokens)
@@ -362,6 +372,7 @@ class LiveRescaler:
             s.expert_slots_copied,
             s.expert_bytes_copied,
             [list(c) for c in calls],
+            len(job.shapes),
         )
         self.history.append(job._result)
         self._step_times.clear()  # the new layout's steps are the next baseline

@@ -219,6 +219,27 @@ def test_normal_step_is_the_same_work():
     assert normal_step([], [(8, 1)]) is None
 
 
+def test_a_rescale_compiles_the_shapes_needed_now():
+    """The build compiles the shapes the live sequences need: idle, one decode shape; decodes up to
+    their count per instance; prefill chunks only while some prefill, up to their longest rest."""
+    from types import SimpleNamespace
+
+    from jaxmoe.engine.buckets import ShapePlan
+
+    plan = ShapePlan(max_num_seqs=16, max_prefill_chunk=256, prefill_rows=4)
+
+    def seq(uncomputed):
+        return SimpleNamespace(num_uncomputed=uncomputed, is_prefill=uncomputed > 1)
+
+    assert plan.shapes_for([]) == [(1, 1)]
+    assert plan.shapes_for([seq(1)] * 3) == [(1, 1), (2, 1), (4, 1)]
+    assert plan.shapes_for([seq(1), seq(40)]) == [(1, 1), (2, 1), (1, 16), (1, 32), (1, 64)]
+    many = [seq(1000)] * 5  # chunks capped at max_prefill_chunk, rows at prefill_rows
+    assert set(plan.shapes_for(many)) == set(plan.shapes()) - {(16, 1)}
+    assert set(plan.shapes_for(many)) <= set(plan.shapes())
+    assert ShapePlan(4, 64, fixed=(2, 16)).shapes_for([seq(1)]) == [(2, 16)]
+
+
 def _layout(llm):
     ex = llm.executor
     return ex.num_attention, ex.num_expert_instances, ex.slots_per_instance, ex.placement()
