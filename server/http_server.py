@@ -9,7 +9,9 @@ the connection as its request head arrives (``HttpServer(health=...)``: no ASGI 
 not queue behind the tasks of the requests that arrived before it), and ``health_reserve``
 connections past the limit stay open for it; past those, a new connection
 closes the longest-idle kept-alive one (or, if every connection has a request running, itself),
-so the process never runs out of file descriptors. uvicorn's options set the rest:
+so the process never runs out of file descriptors. New requests are taken up at most
+``starts_per_tick`` per event-loop iteration (``_Pacer``; connections accepted likewise), so that a
+burst does not make one iteration everything else waits behind. uvicorn's options set the rest:
 ``timeout_keep_alive`` (an idle kept-alive connection is closed), ``h11_max_incomplete_event_size``
 (the largest request head), ``timeout_graceful_shutdown``. uvicorn has no timeout for a new
 connection's request head, so the h11 protocol here adds one (``header_timeout_s``): a connection
