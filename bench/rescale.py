@@ -30,7 +30,7 @@ the old one serves, then swapped in at a step boundary. Reported per change:
   KV blocks moved, expert slots kept on their device (no copy) vs copied, bytes copied.
 
 Run:  PYTHONPATH=. python bench/rescale.py [--concurrency 8] [--changes 4a4e,1a7e,2a6e] [--build-nice 10]
-      [--build-switch-interval 0.0005] [--model /tmp/jaxmoe-bench-107m --no-initial-warmup] [--full-warmup]
+      [--build-switch-interval 0.0005] [--model /tmp/jaxmoe-bench-107m --no-initial-warmup] [--full-warmup] [--idle]
 
 A build compiles the shapes the live requests need now (``ShapePlan.shapes_for``; ``--full-warmup``:
 every warm-up shape); a shape met after the swap compiles then ("programs compiled after the swap").
@@ -95,6 +95,7 @@ def main() -> None:
         action="store_true",
         help="do not compile every shape of the starting layout first (its steps compile what they meet)",
     )
+    ap.add_argument("--idle", action="store_true", help="rescale with no requests in flight: the build alone")
     args = ap.parse_args()
     engine_rescale.BUILD_NICE = args.build_nice
     engine_rescale.BUILD_SWITCH_INTERVAL_S = args.build_switch_interval or None
@@ -115,6 +116,19 @@ def main() -> None:
     for rows, tokens in [] if args.no_initial_warmup else engine.runner.plan.shapes():
         engine.runner.warm(rows, tokens)
     print(f"warm-up of 2a6e: {time.perf_counter() - t0:.1f}s")
+    if args.idle:  # no requests: the build alone (what a rescale of an idle server waits for)
+        for attention, experts in changes:
+            rescaler = LiveRescaler.of(engine)
+            job = rescaler.start(attention, experts, full_warmup=args.full_warmup)
+            job.wait_ready()
+            rescaler.apply()
+            r = job.result(60)
+            print(
+                f"idle {r.previous} -> {r.attention}a{r.experts}e: build_s {r.build_s:.1f} s, {r.shapes_compiled} of "
+                f"{len(engine.runner.plan.shapes())} shapes, swap {r.swap_s * 1e3:.1f} ms; "
+                f"load average {os.getloadavg()[0]:.1f}"
+            )
+        return
     failed = finished = 0
 
     def top_up():
