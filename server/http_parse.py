@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 import anyio
-from fastapi.exceptions import RequestValidationError
+from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.routing import APIRoute
 
 OFF_LOOP_BYTES = 64 << 10  # a body this large (bytes, decoded) is parsed and validated off the loop
@@ -37,6 +37,8 @@ def parse_body(field, body: bytes):
     except UnicodeDecodeError as e:
         error = {"type": "json_invalid", "loc": ("body", e.start), "msg": "JSON decode error", "input": {}}
         raise RequestValidationError([dict(error, ctx={"error": str(e)})]) from None
+    except Exception:  # e.g. RecursionError (JSON nested too deep): FastAPI's own answer
+        raise HTTPException(status_code=400, detail="There was an error parsing the body") from None
     value, errors = field.validate(data, {}, loc=("body",))
     if errors:
         raise RequestValidationError(errors, body=data)
