@@ -170,6 +170,7 @@ def test_same_inputs_same_bits_whichever_thread_runs_an_item():
         np.testing.assert_array_equal(np.asarray(run(x)), first)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [0, 32], ids=["plain", "panels"])
 def test_invariant_form_gives_a_token_the_same_bits_in_any_batch(width):
     """``cpu_kernel_invariant`` (deterministic mode): a token's output is bit-identical alone, in a
@@ -195,6 +196,7 @@ def test_invariant_form_gives_a_token_the_same_bits_in_any_batch(width):
         expert_ffn(x[:2, :40], ids[:2], weights[:2], odd, impl="cpu_kernel_invariant")
 
 
+@pytest.mark.slow
 def test_invariant_matmul_gives_a_row_the_same_bits_at_any_row_count():
     """``invariant_matmul`` (deterministic mode's dense matrices, N padded to whole vectors): a row's
     result does not depend on the row count or its position, where XLA's dot changes algorithm with
