@@ -25,6 +25,7 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.engine.config import EngineConfig
 from jaxmoe.engine.engine import LLMEngine
 from jaxmoe.models.routing import TopKRouting, extra_experts
+from jaxmoe.pallas_kernels.platform import target_platform
 from jaxmoe.quantization import is_quantized_tree
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 
@@ -146,6 +147,26 @@ class RuntimeConfig:
         )
 
 
+def deterministic_expert_impl(cfg: ModelConfig, params: dict, ec, brownout=None) -> str:
+    """The expert-FFN form of ``ec``'s executor: in deterministic mode "auto" is the batch-invariant CPU
+    kernels (``cpu_kernel_invariant``: the ordinary bucketed shapes) where they take the model, else the
+    fixed-shape ``dense`` form; elsewhere ``ec.expert_impl`` as it is."""
+    if not ec.deterministic:
+        return ec.expert_impl
+    from jaxmoe.models.transformer import invariant_unsupported
+
+    reason = invariant_unsupported(cfg)
+    if reason is None and is_quantized_tree(params):
+        reason = "quantized weights are dequantized into XLA matmuls"
+    if reason is None and brownout is not None:
+        reason = "brownout routing"
+    if ec.expert_impl == "cpu_kernel_invariant" and reason is not None:
+        raise ValueError(f"expert_impl 'cpu_kernel_invariant' cannot run this model: {reason}")
+    if ec.expert_impl == "auto":
+        return "cpu_kernel_invariant" if reason is None and target_platform() == "cpu" else "dense"
+    return ec.expert_impl
+
+
 def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, brownout: BrownoutConfig | None = None):
     """Monolithic executor by default; with a mesh file, the disaggregated one. The expert routing is
     the router's top-k, or BrownoutServe's Algorithm 1 with ``brownout``; QLLM's per-expert queues
@@ -176,7 +197,7 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
             ec.block_size,
             routing=routing,
             routing_state=routing_state,
-            expert_impl=ec.expert_impl,
+            expert_impl=deterministic_expert_impl(cfg, params, ec, brownout),
             expert_rounds=rounds,
             pause_every=ec.pause_every,
         )

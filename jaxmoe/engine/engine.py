@@ -57,20 +57,23 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         max_blocks = -(-self.max_model_len // config.block_size)
         self.block_manager = _block_manager(executor, config)
+        # deterministic mode without the batch-invariant CPU kernels: one fixed step shape (EngineConfig)
+        fixed = config.deterministic and getattr(executor, "expert_impl", None) != "cpu_kernel_invariant"
+        chunk = min(config.max_prefill_chunk, DETERMINISTIC_ROW_TOKENS) if fixed else config.max_prefill_chunk
         self.scheduler = Scheduler(
             self.block_manager,
             policy if policy is not None else make_policy(config.policy),
             max_batch_tokens=config.max_batch_tokens,
             max_num_seqs=config.max_num_seqs,
             max_waiting=config.max_waiting,
-            max_prefill_chunk=config.max_prefill_chunk,
+            max_prefill_chunk=chunk,
         )
         # what the KV depends on besides the tokens: the expert routing's state (e.g. the brownout threshold)
         self.scheduler.kv_key = lambda: _routing_key(self.executor)
         plan = ShapePlan(
             max_num_seqs=config.max_num_seqs,
-            max_prefill_chunk=min(config.max_prefill_chunk, config.max_batch_tokens, self.max_model_len),
-            fixed=(bucket(config.max_num_seqs), DETERMINISTIC_ROW_TOKENS) if config.deterministic else None,
+            max_prefill_chunk=min(chunk, config.max_batch_tokens, self.max_model_len),
+            fixed=(bucket(config.max_num_seqs), DETERMINISTIC_ROW_TOKENS) if fixed else None,
         )
         self.runner = ModelRunner(executor, config.block_size, max_blocks, plan)
         self.eos_ids = set(cfg.eos_token_ids)

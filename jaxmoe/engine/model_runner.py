@@ -24,7 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
-from jaxmoe.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, adjust_logits, mask_logits, sample
+from jaxmoe.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    adjust_logits,
+    mask_logits,
+    sample,
+    sample_invariant,
+)
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.runtime.executor import ExpertQueueing, LowersAhead, MergesRows, RowMerge
 
@@ -81,9 +89,10 @@ class ModelRunner:
         self.last_calls: list[tuple[int, int]] = []  # (rows, tokens per row) of each program call of the last run
         self._call: _Call | None = None  # the call running layer by layer (rows may merge into it)
         self.num_instances = self.kv.num_instances
-        # deterministic mode (EngineConfig.deterministic): every step is one call of ``fixed_rows`` rows per
-        # attention instance of ``row_tokens`` tokens (decodes padded too), so every program runs on one
-        # shape whatever the batch: XLA:CPU picks a dot's algorithm, and so its summation order, by shape
+        # deterministic mode in its fixed-shape form (EngineConfig.deterministic): every step is one call of
+        # ``fixed_rows`` rows per attention instance of ``row_tokens`` tokens (decodes padded too), so every
+        # program runs on one shape whatever the batch: XLA:CPU picks a dot's algorithm (its summation order)
+        # by shape
         self.fixed_rows, self.row_tokens = self.plan.fixed or (1, 0)
 
     def instance_of(self, row: Row) -> int:
@@ -350,7 +359,9 @@ class ModelRunner:
         adjusted = logits if extras is None else adjust_logits(logits, *extras)
         if allowed is not None:
             adjusted = mask_logits(adjusted, allowed)
-        result = sample(adjusted, logits, *sampling, flag)
+        # deterministic mode's batch-invariant form: logprobs summed in an order fixed per row
+        invariant = getattr(self.executor, "expert_impl", None) == "cpu_kernel_invariant"
+        result = (sample_invariant if invariant else sample)(adjusted, logits, *sampling, flag)
         return jax.device_get(result)  # one host transfer for all five
 
     def _pause_state_bytes(self, num_tokens: int) -> int:

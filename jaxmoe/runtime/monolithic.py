@@ -27,7 +27,9 @@ from jaxmoe.models.routing import ExpertRouting, extra_experts, logical_params
 from jaxmoe.models.transformer import (
     attention_side,
     embed,
+    INVARIANT,
     forward,
+    in_place_mode,
     init_stacked_cache,
     layer_step,
     layer_view,
@@ -93,7 +95,7 @@ def step_program(cfg: ModelConfig, block_size: int, impl: str, routing):
     return jax.jit(step, donate_argnums=(3,))
 
 
-def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype, in_place: bool):
+def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype, in_place: bool | str):
     """The layer-by-layer mode's programs, jitted (what a pausable step runs, warm-up compiles and
     ``jaxmoe lower`` lowers): ``embed(params, tokens)``; ``layers(group, x, batch, group_cache, start,
     state, n)``: ``n`` (static) layers of a layer group from ``start`` (traced), the cache donated;
@@ -113,7 +115,7 @@ def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype,
     def head(params, x, logits_index):
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-        return lm_head(params, cfg, x)
+        return lm_head(params, cfg, x, invariant=in_place == INVARIANT)
 
     return jax.jit(embed), jax.jit(some_layers, donate_argnums=(3,), static_argnums=(6,)), jax.jit(head)
 
@@ -154,12 +156,12 @@ class MonolithicExecutor:
         self.routing, self.routing_state = routing, routing_state
         self.num_logical_experts = cfg.moe.num_experts + extra_experts(routing, params)
         self.stacked = stack_layers(logical_params(routing, params))  # E + U logical experts per MoE layer
-        in_place = impl == "cpu_kernel"  # weights read in place by the CPU kernel
+        in_place = in_place_mode(impl)  # weights read in place by the CPU kernel (``cpu_kernel*``)
         self._op_impls = op_impls.build(
             requested_expert_impl=expert_impl,
             expert_impl=impl,
             defaults=AUTO_EXPERT_IMPL,
-            reads_in_place=in_place,
+            reads_in_place=bool(in_place),
             mla=cfg.attn.kind == "mla",
         )
         op_impls.log("monolithic", self._op_impls)
