@@ -103,7 +103,7 @@ def load_united_experts(async_engine, payload, timeout_s: float = 600.0) -> dict
     load = functools.partial(_load_united, req.path)
     try:
         return async_engine.call(load, timeout=timeout_s, replicate=load)
-    except BrownoutError as e:
+    except (BrownoutError, OSError, ValueError) as e:  # does not fit, or unreadable: nothing changed
         raise AdminError(str(e)) from None
     except TimeoutError as e:
         raise AdminError(
