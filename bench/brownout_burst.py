@@ -237,11 +237,12 @@ def plot(results: dict, path: str, slo_ttft: float, slo_tpot: float, burst_at: f
             pts = [(r["t"], r[name]) for r in w if r[name] is not None]
             ax.plot(*zip(*pts), color=style, marker=".", label=f"{'no brownout' if mode == 'off' else 'SALC'}")
         th = results[mode]["thresholds"]
-        if isinstance(th, list):  # a run saved before the per-phase thresholds
-            th = {"decode": th}
-        for phase, ls in (("prefill", "--"), ("decode", "-")):
-            if th.get(phase):
-                axes[2].plot(*zip(*th[phase]), color=style, ls=ls, label=f"SALC {phase} threshold")
+        if isinstance(th, list):  # a run saved before the per-phase thresholds: one for both phases
+            th = {"both phases'": th}
+        for phase, samples in th.items():
+            if samples:
+                ls = "--" if phase == "prefill" else "-"
+                axes[2].plot(*zip(*samples), color=style, ls=ls, label=f"SALC {phase} threshold")
     for ax, slo, name in ((axes[0], slo_ttft, "TTFT"), (axes[1], slo_tpot, "TPOT")):
         ax.axhline(slo, color="k", ls="--", lw=1, label=f"{name} SLO")
         ax.set_ylabel(f"P90 {name} (s, {WINDOW_S:.0f} s windows)")
