@@ -106,6 +106,7 @@ class OpenAIServer:
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"], responses=ERRORS)
         app.add_api_route("/version", self.version, methods=["GET"], responses=ERRORS)
         app.add_api_route("/admin/rescale", self.admin_rescale, methods=["POST"], responses=ERRORS)
+        app.add_api_route("/admin/united_experts", self.admin_united_experts, methods=["POST"], responses=ERRORS)
         app.add_api_route(
             "/metrics", self.prometheus, methods=["GET"], responses={**ERRORS, 200: {"content": {"text/plain": {}}}}
         )
@@ -205,6 +206,16 @@ class OpenAIServer:
             code = {409: "rescale_in_progress", 503: "unavailable", 504: "timeout"}.get(
                 e.http_status, "invalid_argument"
             )
+            raise ApiError(e.http_status, str(e), kind, code) from None
+
+    async def admin_united_experts(self, body: admin.UnitedExpertsRequest) -> dict:
+        """BrownoutServe's Experts Loader (``server.admin.load_united_experts``): answers once the new
+        united experts serve; behind the API key like every route."""
+        try:
+            return await asyncio.to_thread(admin.load_united_experts, self.engine, body.model_dump())
+        except admin.AdminError as e:
+            kind = "invalid_request_error" if e.http_status < 500 else "server_error"
+            code = "timeout" if e.http_status == 504 else "invalid_argument"
             raise ApiError(e.http_status, str(e), kind, code) from None
 
     async def prometheus(self) -> Response:

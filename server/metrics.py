@@ -190,11 +190,14 @@ class _EngineCollector:
             )
         brownout = snap.get("brownout")
         if brownout is not None:
-            yield GaugeMetricFamily(
+            gauge = GaugeMetricFamily(
                 "jaxmoe_brownout_threshold",
-                "BrownoutServe threshold: share of expert assignments kept by original experts",
-                value=brownout["threshold"],
+                "BrownoutServe threshold per phase: share of expert assignments kept by original experts",
+                labels=["phase"],
             )
+            for phase, value in brownout["threshold"].items():
+                gauge.add_metric([phase], value)
+            yield gauge
             p90 = GaugeMetricFamily(
                 "jaxmoe_slo_p90_seconds", "P90 latency over the SLO analyzer's window", labels=["phase"]
             )

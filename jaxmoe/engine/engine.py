@@ -31,6 +31,7 @@ from jaxmoe.engine.policies import make_policy
 from jaxmoe.engine.prompt_limits import check_prompt_chars, check_prompt_tokens
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
+from jaxmoe.models.routing import state_key
 from jaxmoe.runtime.executor import Executor
 from jaxmoe.sampling import SamplingParams, SamplingParamsError
 from jaxmoe.structured_output import Grammar, GrammarBackend
@@ -469,11 +470,12 @@ def _block_manager(executor, config: EngineConfig) -> BlockManager:
 
 
 def _routing_key(executor) -> str:
-    """The prefix-cache key of the executor's expert routing: its name and state (brownout's threshold:
-    KV computed under one threshold is not read under another)."""
+    """The prefix-cache key of the executor's expert routing: its name, state (brownout's thresholds:
+    KV computed under one threshold is not read under another) and parameter version (extra experts
+    loaded at run time, ``params_version``)."""
     routing = getattr(executor, "routing", None)
-    state = getattr(executor, "routing_state", None)
-    return f"{getattr(routing, 'name', None)}:{None if state is None else float(state)!r}"
+    state = state_key(getattr(executor, "routing_state", None))
+    return f"{getattr(routing, 'name', None)}:{state!r}:{getattr(executor, 'params_version', 0)}"
 
 
 def _cut_at_stop(text: str, stops) -> str:

@@ -62,7 +62,7 @@ from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import ClusterSpec, SubMeshes, build_meshes, load_mesh
 from jaxmoe.models.attention import AttentionBatch, init_layer_cache
 from jaxmoe.models.experts import TOP_K
-from jaxmoe.models.routing import ExpertRouting, extra_experts, slots_with_extra
+from jaxmoe.models.routing import ExpertRouting, extra_experts, for_call, slots_with_extra
 from jaxmoe.runtime.attention_program import attention_side_params, head_params, make_attention_programs
 from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.pallas_kernels.expert_ffn import resolve
@@ -239,6 +239,7 @@ class DisaggregatedExecutor:
         mbs = [self._upload(*part, pipe.r2) for part in parts]
         step = jax.device_put(np.int32(self._step), self.experts.replicated)
         self._step += 1
+        state = for_call(self.routing_state, T)  # per phase: a decode or a prefill call
         run = Phases(self.timing, self.observer, self.record_dispatch)
         pause = None if between_layers is None else PausePoints(between_layers, self.pause_every)
 
@@ -262,7 +263,9 @@ class DisaggregatedExecutor:
                 if i in self._shared_layers:
                     xs[k] = run("shared", i, self.attention.shared, self._shared_layers[i], xs[k], xns[k], at=(k, c))
             else:
-                chunk_state[k] = self._chunk_task(run, task, i, k, c, xns[k], mbs[k], step, chunk_state[k], pipe)
+                chunk_state[k] = self._chunk_task(
+                    run, task, i, k, c, xns[k], mbs[k], (step, state), chunk_state[k], pipe
+                )
                 if task == "e2a" and all(y is not None for y in chunk_state[k][3]):  # every chunk back
                     ys[k] = self._join(run, i, chunk_state[k])
         logits = [
@@ -298,6 +301,7 @@ class DisaggregatedExecutor:
     def _chunk_task(self, run, task: str, i: int, k: int, c: int, xn, mb: _MicroBatch, step, state, pipe):
         """Dispatch one expert-side task of micro-batch k's chunk c in layer i (async): A2E (the first
         one cuts the micro-batch into its r2 chunks, ``runtime.chunks``), the expert program, or E2A.
+        ``step``: (the step counter on the expert mesh, the routing state of this call).
         ``state``: (plan, xn's shape, per chunk its latest output); returns it updated."""
         if task == "a2e" and c == 0:
             parts = (xn,) if pipe.r2 == 1 else run("split", i, chunks.split, xn, self.sub, pipe.r2)
@@ -309,7 +313,7 @@ class DisaggregatedExecutor:
         if task == "a2e":
             data[c] = run("a2e", i, self.transfer.a2e, data[c], plan, self.sub, at=(k, c))
         elif task == "expert":
-            data[c] = run("expert", i, self.expert_side.run, i, data[c], mb.valid[c], step, at=(k, c))[0]
+            data[c] = run("expert", i, self.expert_side.run, i, data[c], mb.valid[c], *step, at=(k, c))[0]
             self._transfers[i].count(plan)
         else:
             back[c] = run("e2a", i, self.transfer.e2a, data[c], plan, self.sub, at=(k, c))

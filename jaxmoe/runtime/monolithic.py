@@ -7,8 +7,10 @@ each step program).
 
 The MoE layers route with an ``ExpertRouting`` (``models.routing``; top-k by default): their expert
 weights are stacked over the routing's E + U logical experts, and ``routing_state`` (e.g.
-BrownoutServe's threshold) is a traced argument of the step programs, so it may change between steps
-without recompiling. With ``expert_rounds`` a layer-by-layer step serves each MoE layer's logical
+BrownoutServe's threshold; per phase: ``models.routing.PhaseStates``, resolved per call) is a traced
+argument of the step programs, so it may change between steps without recompiling. ``set_params``
+replaces the parameters between steps (e.g. united experts of another k: BrownoutServe's Experts
+Loader), keeping the KV cache. With ``expert_rounds`` a layer-by-layer step serves each MoE layer's logical
 experts range by range, with a pause point between ranges (QLLM's per-expert queues:
 ``jaxmoe.qllm.expert_queues`` makes the ranges).
 """
@@ -23,7 +25,7 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.models.experts import AUTO_EXPERT_IMPL, TOP_K, routed_experts_in
-from jaxmoe.models.routing import ExpertRouting, extra_experts, logical_params
+from jaxmoe.models.routing import ExpertRouting, extra_experts, for_call, logical_params
 from jaxmoe.models.transformer import (
     attention_side,
     embed,
@@ -154,9 +156,9 @@ class MonolithicExecutor:
         self.num_attention, self.num_cache_slots = 1, self.kv_layout.num_slots
         self.expert_impl = impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
         self.routing, self.routing_state = routing, routing_state
-        self.num_logical_experts = cfg.moe.num_experts + extra_experts(routing, params)
-        self.stacked = stack_layers(logical_params(routing, params))  # E + U logical experts per MoE layer
+        self.params_version = 0  # bumped by ``set_params`` (the prefix cache keys KV by it)
         in_place = in_place_mode(impl)  # weights read in place by the CPU kernel (``cpu_kernel*``)
+        self.num_logical_experts, self.stacked = self._stack(params, in_place)
         self._op_impls = op_impls.build(
             requested_expert_impl=expert_impl,
             expert_impl=impl,
@@ -165,8 +167,6 @@ class MonolithicExecutor:
             mla=cfg.attn.kind == "mla",
         )
         op_impls.log("monolithic", self._op_impls)
-        if in_place:  # the expert weights in the layout it reads fastest
-            self.stacked = store_as_panels(self.stacked)
         dtype = cache_dtype or params["embed"].dtype
         self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, self.num_cache_slots, dtype)
         self.cache = self._new_cache()
@@ -198,6 +198,32 @@ class MonolithicExecutor:
         self._embed, self._layers, self._head = layer_programs(cfg, block_size, impl, routing, dtype, in_place)
         self._gate = jax.jit(gate, donate_argnums=(3,))
         self._expert_round = jax.jit(expert_round)
+
+    def _stack(self, params: dict, in_place: bool):
+        """(E + U logical experts, the stacked parameters: E + U logical experts per MoE layer, the expert
+        weights as panels where the CPU kernel reads them in place)."""
+        n = self.cfg.moe.num_experts + extra_experts(self.routing, params)
+        stacked = stack_layers(logical_params(self.routing, params))
+        return n, store_as_panels(stacked) if in_place else stacked
+
+    def set_params(self, params: dict) -> None:
+        """Serve ``params`` (a per-layer tree of the same model, with what the routing needs) from the
+        next step on; between steps only. The routing's extra experts may differ in number (united
+        experts of another k): the programs are traced again for the new shapes. The KV cache is kept,
+        so requests in flight go on. A ``ValueError`` when the model's shapes differ, or the per-expert
+        queues' rounds do not cover the new logical experts."""
+        n = self.cfg.moe.num_experts + extra_experts(self.routing, params)
+        if self.expert_rounds and n != self.num_logical_experts:
+            raise ValueError(
+                f"expert_rounds cover {self.num_logical_experts} logical experts, the new parameters have {n}"
+            )
+        old = {k: v for k, v in self.stacked.items() if k != "groups"}
+        new_n, stacked = self._stack(params, in_place_mode(self.expert_impl))
+        for k, v in old.items():
+            if jax.tree.map(jnp.shape, v) != jax.tree.map(jnp.shape, stacked[k]):
+                raise ValueError(f"set_params: {k} has other shapes than the model this executor serves")
+        self.num_logical_experts, self.stacked = new_n, stacked
+        self.params_version += 1
 
     @property
     def params(self) -> dict:
@@ -237,7 +263,8 @@ class MonolithicExecutor:
         shape (``executor.LowersAhead``): the same arguments as ``forward``'s, so compiling it fills
         the cache ``forward`` looks in."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
-        lowered = self._step.lower(self.stacked, tokens, batch, self.cache, index, self.routing_state)
+        state = for_call(self.routing_state, tokens.shape[1])
+        lowered = self._step.lower(self.stacked, tokens, batch, self.cache, index, state)
         return [lowered], lowered.out_info[0]
 
     def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
@@ -252,7 +279,7 @@ class MonolithicExecutor:
         (QLLM's merge): the logits are then those of the merged rows (``executor.MergesRows``).
         Without it: the whole model as one fused program (the fast path)."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
-        state = self.routing_state
+        state = for_call(self.routing_state, tokens.shape[1])  # per phase: a decode or a prefill call
         if between_layers is None:
             logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index, state)
             return logits
