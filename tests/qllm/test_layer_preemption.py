@@ -159,8 +159,8 @@ def test_pause_every_runs_layers_in_groups_with_the_same_tokens(tiny_llm):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh,seed,queues",
-    [(None, 0, 0), (None, 3, 0), ("meshes/cpu-8.yaml", 2, 4), (None, 0, 4)],
-    ids=["monolithic-0", "monolithic-3", "cpu8-expert-queues-2", "expert-queues-0"],
+    [(None, 0, 0), (None, 3, 4), ("meshes/cpu-8.yaml", 2, 4)],
+    ids=["monolithic-0", "monolithic-expert-queues-3", "cpu8-expert-queues-2"],
 )
 def test_random_mixed_traces_keep_every_token(mesh, seed, queues, tiny_llm):
     """A random trace: LS and BE requests with random prompts and lengths arrive at random engine
