@@ -7,7 +7,7 @@ that need them: ``ReplicaPlacement`` (expert replicas re-placed between steps: t
 executor; ``jaxmoe.janus.placement_controller``) and ``Routed`` (the expert routing it runs and its
 run-time state: both executors; e.g. ``jaxmoe.brownout`` moves the threshold) and ``ExpertQueueing``
 (per-expert queues: pause points inside a MoE layer, after its attention side, after its routing and
-between its expert rounds; the monolithic executor, with rounds from ``jaxmoe.qllm``) and
+between its expert rounds; both executors, with rounds from ``jaxmoe.qllm``) and
 ``MergesRows`` (rows that join a layer-by-layer step at a pause point: QLLM's merge; the monolithic
 executor) and ``LowersAhead`` (the
 step's programs traced and lowered without running them, so warm-up can compile them in parallel:
