@@ -170,7 +170,7 @@ def deterministic_expert_impl(cfg: ModelConfig, params: dict, ec, brownout=None)
 def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, brownout: BrownoutConfig | None = None):
     """Monolithic executor by default; with a mesh file, the disaggregated one. The expert routing is
     the router's top-k, or BrownoutServe's Algorithm 1 with ``brownout``; QLLM's per-expert queues
-    give the monolithic executor its expert rounds; FinDEP's pipeline chooser picks the disaggregated
+    give the executor its expert rounds; FinDEP's pipeline chooser picks the disaggregated
     step's schedule when ``config.findep`` names one."""
     ec, findep = config.engine, config.findep
     num_slots = ec.num_blocks * ec.block_size
@@ -183,13 +183,13 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
         from jaxmoe.brownout.routing import routing_for
 
         routing, routing_state = routing_for(brownout)
-    if config.mesh is None:
-        rounds = None
-        if config.qllm.expert_queues:
-            from jaxmoe.qllm.expert_queues import expert_bounds
+    rounds = None
+    if config.qllm.expert_queues:
+        from jaxmoe.qllm.expert_queues import expert_bounds
 
-            logical = cfg.moe.num_experts + extra_experts(routing, params)
-            rounds = expert_bounds(logical, config.qllm.expert_queues)
+        logical = cfg.moe.num_experts + extra_experts(routing, params)
+        rounds = expert_bounds(logical, config.qllm.expert_queues)
+    if config.mesh is None:
         return MonolithicExecutor(
             cfg,
             params,
@@ -205,8 +205,11 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
         raise ValueError("quantization (int8 / fp8 weights) runs on the monolithic executor only (no mesh file)")
     if ec.deterministic:  # its expert side's results still depend on the batch (in the last bits)
         raise ValueError("deterministic mode runs on the monolithic executor only (no mesh file)")
-    if config.qllm.expert_queues:
-        raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
+    if config.qllm.expert_queues and (findep.pipeline not in (None, "sequential") or findep.pipeline_profile):
+        raise ValueError(
+            "expert_queues (QLLM per-expert queues) runs with the sequential schedule only: drop pipeline / "
+            "pipeline_profile (FinDEP's micro-batches and chunks have no pause points inside a MoE layer)"
+        )
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
     kwargs = {
@@ -214,6 +217,7 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
         "pause_every": ec.pause_every,
         "routing": routing,
         "routing_state": routing_state,
+        "expert_rounds": rounds,
         **config.executor,
     }
     executor = DisaggregatedExecutor(cfg, params, num_slots, ec.block_size, config.mesh, **kwargs)

@@ -76,8 +76,9 @@ def register(sub, add_model_args) -> None:
         type=int,
         default=0,
         metavar="ROUNDS",
-        help="QLLM per-expert queues (with layer preemption): serve each MoE layer's experts in ROUNDS rounds, "
-        "with a pause point between rounds (0: off)",
+        help="QLLM per-expert queues (with layer preemption): each MoE layer's routed tokens wait in per-expert "
+        "queues served in ROUNDS rounds, with pause points after attention, after routing and between rounds; "
+        "latency-sensitive work arriving there jumps the queues (0: off)",
     )
     serve.add_argument(
         "--pause-every",

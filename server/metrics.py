@@ -116,8 +116,9 @@ class _EngineCollector:
         )
         yield CounterMetricFamily(
             "jaxmoe_ls_merges",
-            "Latency-sensitive requests merged into a running best-effort step at a layer boundary "
-            "(QLLM's merge: they caught up to that layer, then shared the remaining layers)",
+            "Latency-sensitive requests merged into a running best-effort step at a pause point "
+            "(QLLM's merge: they caught up to it, then shared the rest of the step; inside a MoE layer "
+            "with per-expert queues their assignments were served ahead of the waiting ones)",
             value=layer_preemption.get("ls_merges", 0),
         )
         yield GaugeMetricFamily(
@@ -129,7 +130,7 @@ class _EngineCollector:
         if depth is not None:
             q = GaugeMetricFamily(
                 "jaxmoe_expert_queue_depth",
-                "Per-expert queues: assignments waiting at each expert when a step last paused between expert rounds",
+                "Per-expert queues: assignments waiting at each expert when a step last paused inside a MoE layer",
                 labels=["expert"],
             )
             for expert, n in enumerate(depth):

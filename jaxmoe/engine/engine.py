@@ -240,9 +240,9 @@ class LLMEngine:
         return outputs + self._finish(batch, rows, seqs, sampled, errors)
 
     def merge_batch(self, batch) -> bool:
-        """QLLM's merge: join a scheduled batch to the step now paused at a layer boundary (called at
-        its pause point); its rows catch up to that layer alone, then share the remaining layers with
-        the step's, and its outputs come with the step's. False: it cannot join here (the runner's
+        """QLLM's merge: join a scheduled batch to the step now paused (called at its pause point);
+        its rows catch up to that point alone, then share the rest of the step with the step's rows,
+        and its outputs come with the step's. False: it cannot join here (the runner's
         ``offer_merge``); the caller runs it another way."""
         if batch.is_empty:
             return False

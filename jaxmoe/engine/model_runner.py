@@ -54,7 +54,7 @@ class Row:
 
 @dataclasses.dataclass
 class MergedRows:
-    """Rows merged into a running program call at a layer boundary (QLLM's merge): ``sampled`` is
+    """Rows merged into a running program call at a pause point (QLLM's merge): ``sampled`` is
     set, in ``rows``' order, once the call has run (None: it failed before)."""
 
     rows: list[Row]
@@ -231,9 +231,9 @@ class ModelRunner:
         return calls
 
     def offer_merge(self, rows: list[Row]) -> MergedRows | None:
-        """QLLM's merge: ``rows`` join the program call now paused at a layer boundary (called from
-        its pause point); they catch up to that layer alone, then share the remaining layers with the
-        call's rows. None (nothing merged) where the executor cannot merge there (``MergesRows``), with
+        """QLLM's merge: ``rows`` join the program call now paused (called from its pause point: a
+        layer boundary, or inside a MoE layer with per-expert queues); they catch up to that point
+        alone, then share the rest of the step with the call's rows. None (nothing merged) where the executor cannot merge there (``MergesRows``), with
         several attention instances, or where the merged batch's shape is not one warm-up compiles
         (``plan.shapes()``): the caller runs the rows another way."""
         call, ex = self._call, self.executor
@@ -365,9 +365,8 @@ class ModelRunner:
         return jax.device_get(result)  # one host transfer for all five
 
     def _pause_state_bytes(self, num_tokens: int) -> int:
-        """What a pause keeps on the device: the step's hidden states [B, T, D]; between expert
-        rounds (per-expert queues) also the experts' input, the float32 partial outputs and the
-        gating result."""
+        """What a pause keeps on the device: the step's hidden states [B, T, D]; inside a MoE layer
+        (per-expert queues) also the experts' input, the float32 partial outputs and the queues."""
         ex, cfg = self.executor, self.executor.cfg
         hidden = num_tokens * cfg.hidden_size * jax.tree.leaves(ex.cache)[0].dtype.itemsize
         if not (isinstance(ex, ExpertQueueing) and ex.expert_rounds):

@@ -42,6 +42,10 @@ expert program; its extra logical experts (e.g. BrownoutServe's united experts) 
 slots beside the originals, and ``routing_state`` (e.g. the brownout threshold) may change between
 steps without recompiling.
 
+With ``expert_rounds`` (QLLM's per-expert queues) a layer-by-layer step with the sequential schedule
+runs each MoE layer's expert work as the gate alone, then rounds over ranges of logical experts, with
+pause points after the attention side, after the gate and between rounds.
+
 Same interface as ``MonolithicExecutor``: ``.params``, ``.cache``, ``forward``.
 """
 
@@ -70,6 +74,7 @@ from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
 from jaxmoe.runtime import chunks, op_impls
 from jaxmoe.runtime.pipeline import Pipeline, PipelineChooser, expected_tasks, program_order, split_rows
+from jaxmoe.runtime.monolithic import check_rounds, queue_depth
 from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
 from jaxmoe.runtime.transfer import LocalTransfer, TransferBackend, plan_transfers
@@ -122,8 +127,13 @@ class DisaggregatedExecutor:
         routing: ExpertRouting = TOP_K,
         routing_state=None,
         placed_experts: dict | None = None,
+        expert_rounds=None,
     ):
         """``pause_every``: with layer-level preemption, the pause points are every that many layers.
+        ``expert_rounds``: with layer-level preemption, QLLM's per-expert queues: each MoE layer's gate
+        runs alone, then its logical experts are served in these contiguous ranges [lo, hi), with
+        pause points after the attention side, after the gate and between ranges (sequential schedule
+        only: a step whose pipeline has r1 or r2 > 1 runs its MoE layers whole).
         ``routing`` / ``routing_state``: the MoE layers' expert routing, run in the expert program,
         and its start state (e.g. ``jaxmoe.brownout.routing.BrownoutRouting`` and the threshold; the
         params hold what it needs, e.g. united experts).
@@ -195,6 +205,12 @@ class DisaggregatedExecutor:
             cfg, params, self.sub, self.experts, self.transfer, placement, routing, routing_state, placed_experts
         )
         self.moe_layers = self.expert_side.moe_layers
+        self.expert_rounds = check_rounds(expert_rounds, self.expert_side.num_logical)
+        self.pause_stage = None  # where a layer-by-layer step waits: "layer", or inside a MoE layer (queues)
+        self._queued = None  # the queues (logical ids of the waiting assignments) while paused after a gate
+        self._to_f32 = jax.jit(lambda p: p.astype(jnp.float32))  # a token's partial outputs add up in float32
+        self._accumulate = jax.jit(lambda acc, p: acc + p.astype(jnp.float32))
+        self._to_dtype = jax.jit(lambda acc, like: acc.astype(like.dtype))
 
         # KV cache: slots padded to whole blocks per attention instance, sharded P("attn").
         self.kv_layout = KVLayout.for_slots(num_slots, block_size, self.num_attention)
@@ -248,10 +264,11 @@ class DisaggregatedExecutor:
         seq = self._dispatch_sequence(pipe, layered=pause is not None)
         xns, chunk_state = [None] * r1, [None] * r1  # per micro-batch: its layer's xn, (plan, shape, chunks)
         done = 0  # layers whose every task is dispatched (pause points: the sequence is then layer by layer)
+        queues = pause is not None and bool(self.expert_rounds) and r1 == 1 and pipe.r2 == 1
         for task, i, k, c in seq:
             if pause is not None and i > done:
                 done = i
-                pause(i, xs, ys)
+                self._pause_at(pause, i, "layer", (xs, ys))
             if task == "attention":
                 xs[k], xns[k], self.cache[i] = run(
                     "attention", i, self.attention.layer, self._attn_layers[i], xs[k], ys[k], mbs[k].batch,
@@ -262,6 +279,8 @@ class DisaggregatedExecutor:
             elif task == "shared":
                 if i in self._shared_layers:
                     xs[k] = run("shared", i, self.attention.shared, self._shared_layers[i], xs[k], xns[k], at=(k, c))
+            elif task == "expert" and queues:
+                chunk_state[k] = self._queued_experts(run, i, mbs[k], (step, state), chunk_state[k], pause)
             else:
                 chunk_state[k] = self._chunk_task(
                     run, task, i, k, c, xns[k], mbs[k], (step, state), chunk_state[k], pipe
@@ -318,6 +337,47 @@ class DisaggregatedExecutor:
         else:
             back[c] = run("e2a", i, self.transfer.e2a, data[c], plan, self.sub, at=(k, c))
         return state
+
+    def _pause_at(self, pause: PausePoints, layers: int, stage: str, outputs, queued=None) -> None:
+        """A pause point (``stage``) after the programs that produce ``outputs``; ``queued``: the
+        queues then (after a MoE layer's gate). The layer-by-layer step cannot take rows here (no
+        merge on this executor): latency-sensitive work runs as a step of its own meanwhile."""
+        self.pause_stage, self._queued = stage, queued
+        try:
+            if stage == "layer":
+                pause(layers, *outputs)
+            else:
+                pause.inside(layers, *outputs)
+        finally:
+            self.pause_stage, self._queued = None, None
+
+    def _queued_experts(self, run, i: int, mb: _MicroBatch, step, state, pause: PausePoints):
+        """Layer i's expert work as QLLM's per-expert queues (sequential schedule; ``step`` and
+        ``state`` as ``_chunk_task``'s, after A2E): a pause point (the attention side is done), the gate alone
+        (every assignment joins its expert's FIFO queue), a pause point, then the rounds, each serving
+        the queues of its range of logical experts, with a pause point between rounds. The partial
+        outputs add up (float32) on the expert mesh; E2A carries their sum, so a token's output joins
+        its hidden state only after the last round."""
+        plan, shape, data, back = state
+        step, routing_state = step
+        xe, valid = data[0], mb.valid[0]
+        self._pause_at(pause, i, "attention", (xe,))
+        queued, weights = run("expert", i, self.expert_side.route, i, xe, valid, routing_state)
+        acc = None
+        for r, (lo, hi) in enumerate(self.expert_rounds):
+            self._pause_at(pause, i, "routing" if r == 0 else "experts", (queued,), queued)
+            partials, queued = run("expert", i, self.expert_side.serve, i, xe, queued, weights, step, lo, hi)
+            acc = self._to_f32(partials) if acc is None else self._accumulate(acc, partials)
+        data[0] = self._to_dtype(acc, partials)
+        self._transfers[i].count(plan)
+        return plan, shape, data, back
+
+    def expert_queue_depth(self):
+        """Assignments waiting in each logical expert's queue [E + U] while a step is paused inside a
+        MoE layer after its gate (None anywhere else)."""
+        if self._queued is None:
+            return None
+        return queue_depth(self.transfer.fetch(self._queued), self.expert_side.num_logical)
 
     def _join(self, run, i: int, state):
         """Micro-batch's routed output: its chunks' E2A outputs joined back into its rows."""

@@ -522,3 +522,41 @@ def test_activated_experts_counts_the_weights_a_step_reads(seed):
     every = np.array([[2 * i, 2 * i + 1] for i in range(E // 2)] * 2)  # all 8 experts used
     orig, united = split_reference(every, np.ones(len(every), bool), groups, 0.0, False)
     assert tuple(int(v) for v in activated_experts(orig, united, np.ones(len(every), bool), E, 4)) == (0, 4)
+
+
+@pytest.mark.slow
+def test_expert_queues_with_brownout(united_dir):
+    """QLLM's per-expert queues combined with brownout (monolithic executor, united experts loaded:
+    the queues are over the E + U logical experts, the threshold is applied by the routing before the
+    assignments enter them). A latency-sensitive prompt arrives between the expert rounds of a
+    best-effort decode step and merges into the queues; at threshold 1 every request gets its
+    standalone tokens. (Below 1 Algorithm 1 depends on the step's counts, so a merged request has
+    no standalone oracle; ``tests/models/test_routing.py`` checks the rounds against the fused
+    program there, united experts queued.)"""
+    out, _ = united_dir
+    llm = LLM(
+        out, dtype="float32", num_blocks=64, max_num_seqs=8, brownout=BrownoutConfig(threshold=1.0), expert_queues=3
+    )
+    engine, executor = llm.engine, llm.executor
+    E, params = engine.cfg.moe.num_experts, SamplingParams(max_tokens=4, ignore_eos=True)
+    be, ls = PROMPTS[:2], PROMPTS[2]
+    alone = [llm.generate([p], params, priority="be")[0].token_ids for p in be]
+    alone.append(llm.generate([ls], params, priority="ls")[0].token_ids)
+    ids = [engine.add_request(p, params, "be") for p in be]
+    depths, steps, finished = [], [0], {}
+
+    def poll():  # the LS prompt arrives between the expert rounds of the first decode step
+        if executor.pause_stage == "routing":
+            depths.append(executor.expert_queue_depth())
+        if len(ids) == 2 and steps[0] == 1 and executor.pause_stage == "experts":
+            ids.append(engine.add_request(ls, params, "ls"))
+
+    engine.poll = poll
+    while engine.has_work():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o.token_ids
+        steps[0] += 1
+    assert [finished[i] for i in ids] == alone and engine.layer_hook.queue_merges == 1
+    assert len(depths[0]) == executor.num_logical_experts > E  # queues at united experts too (none used at 1)
+    assert all(d[E:].sum() == 0 for d in depths) and all(d[:E].sum() > 0 for d in depths)
