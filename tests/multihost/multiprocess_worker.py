@@ -254,8 +254,9 @@ def relayout(jax, llm, args) -> dict:
 
 
 def rescale(jax, llm) -> dict:
-    """The engine re-scaled RESCALES times while requests run (every process calls ``rescale`` at
-    the same step: the build runs inline, then the swap at the next step boundary). Returns the
+    """The engine re-scaled RESCALES times while requests run (every process calls ``start`` at the
+    same step: parameters move there, the programs compile in the background while the steps go on,
+    the swap happens at the first step every process has built). Returns the
     final tokens per request, each change's ``RescaleResult``, the layouts and the free KV blocks."""
     from jaxmoe import SamplingParams
     from jaxmoe.runtime.slot_moves import mover_for
@@ -291,11 +292,14 @@ def rescale(jax, llm) -> dict:
         t = time.perf_counter()
         print(f"rescale to {attention}a{experts}e: building", flush=True)
         job = rescaler.start(attention, experts)
-        print(f"rescale to {attention}a{experts}e: built in {time.perf_counter() - t:.1f} s", flush=True)
-        for _ in range(100):  # bounded: the swap happens before the next step
+        print(f"rescale to {attention}a{experts}e: parameters moved in {time.perf_counter() - t:.1f} s", flush=True)
+        for _ in range(20000):  # bounded: the processes agree on the swap once every one has built
             if job.done():
                 break
-            step() if engine.has_work() else rescaler.apply()
+            if engine.has_work():
+                step()
+            elif not rescaler.apply():
+                time.sleep(0.02)  # idle: ask again (every process makes the same calls)
         results.append(job.result(timeout=0).as_dict())
         print(f"rescale to {attention}a{experts}e: serving", flush=True)
         ex = llm.executor
