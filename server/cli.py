@@ -445,7 +445,7 @@ async def _serve(
     from jaxmoe.engine.async_engine import WarmupCancelled
     from jaxmoe.engine.replication import ClusterFailedError, Leader
     from jaxmoe.server.app import JaxmoeServer
-    from jaxmoe.server.multihost import FAILED_LINGER_S, watch_processes
+    from jaxmoe.server.multihost import FAILED_LINGER_S, watch_processes, watch_steps
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -454,7 +454,9 @@ async def _serve(
     server = JaxmoeServer(engine, opts, leader=Leader() if multihost else None)
     watching = threading.Event()
     if multihost:
-        watch_processes(server.async_engine, watching, step_timeout)
+        watch_processes(server.async_engine, watching)
+        if step_timeout:
+            watch_steps(server.async_engine, watching, step_timeout)
     print("jaxmoe: warming up (compiling) ..." if opts.warmup else "jaxmoe: starting ...", flush=True)
     starting = asyncio.ensure_future(server.start())
     stopping = asyncio.ensure_future(stop.wait())

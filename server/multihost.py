@@ -96,37 +96,47 @@ def check_multihost(args, spec) -> None:
             raise ServeOptionError(f"{flag}: not available when serving on several processes")
 
 
-def watch_processes(
-    async_engine, stop: threading.Event, step_timeout_s: float | None = STEP_TIMEOUT_S
-) -> threading.Thread:
-    """Process 0: a thread asking jax's coordination service every ``WATCH_INTERVAL_S`` which processes
-    live; one missing fails the cluster (``AsyncEngine.fail_cluster``) even while the engine loop is busy
-    compiling or idle. A process that lives but stopped stepping (hung: its heartbeats go on) leaves
-    process 0 waiting in a broadcast or a step's collectives; after ``step_timeout_s`` of such a wait
-    with no program compiled meanwhile (a step may compile; 0 or None: no limit) the cluster fails too."""
+def watch_steps(async_engine, stop: threading.Event, step_timeout_s: float = STEP_TIMEOUT_S) -> threading.Thread:
+    """Process 0: a thread that fails the cluster (``AsyncEngine.fail_cluster``) when the engine loop has
+    waited more than ``step_timeout_s`` in one broadcast or step (``AsyncEngine.cluster_wait_since``)
+    with no program compiled meanwhile (a step may compile): a process that lives but stopped stepping
+    (hung; its heartbeats go on, so ``watch_processes`` does not see it) leaves process 0 waiting
+    there, in a collective it cannot time out."""
     import time
 
+    from jaxmoe.compilation import compile_events
+
+    def run() -> None:
+        programs, progress = compile_events()["programs"], time.monotonic()
+        while not stop.wait(WATCH_INTERVAL_S):
+            now, since, compiled = time.monotonic(), async_engine.cluster_wait_since, compile_events()["programs"]
+            if compiled != programs:  # compiling is progress, not a hang
+                programs, progress = compiled, now
+            if since is not None and now - max(since, progress) > step_timeout_s:
+                async_engine.fail_cluster(
+                    f"process 0 waited {now - since:.0f} s in one step for the other processes (--step-timeout "
+                    f"{step_timeout_s:g}): a process of the cluster stopped stepping without dying (hung)"
+                )
+                return
+
+    thread = threading.Thread(target=run, name="jaxmoe-watch-steps", daemon=True)
+    thread.start()
+    return thread
+
+
+def watch_processes(async_engine, stop: threading.Event) -> threading.Thread:
+    """Process 0: a thread asking jax's coordination service which processes live (every
+    ``WATCH_INTERVAL_S``; ``get_live_nodes`` may block while all of them live: with jax 0.10.2 on CPU
+    a check placed after it in this loop never ran, hence ``watch_steps``' own thread); one missing
+    fails the cluster (``AsyncEngine.fail_cluster``) even while the engine loop is busy compiling or idle."""
     import jax
     from jax._src import distributed  # the client jax.distributed.initialize made (no public handle)
-
-    from jaxmoe.compilation import compile_events
 
     n = jax.process_count()
 
     def run() -> None:
         client = distributed.global_state.client
-        programs, progress = compile_events()["programs"], time.monotonic()
         while client is not None and not stop.wait(WATCH_INTERVAL_S):
-            if step_timeout_s:
-                now, since, compiled = time.monotonic(), async_engine.cluster_wait_since, compile_events()["programs"]
-                if compiled != programs:  # compiling is progress, not a hang
-                    programs, progress = compiled, now
-                if since is not None and now - max(since, progress) > step_timeout_s:
-                    async_engine.fail_cluster(
-                        f"process 0 waited {now - since:.0f} s in one step for the other processes (--step-timeout "
-                        f"{step_timeout_s:g}): a process of the cluster stopped stepping without dying (hung)"
-                    )
-                    return
             try:
                 live = client.get_live_nodes(list(range(n)))
             except Exception as e:  # noqa: BLE001 - the service itself is in this process: keep asking

@@ -28,13 +28,16 @@ naming the value; nothing changes) and returns a ``RescaleJob``. Then:
 Under ``jax.distributed`` (one process per host; ``agreed``) every process must call ``start`` at
 the same point of the same request stream, and the build is split in two:
 
-* **between steps, on every process** (``paused_s``: the only pause): the new executor with the
-  parameters and expert replicas moved (``build_rescaled``: across processes that is ``slot_moves``
-  collectives, which must run at the same point everywhere);
-* **in the background, on every process** (``build_s``): the new layout's step programs compiled
-  without running them (``ModelRunner.lower_step``: lowered on the serving shapes, then compiled; a
-  program that ran would launch collectives that interleave with the steps' differently on each
-  process). The old layout serves meanwhile (``steps_during_build``).
+* **between steps, on every process** (in ``paused_s``): the new executor with the parameters and
+  expert replicas moved (``build_rescaled``: across processes that is ``slot_moves`` collectives,
+  which must run at the same point everywhere);
+* the new layout's step programs compiled without running them (``ModelRunner.lower_step``: lowered
+  on the serving shapes, compiled on ``compile_workers()`` threads; a program that ran would launch
+  collectives): by default between the same two steps too (``paused_s`` includes it, ``build_s``
+  is its part) and the swap follows there at once; with ``background_across_processes`` in a
+  background thread while the old layout serves (``steps_during_build``). Off by default: with jax
+  0.10.2 on CPU / gloo, compiles running beside the steps' collectives stalled both processes of the
+  serving tests (compiled alone, with no step running, they work).
 
 Then the processes agree on the swap step: before every step (and in ``apply``) while a build is
 in progress every process contributes its state (building, built, failed) to one all-gather
@@ -83,6 +86,7 @@ BUILD_NICE = 10  # the background build thread's niceness (Linux: per thread), b
 # build traces in Python, and a step that waits for the GIL waits up to one interval each time
 BUILD_SWITCH_INTERVAL_S: float | None = 0.0005
 BUILDING, BUILT, FAILED = 0, 1, 2  # a process's build state in the agreement (``LiveRescaler.gather``)
+BACKGROUND_ACROSS_PROCESSES = False  # ``LiveRescaler.background_across_processes``' default
 
 
 class RescaleError(ValueError):
@@ -208,6 +212,10 @@ class LiveRescaler:
         self.agreed = jax.process_count() > 1
         # every process's build state (BUILDING / BUILT / FAILED) from this process's; a collective
         self.gather: Callable[[int], list[int]] = _allgather
+        # agreed: compile in a background thread while the steps go on (True), or between two steps
+        # (False, the default: with jax 0.10.2 on CPU / gloo, compiles running beside the steps'
+        # collectives stalled both processes of the serving tests for good; compiled alone they work)
+        self.background_across_processes = BACKGROUND_ACROSS_PROCESSES
 
     @classmethod
     def attach(cls, engine, executor_kwargs: dict | None = None) -> "LiveRescaler":
@@ -267,6 +275,19 @@ class LiveRescaler:
             # what moves data runs here, between steps; the compiles (no collective) in a thread
             job.agreed = True
             self._move_parameters(job, ex, spec)
+            if not self.background_across_processes:  # compiled here too, then swapped at once
+                t0 = time.perf_counter()
+                try:
+                    self._compile_ahead(job)
+                except Exception as e:  # every process learns it at the agreement just below
+                    job.build_error = RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}")
+                job.build_s = time.perf_counter() - t0
+                job.paused_s += job.build_s
+                job._ready.set()
+                self._settle(job)  # every process waits here for the slowest (a call, not a step)
+                if job.swap_s is not None and not self.engine.has_work():
+                    self._finish(job, None)
+                return job
         job.thread = threading.Thread(target=self._build, args=(job, ex, spec), name="jaxmoe-rescale", daemon=True)
         job.thread.start()
         return job

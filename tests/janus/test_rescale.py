@@ -382,9 +382,10 @@ def test_lower_step_compiles_what_a_step_runs(llm):
 
 @pytest.mark.slow
 def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm):
-    """The ``jax.distributed`` agreement (``agreed``) in one process, with a stand-in for the all-gather:
-    while another process reports building, steps go on and ``apply`` does not swap; when it reports
-    that its build failed, the rescale fails here too (naming it) and the old layout stays."""
+    """The ``jax.distributed`` agreement (``agreed``, background build) in one process, with a stand-in
+    for the all-gather: while another process reports building, steps go on and ``apply`` does not
+    swap; when it reports that its build failed, the rescale fails here too (naming it) and the old
+    layout stays."""
     from jaxmoe.janus.live_rescale import BUILDING, FAILED
 
     engine = llm.engine
@@ -397,7 +398,7 @@ def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm):
 
     own_gather, before = rescaler.gather, _layout(llm)
     llm.generate([_prompt(300)], SamplingParams(max_tokens=2, ignore_eos=True))  # the steps' programs compiled
-    rescaler.agreed, rescaler.gather = True, gather
+    rescaler.agreed, rescaler.gather, rescaler.background_across_processes = True, gather, True
     rid = engine.add_request(_prompt(300), SamplingParams(max_tokens=8, ignore_eos=True))
     try:
         job = rescaler.start(*((2, 6) if before[:2] == (4, 4) else (4, 4)))
@@ -415,4 +416,4 @@ def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm):
         assert job.steps_during_build == 3  # the old layout served meanwhile
     finally:
         engine.abort(rid)
-        rescaler.agreed, rescaler.gather = False, own_gather
+        rescaler.agreed, rescaler.gather, rescaler.background_across_processes = False, own_gather, False
