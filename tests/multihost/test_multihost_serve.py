@@ -291,11 +291,12 @@ def test_rescale_over_http_on_two_processes(tmp_path):
     assert rescaled[0] == 200, (rescaled, report)
     assert rescaled[1]["attention"] == 4 and rescaled[1]["experts"] == 4, rescaled
     print({k: rescaled[1][k] for k in ("paused_s", "build_s", "swap_s", "steps_during_build", "first_step_compiles")})
-    print("hang:", health, round(unhealthy_s, 1), refused, hung, codes, round(exit_s, 1))
+    print("hang:", health, round(unhealthy_s, 1), codes, round(exit_s, 1))
     assert health == 503 and unhealthy_s < step_timeout + 15, (health, unhealthy_s, report)
     assert refused[0] == 503 and "stopped stepping without dying" in refused[1]["error"]["message"], refused
     assert hung["r"][0] >= 500 and "error" in hung["r"][1], hung
-    assert codes[0] == 1 and codes[1] is None and exit_s < step_timeout + 60, (codes, exit_s, report)
+    # the follower stays hung until jax terminates it once process 0 (the coordination service) is gone
+    assert codes[0] == 1 and codes[1] != 0 and exit_s < step_timeout + 60, (codes, exit_s, report)
     # built between two steps (compiled ahead, not by running: the first step on it compiles nothing)
     assert rescaled[1]["paused_s"] > rescaled[1]["build_s"] > 0
     assert rescaled[1]["first_step_compiles"] is None or rescaled[1]["first_step_compiles"] <= 2, rescaled
