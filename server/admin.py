@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import grpc
 import pydantic
 
 from jaxmoe.janus.live_rescale import LiveRescaler, RescaleCancelledError, RescaleError, RescaleInProgressError
+
+APPLY_POLL_S = 0.25  # across processes: how often a built rescale asks whether every process has built
 
 
 @dataclasses.dataclass
@@ -76,13 +79,20 @@ def rescale(async_engine, payload, timeout_s: float = 600.0) -> dict:
     req = parse_rescale(payload)
     # multi-host: every process starts (and applies) the same rescale at the same point of the steps
     start = functools.partial(_start_rescale, req.attention, req.experts, req.slots_per_instance)
+    deadline = time.monotonic() + timeout_s
     try:
         job = async_engine.call(start, timeout=timeout_s, replicate=start)
         if not job.wait_ready(timeout_s):
             raise TimeoutError(f"the {job.target} layout was not built in {timeout_s}s")
-        if not job.done():  # built (not failed nor cancelled): swap now when idle, else at the next step
-            async_engine.call(_apply_rescale, replicate=_apply_rescale)
-        return job.result(timeout_s).as_dict()
+        # built here (not failed nor cancelled): swap now when idle, else at the next step; across
+        # processes only once every process has built (each call asks them all): ask again meanwhile
+        while not job.done() and not async_engine.call(_apply_rescale, replicate=_apply_rescale):
+            if job.swapped or job.done():
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {job.target} layout was not built on every process in {timeout_s}s")
+            time.sleep(APPLY_POLL_S)
+        return job.result(max(1.0, deadline - time.monotonic())).as_dict()
     except RescaleCancelledError as e:
         raise AdminError(str(e), 503, grpc.StatusCode.UNAVAILABLE) from None
     except RescaleInProgressError as e:

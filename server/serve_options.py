@@ -59,6 +59,7 @@ def validate_serve_args(args) -> None:
     _int(args, "keep-alive-timeout", 0)
     _int(args, "max-header-bytes", 1024, hint=" (bytes of an HTTP request head)")
     _real(args, "shutdown-grace", 0.0, none_ok=False)
+    _real(args, "step-timeout", 0.0, none_ok=False, hint=" (0: no limit)")
     _real(args, "request-timeout", 0.0, none_ok=False, hint=" (0: no deadline)")
     _real(args, "body-read-timeout", 0.0, low_open=True, none_ok=False)
     _real(args, "header-timeout", 0.0, low_open=True, none_ok=False)

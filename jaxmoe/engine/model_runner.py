@@ -164,13 +164,32 @@ class ModelRunner:
             return None
         B = self.num_instances * rows_per_instance
         programs, logits = self.executor.lower(*self._empty(B, tokens))
-        if sampler:
-            programs.append(sample.lower(logits, logits, *_sampling_arrays(B), np.bool_(False)))
-            programs.append(adjust_logits.lower(logits, *self._adjusted_arrays(B)))
-            allowed = self._allowed_array(B, logits.shape[-1])
-            programs.append(mask_logits.lower(logits, allowed))
-            if logits.dtype != jnp.float32:  # after ``adjust_logits`` (float32)
-                programs.append(mask_logits.lower(jax.ShapeDtypeStruct(logits.shape, jnp.float32), allowed))
+        return programs + (self._lower_sampler(B, logits, keep_sharding=False) if sampler else [])
+
+    def lower_step(self, rows_per_instance: int, tokens: int) -> list[jax.stages.Lowered] | None:
+        """What ``warm`` compiles by running, lowered instead (the executor's ``lower_step``: the
+        disaggregated one, also across processes, where running would launch collectives), and the
+        sampler: nothing runs, so a thread may compile them while another executor serves. None: the
+        executor cannot (no ``lower_step``, or not for this shape)."""
+        lower = getattr(self.executor, "lower_step", None)
+        B = self.num_instances * rows_per_instance
+        lowered = None if lower is None else lower(*self._empty(B, tokens))
+        if lowered is None:
+            return None
+        programs, logits = lowered
+        return programs + self._lower_sampler(B, logits)
+
+    def _lower_sampler(self, B: int, logits, keep_sharding: bool = True) -> list[jax.stages.Lowered]:
+        """The sampler programs of a step of B rows on logits shaped like ``logits``, lowered
+        (``keep_sharding``: the float32 logits after ``adjust_logits`` on the devices of ``logits``)."""
+        programs = [sample.lower(logits, logits, *_sampling_arrays(B), np.bool_(False))]
+        programs.append(adjust_logits.lower(logits, *self._adjusted_arrays(B)))
+        allowed = self._allowed_array(B, logits.shape[-1])
+        programs.append(mask_logits.lower(logits, allowed))
+        if logits.dtype != jnp.float32:  # after ``adjust_logits`` (float32)
+            sharding = getattr(logits, "sharding", None) if keep_sharding else None
+            f32 = jax.ShapeDtypeStruct(logits.shape, jnp.float32, sharding=sharding)
+            programs.append(mask_logits.lower(f32, allowed))
         return programs
 
     def score(self, row: Row, targets: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:

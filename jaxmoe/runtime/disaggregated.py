@@ -298,6 +298,78 @@ class DisaggregatedExecutor:
         out = logits[0] if r1 == 1 else jnp.concatenate(logits)[where]
         return out if B == out.shape[0] else out[:B]
 
+    def lower_step(self, tokens, batch: AttentionBatch, logits_index) -> tuple[list, jax.ShapeDtypeStruct] | None:
+        """The programs ``forward(tokens, batch, logits_index)`` runs, traced and lowered on these
+        shapes but neither compiled nor run (no data moves, no collective: a thread may compile them
+        while another executor serves, and compiling one fills the cache ``forward`` looks in); and
+        the shape of the logits ``forward`` returns. Layers of the same kind share one program (each
+        is lowered once). In one process A2E / E2A are ``device_put`` hops, not programs; across
+        processes the ``CrossProcessTransfer`` programs are included. None: the step's pipeline
+        splits the rows (r1 > 1) or the expert work (r2 > 1), not lowered ahead (it compiles on first
+        use). Unlike ``runtime.executor.LowersAhead`` (the monolithic executor) warm-up does not use
+        it: it runs each shape instead, which also compiles what runs outside these programs."""
+        tokens, batch, logits_index, B = self._pad(tokens, batch, logits_index)
+        rows, T = tokens.shape[0] // self.num_attention, tokens.shape[1]
+        pipe = self.pipeline.for_batch(rows, T, int(batch.positions.max()) + 1)
+        if pipe.r1 != 1 or pipe.r2 != 1:
+            return None
+        local = self.is_local(batch)
+        A, cross = self.attention, isinstance(self.transfer, CrossProcessTransfer)
+
+        def struct(shape, dtype, sharding):
+            return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+        programs: list = []
+        seen: set = set()
+
+        def lower(name, fn, *args):
+            """fn lowered on args (once per distinct argument shapes); its output's shapes."""
+            leaves = jax.tree.leaves(args)
+            key = (name, str(jax.tree.structure(args)))
+            key += tuple((a.shape, str(a.dtype), str(a.sharding)) if hasattr(a, "shape") else a for a in leaves)
+            low = fn.lower(*args)
+            if key not in seen:
+                seen.add(key)
+                programs.append(low)
+            return low.out_info
+
+        tok = struct(tokens.shape, jnp.int32, A.rows)
+        bat = AttentionBatch(*(struct(a.shape, jnp.int32, A.rows) for a in batch))
+        index = None if logits_index is None else struct(logits_index.shape, jnp.int32, A.rows)
+        valid = struct(batch.slots.shape, jnp.bool_, self.experts.replicated)
+        step = struct((), jnp.int32, self.experts.replicated)
+        x, y = (struct(o.shape, o.dtype, A.rows) for o in lower("embed", A.embed, self._embed, tok))
+        zeros = y
+        side = self.expert_side
+        for i, layer in enumerate(self._attn_layers):
+            h, xn, _ = lower("attention", A.layer, layer, x, y, bat, self.cache[i], local)
+            h, xn = struct(h.shape, h.dtype, A.rows), struct(xn.shape, xn.dtype, A.rows)
+            if i in side.layers:
+                plan = plan_transfers(self.sub.spec, int(np.prod(xn.shape)) * xn.dtype.itemsize // self.num_attention)
+                xe = struct(xn.shape, xn.dtype, self.sub.replicated_sharding)
+                if cross:
+                    more, xe = self.transfer.lower_a2e(xn, plan)
+                    programs.extend(more)
+                args = (side.layers[i], side._tables[i], xe, valid, step, side._coact[i], side._state_on_mesh())
+                part = lower("experts", self.experts.run, *args)[0]
+                part = struct(part.shape, part.dtype, self.sub.partials_sharding)
+                y = struct(part.shape[1:], part.dtype, self.sub.batch_sharding)
+                if cross:
+                    more, y = self.transfer.lower_e2a(part, plan)
+                    programs.extend(more)
+            else:
+                y = zeros
+            if i in self._shared_layers:
+                h = lower("shared", A.shared, self._shared_layers[i], h, xn)
+                h = struct(h.shape, h.dtype, A.rows)
+            x = h
+        logits = lower("head", A.head, self._head, x, y, index)
+        logits = struct(logits.shape, logits.dtype, A.rows)
+        if cross:
+            more, logits = self.transfer.lower_to_local(logits)
+            programs.extend(more)
+        return programs, logits
+
     def _dispatch_sequence(self, pipe: Pipeline, layered: bool) -> tuple:
         """The step's (task, layer, micro-batch, chunk) sequence: ``pipe.dispatch`` (FinDEP's event
         model), else ``program_order``; checked to hold every task once. ``layered`` (pause points):
