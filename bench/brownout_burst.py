@@ -20,10 +20,11 @@ Measured per request at the client: TTFT (submission to first token) and every g
 output tokens. SLO violation rate, as the paper defines it, = share of tokens that miss the SLO:
 first tokens against the TTFT SLO (a request the server refuses, its waiting queue full, counts as
 a miss), later tokens' gaps against the TPOT SLO. Also per 5 s window
-the P90 of both, and the server's ``jaxmoe_brownout_threshold`` scraped twice a second. Plot:
-``--png`` (P90 TTFT / TPOT over time for both runs, the SLOs, the threshold, the burst). Beside it,
-what the thresholds SALC chose cost: the held-out perplexity (``jaxmoe eval --brownout-threshold
-T``) at the run's mean threshold over the burst.
+the P90 of both, and the server's ``jaxmoe_brownout_threshold{phase}`` (prefill and decode: one
+SALC each) scraped twice a second. Plot: ``--png`` (P90 TTFT / TPOT over time for both runs, the
+SLOs, both thresholds, the burst). Beside it, what the thresholds SALC chose cost: the held-out
+perplexity (``jaxmoe eval --brownout-threshold T``) at the run's mean decode threshold over the
+burst (most tokens are decode tokens).
 
 Run (from the repository root, a few minutes; UNITED from ``jaxmoe unite``):
   PYTHONPATH=. .venv/bin/python bench/brownout_burst.py --united UNITED \\
@@ -118,21 +119,22 @@ def one_request(client, prompt, max_tokens: int, out: dict) -> None:
     out["times"] = times
 
 
-def drive(server: Server, trace, prompts, max_tokens: int) -> tuple[list[dict], list[tuple[float, float]]]:
+def drive(server: Server, trace, prompts, max_tokens: int) -> tuple[list[dict], dict]:
     """Sends the trace [(arrival s, prompt index)]; returns per-request records and the threshold
-    samples (s since start, value)."""
+    samples per phase {"prefill" | "decode": [(s since start, value)]}."""
     from jaxmoe.server.client import JaxmoeClient
 
     client = JaxmoeClient(f"127.0.0.1:{server.grpc}")
-    records, threads, thresholds = [], [], []
+    records, threads, thresholds = [], [], {"prefill": [], "decode": []}
     stop = threading.Event()
     t0 = time.monotonic()
 
     def scrape():
         while not stop.is_set():
-            value = server.metric("jaxmoe_brownout_threshold")
-            if value is not None:
-                thresholds.append((time.monotonic() - t0, value))
+            for phase, samples in thresholds.items():
+                value = server.metric(f'jaxmoe_brownout_threshold{{phase="{phase}"}}')
+                if value is not None:
+                    samples.append((time.monotonic() - t0, value))
             stop.wait(0.5)
 
     scraper = threading.Thread(target=scrape, daemon=True)
@@ -235,8 +237,12 @@ def plot(results: dict, path: str, slo_ttft: float, slo_tpot: float, burst_at: f
             pts = [(r["t"], r[name]) for r in w if r[name] is not None]
             ax.plot(*zip(*pts), color=style, marker=".", label=f"{'no brownout' if mode == 'off' else 'SALC'}")
         th = results[mode]["thresholds"]
-        if th:
-            axes[2].plot(*zip(*th), color=style, label="SALC threshold" if mode == "salc" else "")
+        if isinstance(th, list):  # a run saved before the per-phase thresholds: one for both phases
+            th = {"both phases'": th}
+        for phase, samples in th.items():
+            if samples:
+                ls = "--" if phase == "prefill" else "-"
+                axes[2].plot(*zip(*samples), color=style, ls=ls, label=f"SALC {phase} threshold")
     for ax, slo, name in ((axes[0], slo_ttft, "TTFT"), (axes[1], slo_tpot, "TPOT")):
         ax.axhline(slo, color="k", ls="--", lw=1, label=f"{name} SLO")
         ax.set_ylabel(f"P90 {name} (s, {WINDOW_S:.0f} s windows)")
@@ -342,12 +348,13 @@ def main() -> int:
         print(mode, json.dumps({k: v for k, v in summary.items() if k != "windows"}), flush=True)
 
     burst_at = 0.3 * args.duration
-    th = [v for t, v in results["salc"]["thresholds"] if t >= burst_at]
-    mean_t = statistics.mean(th) if th else 1.0
+    for phase, samples in results["salc"]["thresholds"].items():
+        th = [v for t, v in samples if t >= burst_at]
+        info[f"mean_{phase}_threshold_after_burst"] = statistics.mean(th) if th else 1.0
+        info[f"min_{phase}_threshold"] = min((v for _, v in samples), default=1.0)
+    mean_t = info["mean_decode_threshold_after_burst"]
     info["ppl_original"] = perplexity("demo", None, args.ppl_tokens)
     info["ppl_at_mean_threshold"] = perplexity(args.united, mean_t, args.ppl_tokens)
-    info["mean_threshold_after_burst"] = mean_t
-    info["min_threshold"] = min((v for _, v in results["salc"]["thresholds"]), default=1.0)
     plot(results, args.png, info["slo_ttft"], info["slo_tpot"], burst_at, _setting(info))
     n = len(info["trace"])
     print(
@@ -357,13 +364,14 @@ def main() -> int:
         f"TPOT {info['slo_tpot'] * 1e3:.0f} ms (P90)\n"
     )
     print(
-        "| run | TTFT violations | TPOT violations | P90 TTFT (s) | P90 TPOT (ms) | threshold after the burst (mean / min) | held-out ppl |"
+        "| run | TTFT violations | TPOT violations | P90 TTFT (s) | P90 TPOT (ms) | prefill / decode threshold after the burst (mean; min) | held-out ppl at the mean decode threshold |"
     )
     print("|---|---|---|---|---|---|---|")
     for mode in ("off", "salc"):
         s = results[mode]["summary"]
         cost = (
-            f"{mean_t:.2f} / {info['min_threshold']:.2f} | {info['ppl_at_mean_threshold']:.2f}"
+            f"{info['mean_prefill_threshold_after_burst']:.2f} / {mean_t:.2f} "
+            f"({info['min_prefill_threshold']:.2f} / {info['min_decode_threshold']:.2f}) | {info['ppl_at_mean_threshold']:.2f}"
             if mode == "salc"
             else f"1 (no brownout) | {info['ppl_original']:.2f}"
         )

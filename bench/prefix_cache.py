@@ -15,11 +15,12 @@ Workloads (seeded; token ids drawn uniformly from the vocabulary; greedy, ``igno
   previous answer is complete.
 
 Reported per workload and mode: TTFT P50 / P90, the prompt tokens read from the cache, output
-tokens/s over the run, and the P50 TTFT ratio off / on. vLLM is not installed on the machine this
-was written on; the comparison against vLLM is not part of this script.
+tokens/s over the run, and the P50 TTFT ratio off / on. The same shared workload served over HTTP by
+``jaxmoe serve`` and by vLLM, both with prefix caching: ``bench/prefix_cache_vs_vllm.py``.
 
 ``--deterministic`` also runs the ``shared`` workload in deterministic (batch-invariant) mode to
-measure its throughput cost (``EngineConfig.deterministic``).
+measure its throughput cost (``EngineConfig.deterministic``; ``--deterministic-impl dense`` for its
+fixed-shape form).
 
 Run (CPU, demo model, a few minutes on 2 cores):
   python bench/prefix_cache.py --out bench/results/prefix-cache.md
@@ -57,7 +58,7 @@ class Run:
 
 def make_engine(cfg, executor, tok, base: EngineConfig, **over) -> LLMEngine:
     config = dataclasses.replace(base, **over)
-    if config.deterministic:  # its own executor: the dense expert FFN (EngineConfig.deterministic)
+    if config.deterministic:  # its own executor: the batch-invariant kernels (EngineConfig.deterministic)
         executor = build_executor(cfg, executor.params, RuntimeConfig(engine=config))
     engine = LLMEngine(cfg, executor, tok, config)
     for rows, tokens in engine.runner.plan.shapes():
@@ -159,6 +160,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workloads", default="shared,chat")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--deterministic-impl", default="auto", help="auto (the CPU kernels where they run) or dense")
     ap.add_argument("--modes", default="caching off,caching on", help="comma-separated: caching off, caching on")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -169,7 +171,8 @@ def main() -> None:
     known = {"caching off": dict(prefix_caching=False), "caching on": dict(prefix_caching=True)}
     modes = [(m, known[m]) for m in args.modes.split(",")]
     if args.deterministic:
-        modes.append(("deterministic", dict(prefix_caching=True, deterministic=True)))
+        det = dict(prefix_caching=True, deterministic=True, expert_impl=args.deterministic_impl)
+        modes.append(("deterministic", det))
     runs = []
     for workload in args.workloads.split(","):
         for mode, over in modes:

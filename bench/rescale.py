@@ -30,7 +30,10 @@ the old one serves, then swapped in at a step boundary. Reported per change:
   KV blocks moved, expert slots kept on their device (no copy) vs copied, bytes copied.
 
 Run:  PYTHONPATH=. python bench/rescale.py [--concurrency 8] [--changes 4a4e,1a7e,2a6e] [--build-nice 10]
-      [--build-switch-interval 0.0005]
+      [--build-switch-interval 0.0005] [--model /tmp/jaxmoe-bench-107m --no-initial-warmup] [--full-warmup] [--idle]
+
+A build compiles the shapes the live requests need now (``ShapePlan.shapes_for``; ``--full-warmup``:
+every warm-up shape); a shape met after the swap compiles then ("programs compiled after the swap").
 """
 
 from __future__ import annotations
@@ -81,13 +84,25 @@ def main() -> None:
         help="the GIL switch interval (s) while a build runs; 0: leave Python's (5 ms)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="tiny-random", help="checkpoint (e.g. /tmp/jaxmoe-bench-107m) or tiny-random")
+    ap.add_argument(
+        "--full-warmup",
+        action="store_true",
+        help="each build compiles every warm-up shape (default: the shapes the live requests need now)",
+    )
+    ap.add_argument(
+        "--no-initial-warmup",
+        action="store_true",
+        help="do not compile every shape of the starting layout first (its steps compile what they meet)",
+    )
+    ap.add_argument("--idle", action="store_true", help="rescale with no requests in flight: the build alone")
     args = ap.parse_args()
     engine_rescale.BUILD_NICE = args.build_nice
     engine_rescale.BUILD_SWITCH_INTERVAL_S = args.build_switch_interval or None
     changes = [tuple(int(x) for x in c.rstrip("e").split("a")) for c in args.changes.split(",")]
     rng = np.random.default_rng(args.seed)
     llm = LLM(
-        "tiny-random",
+        args.model,
         mesh="meshes/cpu-8.yaml",
         num_blocks=256,
         block_size=16,
@@ -98,9 +113,22 @@ def main() -> None:
     engine = llm.engine
     compile_events()  # start counting (compiles vs persistent-cache loads of each build)
     t0 = time.perf_counter()
-    for rows, tokens in engine.runner.plan.shapes():
+    for rows, tokens in [] if args.no_initial_warmup else engine.runner.plan.shapes():
         engine.runner.warm(rows, tokens)
     print(f"warm-up of 2a6e: {time.perf_counter() - t0:.1f}s")
+    if args.idle:  # no requests: the build alone (what a rescale of an idle server waits for)
+        for attention, experts in changes:
+            rescaler = LiveRescaler.of(engine)
+            job = rescaler.start(attention, experts, full_warmup=args.full_warmup)
+            job.wait_ready()
+            rescaler.apply()
+            r = job.result(60)
+            print(
+                f"idle {r.previous} -> {r.attention}a{r.experts}e: build_s {r.build_s:.1f} s, {r.shapes_compiled} of "
+                f"{len(engine.runner.plan.shapes())} shapes, swap {r.swap_s * 1e3:.1f} ms; "
+                f"load average {os.getloadavg()[0]:.1f}"
+            )
+        return
     failed = finished = 0
 
     def top_up():
@@ -124,7 +152,7 @@ def main() -> None:
     for attention, experts in changes:
         before = [step() for _ in range(args.warm_steps)]
         ev0 = compile_events()
-        job = LiveRescaler.of(engine).start(attention, experts)
+        job = LiveRescaler.of(engine).start(attention, experts, full_warmup=args.full_warmup)
         during = []
         while not job.ready():
             during.append(step()[0])
@@ -181,7 +209,7 @@ def main() -> None:
     for r, normal, during, vs_after, n_like, worst, compiled, kind, built, spread in rows:
         mid = statistics.median(during) if during else float("nan")
         print(
-            f"| {r.previous} -> {r.attention}a{r.experts}e | {r.build_s:.2f} | {built[0]} / {built[1]} | {r.swap_s * 1e3:.1f} ms | {normal * 1e3:.1f} ms "
+            f"| {r.previous} -> {r.attention}a{r.experts}e | {r.build_s:.2f} ({r.shapes_compiled} shapes) | {built[0]} / {built[1]} | {r.swap_s * 1e3:.1f} ms | {normal * 1e3:.1f} ms "
             f"| {kind} | {(r.swap_s + r.first_step_s) / normal:.2f} | {r.stall_ratio:.2f} | {vs_after:.2f} ({n_like}) "
             f"| {worst:.2f} | {spread:.2f} | {compiled} | {len(during)}, {mid * 1e3:.0f} / {max(during, default=0) * 1e3:.0f} ms "
             f"({mid / normal:.1f}x) | {r.kv_blocks_moved} | {r.expert_slots_local} / {r.expert_slots_copied} "

@@ -2,7 +2,8 @@
 
 1. huge prompts: a 2,000,000-character prompt over HTTP (completions and chat) and gRPC while a
    stream runs and ``/health`` is probed every 20 ms: the refusal times, the largest ``/health``
-   latency, the stream's largest gap between tokens against its median gap;
+   latency, the stream's largest gap between tokens against its median gap (and, as the noise
+   floor of the machine, the same stream's gaps run alone just before);
 2. a burst of N simultaneous HTTP requests (every connection opened before any request is sent)
    while ``/health`` is probed: how many got 200, JSON 429, anything else.
 
@@ -88,7 +89,13 @@ def stream(port: int, max_tokens: int, times: list) -> None:
     conn.close()
 
 
+def gaps_of(times: list) -> list:
+    return sorted(b - a for a, b in zip(times, times[1:]))
+
+
 def huge_prompts(http_port: int, grpc_port: int, max_tokens: int) -> dict:
+    control: list = []  # the same stream alone first: the gaps this machine makes with no huge prompt
+    stream(http_port, max_tokens, control)
     stop, health, times = threading.Event(), [], []
     prober = threading.Thread(target=probe_health, args=(http_port, stop, health))
     streamer = threading.Thread(target=stream, args=(http_port, max_tokens, times))
@@ -113,8 +120,10 @@ def huge_prompts(http_port: int, grpc_port: int, max_tokens: int) -> dict:
     streamer.join(600)
     stop.set()
     prober.join(60)
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    gaps, alone = gaps_of(times), gaps_of(control)
     return {
+        "alone_median_gap_s": statistics.median(alone),
+        "alone_max_gap_s": alone[-1],
         "refusals": refusals,
         "health_max_s": max(lat for _, lat in health),
         "health_non_200": sum(s != 200 for s, _ in health),
@@ -192,7 +201,10 @@ def main() -> int:
         f"{huge['health_non_200']} not 200",
         f"- stream: {huge['stream_tokens']} chunks, median gap {huge['stream_median_gap_s'] * 1e3:.1f} ms, "
         f"largest gap {huge['stream_max_gap_s'] * 1e3:.1f} ms "
-        f"({huge['stream_max_gap_s'] / huge['stream_median_gap_s']:.2f}x the median)",
+        f"({huge['stream_max_gap_s'] / huge['stream_median_gap_s']:.2f}x the median); the same stream alone just "
+        f"before: median gap {huge['alone_median_gap_s'] * 1e3:.1f} ms, largest {huge['alone_max_gap_s'] * 1e3:.1f} ms "
+        f"({huge['alone_max_gap_s'] / huge['alone_median_gap_s']:.2f}x)",
+        f"- load average at the end: {os.getloadavg()[0]:.1f}",
         f"- message: {next(iter(huge['refusals'].values()))[2]}",
         "",
         f"Burst of {b['n']:,} simultaneous HTTP requests (max_tokens {args.burst_max_tokens}):",

@@ -369,7 +369,9 @@ def start_jaxmoe(a, ckpt: pathlib.Path, log_dir: pathlib.Path) -> Server:
     return Server("jaxmoe", cmd, env, port, log_dir / "jaxmoe.log")
 
 
-def start_vllm(a, ckpt: pathlib.Path, log_dir: pathlib.Path) -> Server:
+def start_vllm(a, ckpt: pathlib.Path, log_dir: pathlib.Path, prefix_caching: bool = False) -> Server:
+    """vLLM's OpenAI server (``prefix_caching``: its automatic prefix caching on, as
+    ``bench/prefix_cache_vs_vllm.py`` runs it; off here)."""
     port = free_port()
     cmd = [
         a.vllm_python,
@@ -391,7 +393,7 @@ def start_vllm(a, ckpt: pathlib.Path, log_dir: pathlib.Path) -> Server:
         str(a.max_model_len),
         "--max-num-batched-tokens",
         str(a.max_batch_tokens),
-        "--no-enable-prefix-caching",
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         "--seed",
         "0",
         "--generation-config",

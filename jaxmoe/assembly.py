@@ -25,6 +25,7 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.engine.config import EngineConfig
 from jaxmoe.engine.engine import LLMEngine
 from jaxmoe.models.routing import TopKRouting, extra_experts
+from jaxmoe.pallas_kernels.platform import target_platform
 from jaxmoe.quantization import is_quantized_tree
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 
@@ -146,10 +147,30 @@ class RuntimeConfig:
         )
 
 
+def deterministic_expert_impl(cfg: ModelConfig, params: dict, ec, brownout=None) -> str:
+    """The expert-FFN form of ``ec``'s executor: in deterministic mode "auto" is the batch-invariant CPU
+    kernels (``cpu_kernel_invariant``: the ordinary bucketed shapes) where they take the model, else the
+    fixed-shape ``dense`` form; elsewhere ``ec.expert_impl`` as it is."""
+    if not ec.deterministic:
+        return ec.expert_impl
+    from jaxmoe.models.transformer import invariant_unsupported
+
+    reason = invariant_unsupported(cfg)
+    if reason is None and is_quantized_tree(params):
+        reason = "quantized weights are dequantized into XLA matmuls"
+    if reason is None and brownout is not None:
+        reason = "brownout routing"
+    if ec.expert_impl == "cpu_kernel_invariant" and reason is not None:
+        raise ValueError(f"expert_impl 'cpu_kernel_invariant' cannot run this model: {reason}")
+    if ec.expert_impl == "auto":
+        return "cpu_kernel_invariant" if reason is None and target_platform() == "cpu" else "dense"
+    return ec.expert_impl
+
+
 def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, brownout: BrownoutConfig | None = None):
     """Monolithic executor by default; with a mesh file, the disaggregated one. The expert routing is
     the router's top-k, or BrownoutServe's Algorithm 1 with ``brownout``; QLLM's per-expert queues
-    give the monolithic executor its expert rounds; FinDEP's pipeline chooser picks the disaggregated
+    give the executor its expert rounds; FinDEP's pipeline chooser picks the disaggregated
     step's schedule when ``config.findep`` names one."""
     ec, findep = config.engine, config.findep
     num_slots = ec.num_blocks * ec.block_size
@@ -162,13 +183,13 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
         from jaxmoe.brownout.routing import routing_for
 
         routing, routing_state = routing_for(brownout)
-    if config.mesh is None:
-        rounds = None
-        if config.qllm.expert_queues:
-            from jaxmoe.qllm.expert_queues import expert_bounds
+    rounds = None
+    if config.qllm.expert_queues:
+        from jaxmoe.qllm.expert_queues import expert_bounds
 
-            logical = cfg.moe.num_experts + extra_experts(routing, params)
-            rounds = expert_bounds(logical, config.qllm.expert_queues)
+        logical = cfg.moe.num_experts + extra_experts(routing, params)
+        rounds = expert_bounds(logical, config.qllm.expert_queues)
+    if config.mesh is None:
         return MonolithicExecutor(
             cfg,
             params,
@@ -176,7 +197,7 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
             ec.block_size,
             routing=routing,
             routing_state=routing_state,
-            expert_impl=ec.expert_impl,
+            expert_impl=deterministic_expert_impl(cfg, params, ec, brownout),
             expert_rounds=rounds,
             pause_every=ec.pause_every,
         )
@@ -184,8 +205,11 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
         raise ValueError("quantization (int8 / fp8 weights) runs on the monolithic executor only (no mesh file)")
     if ec.deterministic:  # its expert side's results still depend on the batch (in the last bits)
         raise ValueError("deterministic mode runs on the monolithic executor only (no mesh file)")
-    if config.qllm.expert_queues:
-        raise ValueError("expert_queues (QLLM per-expert queues) runs on the monolithic executor only (no mesh file)")
+    if config.qllm.expert_queues and (findep.pipeline not in (None, "sequential") or findep.pipeline_profile):
+        raise ValueError(
+            "expert_queues (QLLM per-expert queues) runs with the sequential schedule only: drop pipeline / "
+            "pipeline_profile (FinDEP's micro-batches and chunks have no pause points inside a MoE layer)"
+        )
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
     kwargs = {
@@ -193,6 +217,7 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
         "pause_every": ec.pause_every,
         "routing": routing,
         "routing_state": routing_state,
+        "expert_rounds": rounds,
         **config.executor,
     }
     executor = DisaggregatedExecutor(cfg, params, num_slots, ec.block_size, config.mesh, **kwargs)

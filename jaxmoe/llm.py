@@ -91,6 +91,15 @@ class LLM:
         rescaler.apply()  # idle: the job is done once swapped
         return job.result()
 
+    def load_united_experts(self, directory) -> dict:
+        """BrownoutServe's Experts Loader: serve the united experts of ``directory`` (``jaxmoe unite``
+        of this model, any k) instead of the current ones from the next step on, without a restart
+        (``jaxmoe.brownout.loader``; monolithic executor). Call it between steps: between ``generate``
+        calls, or between ``llm.engine.step()`` calls with requests in flight (they go on)."""
+        from jaxmoe.brownout.loader import load_united_experts
+
+        return load_united_experts(self.engine, directory)
+
     def generate(
         self,
         prompts: str | list[int] | Seq[str | list[int]],

@@ -179,14 +179,14 @@ def monolithic_programs(
 
     from jaxmoe.kv_layout import KVLayout
     from jaxmoe.models.experts import AUTO_EXPERT_IMPL
-    from jaxmoe.models.transformer import init_stacked_cache, stack_layers, store_as_panels
+    from jaxmoe.models.transformer import in_place_mode, init_stacked_cache, stack_layers, store_as_panels
     from jaxmoe.pallas_kernels.expert_ffn import resolve
     from jaxmoe.models.routing import TopKRouting
     from jaxmoe.runtime.monolithic import layer_programs, step_program
 
     impl = resolve(engine_config.expert_impl, AUTO_EXPERT_IMPL)
     stacked = jax.eval_shape(stack_layers, params)
-    if impl == "cpu_kernel":  # the executor stores the experts as column panels for it
+    if in_place_mode(impl):  # the executor stores the experts as column panels for the CPU kernel
         stacked = jax.eval_shape(store_as_panels, stacked)
     slots = KVLayout.for_slots(engine_config.num_blocks * engine_config.block_size, engine_config.block_size).num_slots
     cache = jax.eval_shape(lambda s: init_stacked_cache(cfg, s, slots, params["embed"].dtype), stacked)
@@ -196,7 +196,7 @@ def monolithic_programs(
     step = step_program(cfg, engine_config.block_size, impl, TopKRouting())
     dtype = stacked["embed"].dtype
     embed, layers, head = layer_programs(
-        cfg, engine_config.block_size, impl, TopKRouting(), dtype, in_place=impl == "cpu_kernel"
+        cfg, engine_config.block_size, impl, TopKRouting(), dtype, in_place=in_place_mode(impl)
     )
     pause_every = engine_config.pause_every
     max_blocks = _max_blocks(cfg, engine_config)

@@ -10,4 +10,5 @@ EXPERT_IMPLS = (
     "padded_einsum",
     "pallas",
     "cpu_kernel",
+    "cpu_kernel_invariant",
 )

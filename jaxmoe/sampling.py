@@ -25,6 +25,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import invariant_sum
 from jaxmoe.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -259,12 +260,15 @@ def _choose(logits, temperature, top_k, top_p, seeds, steps, min_p):
     return jax.lax.cond(jnp.any(temperature > 0), random_tokens, lambda _: greedy, logits)
 
 
-def _logprobs(logits, tokens, want_logprobs):
+def _logprobs(logits, tokens, want_logprobs, invariant: bool = False):
     """(logprob of each row's token [B], its rank [B] (1 = the most likely), top ids [B, n], top
-    logprobs [B, n]) under ``logits``; rank and top only when ``want_logprobs`` (else zeros)."""
+    logprobs [B, n]) under ``logits``; rank and top only when ``want_logprobs`` (else zeros).
+    ``invariant``: the logsumexp summed in an order fixed per row (``invariant_sum``; XLA's sum over
+    the vocabulary changes order with the number of rows)."""
     _, row_max = _argmax_and_max(logits)
     # log p(token) = logit - logsumexp(logits), without materialising the [B, V] log-softmax
-    log_z = row_max[:, 0] + jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1))
+    exp = jnp.exp(logits - row_max)
+    log_z = row_max[:, 0] + jnp.log(invariant_sum(exp) if invariant else jnp.sum(exp, axis=-1))
     picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     chosen = picked - log_z
     B, n = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
@@ -279,6 +283,13 @@ def _logprobs(logits, tokens, want_logprobs):
     return chosen, rank, top_ids, top_lp
 
 
+def _sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs=False, invariant=False):
+    logits = logits.astype(jnp.float32)
+    raw_logits = raw_logits.astype(jnp.float32)
+    tokens = _choose(logits, temperature, top_k, top_p, seeds, steps, min_p)
+    return (tokens, *_logprobs(raw_logits, tokens, want_logprobs, invariant))
+
+
 @jax.jit
 def sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs=False):
     """Returns (tokens [B], logprob of token [B], rank of token [B], top ids [B, MAX_LOGPROBS], top
@@ -286,10 +297,14 @@ def sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, w
     model's logits themselves); logprobs, rank and the top alternatives are those of ``raw_logits``
     (the model's). Rank and the top alternatives are computed only when ``want_logprobs`` (a traced
     flag: one program serves steps with and without logprobs); otherwise they are zeros."""
-    logits = logits.astype(jnp.float32)
-    raw_logits = raw_logits.astype(jnp.float32)
-    tokens = _choose(logits, temperature, top_k, top_p, seeds, steps, min_p)
-    return (tokens, *_logprobs(raw_logits, tokens, want_logprobs))
+    return _sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs)
+
+
+@jax.jit
+def sample_invariant(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs=False):
+    """``sample`` with each row's logprobs summed in an order that does not depend on the other rows
+    (deterministic mode; greedy tokens are an exact argmax in both)."""
+    return _sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs, True)
 
 
 @jax.jit

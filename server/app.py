@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import threading
 
@@ -146,9 +147,23 @@ class JaxmoeServer:
             body_read_timeout_s=o.body_read_timeout_s,
             prompts=self.prompts,
         )
-        guard = Middleware(HttpGuard, opts=o.security, bind_host=o.host, port_of=lambda: self.http_port)
+        port_of = lambda: self.http_port  # noqa: E731
+        guard = Middleware(HttpGuard, opts=o.security, bind_host=o.host, port_of=port_of)
+        checks = HttpGuard(None, o.security, o.host, port_of)
+
+        def health(headers: dict[str, str]):  # /health as it arrives, when the guard would let it through
+            if not checks.untouched("/health", headers):
+                return None
+            status, body = http.health_answer()
+            return status, json.dumps(body, separators=(",", ":")).encode()
+
         self._http = HttpServer(
-            http.app(guard), o.host, o.http_port, o.http_limits, on_refuse=lambda: self.metrics.reject("connections")
+            http.app(guard),
+            o.host,
+            o.http_port,
+            o.http_limits,
+            on_refuse=lambda: self.metrics.reject("connections"),
+            health=health,
         )
         self.http_port = self._http.port
         await self._http.start()

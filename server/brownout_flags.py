@@ -4,6 +4,7 @@ section: each flag given overrides its field (docs/brownout.md)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 
 def add_brownout_args(parser: argparse.ArgumentParser) -> None:
@@ -12,8 +13,15 @@ def add_brownout_args(parser: argparse.ArgumentParser) -> None:
         "--brownout-threshold",
         type=float,
         default=None,
-        help="BrownoutServe: start threshold in [0, 1] (the model needs united experts: jaxmoe unite)",
+        help="BrownoutServe: start threshold in [0, 1] of both phases (the model needs united experts: jaxmoe unite)",
     )
+    for phase in ("prefill", "decode"):
+        parser.add_argument(
+            f"--brownout-{phase}-threshold",
+            type=float,
+            default=None,
+            help=f"BrownoutServe: start threshold in [0, 1] of the {phase} phase (default: --brownout-threshold)",
+        )
     parser.add_argument(
         "--full-brownout",
         action=argparse.BooleanOptionalAction,
@@ -45,16 +53,25 @@ def add_brownout_args(parser: argparse.ArgumentParser) -> None:
 def serve_brownout(args, spec=None):
     """The ``BrownoutSettings`` ``jaxmoe serve`` runs with: the mesh file's ``brownout:`` section
     (``spec.brownout``), each flag given overriding its field; None (no brownout) when the mesh file
-    has no such section and no flag among ``--brownout-threshold``, ``--full-brownout``, ``--salc``
-    is given. Raises ``BrownoutError`` naming a value out of range."""
+    has no such section and no flag among ``--brownout-threshold`` (or its per-phase
+    ``--brownout-prefill-threshold`` / ``--brownout-decode-threshold``), ``--full-brownout``, ``--salc``
+    is given. ``--brownout-threshold`` sets both phases (over the file's per-phase keys too). Raises
+    ``BrownoutError`` naming a value out of range."""
     from jaxmoe.brownout.config import BrownoutSettings, mesh_brownout
 
     base = mesh_brownout(spec) if spec is not None else None
-    if base is None and args.brownout_threshold is None and not args.full_brownout and not args.salc:
+    prefill, decode = args.brownout_prefill_threshold, args.brownout_decode_threshold
+    given = (args.brownout_threshold, prefill, decode)
+    if base is None and all(v is None for v in given) and not args.full_brownout and not args.salc:
         return None
+    base = base or BrownoutSettings()
+    if args.brownout_threshold is not None:  # both phases
+        base = dataclasses.replace(base, prefill_threshold=None, decode_threshold=None)
     ms = lambda v: None if v is None else v / 1e3  # noqa: E731
-    return (base or BrownoutSettings()).replace(
+    return base.replace(
         threshold=args.brownout_threshold,
+        prefill_threshold=prefill,
+        decode_threshold=decode,
         use_full_brownout=args.full_brownout,
         salc=args.salc,
         slo_ttft_s=ms(args.slo_ttft_ms),

@@ -76,8 +76,9 @@ def register(sub, add_model_args) -> None:
         type=int,
         default=0,
         metavar="ROUNDS",
-        help="QLLM per-expert queues (with layer preemption): serve each MoE layer's experts in ROUNDS rounds, "
-        "with a pause point between rounds (0: off)",
+        help="QLLM per-expert queues (with layer preemption): each MoE layer's routed tokens wait in per-expert "
+        "queues served in ROUNDS rounds, with pause points after attention, after routing and between rounds; "
+        "latency-sensitive work arriving there jumps the queues (0: off)",
     )
     serve.add_argument(
         "--pause-every",
@@ -134,6 +135,13 @@ def register(sub, add_model_args) -> None:
         "--no-warmup",
         action="store_true",
         help="skip compiling before serving (the first requests of each shape then compile)",
+    )
+    serve.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        help="several processes: seconds process 0 waits in one step (or broadcast) for the others, "
+        "compiling aside, before it fails every request and exits (a hung process; 0: no limit)",
     )
     serve.add_argument(
         "--shutdown-grace", type=float, default=10.0, help="seconds in-flight requests may take to finish on SIGTERM"
@@ -409,7 +417,16 @@ def cmd_serve(args) -> int:
         print(
             f"jaxmoe: warning: binding {args.host} without --api-key: anyone who reaches it can use it", file=sys.stderr
         )
-    code = asyncio.run(_serve(engine, opts, args.abort_on_shutdown, args.shutdown_grace, multihost=processes > 1))
+    code = asyncio.run(
+        _serve(
+            engine,
+            opts,
+            args.abort_on_shutdown,
+            args.shutdown_grace,
+            multihost=processes > 1,
+            step_timeout=args.step_timeout,
+        )
+    )
     if processes > 1 and code == 0:
         multihost.shutdown()  # the followers got STOP from the engine loop and leave too
     # Everything is stopped and drained: exit now. The interpreter's own teardown (the XLA client and
@@ -421,13 +438,15 @@ def cmd_serve(args) -> int:
     os._exit(code)
 
 
-async def _serve(engine, opts, abort_on_shutdown: bool, grace: float, multihost: bool = False) -> int:
+async def _serve(
+    engine, opts, abort_on_shutdown: bool, grace: float, multihost: bool = False, step_timeout: float | None = None
+) -> int:
     import asyncio
 
     from jaxmoe.engine.async_engine import WarmupCancelled
     from jaxmoe.engine.replication import ClusterFailedError, Leader
     from jaxmoe.server.app import JaxmoeServer
-    from jaxmoe.server.multihost import FAILED_LINGER_S, watch_processes
+    from jaxmoe.server.multihost import FAILED_LINGER_S, watch_processes, watch_steps
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -437,6 +456,8 @@ async def _serve(engine, opts, abort_on_shutdown: bool, grace: float, multihost:
     watching = threading.Event()
     if multihost:
         watch_processes(server.async_engine, watching)
+        if step_timeout:
+            watch_steps(server.async_engine, watching, step_timeout)
     print("jaxmoe: warming up (compiling) ..." if opts.warmup else "jaxmoe: starting ...", flush=True)
     starting = asyncio.ensure_future(server.start())
     stopping = asyncio.ensure_future(stop.wait())

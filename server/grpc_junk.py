@@ -5,13 +5,20 @@ grpcio answers a request whose deserializer raises with UNKNOWN (or INTERNAL). T
 wraps every method's deserializer so that it never raises (it returns an ``_Undecodable`` marker)
 and the method's behavior so that a marker, for a unary request or any message of a request
 stream, ends the call with INVALID_ARGUMENT naming the decoding error.
+
+It also keeps large messages off the event loop both front ends share: grpcio decodes a request on
+that loop, so a message of ``OFF_LOOP_BYTES`` or more is only marked there (``_Deferred``) and
+decoded in a worker thread before the method sees it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 
 import grpc
+
+OFF_LOOP_BYTES = 64 << 10  # a request message this large is decoded in a worker thread
 
 
 class _Undecodable:
@@ -19,14 +26,33 @@ class _Undecodable:
         self.error = f"{type(error).__name__}: {error}"
 
 
+class _Deferred:
+    """A large request's bytes, decoded later in a worker thread (``_decoded``)."""
+
+    def __init__(self, data: bytes, deserialize):
+        self.data, self.deserialize = data, deserialize
+
+
+def _parse(deserialize, data: bytes):
+    try:
+        return deserialize(data)
+    except Exception as e:
+        return _Undecodable(e)
+
+
 def _lenient(deserialize):
     def parse_or_mark(data: bytes):
-        try:
-            return deserialize(data)
-        except Exception as e:
-            return _Undecodable(e)
+        if data is not None and len(data) >= OFF_LOOP_BYTES:
+            return _Deferred(data, deserialize)
+        return _parse(deserialize, data)
 
     return parse_or_mark
+
+
+async def _decoded(request):
+    if isinstance(request, _Deferred):
+        return await asyncio.to_thread(_parse, request.deserialize, request.data)
+    return request
 
 
 async def _refuse(context, method: str, junk: _Undecodable):
@@ -55,6 +81,7 @@ class UndecodableInterceptor(grpc.aio.ServerInterceptor):
 
 def _unary_unary(behavior, method):
     async def call(request, context):
+        request = await _decoded(request)
         if isinstance(request, _Undecodable):
             await _refuse(context, method, request)
         result = behavior(request, context)
@@ -77,6 +104,7 @@ async def _responses(result):
 
 def _unary_stream(behavior, method):
     async def call(request, context):
+        request = await _decoded(request)
         if isinstance(request, _Undecodable):
             await _refuse(context, method, request)
         async for response in _responses(behavior(request, context)):
@@ -87,6 +115,7 @@ def _unary_stream(behavior, method):
 
 async def _checked(requests, context, method):
     async for request in requests:
+        request = await _decoded(request)
         if isinstance(request, _Undecodable):
             await _refuse(context, method, request)
         yield request

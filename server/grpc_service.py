@@ -238,7 +238,7 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
             result = await asyncio.to_thread(admin.rescale, self.engine, payload)
         except admin.AdminError as e:
             await context.abort(e.grpc_status, str(e))
-        fields = pb.RescaleResponse.DESCRIPTOR.fields_by_name  # (first_step_calls: HTTP only)
+        fields = pb.RescaleResponse.DESCRIPTOR.fields_by_name  # (first_step_calls, paused_s, ...: HTTP only)
         return pb.RescaleResponse(**{k: v for k, v in result.items() if v is not None and k in fields})
 
 

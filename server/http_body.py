@@ -1,7 +1,7 @@
 """``BodyGuard``: the ASGI middleware that reads an HTTP request body before the app sees it.
 
-It refuses an unknown ``Content-Encoding`` (415), a body over the size limit (413, counted on the
-bytes received and on the bytes decompressed as they arrive, so a gzip bomb is never inflated past
+It refuses an unknown ``Content-Encoding`` (415), a body over the size limit (413: at once when its
+``Content-Length`` says so, else counted on the bytes received and on the bytes decompressed as they arrive, so a gzip bomb is never inflated past
 the limit and, once it has all arrived, is answered at once; the rest of a too-large body still
 being sent is read and dropped, within the read timeout and up to ``DRAIN_FACTOR`` times the
 limit, so that the client reads the answer rather than a reset), a body that does not arrive within the read timeout (408, and the connection is closed:
@@ -62,7 +62,9 @@ class BodyGuard:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         try:
-            int(headers.get("content-length", "0"))
+            declared = int(headers.get("content-length", "0"))
+            if declared > self.limit:  # refused unread (what is sent is dropped only up to DRAIN_FACTOR x)
+                raise _TooLarge(declared <= DRAIN_FACTOR * self.limit)
             body = await asyncio.wait_for(self._read(receive, encoding), self.timeout)
         except _TooLarge as e:
             # read (and drop) what the client is still sending, so that it reads the answer instead of

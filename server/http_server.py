@@ -4,10 +4,14 @@ signal handlers: ``jaxmoe serve`` owns SIGTERM / SIGINT and stops it through ``J
 Overload is answered by the application, as JSON: a request that arrives while more than
 ``max_connections`` connections are open (or requests in flight) gets a 429 with ``Retry-After``
 (``ConnectionLimit``; uvicorn's own ``limit_concurrency`` would answer a plain-text 503, to
-``/health`` too). ``/health`` has its own reserve: it is served whatever the load, and
-``health_reserve`` connections past the limit stay open for it; past those, a new connection
+``/health`` too). ``/health`` has its own reserve: it is served whatever the load, answered by
+the connection as its request head arrives (``HttpServer(health=...)``: no ASGI task, so it does
+not queue behind the tasks of the requests that arrived before it), and ``health_reserve``
+connections past the limit stay open for it; past those, a new connection
 closes the longest-idle kept-alive one (or, if every connection has a request running, itself),
-so the process never runs out of file descriptors. uvicorn's options set the rest:
+so the process never runs out of file descriptors. New requests are taken up at most
+``starts_per_tick`` per event-loop iteration (``_Pacer``; connections accepted likewise), so that a
+burst does not make one iteration everything else waits behind. uvicorn's options set the rest:
 ``timeout_keep_alive`` (an idle kept-alive connection is closed), ``h11_max_incomplete_event_size``
 (the largest request head), ``timeout_graceful_shutdown``. uvicorn has no timeout for a new
 connection's request head, so the h11 protocol here adds one (``header_timeout_s``): a connection
@@ -19,6 +23,7 @@ OpenAI-style JSON error every other refusal has (uvicorn's own is plain text).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -42,14 +47,83 @@ class HttpLimits:
     header_timeout_s: float = 10.0  # a new connection's request head must arrive within this
     max_header_bytes: int = 64 << 10  # uvicorn h11_max_incomplete_event_size (the request head)
     shutdown_timeout_s: int = 5  # uvicorn timeout_graceful_shutdown, after the engine drained
+    starts_per_tick: int | None = 8  # requests (and connections) taken up per event-loop iteration (None: all)
+    listen_backlog: int = 2048  # connections the kernel queues before they are accepted
+
+
+def _health_head(data: bytes) -> dict[str, str] | None:
+    """The headers of ``data`` when it is exactly one complete ``GET /health`` request head with no
+    body (lower-case names); None for anything else."""
+    if not data.startswith(b"GET /health HTTP/1.") or not data.endswith(b"\r\n\r\n") or len(data) > 8192:
+        return None
+    lines = data[:-4].split(b"\r\n")
+    if lines[0] not in (b"GET /health HTTP/1.1", b"GET /health HTTP/1.0"):
+        return None
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip():
+            return None
+        headers[name.decode("latin-1").lower()] = value.strip().decode("latin-1")
+    if "content-length" in headers or "transfer-encoding" in headers or "upgrade" in headers:
+        return None
+    return headers
 
 
 class _HeaderTimeoutH11(H11Protocol):
     """uvicorn's h11 protocol plus a request-head timeout: a connection whose next request head is
-    not complete ``header_timeout_s`` after it opened, or after its previous response, is closed."""
+    not complete ``header_timeout_s`` after it opened, or after its previous response, is closed.
+
+    ``/health`` is answered as its request head arrives, by ``health(headers)`` ((status, JSON
+    body), or None to leave the request to the app): no ASGI task is made for it, so it does not
+    wait for the loop to run the tasks of every request that arrived before it."""
 
     header_timeout_s = 10.0
     max_open = None  # connections at most (max_connections + health_reserve); None: no bound
+    health = None  # headers -> (status, body bytes) | None
+    pacer = None  # _Pacer: new requests per event-loop iteration (None: no bound)
+    _waiting = False  # a request head that waits for its turn (pacer)
+
+    def data_received(self, data: bytes) -> None:
+        if self._idle() and self.conn.their_state is h11.IDLE:  # the start of a request
+            if self.health is not None:
+                headers = _health_head(data)
+                answer = headers is not None and self.health(headers)
+                if answer and self._answer_at_once(data, *answer):
+                    return
+            if self.pacer is not None and not self.pacer.take():  # its turn comes in a later iteration
+                self.transport.pause_reading()
+                self._waiting = True  # its head has arrived: the head timer does not close it
+                self.pacer.defer(lambda: self._resume(data))
+                return
+        super().data_received(data)
+
+    def _resume(self, data: bytes) -> None:
+        self._waiting = False
+        if self.transport.is_closing():
+            return
+        self.transport.resume_reading()
+        super().data_received(data)
+
+    def _answer_at_once(self, data: bytes, status: int, body: bytes) -> bool:
+        self._unset_keepalive_if_required()
+        self.conn.receive_data(data)
+        try:
+            request, end = self.conn.next_event(), self.conn.next_event()
+        except h11.RemoteProtocolError as e:  # e.g. HTTP/1.1 without a Host header
+            self.send_400_response(f"Invalid HTTP request received: {e}")
+            return True
+        if not isinstance(request, h11.Request) or not isinstance(end, h11.EndOfMessage):
+            self.transport.close()  # cannot happen for a head _health_head took
+            return True
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        if self.conn.our_state is h11.MUST_CLOSE:
+            self.transport.close()
+            return True
+        self.on_response_complete()  # the next request on this connection, timed as any
+        return True
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -74,7 +148,7 @@ class _HeaderTimeoutH11(H11Protocol):
 
     def _head_late(self) -> None:
         waiting = self.cycle is self._head_cycle and (self.cycle is None or self.cycle.response_complete)
-        if waiting and not self.transport.is_closing():  # no new complete request head in time
+        if waiting and not self._waiting and not self.transport.is_closing():  # no new complete request head in time
             self.transport.close()
 
     def on_response_complete(self) -> None:
@@ -97,6 +171,50 @@ class _HeaderTimeoutH11(H11Protocol):
         self.transport.close()
 
 
+class _Pacer:
+    """At most ``per_tick`` new requests start per event-loop iteration, in arrival order.
+
+    asyncio runs, in one iteration, every callback that was ready when it began: the heads of a
+    burst of N requests that arrive together would be parsed, and N handler tasks made (whose first
+    steps -- parse, validate, route -- all run in the next iteration), while anything that becomes
+    ready meanwhile -- a health probe, a stream's next token -- waits for all of them. A connection
+    whose request head arrives when this iteration's ``per_tick`` turns are taken (or others
+    wait) pauses reading and keeps the bytes; ``_tick`` hands them on, ``per_tick`` connections
+    per iteration."""
+
+    def __init__(self, per_tick: int):
+        self.per_tick = per_tick
+        self.used = 0  # turns taken in this iteration
+        self._waiting: collections.deque = collections.deque()
+        self._ticking = False
+
+    def take(self) -> bool:
+        """A turn now (True), or False: ``defer`` the work."""
+        if self._waiting or self.used >= self.per_tick:
+            return False
+        self.used += 1
+        self._schedule()
+        return True
+
+    def defer(self, fn) -> None:
+        self._waiting.append(fn)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._ticking:
+            self._ticking = True
+            asyncio.get_running_loop().call_soon(self._tick)  # runs in the next iteration
+
+    def _tick(self) -> None:
+        self._ticking = False
+        self.used = 0
+        while self._waiting and self.used < self.per_tick:
+            self.used += 1
+            self._waiting.popleft()()
+        if self._waiting or self.used:
+            self._schedule()
+
+
 class ConnectionLimit:
     """ASGI middleware: a request that arrives while ``load()`` (open connections or requests in
     flight) exceeds ``limit`` is answered with a JSON 429 and ``Retry-After``, counted by
@@ -106,7 +224,9 @@ class ConnectionLimit:
         self.app, self.limit, self.load, self.on_refuse, self.retry_after_s = app, limit, load, on_refuse, retry_after_s
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in HEALTH_PATHS and self.load() > self.limit:
+        if scope["type"] != "http" or scope["path"] in HEALTH_PATHS:
+            return await self.app(scope, receive, send)
+        if self.load() > self.limit:
             if self.on_refuse is not None:
                 self.on_refuse()
             error = ApiError(
@@ -126,13 +246,21 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, limits: HttpLimits = HttpLimits(), on_refuse=None):
-        """``on_refuse()``: called for each request refused by the connection limit (metrics)."""
+    def __init__(self, app, host: str, port: int, limits: HttpLimits = HttpLimits(), on_refuse=None, health=None):
+        """``on_refuse()``: called for each request refused by the connection limit (metrics).
+        ``health(headers)``: (status, JSON body) of a ``GET /health``, answered as it arrives, or
+        None to leave it to the app (its answer must equal the app's)."""
         protocol = type(
             "H11",
             (_HeaderTimeoutH11,),
-            {"header_timeout_s": limits.header_timeout_s, "max_open": limits.max_connections + limits.health_reserve},
+            {
+                "header_timeout_s": limits.header_timeout_s,
+                "max_open": limits.max_connections + limits.health_reserve,
+                "health": staticmethod(health) if health is not None else None,
+                "pacer": _Pacer(limits.starts_per_tick) if limits.starts_per_tick else None,
+            },
         )
+        self._backlog = limits.listen_backlog
         app = ConnectionLimit(app, limits.max_connections, self._load, on_refuse)
         config = uvicorn.Config(
             app,
@@ -144,6 +272,9 @@ class HttpServer:
             timeout_keep_alive=limits.keep_alive_timeout_s,
             h11_max_incomplete_event_size=limits.max_header_bytes,
             timeout_graceful_shutdown=limits.shutdown_timeout_s,
+            # asyncio accepts up to `backlog` connections per loop iteration and sets each up in the
+            # next one: the listening socket's own queue is raised to listen_backlog once it serves
+            backlog=limits.starts_per_tick or limits.listen_backlog,
         )
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         self._sock = socket.socket(family, kind, proto)
@@ -168,6 +299,7 @@ class HttpServer:
                 self._task.result()  # startup failed: raise it
                 raise RuntimeError("the HTTP server stopped during startup")
             await asyncio.sleep(0.01)
+        self._sock.listen(self._backlog)  # the kernel's queue of connections not yet accepted
 
     async def stop(self) -> None:
         """Stop listening, let open responses finish (up to ``shutdown_timeout_s``), close."""

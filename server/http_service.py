@@ -43,6 +43,7 @@ from jaxmoe.server import admin
 from jaxmoe.server import openai_protocol as protocol
 from jaxmoe.server.http_body import BodyGuard
 from jaxmoe.server.http_errors import ApiError, ErrorResponse, bad, error_response, install_error_handlers
+from jaxmoe.server.http_parse import OFF_LOOP_BYTES, OffLoopBodyRoute
 from jaxmoe.server.layout import current_layout
 from jaxmoe.server.prompts import PromptPreparer, PromptTooLong, ToolsNotRendered
 from jaxmoe.server.openai_format import ChatFormat, CompletionFormat, merge_final, total_usage
@@ -94,6 +95,7 @@ class OpenAIServer:
             redoc_url=None,
             middleware=[*guards, body],
         )
+        app.router.route_class = OffLoopBodyRoute  # large bodies are parsed and validated off the loop
         install_error_handlers(app, on_invalid=lambda: self._reject(400))
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], responses=STREAMED)
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], responses=STREAMED)
@@ -104,6 +106,7 @@ class OpenAIServer:
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"], responses=ERRORS)
         app.add_api_route("/version", self.version, methods=["GET"], responses=ERRORS)
         app.add_api_route("/admin/rescale", self.admin_rescale, methods=["POST"], responses=ERRORS)
+        app.add_api_route("/admin/united_experts", self.admin_united_experts, methods=["POST"], responses=ERRORS)
         app.add_api_route(
             "/metrics", self.prometheus, methods=["GET"], responses={**ERRORS, 200: {"content": {"text/plain": {}}}}
         )
@@ -137,37 +140,53 @@ class OpenAIServer:
                 "model",
             )
 
-    async def health(self) -> JSONResponse:
+    def health_answer(self) -> tuple[int, dict]:
         ok = self.ready() and self.engine.running
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        return (200, {"status": "ok"}) if ok else (503, {"status": "unavailable"})
+
+    async def health(self) -> JSONResponse:
+        status, body = self.health_answer()
+        return JSONResponse(body, status_code=status)
 
     async def tokenize(self, body: protocol.TokenizeRequest) -> dict:
-        """Token ids of a prompt, or of chat messages through the chat template (vLLM's ``/tokenize``)."""
+        """Token ids of a prompt, or of chat messages through the chat template (vLLM's ``/tokenize``);
+        text longer than any prompt may be is refused by its length, the rest tokenized off the loop."""
         self._check_model(body.model)
         if body.messages is not None:
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    [
-                        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in body.messages
-                    ],
-                    add_generation_prompt=body.add_generation_prompt,
-                )
-            except (ValueError, TemplateError) as e:
-                raise bad(str(e), "messages") from None
+            messages = [
+                {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+            ]
+            chars, param = sum(len(m["content"]) for m in messages), "messages"
         else:
+            chars, param = len(body.prompt), "prompt"
+        try:
+            self.prompts.check_chars(chars, param)
+        except PromptTooLong as e:
+            raise bad(str(e), e.param) from None
+
+        def tokenize() -> list[int]:
             text = body.prompt
-        tokens = self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+            if body.messages is not None:
+                try:
+                    text = self.tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=body.add_generation_prompt
+                    )
+                except (ValueError, TemplateError) as e:
+                    raise bad(str(e), "messages") from None
+            return self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+        tokens = await self.prompts.run(tokenize)
         return {"count": len(tokens), "max_model_len": self.engine.engine.max_model_len, "tokens": tokens}
 
     async def detokenize(self, body: protocol.DetokenizeRequest) -> dict:
-        """The text of token ids (vLLM's ``/detokenize``); 400 naming an id outside the vocabulary."""
+        """The text of token ids (vLLM's ``/detokenize``, decoded off the loop); 400 naming an id
+        outside the vocabulary."""
         self._check_model(body.model)
         vocab = self.engine.engine.cfg.vocab_size
         for i, t in enumerate(body.tokens):
             if t >= vocab:
                 raise bad(f"tokens.{i}: token id {t} is outside the vocabulary [0, {vocab})", f"tokens.{i}")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": await self.prompts.run(self.tokenizer.decode, body.tokens)}
 
     async def version(self) -> dict:
         from importlib.metadata import PackageNotFoundError, version
@@ -189,6 +208,16 @@ class OpenAIServer:
             )
             raise ApiError(e.http_status, str(e), kind, code) from None
 
+    async def admin_united_experts(self, body: admin.UnitedExpertsRequest) -> dict:
+        """BrownoutServe's Experts Loader (``server.admin.load_united_experts``): answers once the new
+        united experts serve; behind the API key like every route."""
+        try:
+            return await asyncio.to_thread(admin.load_united_experts, self.engine, body.model_dump())
+        except admin.AdminError as e:
+            kind = "invalid_request_error" if e.http_status < 500 else "server_error"
+            code = "timeout" if e.http_status == 504 else "invalid_argument"
+            raise ApiError(e.http_status, str(e), kind, code) from None
+
     async def prometheus(self) -> Response:
         if self.metrics is None:
             raise ApiError(404, "metrics are off", "invalid_request_error", "not_found")
@@ -205,24 +234,21 @@ class OpenAIServer:
         if self.metrics is not None:
             self.metrics.reject({400: "invalid", 429: "overloaded"}.get(status, "unavailable"))
 
-    async def _prepare(self, req, chat: bool):
+    async def _prepare(self, req, chat: bool, big: bool = False):
         """(prompts as token ids, SamplingParams); raises ApiError (400 naming the field, 404 model).
-        Prompts are checked by length first, then tokenized off the event loop (``PromptPreparer``)."""
+        Prompts are checked by length first, then tokenized off the event loop (``PromptPreparer``);
+        the rest of a ``big`` request's checks (and any request's grammar check: structured output,
+        tools) run in a worker thread too."""
         self._check_model(req.model)
         try:
-            if chat:
-                sampling = req.to_sampling(self.engine.engine.max_model_len, self.engine.engine.sampling_defaults)
-                mode = req.tool_mode
-                tools = mode.rendered() if mode is not None else None
-                auto = mode is not None and not mode.forced
-                prompts = [await self.prompts.chat_ids(req.conversation(), tools=tools, tools_must_show=auto)]
+            if big or req.structured() is not None or (chat and req.tool_mode is not None):
+                sampling, inputs, tools, auto = await asyncio.to_thread(self._checked, req, chat)
             else:
-                sampling = req.to_sampling(self.engine.engine.sampling_defaults)
-                texts = req.prompts()
-                for i, p in enumerate(texts):  # all are refused by length before any is tokenized
-                    if isinstance(p, str):
-                        self.prompts.check_chars(len(p), _prompt_param(texts, i))
-                prompts = [await self.prompts.prompt_ids(p, _prompt_param(texts, i)) for i, p in enumerate(texts)]
+                sampling, inputs, tools, auto = self._checked(req, chat)
+            if chat:
+                prompts = [await self.prompts.chat_ids(inputs, tools=tools, tools_must_show=auto)]
+            else:
+                prompts = [await self.prompts.prompt_ids(p, _prompt_param(inputs, i)) for i, p in enumerate(inputs)]
         except PromptTooLong as e:
             raise bad(str(e), e.param) from None
         except ToolsNotRendered as e:
@@ -232,6 +258,24 @@ class OpenAIServer:
         except (ValueError, TemplateError) as e:  # chat template errors
             raise bad(str(e), "messages") from None
         return prompts, sampling
+
+    def _checked(self, req, chat: bool):
+        """(SamplingParams, the conversation or the prompts, rendered tools, whether they must show):
+        every check that needs no tokenizer, prompts refused by length before any is tokenized."""
+        engine = self.engine.engine
+        if chat:
+            sampling = req.to_sampling(engine.max_model_len, engine.sampling_defaults)
+            mode = req.tool_mode
+            conversation = req.conversation()
+            self.prompts.check_chars(sum(len(m["content"]) for m in conversation), "messages")
+            tools = mode.rendered() if mode is not None else None
+            return sampling, conversation, tools, mode is not None and not mode.forced
+        sampling = req.to_sampling(engine.sampling_defaults)
+        texts = req.prompts()
+        for i, p in enumerate(texts):
+            if isinstance(p, str):
+                self.prompts.check_chars(len(p), _prompt_param(texts, i))
+        return sampling, texts, None, False
 
     async def _admit(self, prompts, sampling, priority, prefix: str, cache_salt: str | None = None) -> list:
         """One stream per prompt and completion (``sampling.num_sequences`` per prompt, prompt-major)."""
@@ -265,7 +309,8 @@ class OpenAIServer:
     async def _generate(self, request: Request, req, chat: bool) -> Response:
         route = request.url.path
         try:
-            prompts, sampling = await self._prepare(req, chat)
+            big = int(request.headers.get("content-length") or 0) >= OFF_LOOP_BYTES
+            prompts, sampling = await self._prepare(req, chat, big)
             priority = _priority(request, req.priority)
             streams = await self._admit(prompts, sampling, priority, "chatcmpl-" if chat else "cmpl-", req.cache_salt)
         except ApiError as e:

@@ -116,8 +116,9 @@ class _EngineCollector:
         )
         yield CounterMetricFamily(
             "jaxmoe_ls_merges",
-            "Latency-sensitive requests merged into a running best-effort step at a layer boundary "
-            "(QLLM's merge: they caught up to that layer, then shared the remaining layers)",
+            "Latency-sensitive requests merged into a running best-effort step at a pause point "
+            "(QLLM's merge: they caught up to it, then shared the rest of the step; inside a MoE layer "
+            "with per-expert queues their assignments were served ahead of the waiting ones)",
             value=layer_preemption.get("ls_merges", 0),
         )
         yield GaugeMetricFamily(
@@ -129,7 +130,7 @@ class _EngineCollector:
         if depth is not None:
             q = GaugeMetricFamily(
                 "jaxmoe_expert_queue_depth",
-                "Per-expert queues: assignments waiting at each expert when a step last paused between expert rounds",
+                "Per-expert queues: assignments waiting at each expert when a step last paused inside a MoE layer",
                 labels=["expert"],
             )
             for expert, n in enumerate(depth):
@@ -190,11 +191,14 @@ class _EngineCollector:
             )
         brownout = snap.get("brownout")
         if brownout is not None:
-            yield GaugeMetricFamily(
+            gauge = GaugeMetricFamily(
                 "jaxmoe_brownout_threshold",
-                "BrownoutServe threshold: share of expert assignments kept by original experts",
-                value=brownout["threshold"],
+                "BrownoutServe threshold per phase: share of expert assignments kept by original experts",
+                labels=["phase"],
             )
+            for phase, value in brownout["threshold"].items():
+                gauge.add_metric([phase], value)
+            yield gauge
             p90 = GaugeMetricFamily(
                 "jaxmoe_slo_p90_seconds", "P90 latency over the SLO analyzer's window", labels=["phase"]
             )

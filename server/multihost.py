@@ -20,6 +20,7 @@ HEARTBEAT_TIMEOUT_S = 10  # jax's coordination service declares a silent process
 WATCH_INTERVAL_S = 1.0  # process 0 asks the coordination service which processes live this often
 SHUTDOWN_TIMEOUT_S = 30  # jax.distributed.shutdown's barrier waits at most this
 FAILED_LINGER_S = 5.0  # after a process is gone, process 0 answers 503 this long, then exits 1
+STEP_TIMEOUT_S = 300.0  # --step-timeout's default: process 0 waits this long in one step or broadcast
 
 
 def distributed_args(args, environ=os.environ) -> dict | None:
@@ -95,10 +96,39 @@ def check_multihost(args, spec) -> None:
             raise ServeOptionError(f"{flag}: not available when serving on several processes")
 
 
+def watch_steps(async_engine, stop: threading.Event, step_timeout_s: float = STEP_TIMEOUT_S) -> threading.Thread:
+    """Process 0: a thread that fails the cluster (``AsyncEngine.fail_cluster``) when the engine loop has
+    waited more than ``step_timeout_s`` in one broadcast or step (``AsyncEngine.cluster_wait_since``)
+    with no program compiled meanwhile (a step may compile): a process that lives but stopped stepping
+    (hung; its heartbeats go on, so ``watch_processes`` does not see it) leaves process 0 waiting
+    there, in a collective it cannot time out."""
+    import time
+
+    from jaxmoe.compilation import compile_events
+
+    def run() -> None:
+        programs, progress = compile_events()["programs"], time.monotonic()
+        while not stop.wait(WATCH_INTERVAL_S):
+            now, since, compiled = time.monotonic(), async_engine.cluster_wait_since, compile_events()["programs"]
+            if compiled != programs:  # compiling is progress, not a hang
+                programs, progress = compiled, now
+            if since is not None and now - max(since, progress) > step_timeout_s:
+                async_engine.fail_cluster(
+                    f"process 0 waited {now - since:.0f} s in one step for the other processes (--step-timeout "
+                    f"{step_timeout_s:g}): a process of the cluster stopped stepping without dying (hung)"
+                )
+                return
+
+    thread = threading.Thread(target=run, name="jaxmoe-watch-steps", daemon=True)
+    thread.start()
+    return thread
+
+
 def watch_processes(async_engine, stop: threading.Event) -> threading.Thread:
-    """Process 0: a thread asking jax's coordination service every ``WATCH_INTERVAL_S`` which processes
-    live; one missing fails the cluster (``AsyncEngine.fail_cluster``) even while the engine loop is busy
-    compiling or idle."""
+    """Process 0: a thread asking jax's coordination service which processes live (every
+    ``WATCH_INTERVAL_S``; ``get_live_nodes`` may block while all of them live: with jax 0.10.2 on CPU
+    a check placed after it in this loop never ran, hence ``watch_steps``' own thread); one missing
+    fails the cluster (``AsyncEngine.fail_cluster``) even while the engine loop is busy compiling or idle."""
     import jax
     from jax._src import distributed  # the client jax.distributed.initialize made (no public handle)
 

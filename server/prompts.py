@@ -52,14 +52,15 @@ class PromptPreparer:
         except ValueError as e:
             raise PromptTooLong(str(e), param) from None
 
-    async def _run(self, fn, *args):
+    async def run(self, fn, *args):
+        """``fn(*args)`` in the tokenizer threads (tokenizing, decoding, chat templates)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """A prompt (text or token ids) as token ids within the context; raises PromptTooLong."""
         if isinstance(prompt, str):
             self.check_chars(len(prompt), param)
-            ids = await self._run(self.tokenizer.encode, prompt)
+            ids = await self.run(self.tokenizer.encode, prompt)
         else:
             ids = list(prompt)
         self.check_tokens(len(ids), param)
@@ -72,7 +73,7 @@ class PromptPreparer:
         raises PromptTooLong, ToolsNotRendered (``tools_must_show`` and the template renders the
         same text without them), or the template's own errors (ValueError, jinja2.TemplateError)."""
         self.check_chars(sum(len(m["content"]) for m in conversation), param)
-        ids = await self._run(self._chat, conversation, tools, tools_must_show)
+        ids = await self.run(self._chat, conversation, tools, tools_must_show)
         self.check_tokens(len(ids), param)
         return ids
 

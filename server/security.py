@@ -58,6 +58,14 @@ class HttpGuard:
     def __init__(self, app, opts: SecurityOptions, bind_host: str, port_of):
         self.app, self.opts, self.bind_host, self.port_of = app, opts, bind_host, port_of
 
+    def untouched(self, path: str, headers: dict[str, str]) -> bool:
+        """Whether a request to ``path`` with these (lower-case) headers passes this guard unchanged:
+        its Host is served here, it has no Origin, and it needs no key (or has the right one)."""
+        hosts = self.opts.hosts_for(self.bind_host, self.port_of())
+        if (hosts is not None and headers.get("host", "").lower() not in hosts) or "origin" in headers:
+            return False
+        return (not self.opts.protect_health and path in OPEN_PATHS) or self.opts.key_ok(headers.get("authorization"))
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)

@@ -59,6 +59,7 @@ def validate_serve_args(args) -> None:
     _int(args, "keep-alive-timeout", 0)
     _int(args, "max-header-bytes", 1024, hint=" (bytes of an HTTP request head)")
     _real(args, "shutdown-grace", 0.0, none_ok=False)
+    _real(args, "step-timeout", 0.0, none_ok=False, hint=" (0: no limit)")
     _real(args, "request-timeout", 0.0, none_ok=False, hint=" (0: no deadline)")
     _real(args, "body-read-timeout", 0.0, low_open=True, none_ok=False)
     _real(args, "header-timeout", 0.0, low_open=True, none_ok=False)
@@ -66,9 +67,10 @@ def validate_serve_args(args) -> None:
     for name in ("slo-ttft-ms", "slo-tpot-ms", "salc-window", "salc-period", "salc-increment", "salc-shrink-ratio"):
         _real(args, name, 0.0, low_open=name != "salc-period")
     _real(args, "salc-warning-factor", 0.0, low_open=True)
-    threshold = getattr(args, "brownout_threshold", None)
-    if threshold is not None and not 0.0 <= threshold <= 1.0:
-        raise ServeOptionError(f"--brownout-threshold: must be in [0, 1], got {threshold}")
+    for name in ("brownout-threshold", "brownout-prefill-threshold", "brownout-decode-threshold"):
+        threshold = getattr(args, name.replace("-", "_"), None)
+        if threshold is not None and not 0.0 <= threshold <= 1.0:
+            raise ServeOptionError(f"--{name}: must be in [0, 1], got {threshold}")
     hosts = getattr(args, "allowed_hosts", None)
     if hosts is not None and not [h for h in hosts.split(",") if h.strip()]:
         raise ServeOptionError(

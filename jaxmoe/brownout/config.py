@@ -19,25 +19,42 @@ class BrownoutError(ValueError):
 class BrownoutConfig:
     """``threshold`` in [0, 1]: the share of a step's expert assignments that stay with their
     original experts (1: zero brownout, the exact model); the rest go to united experts (partial
-    brownout) or are dropped (``use_full_brownout``)."""
+    brownout) or are dropped (``use_full_brownout``). ``prefill_threshold`` / ``decode_threshold``:
+    the phase's own start threshold (None: ``threshold``), as the paper keeps one per phase."""
 
     threshold: float = 1.0
     use_full_brownout: bool = False
+    prefill_threshold: float | None = None
+    decode_threshold: float | None = None
 
     def __post_init__(self):
         check_threshold(self.threshold)
+        for phase in ("prefill", "decode"):
+            value = getattr(self, f"{phase}_threshold")
+            if value is not None:
+                check_threshold(value, f"{phase}_threshold")
         if not isinstance(self.use_full_brownout, bool):
             raise BrownoutError(f"use_full_brownout must be true or false, got {self.use_full_brownout!r}")
 
+    @property
+    def prefill(self) -> float:
+        """The prefill phase's start threshold."""
+        return float(self.threshold if self.prefill_threshold is None else self.prefill_threshold)
 
-def check_threshold(value) -> float:
+    @property
+    def decode(self) -> float:
+        """The decode phase's start threshold."""
+        return float(self.threshold if self.decode_threshold is None else self.decode_threshold)
+
+
+def check_threshold(value, name: str = "threshold") -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
         or not 0 <= value <= 1
     ):
-        raise BrownoutError(f"brownout threshold must be a number in [0, 1], got {value!r}")
+        raise BrownoutError(f"brownout {name} must be a number in [0, 1], got {value!r}")
     return float(value)
 
 
@@ -105,6 +122,8 @@ class BrownoutSettings:
 
     threshold: float = 1.0
     use_full_brownout: bool = False
+    prefill_threshold: float | None = None  # None: threshold
+    decode_threshold: float | None = None
     salc: bool = False
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
@@ -122,7 +141,7 @@ class BrownoutSettings:
         self.salc_config()  # with salc on: an SLO is needed
 
     def brownout(self) -> BrownoutConfig:
-        return BrownoutConfig(self.threshold, self.use_full_brownout)
+        return BrownoutConfig(self.threshold, self.use_full_brownout, self.prefill_threshold, self.decode_threshold)
 
     def salc_config(self) -> SALCConfig | None:
         """The SALC parameters when ``salc`` is on, else None."""
@@ -160,6 +179,8 @@ class MeshSection(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     salc: bool = None
     threshold: Annotated[float, BeforeValidator(check_threshold)] = None
+    prefill_threshold: Annotated[float, BeforeValidator(lambda v: check_threshold(v, "prefill_threshold"))] = None
+    decode_threshold: Annotated[float, BeforeValidator(lambda v: check_threshold(v, "decode_threshold"))] = None
     use_full_brownout: bool = None
     slo_ttft_s: _salc("slo_ttft_ms", 1e-3) = Field(None, alias="slo_ttft_ms")
     slo_tpot_s: _salc("slo_tpot_ms", 1e-3) = Field(None, alias="slo_tpot_ms")
@@ -199,7 +220,9 @@ def mesh_brownout(mesh) -> BrownoutSettings | None:
 def describe(b: BrownoutSettings) -> str:
     """One line: the start threshold, the mode and SALC's parameters (``jaxmoe mesh show``)."""
     mode = "full" if b.use_full_brownout else "partial"
-    text = f"start threshold {b.threshold:g} ({mode} brownout), SALC "
+    c = b.brownout()
+    start = f"{c.prefill:g}" if c.prefill == c.decode else f"prefill {c.prefill:g}, decode {c.decode:g}"
+    text = f"start threshold {start} ({mode} brownout), SALC "
     if not b.salc:
         return text + "off"
     slos = [f"{p} {s * 1e3:g} ms" for p, s in (("TTFT", b.slo_ttft_s), ("TPOT", b.slo_tpot_s)) if s is not None]

@@ -4,9 +4,10 @@ and moves the threshold.
 After every step: each request that got its first token in it adds a TTFT sample; each request
 that got a later token adds one TPOT sample, the time since its previous token (so the TPOT P90 is
 over tokens, as the paper's SLO violations are, not over steps). Then (after every step, or at
-most every ``period_s`` seconds) Algorithm 2 runs per phase that has an SLO and the executor's
-brownout threshold becomes the lower of the phases' thresholds (the stricter phase wins). ``state()`` is what metrics
-export (``jaxmoe_brownout_threshold``, the P90s).
+most every ``period_s`` seconds) Algorithm 2 runs per phase that has an SLO, one SALC instance per
+phase as in the paper: the TTFT SALC moves the prefill threshold, the TPOT SALC the decode threshold
+(a phase without an SLO keeps its threshold). ``state()`` is what metrics export
+(``jaxmoe_brownout_threshold{phase}``, the P90s).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 import time
 
 from jaxmoe.brownout.config import BrownoutError, SALCConfig
-from jaxmoe.brownout.routing import is_brownout, set_threshold, threshold
+from jaxmoe.brownout.routing import is_brownout, set_threshold, thresholds
 from jaxmoe.brownout.salc import SALC, SLOAnalyzer
+
+PHASE_OF = {"ttft": "prefill", "tpot": "decode"}  # the latency each phase's SALC watches
 
 
 class BrownoutController:
@@ -26,10 +29,10 @@ class BrownoutController:
             raise BrownoutError("SALC needs an executor built with brownout (LLM(dir, brownout=...))")
         self.executor, self.config, self.clock = executor, config, clock
         self.analyzer = SLOAnalyzer(config.window_s, clock)
-        start = threshold(executor)
-        self.salc = {
-            phase: SALC(slo, config.warning_factor, config.increment, config.shrink_ratio, start)
-            for phase, slo in (("ttft", config.slo_ttft_s), ("tpot", config.slo_tpot_s))
+        start = thresholds(executor)
+        self.salc = {  # latency -> the SALC of its phase
+            latency: SALC(slo, config.warning_factor, config.increment, config.shrink_ratio, start[PHASE_OF[latency]])
+            for latency, slo in (("ttft", config.slo_ttft_s), ("tpot", config.slo_tpot_s))
             if slo is not None
         }
         self._updated = None
@@ -68,14 +71,14 @@ class BrownoutController:
         if self._updated is not None and now - self._updated < self.config.period_s:
             return
         self._updated = now
-        thresholds = [salc.update(self.analyzer.p90(phase, now)) for phase, salc in self.salc.items()]
-        set_threshold(self.executor, min(thresholds))
+        for latency, salc in self.salc.items():
+            set_threshold(self.executor, salc.update(self.analyzer.p90(latency, now)), PHASE_OF[latency])
 
     def stats(self) -> dict:
         return self.state()
 
     def state(self) -> dict:
         return {
-            "threshold": threshold(self.executor),
+            "threshold": thresholds(self.executor),  # {"prefill": t, "decode": t}
             "p90": {phase: self.analyzer.p90(phase) for phase in ("ttft", "tpot")},
         }

@@ -21,7 +21,10 @@ ids ``route`` gives: the kept originals, then the united experts E + u, [T, 2K].
 token that name two experts of one group, hence one united expert, are merged into one choice with
 the summed combine weight (g1 + g2) x FFN_u(x) (eq. 5-6), which keeps every expert at most one row
 per token. The threshold is the routing's traced state (the executor's ``routing_state``; read and set
-it with ``threshold`` / ``set_threshold``): moving it recompiles nothing.
+it with ``threshold`` / ``set_threshold``): moving it recompiles nothing. As the paper, there is one
+threshold per phase (``PhaseStates(prefill, decode)``): a program call of prefill chunks splits with the
+prefill threshold, a call of decodes with the decode threshold (the engine runs the two as separate
+calls; ``models.routing.for_call`` states the rule for a call that could hold both).
 
 ``split`` works inside jit with ``threshold`` a traced scalar; ``split_reference`` is the direct
 numpy reading the tests compare it with. ``activated_experts`` counts the weight sets a step reads
@@ -38,7 +41,9 @@ import numpy as np
 from jaxmoe.brownout.config import BrownoutConfig, BrownoutError, check_threshold
 from jaxmoe.config import MoEConfig
 from jaxmoe.models.router import route as top_k
-from jaxmoe.models.routing import WEIGHTS, mask_padding
+from jaxmoe.models.routing import WEIGHTS, PhaseStates, mask_padding
+
+PHASES = ("prefill", "decode")
 
 
 def split(ids, valid, groups, threshold, full: bool):
@@ -174,9 +179,10 @@ def _check_united(moe: dict) -> None:
         )
 
 
-def routing_for(config: BrownoutConfig) -> tuple[BrownoutRouting, float]:
-    """(the routing, the start threshold: the executor's ``routing_state``) that ``config`` asks for."""
-    return BrownoutRouting(config.use_full_brownout), config.threshold
+def routing_for(config: BrownoutConfig) -> tuple[BrownoutRouting, PhaseStates]:
+    """(the routing, the start thresholds per phase: the executor's ``routing_state``) that ``config``
+    asks for."""
+    return BrownoutRouting(config.use_full_brownout), PhaseStates(config.prefill, config.decode)
 
 
 def is_brownout(executor) -> bool:
@@ -184,18 +190,40 @@ def is_brownout(executor) -> bool:
     return isinstance(getattr(executor, "routing", None), BrownoutRouting)
 
 
-def threshold(executor) -> float | None:
-    """The brownout threshold of ``executor``'s next steps (None: it was built without brownout)."""
+def thresholds(executor) -> dict[str, float] | None:
+    """{"prefill": t, "decode": t}: the brownout thresholds of ``executor``'s next steps per phase
+    (None: it was built without brownout)."""
     if not is_brownout(executor):
         return None
     state = executor.routing_state
-    return 1.0 if state is None else float(state)
+    if not isinstance(state, PhaseStates):
+        state = PhaseStates(state, state)
+    return {phase: 1.0 if v is None else float(v) for phase, v in zip(PHASES, (state.prefill, state.decode))}
 
 
-def set_threshold(executor, value) -> None:
-    """Set the brownout threshold of ``executor``'s next steps (a number in [0, 1]; no recompile);
-    a ``BrownoutError`` when it is out of range or the executor was built without brownout."""
+def threshold(executor, phase: str | None = None) -> float | None:
+    """The brownout threshold of ``executor``'s next steps in ``phase`` ("prefill" or "decode"; None:
+    the lower of the two, which is both when they were set together); None without brownout."""
+    both = thresholds(executor)
+    if both is None:
+        return None
+    return min(both.values()) if phase is None else both[_phase(phase)]
+
+
+def set_threshold(executor, value, phase: str | None = None) -> None:
+    """Set the brownout threshold of ``executor``'s next steps (a number in [0, 1]; no recompile) in
+    ``phase`` ("prefill" or "decode"; None: both); a ``BrownoutError`` when it is out of range or the
+    executor was built without brownout."""
     if not is_brownout(executor):
         routing = getattr(getattr(executor, "routing", None), "name", None)
         raise BrownoutError(f"brownout threshold: this executor was built without brownout (routing: {routing})")
-    executor.routing_state = check_threshold(value)
+    value = check_threshold(value)
+    now = thresholds(executor)
+    now.update({p: value for p in PHASES} if phase is None else {_phase(phase): value})
+    executor.routing_state = PhaseStates(now["prefill"], now["decode"])
+
+
+def _phase(phase) -> str:
+    if phase not in PHASES:
+        raise BrownoutError(f"brownout phase must be 'prefill' or 'decode', got {phase!r}")
+    return phase

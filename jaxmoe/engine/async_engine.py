@@ -99,6 +99,9 @@ class AsyncEngine:
         self.step_errors = 0
         self.num_steps = 0
         self._compiles_at_ready: int | None = None
+        # multi-host: since when the loop waits in a broadcast or a step (which other processes must
+        # join); None otherwise. A watchdog reads it (a process that stopped stepping without dying)
+        self.cluster_wait_since: float | None = None
         compile_events()  # start counting
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -229,7 +232,7 @@ class AsyncEngine:
                 if self.engine.has_work():
                     self._step()
                 elif self.leader is not None:
-                    self.leader.sync()  # idle: the journal so far, and a heartbeat
+                    self._sync()  # idle: the journal so far, and a heartbeat
             if self.leader is not None:
                 self.leader.stop()
         except ClusterFailedError as e:
@@ -283,7 +286,7 @@ class AsyncEngine:
             if future.set_running_or_notify_cancel():
                 try:
                     if self.leader is not None and replicate is not None:
-                        self.leader.sync((CALL, replicate))  # ClusterFailedError ends the loop
+                        self._sync((CALL, replicate))  # ClusterFailedError ends the loop
                     future.set_result(fn(self.engine))
                 except ClusterFailedError as e:
                     future.set_exception(e)
@@ -382,9 +385,18 @@ class AsyncEngine:
             self._streams.pop(rid).put(ClusterFailedError(reason))
         self._report_failure(reason)
 
+    def _sync(self, *ops: tuple) -> None:
+        """``leader.sync`` (the journal and ``ops`` to every process), watched (``cluster_wait_since``)."""
+        self.cluster_wait_since = time.monotonic()
+        try:
+            self.leader.sync(*ops)
+        finally:
+            self.cluster_wait_since = None
+
     def _step(self) -> None:
         self.engine.step_request_ids = []
         if self.leader is not None:
+            self.cluster_wait_since = time.monotonic()  # the broadcast and the step's collectives
             self.leader.sync((STEP,))  # ClusterFailedError ends the loop
         try:
             outputs = self.engine.step()
@@ -394,6 +406,8 @@ class AsyncEngine:
                 raise ClusterFailedError(self.leader.failed) from e
             self._step_failed(e)
             return
+        finally:
+            self.cluster_wait_since = None
         if self.leader is not None:
             self.leader.stepped(self.engine.step_request_ids)
         self.num_steps += 1

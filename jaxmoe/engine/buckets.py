@@ -49,3 +49,19 @@ class ShapePlan:
         if self.fixed is not None:
             return [self.fixed]
         return self.decode_shapes() + self.prefill_shapes()
+
+    def shapes_for(self, sequences) -> list[tuple[int, int]]:
+        """The shapes that serving ``sequences`` (the live ones) can meet first: decode with up to
+        as many rows per instance as there are sequences (however they spread over the instances),
+        and, while some are prefilling, prefill chunks of up to that many rows and their longest
+        remaining chunk; at least the one-row decode shape. A subset of ``shapes()``, in its order."""
+        if self.fixed is not None:
+            return [self.fixed]
+        rows = bucket(max(1, len(sequences)))
+        need = [(r, t) for r, t in self.decode_shapes() if r <= rows]
+        prefilling = [s.num_uncomputed for s in sequences if s.is_prefill]
+        if prefilling:
+            chunk_rows = bucket(min(len(prefilling), self.prefill_rows))
+            tokens = bucket(min(max(prefilling), self.max_prefill_chunk), MIN_PREFILL_TOKENS)
+            need += [(r, t) for r, t in self.prefill_shapes() if r <= chunk_rows and t <= tokens]
+        return need

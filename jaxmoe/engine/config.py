@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-DETERMINISTIC_ROW_TOKENS = 16  # deterministic mode: tokens of every row of every program call
+DETERMINISTIC_ROW_TOKENS = 16  # deterministic mode without the invariant CPU kernels: tokens of every row
+# the expert-FFN forms deterministic mode runs: the batch-invariant CPU kernels, or the fixed-shape dense form
+DETERMINISTIC_EXPERT_IMPLS = ("auto", "cpu_kernel_invariant", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,18 +28,21 @@ class EngineConfig:
     # automatic prefix caching: full KV blocks are kept by a hash of their tokens and prefix and shared
     # by later sequences with the same prefix (engine.prefix_cache, BlockManager)
     prefix_caching: bool = True
-    # batch-invariant mode: every program call has one shape (max_num_seqs rows per attention instance, rounded
-    # up to a power of two, of DETERMINISTIC_ROW_TOKENS tokens; prefill chunks of at most that many tokens), the
-    # experts run as one dense einsum and attention in its XLA form, so a request's results do not depend on what
-    # it is batched with, how its prompt is chunked or whether its prefix came from the cache (engine.model_runner)
+    # batch-invariant mode: a request's results do not depend on what it is batched with, how its prompt is
+    # chunked or whether its prefix came from the cache. Where the CPU kernels take the model (expert_impl
+    # "auto" on CPU: "cpu_kernel_invariant", ``assembly.deterministic_expert_impl``) every matmul, the expert FFN
+    # and attention sum each token's terms in an order fixed by the weights' shapes, so the ordinary bucketed
+    # shapes run; elsewhere ("dense") every program call has one shape (max_num_seqs rows per attention
+    # instance, rounded up to a power of two, of DETERMINISTIC_ROW_TOKENS tokens; prefill chunks of at most that
+    # many), the experts run as one dense einsum and attention in its XLA form (engine.model_runner)
     deterministic: bool = False
 
     def __post_init__(self):
         every = self.pause_every
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"pause_every must be a positive integer, got {every!r}")
-        if self.deterministic:
-            if self.expert_impl not in ("auto", "dense"):
-                raise ValueError(f"deterministic mode runs expert_impl='dense', got expert_impl={self.expert_impl!r}")
-            object.__setattr__(self, "expert_impl", "dense")
-            object.__setattr__(self, "max_prefill_chunk", min(self.max_prefill_chunk, DETERMINISTIC_ROW_TOKENS))
+        if self.deterministic and self.expert_impl not in DETERMINISTIC_EXPERT_IMPLS:
+            raise ValueError(
+                f"deterministic mode runs expert_impl 'cpu_kernel_invariant' or 'dense' (or 'auto'), "
+                f"got expert_impl={self.expert_impl!r}"
+            )

@@ -31,6 +31,7 @@ from jaxmoe.engine.policies import make_policy
 from jaxmoe.engine.prompt_limits import check_prompt_chars, check_prompt_tokens
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
+from jaxmoe.models.routing import state_key
 from jaxmoe.runtime.executor import Executor
 from jaxmoe.sampling import SamplingParams, SamplingParamsError
 from jaxmoe.structured_output import Grammar, GrammarBackend
@@ -57,20 +58,23 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
         max_blocks = -(-self.max_model_len // config.block_size)
         self.block_manager = _block_manager(executor, config)
+        # deterministic mode without the batch-invariant CPU kernels: one fixed step shape (EngineConfig)
+        fixed = config.deterministic and getattr(executor, "expert_impl", None) != "cpu_kernel_invariant"
+        chunk = min(config.max_prefill_chunk, DETERMINISTIC_ROW_TOKENS) if fixed else config.max_prefill_chunk
         self.scheduler = Scheduler(
             self.block_manager,
             policy if policy is not None else make_policy(config.policy),
             max_batch_tokens=config.max_batch_tokens,
             max_num_seqs=config.max_num_seqs,
             max_waiting=config.max_waiting,
-            max_prefill_chunk=config.max_prefill_chunk,
+            max_prefill_chunk=chunk,
         )
         # what the KV depends on besides the tokens: the expert routing's state (e.g. the brownout threshold)
         self.scheduler.kv_key = lambda: _routing_key(self.executor)
         plan = ShapePlan(
             max_num_seqs=config.max_num_seqs,
-            max_prefill_chunk=min(config.max_prefill_chunk, config.max_batch_tokens, self.max_model_len),
-            fixed=(bucket(config.max_num_seqs), DETERMINISTIC_ROW_TOKENS) if config.deterministic else None,
+            max_prefill_chunk=min(chunk, config.max_batch_tokens, self.max_model_len),
+            fixed=(bucket(config.max_num_seqs), DETERMINISTIC_ROW_TOKENS) if fixed else None,
         )
         self.runner = ModelRunner(executor, config.block_size, max_blocks, plan)
         self.eos_ids = set(cfg.eos_token_ids)
@@ -236,9 +240,9 @@ class LLMEngine:
         return outputs + self._finish(batch, rows, seqs, sampled, errors)
 
     def merge_batch(self, batch) -> bool:
-        """QLLM's merge: join a scheduled batch to the step now paused at a layer boundary (called at
-        its pause point); its rows catch up to that layer alone, then share the remaining layers with
-        the step's, and its outputs come with the step's. False: it cannot join here (the runner's
+        """QLLM's merge: join a scheduled batch to the step now paused (called at its pause point);
+        its rows catch up to that point alone, then share the rest of the step with the step's rows,
+        and its outputs come with the step's. False: it cannot join here (the runner's
         ``offer_merge``); the caller runs it another way."""
         if batch.is_empty:
             return False
@@ -466,11 +470,12 @@ def _block_manager(executor, config: EngineConfig) -> BlockManager:
 
 
 def _routing_key(executor) -> str:
-    """The prefix-cache key of the executor's expert routing: its name and state (brownout's threshold:
-    KV computed under one threshold is not read under another)."""
+    """The prefix-cache key of the executor's expert routing: its name, state (brownout's thresholds:
+    KV computed under one threshold is not read under another) and parameter version (extra experts
+    loaded at run time, ``params_version``)."""
     routing = getattr(executor, "routing", None)
-    state = getattr(executor, "routing_state", None)
-    return f"{getattr(routing, 'name', None)}:{None if state is None else float(state)!r}"
+    state = state_key(getattr(executor, "routing_state", None))
+    return f"{getattr(routing, 'name', None)}:{state!r}:{getattr(executor, 'params_version', 0)}"
 
 
 def _cut_at_stop(text: str, stops) -> str:

@@ -24,7 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.engine.buckets import MIN_PREFILL_TOKENS, ShapePlan, bucket
-from jaxmoe.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, adjust_logits, mask_logits, sample
+from jaxmoe.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    adjust_logits,
+    mask_logits,
+    sample,
+    sample_invariant,
+)
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.runtime.executor import ExpertQueueing, LowersAhead, MergesRows, RowMerge
 
@@ -46,7 +54,7 @@ class Row:
 
 @dataclasses.dataclass
 class MergedRows:
-    """Rows merged into a running program call at a layer boundary (QLLM's merge): ``sampled`` is
+    """Rows merged into a running program call at a pause point (QLLM's merge): ``sampled`` is
     set, in ``rows``' order, once the call has run (None: it failed before)."""
 
     rows: list[Row]
@@ -81,9 +89,10 @@ class ModelRunner:
         self.last_calls: list[tuple[int, int]] = []  # (rows, tokens per row) of each program call of the last run
         self._call: _Call | None = None  # the call running layer by layer (rows may merge into it)
         self.num_instances = self.kv.num_instances
-        # deterministic mode (EngineConfig.deterministic): every step is one call of ``fixed_rows`` rows per
-        # attention instance of ``row_tokens`` tokens (decodes padded too), so every program runs on one
-        # shape whatever the batch: XLA:CPU picks a dot's algorithm, and so its summation order, by shape
+        # deterministic mode in its fixed-shape form (EngineConfig.deterministic): every step is one call of
+        # ``fixed_rows`` rows per attention instance of ``row_tokens`` tokens (decodes padded too), so every
+        # program runs on one shape whatever the batch: XLA:CPU picks a dot's algorithm (its summation order)
+        # by shape
         self.fixed_rows, self.row_tokens = self.plan.fixed or (1, 0)
 
     def instance_of(self, row: Row) -> int:
@@ -155,13 +164,32 @@ class ModelRunner:
             return None
         B = self.num_instances * rows_per_instance
         programs, logits = self.executor.lower(*self._empty(B, tokens))
-        if sampler:
-            programs.append(sample.lower(logits, logits, *_sampling_arrays(B), np.bool_(False)))
-            programs.append(adjust_logits.lower(logits, *self._adjusted_arrays(B)))
-            allowed = self._allowed_array(B, logits.shape[-1])
-            programs.append(mask_logits.lower(logits, allowed))
-            if logits.dtype != jnp.float32:  # after ``adjust_logits`` (float32)
-                programs.append(mask_logits.lower(jax.ShapeDtypeStruct(logits.shape, jnp.float32), allowed))
+        return programs + (self._lower_sampler(B, logits, keep_sharding=False) if sampler else [])
+
+    def lower_step(self, rows_per_instance: int, tokens: int) -> list[jax.stages.Lowered] | None:
+        """What ``warm`` compiles by running, lowered instead (the executor's ``lower_step``: the
+        disaggregated one, also across processes, where running would launch collectives), and the
+        sampler: nothing runs, so a thread may compile them while another executor serves. None: the
+        executor cannot (no ``lower_step``, or not for this shape)."""
+        lower = getattr(self.executor, "lower_step", None)
+        B = self.num_instances * rows_per_instance
+        lowered = None if lower is None else lower(*self._empty(B, tokens))
+        if lowered is None:
+            return None
+        programs, logits = lowered
+        return programs + self._lower_sampler(B, logits)
+
+    def _lower_sampler(self, B: int, logits, keep_sharding: bool = True) -> list[jax.stages.Lowered]:
+        """The sampler programs of a step of B rows on logits shaped like ``logits``, lowered
+        (``keep_sharding``: the float32 logits after ``adjust_logits`` on the devices of ``logits``)."""
+        programs = [sample.lower(logits, logits, *_sampling_arrays(B), np.bool_(False))]
+        programs.append(adjust_logits.lower(logits, *self._adjusted_arrays(B)))
+        allowed = self._allowed_array(B, logits.shape[-1])
+        programs.append(mask_logits.lower(logits, allowed))
+        if logits.dtype != jnp.float32:  # after ``adjust_logits`` (float32)
+            sharding = getattr(logits, "sharding", None) if keep_sharding else None
+            f32 = jax.ShapeDtypeStruct(logits.shape, jnp.float32, sharding=sharding)
+            programs.append(mask_logits.lower(f32, allowed))
         return programs
 
     def score(self, row: Row, targets: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -222,9 +250,9 @@ class ModelRunner:
         return calls
 
     def offer_merge(self, rows: list[Row]) -> MergedRows | None:
-        """QLLM's merge: ``rows`` join the program call now paused at a layer boundary (called from
-        its pause point); they catch up to that layer alone, then share the remaining layers with the
-        call's rows. None (nothing merged) where the executor cannot merge there (``MergesRows``), with
+        """QLLM's merge: ``rows`` join the program call now paused (called from its pause point: a
+        layer boundary, or inside a MoE layer with per-expert queues); they catch up to that point
+        alone, then share the rest of the step with the call's rows. None (nothing merged) where the executor cannot merge there (``MergesRows``), with
         several attention instances, or where the merged batch's shape is not one warm-up compiles
         (``plan.shapes()``): the caller runs the rows another way."""
         call, ex = self._call, self.executor
@@ -350,13 +378,14 @@ class ModelRunner:
         adjusted = logits if extras is None else adjust_logits(logits, *extras)
         if allowed is not None:
             adjusted = mask_logits(adjusted, allowed)
-        result = sample(adjusted, logits, *sampling, flag)
+        # deterministic mode's batch-invariant form: logprobs summed in an order fixed per row
+        invariant = getattr(self.executor, "expert_impl", None) == "cpu_kernel_invariant"
+        result = (sample_invariant if invariant else sample)(adjusted, logits, *sampling, flag)
         return jax.device_get(result)  # one host transfer for all five
 
     def _pause_state_bytes(self, num_tokens: int) -> int:
-        """What a pause keeps on the device: the step's hidden states [B, T, D]; between expert
-        rounds (per-expert queues) also the experts' input, the float32 partial outputs and the
-        gating result."""
+        """What a pause keeps on the device: the step's hidden states [B, T, D]; inside a MoE layer
+        (per-expert queues) also the experts' input, the float32 partial outputs and the queues."""
         ex, cfg = self.executor, self.executor.cfg
         hidden = num_tokens * cfg.hidden_size * jax.tree.leaves(ex.cache)[0].dtype.itemsize
         if not (isinstance(ex, ExpertQueueing) and ex.expert_rounds):

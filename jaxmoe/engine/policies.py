@@ -21,8 +21,9 @@ each in arrival order) and the step budget (``Budget``). The policy returns
   whether to pause it there and run the waiting latency-sensitive work
   (``waiting``: the LS queues) first. ``layer`` is a ``PausePoint``: an int
   (the layers done) that also says the ``stage`` ("layer": a layer boundary;
-  "experts": after routing, between the expert groups of a MoE layer) and the
-  per-expert ``queue_depth`` there (None outside expert groups).
+  with per-expert queues, inside a MoE layer: "attention", "routing",
+  "experts" between its expert groups) and the per-expert ``queue_depth``
+  there (None before the routing).
 
 Policies are plain objects; subclass ``Policy`` to inherit the default victim
 rule (BE before LS, newest first) and pause rule (whenever LS work waits). They must not mutate sequences. The scheduler calls a policy through
@@ -107,9 +108,11 @@ class SchedulingPolicy(Protocol):
 
 
 class PausePoint(int):
-    """Where a pausable step waits: the layers done (the int), the ``stage`` ("layer" or "experts")
-    and, between expert groups, the assignments still queued at each logical expert (``queue_depth``,
-    read from the device when first asked; None outside expert groups)."""
+    """Where a pausable step waits: the layers done (the int), the ``stage`` ("layer": a layer
+    boundary; with per-expert queues, inside the next MoE layer: "attention" after its attention
+    side, "routing" after its routing, "experts" between its expert groups) and, after the routing,
+    the assignments waiting in each logical expert's queue (``queue_depth``, read from the device when
+    first asked; None at the other stages)."""
 
     stage: str
 

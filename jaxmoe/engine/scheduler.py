@@ -50,7 +50,7 @@ class OverloadedError(RuntimeError):
     """The waiting queue is full; the request was not accepted (retry later)."""
 
 
-# kind -> where it happens; "expert_pause": between the expert rounds of a MoE layer (per-expert queues)
+# kind -> where it happens; "expert_pause": inside a MoE layer (per-expert queues)
 PREEMPTION_LEVELS = {"keep_kv": "step", "recompute": "step", "pause": "layer", "expert_pause": "expert"}
 
 
@@ -102,7 +102,7 @@ class Scheduler:
         self.num_admitted = self.num_rejected = self.num_aborted = self.num_finished = 0
         # preemptions[kind][priority value]: "keep_kv" / "recompute" at step boundaries, "pause" (a
         # request paused between layers for latency-sensitive work, counted by LLMEngine) and
-        # "expert_pause" (paused between the expert rounds of a layer: per-expert queues)
+        # "expert_pause" (paused inside a MoE layer: per-expert queues)
         self.preemptions = {k: {"ls": 0, "be": 0} for k in PREEMPTION_LEVELS}
         self.kv_key = lambda: None  # what else the KV depends on (the engine: its expert routing's state)
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens looked up / found in the cache

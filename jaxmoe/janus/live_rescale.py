@@ -8,8 +8,10 @@ naming the value; nothing changes) and returns a ``RescaleJob``. Then:
 1. **Build, in the background** (a thread; the old executor keeps serving): the new executor on the
    new layout (``runtime.rescale.build_rescaled``: attention parameters copied to the new attention
    devices; expert replicas kept on the devices that already hold them, only the others copied),
-   and every step program of the serving shapes compiled by running it on padding rows (no KV
-   written) -- the same shapes as warm-up. The thread runs at niceness ``BUILD_NICE`` and the GIL
+   and the step programs the new layout needs to serve the live requests now compiled by running
+   them on padding rows (no KV written): ``ShapePlan.shapes_for`` the sequences live when the
+   rescale starts (``full_warmup=True``: every warm-up shape). A shape met later compiles when
+   first met, on the engine's thread (a one-time stall), as any jitted program. The thread runs at niceness ``BUILD_NICE`` and the GIL
    switch interval is ``BUILD_SWITCH_INTERVAL_S`` meanwhile, so the serving steps wait less for the
    host cores and the GIL.
 2. **Swap, at a step boundary** (``before_step``, on the engine's thread; ``apply`` when the engine
@@ -25,17 +27,33 @@ naming the value; nothing changes) and returns a ``RescaleJob``. Then:
    ``MIN_LIKE_STEPS`` were alike). The job is done when the new layout has served a step (at once
    when idle).
 
-Under ``jax.distributed`` (one process per host) every process must call ``rescale`` at the same
-point of the same request stream: the build then runs in the calling thread, between steps (a
-background build's collectives would interleave with the steps' differently on each process), so it
-is a stop-the-world pause that the stall includes; the swap follows at the next step boundary on
-every process. The expert side may span processes; the attention side must stay inside one
+Under ``jax.distributed`` (one process per host; ``agreed``) every process must call ``start`` at
+the same point of the same request stream, and the build is split in two:
+
+* **between steps, on every process** (in ``paused_s``): the new executor with the parameters and
+  expert replicas moved (``build_rescaled``: across processes that is ``slot_moves`` collectives,
+  which must run at the same point everywhere);
+* the new layout's step programs compiled without running them (``ModelRunner.lower_step``: lowered
+  on the serving shapes, compiled on ``compile_workers()`` threads; a program that ran would launch
+  collectives): by default between the same two steps too (``paused_s`` includes it, ``build_s``
+  is its part) and the swap follows there at once; with ``background_across_processes`` in a
+  background thread while the old layout serves (``steps_during_build``). Off by default: with jax
+  0.10.2 on CPU / gloo, compiles running beside the steps' collectives stalled both processes of the
+  serving tests (compiled alone, with no step running, they work).
+
+Then the processes agree on the swap step: before every step (and in ``apply``) while a build is
+in progress every process contributes its state (building, built, failed) to one all-gather
+(``multihost_utils.process_allgather``, a collective at the same point of every process's step
+sequence, so all see the same states); the swap happens on every process at the first step where
+all report built, and a build failed anywhere fails the rescale everywhere (the old layout stays).
+The expert side may span processes; the attention side must stay inside one
 (``runtime.rescale.check_processes``).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import math
 import os
@@ -43,9 +61,15 @@ import statistics
 import sys
 import threading
 import time
+from typing import Callable
+
 import jax
+import numpy as np
+
+from jaxmoe.compilation import compile_events
 
 from jaxmoe.engine.model_runner import ModelRunner
+from jaxmoe.engine.warmup import compile_workers
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import MeshConfigError
 from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
@@ -63,6 +87,8 @@ BUILD_NICE = 10  # the background build thread's niceness (Linux: per thread), b
 # while a background build runs, the interpreter's GIL switch interval (s; None: left as it is): the
 # build traces in Python, and a step that waits for the GIL waits up to one interval each time
 BUILD_SWITCH_INTERVAL_S: float | None = 0.0005
+BUILDING, BUILT, FAILED = 0, 1, 2  # a process's build state in the agreement (``LiveRescaler.gather``)
+BACKGROUND_ACROSS_PROCESSES = False  # ``LiveRescaler.background_across_processes``' default
 
 
 class RescaleError(ValueError):
@@ -89,14 +115,22 @@ class RescaleResult:
     # median of the recent steps before the rescale started with the first step's program calls (all
     # recent steps when fewer than MIN_LIKE_STEPS were alike; None: none ran)
     normal_step_s: float | None
-    stall_ratio: float | None  # (swap_s + first_step_s) / normal_step_s (+ build_s under jax.distributed)
+    stall_ratio: float | None  # (paused_s + swap_s + first_step_s) / normal_step_s
     kv_blocks_moved: int
     sequences_recomputed: int
     expert_slots_local: int  # new slots whose expert the instance (its devices) already held (no copy)
     expert_slots_copied: int  # copied from another device
     expert_bytes_copied: int
+    # under jax.distributed: the part of the build run between steps on every process (parameters and
+    # replicas moved); 0 in one process, where all of the build runs beside the steps
+    paused_s: float = 0.0
+    steps_during_build: int = 0  # steps the old layout served after the start, before the swap
+    # programs compiled (or loaded from the persistent cache) by this process during the first step on
+    # the new layout (None: the engine was idle): what the build did not compile ahead
+    first_step_compiles: int | None = None
     # (rows, tokens per row) of each program call of the first step on the new layout ([]: idle)
     first_step_calls: list = dataclasses.field(default_factory=list)
+    shapes_compiled: int = 0  # step shapes the build compiled (the rest compile when first met)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -118,15 +152,26 @@ class RescaleJob:
         self.recomputed = 0
         self.before: list[tuple[float, tuple]] = []  # (time, tokens per row of each call) of recent steps
         self.previous = ""
-        self.inline = False  # built in the caller's thread, between steps (jax.distributed)
+        self.agreed = False  # jax.distributed: built on every process, swapped where all report built
+        self.paused_s = 0.0  # agreed: the part of the build run between steps
+        self.steps_during_build = 0
+        self.build_error: RescaleError | None = None  # agreed: this process's build failed (not yet agreed)
+        self.compiles_at_swap: int | None = None
+        self.thread: threading.Thread | None = None  # the background build
         self.cancelled = False  # Rescaler.cancel(): the build stops before its next compile
+        self.shapes: list[tuple[int, int]] = []  # (rows per instance, tokens per row) the build compiles
 
     @property
     def target(self) -> str:
         return f"{self.attention}a{self.experts}e"
 
     def ready(self) -> bool:
+        """Built in this process (agreed: the swap waits for every process)."""
         return self._ready.is_set()
+
+    @property
+    def swapped(self) -> bool:
+        return self.swap_s is not None
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -167,6 +212,14 @@ class LiveRescaler:
         self._step_times: collections.deque[tuple[float, tuple]] = collections.deque(maxlen=64)
         self._lock = threading.Lock()
         self._t0 = 0.0
+        # several processes (jax.distributed): build on each, swap at the step all agree on
+        self.agreed = jax.process_count() > 1
+        # every process's build state (BUILDING / BUILT / FAILED) from this process's; a collective
+        self.gather: Callable[[int], list[int]] = _allgather
+        # agreed: compile in a background thread while the steps go on (True), or between two steps
+        # (False, the default: with jax 0.10.2 on CPU / gloo, compiles running beside the steps'
+        # collectives stalled both processes of the serving tests for good; compiled alone they work)
+        self.background_across_processes = BACKGROUND_ACROSS_PROCESSES
 
     @classmethod
     def attach(cls, engine, executor_kwargs: dict | None = None) -> "LiveRescaler":
@@ -186,7 +239,11 @@ class LiveRescaler:
         return rescaler
 
     # -- request ------------------------------------------------------------------------------
-    def start(self, attention: int, experts: int, slots_per_instance: int | None = None) -> RescaleJob:
+    def start(
+        self, attention: int, experts: int, slots_per_instance: int | None = None, full_warmup: bool = False
+    ) -> RescaleJob:
+        """Start a rescale (on the engine's thread, between steps). The build compiles the shapes the
+        live sequences need now (``full_warmup``: every shape warm-up compiles)."""
         ex = self.engine.executor
         if not isinstance(ex, DisaggregatedExecutor):
             raise RescaleError("rescale needs the disaggregated executor (start the engine with a mesh file)")
@@ -219,16 +276,49 @@ class LiveRescaler:
                 )
             job = self.job = RescaleJob(attention, experts, C)
         job.previous = f"{ex.num_attention}a{ex.num_expert_instances}e"
+        plan = self.engine.runner.plan
+        job.shapes = plan.shapes() if full_warmup else plan.shapes_for(self.engine.scheduler.sequences())
         # the baseline: steps before the build (those during it compete with it for the host)
         job.before = list(self._step_times)
-        if jax.process_count() > 1:
+        if self.agreed:
             # multi-controller: every process must launch the same collectives in the same order, so
-            # the build runs here, between steps (stop-the-world), not beside the steps in a thread
-            job.inline = True
-            self._build(job, ex, spec)
-        else:
-            threading.Thread(target=self._build, args=(job, ex, spec), name="jaxmoe-rescale", daemon=True).start()
+            # what moves data runs here, between steps; the compiles (no collective) in a thread
+            job.agreed = True
+            self._move_parameters(job, ex, spec)
+            if not self.background_across_processes:  # compiled here too, then swapped at once
+                t0 = time.perf_counter()
+                try:
+                    self._compile_ahead(job)
+                except Exception as e:  # every process learns it at the agreement just below
+                    job.build_error = RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}")
+                job.build_s = time.perf_counter() - t0
+                job.paused_s += job.build_s
+                job._ready.set()
+                self._settle(job)  # every process waits here for the slowest (a call, not a step)
+                if job.swap_s is not None and not self.engine.has_work():
+                    self._finish(job, None)
+                return job
+        job.thread = threading.Thread(target=self._build, args=(job, ex, spec), name="jaxmoe-rescale", daemon=True)
+        job.thread.start()
         return job
+
+    def _move_parameters(self, job: RescaleJob, old, spec) -> None:
+        """(agreed) The new executor and its runner, parameters and replicas moved: between steps, on
+        every process at the same point. ``RescaleError`` (nothing changed) when it fails."""
+        t0 = time.perf_counter()
+        try:
+            cfg = self.engine.config
+            job.executor, job.stats = build_rescaled(old, spec, cfg.num_blocks * cfg.block_size, **self.executor_kwargs)
+            runner = self.engine.runner
+            job.runner = ModelRunner(job.executor, runner.block_size, runner.max_blocks_per_seq, runner.plan)
+            jax.block_until_ready((job.executor.params, job.executor.cache))  # every copy landed
+        except Exception as e:
+            with self._lock:
+                self.job = None
+            error = RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}")
+            job._fail(error)
+            raise error from None
+        job.paused_s = time.perf_counter() - t0
 
     def _kv_layout(self, attention: int) -> KVLayout:
         cfg = self.engine.config
@@ -246,7 +336,7 @@ class LiveRescaler:
                 )
 
     def _build(self, job: RescaleJob, old, spec) -> None:
-        if job.inline or BUILD_SWITCH_INTERVAL_S is None:
+        if BUILD_SWITCH_INTERVAL_S is None:
             self._build_now(job, old, spec)
             return
         interval = sys.getswitchinterval()
@@ -258,36 +348,93 @@ class LiveRescaler:
 
     def _build_now(self, job: RescaleJob, old, spec) -> None:
         t0 = time.perf_counter()
-        if not job.inline:
-            _lower_thread_priority()
+        _lower_thread_priority()
         try:
-            cfg = self.engine.config
-            job.executor, job.stats = build_rescaled(old, spec, cfg.num_blocks * cfg.block_size, **self.executor_kwargs)
-            runner = self.engine.runner
-            job.runner = ModelRunner(job.executor, runner.block_size, runner.max_blocks_per_seq, runner.plan)
-            for rows, tokens in runner.plan.shapes():  # compile by running on padding rows (no KV)
-                if job.cancelled:
-                    return  # cancel() failed the job already
-                job.runner.warm(rows, tokens)
-                if self.engine.layer_hook is not None:
-                    job.runner.warm(rows, tokens, layer_by_layer=True)
-            jax.block_until_ready((job.executor.params, job.executor.cache))  # every copy landed
+            if job.agreed:  # parameters moved already: compile without running (running = collectives)
+                if not self._compile_ahead(job):
+                    return  # failed on another process: dropped everywhere already
+            else:
+                cfg = self.engine.config
+                job.executor, job.stats = build_rescaled(
+                    old, spec, cfg.num_blocks * cfg.block_size, **self.executor_kwargs
+                )
+                runner = self.engine.runner
+                job.runner = ModelRunner(job.executor, runner.block_size, runner.max_blocks_per_seq, runner.plan)
+                for rows, tokens in job.shapes:  # compile by running on padding rows (no KV)
+                    if job.cancelled:
+                        return  # cancel() failed the job already
+                    job.runner.warm(rows, tokens)
+                    if self.engine.layer_hook is not None:
+                        job.runner.warm(rows, tokens, layer_by_layer=True)
+                jax.block_until_ready((job.executor.params, job.executor.cache))  # every copy landed
         except Exception as e:  # the old layout keeps serving
+            error = RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}")
+            if job.agreed:  # every process learns it at the next agreement and drops the job there
+                job.build_error = error
+                job.build_s = time.perf_counter() - t0
+                job._ready.set()
+                return
             with self._lock:
                 self.job = None
-            job._fail(RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}"))
+            job._fail(error)
             return
         job.build_s = time.perf_counter() - t0
         if not job.cancelled:
             job._ready.set()
 
+    @staticmethod
+    def _compile_ahead(job: RescaleJob) -> bool:
+        """(agreed) Every step program of the serving shapes lowered here and compiled on
+        ``compile_workers()`` threads (XLA compiles without the GIL; the threads inherit this one's
+        niceness); nothing runs. False: cancelled (the compiles started finish first)."""
+        pool = concurrent.futures.ThreadPoolExecutor(compile_workers(), thread_name_prefix="jaxmoe-rescale-compile")
+        futures = []
+        try:
+            for rows, tokens in job.shapes:
+                for program in job.runner.lower_step(rows, tokens) or []:  # None: compiles on first use
+                    if job.cancelled:
+                        return False
+                    futures.append(pool.submit(program.compile))
+            for future in futures:
+                while not future.done():
+                    if job.cancelled:
+                        return False  # the compiles not started are dropped (shutdown below)
+                    concurrent.futures.wait([future], timeout=0.2)
+                future.result()  # the first compile error, if any
+            return not job.cancelled
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
     # -- at step boundaries (the engine's thread: a step hook) -------------------------------------
     def before_step(self, engine) -> None:
         """Swap in a built layout, then time the step."""
         job = self.job
-        if job is not None and job.ready() and job.swap_s is None:
-            self._swap(job)
+        if job is not None and job.swap_s is None:
+            if job.agreed:
+                self._settle(job)
+            elif job.ready():
+                self._swap(job)
         self._t0 = time.perf_counter()
+
+    def _settle(self, job: RescaleJob) -> bool:
+        """(agreed; every process at the same point) Gather every process's build state: all built,
+        swap now (True); one failed, the job fails on every process (the old layout stays); else wait."""
+        mine = BUILDING if not job.ready() else FAILED if job.build_error is not None else BUILT
+        states = [int(v) for v in np.ravel(self.gather(mine))]
+        if FAILED in states:
+            job.cancelled = True  # this process's build stops before its next shape
+            with self._lock:
+                self.job = None
+            others = [p for p, v in enumerate(states) if v == FAILED]
+            job._fail(
+                job.build_error
+                or RescaleError(f"building the {job.target} layout failed on process {', '.join(map(str, others))}")
+            )
+            return False
+        if all(v == BUILT for v in states):
+            self._swap(job)
+            return True
+        return False
 
     def after_step(self, engine, outputs) -> None:
         dt = time.perf_counter() - self._t0
@@ -297,6 +444,8 @@ class LiveRescaler:
         if job is not None and job.swap_s is not None and not job.done():
             self._finish(job, dt, calls)
         else:
+            if job is not None and job.swap_s is None:
+                job.steps_during_build += 1
             self._step_times.append((dt, tuple(t for _, t in calls)))
 
     def cancel(self) -> bool:
@@ -305,7 +454,8 @@ class LiveRescaler:
         layout stays. A layout already built is left to its swap. Returns whether one was cancelled."""
         with self._lock:
             job = self.job
-            if job is None or job.ready():
+            # agreed: every process must drop it at the same step (the cluster stops anyway)
+            if job is None or job.ready() or job.agreed:
                 return False
             job.cancelled = True
             self.job = None
@@ -314,11 +464,18 @@ class LiveRescaler:
 
     def apply(self) -> bool:
         """Swap in a built layout now (between steps); when the engine is idle the job is done at once.
-        Returns whether a swap happened."""
+        Returns whether a swap happened. Agreed (``jax.distributed``; every process calls it at the
+        same point): only once every process has built (``_settle``); False meanwhile."""
         job = self.job
-        if job is None or not job.ready() or job.swap_s is not None:
+        if job is None or job.swap_s is not None:
             return False
-        self._swap(job)
+        if job.agreed:
+            if not self._settle(job):
+                return False
+        elif not job.ready():
+            return False
+        else:
+            self._swap(job)
         if job.swap_s is not None and not self.engine.has_work():
             self._finish(job, None)
         return True
@@ -336,6 +493,7 @@ class LiveRescaler:
         recomputed = engine.swap_executor(job.runner, lambda old, new, moves: move_kv(old, new, moves, job.stats))
         jax.block_until_ready(new.cache)
         forget_cached_programs()  # the old layout's programs go with the old executor
+        job.compiles_at_swap = compile_events()["programs"]
         job.swap_s = time.perf_counter() - t0
         job.recomputed = len(recomputed)
         job.executor = job.runner = None
@@ -343,9 +501,12 @@ class LiveRescaler:
     def _finish(self, job: RescaleJob, first_step_s: float | None, calls: list | None = None) -> None:
         calls = calls or []
         normal = normal_step(job.before, calls)
-        paused = job.swap_s + (job.build_s if job.inline else 0.0)  # an inline build also stopped serving
+        paused = job.swap_s + job.paused_s  # the part of an agreed build run between steps stopped serving too
         stall = None if first_step_s is None or not normal else (paused + first_step_s) / normal
         s = job.stats
+        compiles = None
+        if first_step_s is not None and job.compiles_at_swap is not None:
+            compiles = compile_events()["programs"] - job.compiles_at_swap
         job._result = RescaleResult(
             job.attention,
             job.experts,
@@ -361,7 +522,11 @@ class LiveRescaler:
             s.expert_slots_local,
             s.expert_slots_copied,
             s.expert_bytes_copied,
-            [list(c) for c in calls],
+            paused_s=job.paused_s,
+            steps_during_build=job.steps_during_build,
+            first_step_compiles=compiles,
+            first_step_calls=[list(c) for c in calls],
+            shapes_compiled=len(job.shapes),
         )
         self.history.append(job._result)
         self._step_times.clear()  # the new layout's steps are the next baseline
@@ -379,6 +544,14 @@ def normal_step(before: list[tuple[float, tuple]], calls: list) -> float | None:
     like = [dt for dt, c in before if c == key]
     alike = like if len(like) >= MIN_LIKE_STEPS else [dt for dt, _ in before]
     return statistics.median(alike) if alike else None
+
+
+def _allgather(state: int) -> list[int]:
+    """Every process's ``state``, in process order (``multihost_utils.process_allgather``: every
+    process must call it at the same point)."""
+    from jax.experimental import multihost_utils
+
+    return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(state)))]
 
 
 def _lower_thread_priority() -> None:

@@ -333,6 +333,7 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
         routing_state=side.routing_state,
         expert_impl=old.expert_impl,
         pause_every=old.pause_every,
+        expert_rounds=old.expert_rounds,  # QLLM's per-expert queues, if on
         pipeline=old.pipeline,
         cache_dtype=jax.tree.leaves(old.cache)[0].dtype,
         **executor_kwargs,

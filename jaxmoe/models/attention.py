@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import ModelConfig
-from jaxmoe.models.common import pack16, rms_norm, unpack16
+from jaxmoe.models.common import INVARIANT, pack16, rms_norm, unpack16
 from jaxmoe.models.rope import apply_rope, rope_cos_sin
 from jaxmoe.pallas_kernels.paged_attention import cpu_kernel as attention_kernel
 
@@ -143,8 +143,8 @@ def gqa_attention(
     k = _linear(p, "k", x).reshape(B, T, a.num_kv_heads, a.head_dim)
     v = _linear(p, "v", x).reshape(B, T, a.num_kv_heads, a.head_dim)
     if a.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, in_place == INVARIANT)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, in_place == INVARIANT)
     cos, sin = rope_cos_sin(cfg.rope, cfg.max_position, batch.positions)
     q = apply_rope(q, cos, sin, cfg.rope.interleaved)
     k = apply_rope(k, cos, sin, cfg.rope.interleaved)
@@ -247,10 +247,11 @@ def attention_layer(
     ``tp_axis``: tensor parallelism inside a ``shard_map`` (``runtime.attention_tp``): ``cfg`` counts
     this device's heads, ``p`` holds their columns of q/k/v and rows of o, and the output projection
     is summed over that mesh axis."""
-    xn = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+    invariant = in_place == INVARIANT  # deterministic mode: norms summed in a fixed order per token
+    xn = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, invariant)
     if cfg.attn.kind == "mla":
         out, cache = mla_attention(p, cfg, xn, batch, cache, block_size, layer, tp_axis)
     else:
         out, cache = gqa_attention(p, cfg, xn, batch, cache, block_size, layer, tp_axis, in_place)
     h = x + out.astype(x.dtype)
-    return h, rms_norm(h, p["post_norm"], cfg.rms_norm_eps), cache
+    return h, rms_norm(h, p["post_norm"], cfg.rms_norm_eps, invariant), cache

@@ -6,11 +6,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import invariant_sum
 
-def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
+# ``in_place`` / ``invariant`` value of deterministic mode's batch-invariant form (``transformer.in_place_mode``)
+INVARIANT = "invariant"
+
+
+def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float, invariant: bool = False) -> jnp.ndarray:
+    """RMSNorm in float32; ``invariant``: the mean of squares summed in an order fixed per row, whatever
+    the other rows (``invariant_sum``: deterministic mode)."""
     dtype = x.dtype
     x = x.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    if invariant:
+        mean = (invariant_sum(x * x) / x.shape[-1])[..., None]
+    else:
+        mean = jnp.mean(x * x, axis=-1, keepdims=True)
+    x = x * jax.lax.rsqrt(mean + eps)
     return (weight.astype(jnp.float32) * x).astype(dtype)
 
 

@@ -70,16 +70,6 @@ def routed_experts(
     return expert_ffn(x, ids, weights, experts, impl=resolve(impl, AUTO_EXPERT_IMPL))
 
 
-def routed_experts_in(
-    p: dict, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray, lo, hi, layer=None, impl: str = "auto"
-) -> jnp.ndarray:
-    """``routed_experts`` of only the choices whose logical expert is in [lo, hi) (``lo`` / ``hi`` may
-    be traced: one program serves every range); the others count as "no expert". The monolithic
-    executor's expert rounds (QLLM's per-expert queues) run a layer's experts this way, range by range."""
-    mine = (ids >= lo) & (ids < hi)
-    return routed_experts(p, x, jnp.where(mine, ids, -1), weights, layer, impl)
-
-
 def moe_layer(
     p: dict,
     cfg: ModelConfig,

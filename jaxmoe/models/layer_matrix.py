@@ -4,7 +4,9 @@
 Inside the monolithic scan a layer's weights are a dynamic slice of the stack, and XLA:CPU copies
 every such slice before its matmul (BENCHMARKS.md, the profile of the 107 M model). Where the CPU kernel takes
 the shapes (``pallas_kernels.expert_ffn.cpu_kernel.matmul_supports``: a few rows), ``x @ m``
-reads the matrix in place instead; elsewhere it is the slice and ``@`` it replaces.
+reads the matrix in place instead; elsewhere it is the slice and ``@`` it replaces. An ``invariant``
+view (deterministic mode) runs the kernel at every row count: a row's result then does not depend
+on the other rows (``cpu_kernel.invariant_matmul``).
 """
 
 from __future__ import annotations
@@ -16,14 +18,19 @@ from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel
 
 
 class LayerMatrix:
-    def __init__(self, stack: jax.Array, index, dtype):
+    def __init__(self, stack: jax.Array, index, dtype, invariant: bool = False):
         self.stack, self.index, self.dtype = stack, index, dtype  # stack: 16-bit floats maybe as bits
+        self.invariant = invariant
 
     def array(self) -> jax.Array:
         """The matrix itself (a copy on XLA:CPU)."""
         return unpack16(jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False), self.dtype)
 
     def __rmatmul__(self, x):
+        if self.invariant:
+            if not cpu_kernel.matmul_supports(x, self.stack, any_rows=True):
+                raise ValueError(f"deterministic mode: the CPU kernel does not take x {x.shape} @ {self.stack.shape}")
+            return cpu_kernel.invariant_matmul(x, self.stack, self.index)
         if cpu_kernel.matmul_supports(x, self.stack):
             return cpu_kernel.layer_matmul(x, self.stack, self.index)
         return x @ self.array()

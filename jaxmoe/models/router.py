@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import invariant_sum
 
 
 def _group_mask(choice: jnp.ndarray, moe: MoEConfig, group_score) -> jnp.ndarray:
@@ -26,9 +27,14 @@ def _group_mask(choice: jnp.ndarray, moe: MoEConfig, group_score) -> jnp.ndarray
 
 def route(p: dict, moe: MoEConfig, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Top-k logical expert ids [T, k] (int32) and combine weights [T, k] (fp32) for tokens x [T, D]."""
+    # deterministic mode (an invariant ``LayerMatrix`` router): sums in an order fixed per token
+    invariant = getattr(p["router"], "invariant", False)
     logits = (x @ p["router"]).astype(jnp.float32)
     if moe.scoring == "sigmoid":
         scores = jax.nn.sigmoid(logits)
+    elif invariant:
+        e = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+        scores = e / invariant_sum(e)[..., None]
     else:
         scores = jax.nn.softmax(logits, axis=-1)
 
@@ -43,6 +49,7 @@ def route(p: dict, moe: MoEConfig, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.nda
     weights = jnp.take_along_axis(scores, ids, axis=-1)  # unbiased scores
 
     if moe.norm_topk_prob:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        total = invariant_sum(weights)[..., None] if invariant else weights.sum(axis=-1, keepdims=True)
+        weights = weights / (total + 1e-20)
     weights = weights * moe.routed_scaling_factor
     return ids.astype(jnp.int32), weights

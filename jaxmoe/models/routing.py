@@ -12,6 +12,10 @@ in replica slots (C + ceil(U / N) per instance, ``slots_with_extra``).
 the compiled programs); ``state`` is a traced per-step value (a pytree of numbers, or None), so changing
 it between steps recompiles nothing. ``TopKRouting`` (the router's top-k, U = 0, no state) is the
 core's default.
+
+A state may differ per phase (``PhaseStates``: one for prefill, one for decode, e.g. BrownoutServe's
+two thresholds). The executors resolve it per program call (``for_call``): the engine runs decodes and
+prefill chunks as separate calls (``ModelRunner.run``), a call of one-token rows is a decode call.
 """
 
 from __future__ import annotations
@@ -69,6 +73,32 @@ class TopKRouting:
     def route(self, moe: dict, cfg: MoEConfig, x, valid=None, state=None):
         ids, weights = top_k(moe, cfg, x)
         return mask_padding(ids, valid), weights
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseStates:
+    """A routing state per phase: ``prefill`` for program calls of prefill chunks, ``decode`` for calls
+    of one-token rows (``for_call``)."""
+
+    prefill: Any
+    decode: Any
+
+
+def for_call(state, tokens_per_row: int):
+    """The state a program call of rows of ``tokens_per_row`` tokens runs with: of ``PhaseStates``, the
+    decode state for one-token rows (decodes; a prompt's one-token last chunk rides with them) and the
+    prefill state otherwise (a call holding any longer row); any other state as it is."""
+    if isinstance(state, PhaseStates):
+        return state.decode if tokens_per_row == 1 else state.prefill
+    return state
+
+
+def state_key(state):
+    """A hashable, printable key of a routing state (its numbers as floats): what the prefix cache's
+    KV depends on."""
+    if isinstance(state, PhaseStates):
+        return (state_key(state.prefill), state_key(state.decode))
+    return None if state is None else tuple(float(v) for v in jax.tree.leaves(state))
 
 
 def mask_padding(ids, valid):

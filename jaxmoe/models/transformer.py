@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.models.attention import AttentionBatch, attention_layer, init_layer_cache
-from jaxmoe.models.common import pack16, rms_norm, swiglu_mlp, unpack16
+from jaxmoe.models.common import INVARIANT, pack16, rms_norm, swiglu_mlp, unpack16
 from jaxmoe.models.experts import TOP_K, moe_layer, shared_experts
 from jaxmoe.models.layer_matrix import LayerMatrix
 from jaxmoe.models.routing import ExpertRouting
@@ -118,9 +118,13 @@ def attention_side_ffn(layer: dict, xn: jnp.ndarray) -> jnp.ndarray | None:
     return None
 
 
-def lm_head(params: dict, cfg: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+def lm_head(params: dict, cfg: ModelConfig, x: jnp.ndarray, invariant: bool = False) -> jnp.ndarray:
+    """Logits (fp32) of the final-normed x; ``invariant``: by the CPU kernel, a row's logits whatever
+    the other rows (``in_place_mode``)."""
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, invariant)
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    if invariant:
+        return cpu_kernel.invariant_matmul(x, w[None], 0).astype(jnp.float32)
     return (x @ w).astype(jnp.float32)
 
 
@@ -128,10 +132,42 @@ ROUTED = ("w_gate", "w_up", "w_down")  # routed expert weights: sliced per layer
 IN_PLACE = ("q", "k", "v", "o")  # layer_view(in_place=True): attention projections read in place
 
 
-def layer_view(group: dict, index, dtype, in_place: bool = False) -> dict:
+def in_place_mode(expert_impl: str) -> bool | str:
+    """What ``layer_view`` / ``attention_side`` take as ``in_place`` beside an expert-FFN form: True
+    beside ``cpu_kernel`` (the GQA projections at decode sizes and the KV cache read in place by the CPU
+    kernels), ``INVARIANT`` beside ``cpu_kernel_invariant`` (deterministic mode: every dense matrix of a
+    layer and the LM head by the CPU kernel at every row count, attention by the CPU kernel: each
+    token's results are summed in an order that does not depend on the batch or the chunking), else
+    False."""
+    return {"cpu_kernel": True, "cpu_kernel_invariant": INVARIANT}.get(expert_impl, False)
+
+
+def invariant_unsupported(cfg: ModelConfig) -> str | None:
+    """Why the ``INVARIANT`` mode cannot run this model here (None: it can): it needs GQA attention
+    that the CPU attention kernel takes, dense matrices whose K the matmul kernel takes, and both
+    kernels available."""
+    from jaxmoe.pallas_kernels.paged_attention import cpu_kernel as attention_kernel
+
+    a = cfg.attn
+    if a.kind != "gqa":
+        return f"{a.kind} attention runs in XLA"
+    if a.head_dim % attention_kernel.VECTOR or a.head_dim > attention_kernel.MAX_HEAD_DIM:
+        return f"head_dim {a.head_dim} is not one the attention kernel takes"
+    ks = [cfg.hidden_size, a.num_heads * a.head_dim, cfg.moe.intermediate_size, cfg.moe.shared_intermediate_size]
+    ks.append(cfg.dense_intermediate_size)
+    if any(k % cpu_kernel.K_BLOCK for k in ks if k):
+        return f"a matrix's rows ({ks}) are not a multiple of {cpu_kernel.K_BLOCK}"
+    if cfg.hidden_size % cpu_kernel.VECTOR or cfg.moe.intermediate_size % cpu_kernel.VECTOR:
+        return "the expert kernel needs hidden and intermediate sizes that are multiples of 16"
+    return cpu_kernel.unavailable_reason() or attention_kernel.unavailable_reason()
+
+
+def layer_view(group: dict, index, dtype, in_place: bool | str = False) -> dict:
     """Layer ``index`` of a stacked group, except the routed expert weights, which stay stacked (and
     packed: the expert code slices and unpacks them). ``in_place``: the GQA projections become
-    ``LayerMatrix`` views, read in place by the CPU kernel where it takes the shapes."""
+    ``LayerMatrix`` views, read in place by the CPU kernel where it takes the shapes; ``INVARIANT``:
+    every matrix of the layer (projections, router, dense MLP, shared experts) becomes an invariant
+    ``LayerMatrix`` (``in_place_mode``)."""
 
     def take(path, a):
         keys = [getattr(k, "key", None) for k in path]
@@ -139,6 +175,8 @@ def layer_view(group: dict, index, dtype, in_place: bool = False) -> dict:
             return a
         if is_quantized(a):  # an int8 / fp8 projection (``jaxmoe.quantization``): this layer's, dequantized
             return a.at(index).dequantize(dtype)
+        if in_place == INVARIANT and a.ndim == 3:
+            return LayerMatrix(a, index, dtype, invariant=True)
         if in_place and keys[0] == "attn" and keys[-1] in IN_PLACE and a.ndim == 3:
             return LayerMatrix(a, index, dtype)
         return unpack16(jax.lax.dynamic_index_in_dim(a, index, keepdims=False), dtype)
@@ -210,7 +248,7 @@ def forward(
     """
     x = embed(params, tokens)
     # with the CPU expert kernel, attention reads its projections and the stacked KV cache in place too
-    in_place = expert_impl == "cpu_kernel"
+    in_place = in_place_mode(expert_impl)
     new_cache = []
     for group, group_cache in zip(params["groups"], cache):
 
@@ -226,4 +264,4 @@ def forward(
         new_cache.append(group_cache)
     if logits_index is not None:
         x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-    return lm_head(params, cfg, x), new_cache
+    return lm_head(params, cfg, x, invariant=in_place == INVARIANT), new_cache

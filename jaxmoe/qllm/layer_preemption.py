@@ -4,19 +4,22 @@ A step whose batch is all best-effort runs layer by layer (``pausable``) where a
 while it runs: the engine polls for arrivals (``engine.poll``: the serving loop, ``AsyncEngine``).
 Without a poll (``LLM.generate`` adds every request before the first step) nothing can arrive
 mid-step and the step stays one fused program. At each pause point
-(``between_layers``: after every ``pause_every`` layers, and between the expert rounds of a MoE layer
-with per-expert queues) the hook admits what arrived meanwhile (``engine.poll``) and asks the
-scheduling policy whether to pause there (``Scheduler.pause_at_layer``); if so, it schedules the
-waiting latency-sensitive work and
+(``between_layers``: after every ``pause_every`` layers, and with per-expert queues inside each MoE
+layer: after its attention side, after its routing and between its expert rounds) the hook admits
+what arrived meanwhile (``engine.poll``) and asks the scheduling policy whether to pause there
+(``Scheduler.pause_at_layer``, with a ``PausePoint``: the stage and the queue depths); if so, it
+schedules the waiting latency-sensitive work and
 
-* merges it into the step (``merge``, the default; the paper's Fig. 1b): at a layer boundary its rows
-  run the layers done so far alone (the catch-up), then they and the step's rows share the remaining
-  layers in one batch (``LLMEngine.merge_batch``); their tokens come with the step's. Several
-  arrivals may merge into one step, each at its own boundary; counted in ``ls_merges``.
-* else (``merge=False``, between expert groups, on an executor that cannot merge, or where the merged
-  batch's shape is not one warm-up compiled) runs it as a batch of its own while the step waits (its
-  tokens go out at once, ``engine.deliver``), then the paused step goes on from the next layer with
-  its hidden states (kept on the device) and the KV it wrote.
+* merges it into the step (``merge``, the default; the paper's Fig. 1b): its rows run the layers done
+  so far alone (the catch-up; inside a MoE layer also that layer's attention side and routing), then
+  they and the step's rows share the rest in one batch (``LLMEngine.merge_batch``); inside a MoE
+  layer their assignments enter the per-expert queues ahead of the waiting best-effort ones. Their
+  tokens come with the step's. Several arrivals may merge into one step, each at its own pause point;
+  counted in ``ls_merges`` (those inside a MoE layer also in ``queue_merges``).
+* else (``merge=False``, on an executor that cannot merge, or where the merged batch's shape is not
+  one warm-up compiled) runs it as a batch of its own while the step waits (its tokens go out at
+  once, ``engine.deliver``), then the paused step goes on from where it stopped with its state (kept
+  on the device) and the KV it wrote.
 
 A step whose paused state (hidden states) would exceed ``max_paused_state_bytes`` is not paused: its
 latency-sensitive work waits for the step boundary.
@@ -35,11 +38,14 @@ class LayerPreemption:
     def __init__(self, max_paused_state_bytes: int | None = None, merge: bool = True):
         self.max_paused_state_bytes = max_paused_state_bytes
         self.merge = merge  # LS work joins the paused step (else it runs as a step of its own)
-        self.ls_merges = 0  # latency-sensitive requests merged into a running step at a layer boundary
+        self.ls_merges = 0  # latency-sensitive requests merged into a running step
+        self.queue_merges = 0  # ... of them, merged inside a MoE layer (their tokens jumped the expert queues)
         self.layer_pauses = 0  # times a step was paused between layers for latency-sensitive work
         self.paused_state_bytes_max = 0  # the most device memory a paused step kept (hidden states)
         self.pauses_over_budget = 0  # pauses refused: the step's state exceeded max_paused_state_bytes
-        self.expert_queue_depth: list[int] | None = None  # per expert, assignments queued at the latest expert pause
+        self.expert_queue_depth: list[int] | None = (
+            None  # per expert, assignments queued at the latest pause inside a MoE layer
+        )
 
     def pausable(self, engine, batch) -> bool:
         return engine.poll is not None and all(s.priority is Priority.BE for s in batch.seqs)
@@ -51,7 +57,8 @@ class LayerPreemption:
         scheduler = engine.scheduler
         executor = engine.executor
         depth = executor.expert_queue_depth if isinstance(executor, ExpertQueueing) else None
-        point = PausePoint(layer, getattr(executor, "pause_stage", None) or "layer", depth)
+        stage = getattr(executor, "pause_stage", None) or "layer"
+        point = PausePoint(layer, stage, depth)
         if not scheduler.pause_at_layer(paused, point):  # the policy sees the stage and the queue depths
             return
         state = engine.runner.pausable_state_bytes
@@ -62,18 +69,20 @@ class LayerPreemption:
         inner = scheduler.schedule(exclude=paused, priority=Priority.LS)
         if inner.is_empty:
             return
+        if point.queue_depth is not None:  # what waits at each expert as the step pauses there
+            self.expert_queue_depth = point.queue_depth
         if self.merge and engine.merge_batch(inner):
-            self.ls_merges += len(inner.prefills) + len(inner.decodes)
+            merged = len(inner.prefills) + len(inner.decodes)
+            self.ls_merges += merged
+            if stage != "layer":
+                self.queue_merges += merged
             return
         self.layer_pauses += 1
         self.paused_state_bytes_max = max(self.paused_state_bytes_max, state)
-        depth = point.queue_depth
-        if depth is not None:
-            self.expert_queue_depth = depth
         for rid in paused:
             seq = scheduler.get(rid)
             if seq is not None:
-                scheduler.preemptions["pause" if depth is None else "expert_pause"][seq.priority.value] += 1
+                scheduler.preemptions["pause" if stage == "layer" else "expert_pause"][seq.priority.value] += 1
         try:
             outputs = engine.run_batch(inner)
         finally:
@@ -84,6 +93,7 @@ class LayerPreemption:
         return {
             "layer_pauses": self.layer_pauses,
             "ls_merges": self.ls_merges,
+            "queue_merges": self.queue_merges,
             "pauses_over_budget": self.pauses_over_budget,
             "paused_state_bytes_max": self.paused_state_bytes_max,
             "expert_queue_depth": self.expert_queue_depth,

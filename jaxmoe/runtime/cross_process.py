@@ -167,6 +167,46 @@ class CrossProcessTransfer:
 
     # ------------------------------------------------------------------ programs
 
+    # -- lowering ahead: a program traced and lowered for given shapes, neither compiled nor run (so no
+    # collective): a live rescale compiles a new layout's programs in a thread while the old one serves
+
+    def lower_a2e(self, x: jax.ShapeDtypeStruct, plan: TransferPlan) -> tuple[list, jax.ShapeDtypeStruct]:
+        """``a2e``'s program for activations shaped like ``x`` (P("attn")), lowered; and its output's
+        shape (replicated on the expert mesh)."""
+        rows = x.shape[0] // self.spec.attention.count
+        fn, _ = self._program("a2e", plan)
+        xg = self._global_struct((rows,) + tuple(x.shape[1:]), x.dtype)
+        return [fn.lower(xg)], jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sub.replicated_sharding)
+
+    def lower_e2a(self, y: jax.ShapeDtypeStruct, plan: TransferPlan) -> tuple[list, jax.ShapeDtypeStruct]:
+        """``e2a``'s program for partials shaped like ``y`` ([n, B, ...] P("expert")), lowered; and its
+        output's shape ([B, ...] P("attn") on the attention mesh)."""
+        fn, _ = self._program("e2a", plan)
+        yg = self._global_struct((1,) + tuple(y.shape[1:]), y.dtype)
+        return [fn.lower(yg)], jax.ShapeDtypeStruct(y.shape[1:], y.dtype, sharding=self.sub.batch_sharding)
+
+    def lower_to_local(self, x: jax.ShapeDtypeStruct) -> tuple[list, jax.ShapeDtypeStruct]:
+        """``to_local``'s programs for an array shaped like ``x`` (on the attention or the expert mesh),
+        lowered; and the shape of what it returns here (one device of this process)."""
+        side = self._side_of(x)
+        mesh = self.sub.attention if side == "attention" else self.sub.experts
+        programs = [_replicate(mesh).lower(x)]
+        hops = self._fetch_hops(side)
+        if hops:
+            fn, _ = self._program("fetch", (side, hops))
+            programs.append(fn.lower(self._global_struct(tuple(x.shape), x.dtype)))
+        mine = [dev for dev in mesh.devices.flat if dev.process_index == jax.process_index()]
+        if not mine:  # what the fetch hop brought to this process's first device
+            dst = {self.sub.devices[t.dst] for t in hops}
+            mine = [dev for dev in self._local if dev in dst]
+        out = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(mine[0]))
+        return programs, out
+
+    def _global_struct(self, shard_shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """The shape ``_to_global`` gives a per-device shard of ``shard_shape``."""
+        shape = (len(self.sub.devices) * shard_shape[0],) + tuple(shard_shape[1:])
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, P(XFER)))
+
     def _program(self, kind: str, key):
         if (kind, key) not in self._programs:
             builder = {"a2e": self._build_a2e, "e2a": self._build_e2a, "fetch": self._build_fetch}[kind]

@@ -42,6 +42,10 @@ expert program; its extra logical experts (e.g. BrownoutServe's united experts) 
 slots beside the originals, and ``routing_state`` (e.g. the brownout threshold) may change between
 steps without recompiling.
 
+With ``expert_rounds`` (QLLM's per-expert queues) a layer-by-layer step with the sequential schedule
+runs each MoE layer's expert work as the gate alone, then rounds over ranges of logical experts, with
+pause points after the attention side, after the gate and between rounds.
+
 Same interface as ``MonolithicExecutor``: ``.params``, ``.cache``, ``forward``.
 """
 
@@ -62,7 +66,7 @@ from jaxmoe.kv_layout import KVLayout
 from jaxmoe.mesh import ClusterSpec, SubMeshes, build_meshes, load_mesh
 from jaxmoe.models.attention import AttentionBatch, init_layer_cache
 from jaxmoe.models.experts import TOP_K
-from jaxmoe.models.routing import ExpertRouting, extra_experts, slots_with_extra
+from jaxmoe.models.routing import ExpertRouting, extra_experts, for_call, slots_with_extra
 from jaxmoe.runtime.attention_program import attention_side_params, head_params, make_attention_programs
 from jaxmoe.runtime.cross_process import CrossProcessTransfer, spans_processes
 from jaxmoe.pallas_kernels.expert_ffn import resolve
@@ -70,6 +74,7 @@ from jaxmoe.runtime.expert_program import AUTO_EXPERT_IMPL, make_expert_program
 from jaxmoe.runtime.expert_side import ExpertSide
 from jaxmoe.runtime import chunks, op_impls
 from jaxmoe.runtime.pipeline import Pipeline, PipelineChooser, expected_tasks, program_order, split_rows
+from jaxmoe.runtime.monolithic import check_rounds, queue_depth
 from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
 from jaxmoe.runtime.transfer import LocalTransfer, TransferBackend, plan_transfers
@@ -122,8 +127,13 @@ class DisaggregatedExecutor:
         routing: ExpertRouting = TOP_K,
         routing_state=None,
         placed_experts: dict | None = None,
+        expert_rounds=None,
     ):
         """``pause_every``: with layer-level preemption, the pause points are every that many layers.
+        ``expert_rounds``: with layer-level preemption, QLLM's per-expert queues: each MoE layer's gate
+        runs alone, then its logical experts are served in these contiguous ranges [lo, hi), with
+        pause points after the attention side, after the gate and between ranges (sequential schedule
+        only: a step whose pipeline has r1 or r2 > 1 runs its MoE layers whole).
         ``routing`` / ``routing_state``: the MoE layers' expert routing, run in the expert program,
         and its start state (e.g. ``jaxmoe.brownout.routing.BrownoutRouting`` and the threshold; the
         params hold what it needs, e.g. united experts).
@@ -195,6 +205,12 @@ class DisaggregatedExecutor:
             cfg, params, self.sub, self.experts, self.transfer, placement, routing, routing_state, placed_experts
         )
         self.moe_layers = self.expert_side.moe_layers
+        self.expert_rounds = check_rounds(expert_rounds, self.expert_side.num_logical)
+        self.pause_stage = None  # where a layer-by-layer step waits: "layer", or inside a MoE layer (queues)
+        self._queued = None  # the queues (logical ids of the waiting assignments) while paused after a gate
+        self._to_f32 = jax.jit(lambda p: p.astype(jnp.float32))  # a token's partial outputs add up in float32
+        self._accumulate = jax.jit(lambda acc, p: acc + p.astype(jnp.float32))
+        self._to_dtype = jax.jit(lambda acc, like: acc.astype(like.dtype))
 
         # KV cache: slots padded to whole blocks per attention instance, sharded P("attn").
         self.kv_layout = KVLayout.for_slots(num_slots, block_size, self.num_attention)
@@ -239,6 +255,7 @@ class DisaggregatedExecutor:
         mbs = [self._upload(*part, pipe.r2) for part in parts]
         step = jax.device_put(np.int32(self._step), self.experts.replicated)
         self._step += 1
+        state = for_call(self.routing_state, T)  # per phase: a decode or a prefill call
         run = Phases(self.timing, self.observer, self.record_dispatch)
         pause = None if between_layers is None else PausePoints(between_layers, self.pause_every)
 
@@ -247,10 +264,11 @@ class DisaggregatedExecutor:
         seq = self._dispatch_sequence(pipe, layered=pause is not None)
         xns, chunk_state = [None] * r1, [None] * r1  # per micro-batch: its layer's xn, (plan, shape, chunks)
         done = 0  # layers whose every task is dispatched (pause points: the sequence is then layer by layer)
+        queues = pause is not None and bool(self.expert_rounds) and r1 == 1 and pipe.r2 == 1
         for task, i, k, c in seq:
             if pause is not None and i > done:
                 done = i
-                pause(i, xs, ys)
+                self._pause_at(pause, i, "layer", (xs, ys))
             if task == "attention":
                 xs[k], xns[k], self.cache[i] = run(
                     "attention", i, self.attention.layer, self._attn_layers[i], xs[k], ys[k], mbs[k].batch,
@@ -261,8 +279,12 @@ class DisaggregatedExecutor:
             elif task == "shared":
                 if i in self._shared_layers:
                     xs[k] = run("shared", i, self.attention.shared, self._shared_layers[i], xs[k], xns[k], at=(k, c))
+            elif task == "expert" and queues:
+                chunk_state[k] = self._queued_experts(run, i, mbs[k], (step, state), chunk_state[k], pause)
             else:
-                chunk_state[k] = self._chunk_task(run, task, i, k, c, xns[k], mbs[k], step, chunk_state[k], pipe)
+                chunk_state[k] = self._chunk_task(
+                    run, task, i, k, c, xns[k], mbs[k], (step, state), chunk_state[k], pipe
+                )
                 if task == "e2a" and all(y is not None for y in chunk_state[k][3]):  # every chunk back
                     ys[k] = self._join(run, i, chunk_state[k])
         logits = [
@@ -275,6 +297,78 @@ class DisaggregatedExecutor:
             self.last_dispatch = run.dispatched
         out = logits[0] if r1 == 1 else jnp.concatenate(logits)[where]
         return out if B == out.shape[0] else out[:B]
+
+    def lower_step(self, tokens, batch: AttentionBatch, logits_index) -> tuple[list, jax.ShapeDtypeStruct] | None:
+        """The programs ``forward(tokens, batch, logits_index)`` runs, traced and lowered on these
+        shapes but neither compiled nor run (no data moves, no collective: a thread may compile them
+        while another executor serves, and compiling one fills the cache ``forward`` looks in); and
+        the shape of the logits ``forward`` returns. Layers of the same kind share one program (each
+        is lowered once). In one process A2E / E2A are ``device_put`` hops, not programs; across
+        processes the ``CrossProcessTransfer`` programs are included. None: the step's pipeline
+        splits the rows (r1 > 1) or the expert work (r2 > 1), not lowered ahead (it compiles on first
+        use). Unlike ``runtime.executor.LowersAhead`` (the monolithic executor) warm-up does not use
+        it: it runs each shape instead, which also compiles what runs outside these programs."""
+        tokens, batch, logits_index, B = self._pad(tokens, batch, logits_index)
+        rows, T = tokens.shape[0] // self.num_attention, tokens.shape[1]
+        pipe = self.pipeline.for_batch(rows, T, int(batch.positions.max()) + 1)
+        if pipe.r1 != 1 or pipe.r2 != 1:
+            return None
+        local = self.is_local(batch)
+        A, cross = self.attention, isinstance(self.transfer, CrossProcessTransfer)
+
+        def struct(shape, dtype, sharding):
+            return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+        programs: list = []
+        seen: set = set()
+
+        def lower(name, fn, *args):
+            """fn lowered on args (once per distinct argument shapes); its output's shapes."""
+            leaves = jax.tree.leaves(args)
+            key = (name, str(jax.tree.structure(args)))
+            key += tuple((a.shape, str(a.dtype), str(a.sharding)) if hasattr(a, "shape") else a for a in leaves)
+            low = fn.lower(*args)
+            if key not in seen:
+                seen.add(key)
+                programs.append(low)
+            return low.out_info
+
+        tok = struct(tokens.shape, jnp.int32, A.rows)
+        bat = AttentionBatch(*(struct(a.shape, jnp.int32, A.rows) for a in batch))
+        index = None if logits_index is None else struct(logits_index.shape, jnp.int32, A.rows)
+        valid = struct(batch.slots.shape, jnp.bool_, self.experts.replicated)
+        step = struct((), jnp.int32, self.experts.replicated)
+        x, y = (struct(o.shape, o.dtype, A.rows) for o in lower("embed", A.embed, self._embed, tok))
+        zeros = y
+        side = self.expert_side
+        for i, layer in enumerate(self._attn_layers):
+            h, xn, _ = lower("attention", A.layer, layer, x, y, bat, self.cache[i], local)
+            h, xn = struct(h.shape, h.dtype, A.rows), struct(xn.shape, xn.dtype, A.rows)
+            if i in side.layers:
+                plan = plan_transfers(self.sub.spec, int(np.prod(xn.shape)) * xn.dtype.itemsize // self.num_attention)
+                xe = struct(xn.shape, xn.dtype, self.sub.replicated_sharding)
+                if cross:
+                    more, xe = self.transfer.lower_a2e(xn, plan)
+                    programs.extend(more)
+                args = (side.layers[i], side._tables[i], xe, valid, step, side._coact[i], side._state_on_mesh())
+                part = lower("experts", self.experts.run, *args)[0]
+                part = struct(part.shape, part.dtype, self.sub.partials_sharding)
+                y = struct(part.shape[1:], part.dtype, self.sub.batch_sharding)
+                if cross:
+                    more, y = self.transfer.lower_e2a(part, plan)
+                    programs.extend(more)
+            else:
+                y = zeros
+            if i in self._shared_layers:
+                h = lower("shared", A.shared, self._shared_layers[i], h, xn)
+                h = struct(h.shape, h.dtype, A.rows)
+            x = h
+        logits = lower("head", A.head, self._head, x, y, index)
+        logits = struct(logits.shape, logits.dtype, A.rows)
+        if cross:
+            more, logits = self.transfer.lower_to_local(logits)
+            programs.extend(more)
+        return programs, logits
 
     def _dispatch_sequence(self, pipe: Pipeline, layered: bool) -> tuple:
         """The step's (task, layer, micro-batch, chunk) sequence: ``pipe.dispatch`` (FinDEP's event
@@ -298,6 +392,7 @@ class DisaggregatedExecutor:
     def _chunk_task(self, run, task: str, i: int, k: int, c: int, xn, mb: _MicroBatch, step, state, pipe):
         """Dispatch one expert-side task of micro-batch k's chunk c in layer i (async): A2E (the first
         one cuts the micro-batch into its r2 chunks, ``runtime.chunks``), the expert program, or E2A.
+        ``step``: (the step counter on the expert mesh, the routing state of this call).
         ``state``: (plan, xn's shape, per chunk its latest output); returns it updated."""
         if task == "a2e" and c == 0:
             parts = (xn,) if pipe.r2 == 1 else run("split", i, chunks.split, xn, self.sub, pipe.r2)
@@ -309,11 +404,52 @@ class DisaggregatedExecutor:
         if task == "a2e":
             data[c] = run("a2e", i, self.transfer.a2e, data[c], plan, self.sub, at=(k, c))
         elif task == "expert":
-            data[c] = run("expert", i, self.expert_side.run, i, data[c], mb.valid[c], step, at=(k, c))[0]
+            data[c] = run("expert", i, self.expert_side.run, i, data[c], mb.valid[c], *step, at=(k, c))[0]
             self._transfers[i].count(plan)
         else:
             back[c] = run("e2a", i, self.transfer.e2a, data[c], plan, self.sub, at=(k, c))
         return state
+
+    def _pause_at(self, pause: PausePoints, layers: int, stage: str, outputs, queued=None) -> None:
+        """A pause point (``stage``) after the programs that produce ``outputs``; ``queued``: the
+        queues then (after a MoE layer's gate). The layer-by-layer step cannot take rows here (no
+        merge on this executor): latency-sensitive work runs as a step of its own meanwhile."""
+        self.pause_stage, self._queued = stage, queued
+        try:
+            if stage == "layer":
+                pause(layers, *outputs)
+            else:
+                pause.inside(layers, *outputs)
+        finally:
+            self.pause_stage, self._queued = None, None
+
+    def _queued_experts(self, run, i: int, mb: _MicroBatch, step, state, pause: PausePoints):
+        """Layer i's expert work as QLLM's per-expert queues (sequential schedule; ``step`` and
+        ``state`` as ``_chunk_task``'s, after A2E): a pause point (the attention side is done), the gate alone
+        (every assignment joins its expert's FIFO queue), a pause point, then the rounds, each serving
+        the queues of its range of logical experts, with a pause point between rounds. The partial
+        outputs add up (float32) on the expert mesh; E2A carries their sum, so a token's output joins
+        its hidden state only after the last round."""
+        plan, shape, data, back = state
+        step, routing_state = step
+        xe, valid = data[0], mb.valid[0]
+        self._pause_at(pause, i, "attention", (xe,))
+        queued, weights = run("expert", i, self.expert_side.route, i, xe, valid, routing_state)
+        acc = None
+        for r, (lo, hi) in enumerate(self.expert_rounds):
+            self._pause_at(pause, i, "routing" if r == 0 else "experts", (queued,), queued)
+            partials, queued = run("expert", i, self.expert_side.serve, i, xe, queued, weights, step, lo, hi)
+            acc = self._to_f32(partials) if acc is None else self._accumulate(acc, partials)
+        data[0] = self._to_dtype(acc, partials)
+        self._transfers[i].count(plan)
+        return plan, shape, data, back
+
+    def expert_queue_depth(self):
+        """Assignments waiting in each logical expert's queue [E + U] while a step is paused inside a
+        MoE layer after its gate (None anywhere else)."""
+        if self._queued is None:
+            return None
+        return queue_depth(self.transfer.fetch(self._queued), self.expert_side.num_logical)
 
     def _join(self, run, i: int, state):
         """Micro-batch's routed output: its chunks' E2A outputs joined back into its rows."""

@@ -6,9 +6,10 @@ Capabilities some executors have are their own protocols, checked with ``isinsta
 that need them: ``ReplicaPlacement`` (expert replicas re-placed between steps: the disaggregated
 executor; ``jaxmoe.janus.placement_controller``) and ``Routed`` (the expert routing it runs and its
 run-time state: both executors; e.g. ``jaxmoe.brownout`` moves the threshold) and ``ExpertQueueing``
-(per-expert queues: pause points between the expert rounds of a MoE layer; the monolithic executor,
-with rounds from ``jaxmoe.qllm``) and ``MergesRows`` (rows that join a layer-by-layer step at a layer
-boundary: QLLM's merge; the monolithic executor) and ``LowersAhead`` (the
+(per-expert queues: pause points inside a MoE layer, after its attention side, after its routing and
+between its expert rounds; both executors, with rounds from ``jaxmoe.qllm``) and
+``MergesRows`` (rows that join a layer-by-layer step at a pause point: QLLM's merge; the monolithic
+executor) and ``LowersAhead`` (the
 step's programs traced and lowered without running them, so warm-up can compile them in parallel:
 the monolithic executor). Layer-level preemption (QLLM) is every executor's:
 ``forward(..., between_layers=...)``.
@@ -98,21 +99,23 @@ class ExpertUseCounting(Protocol):
 @runtime_checkable
 class ExpertQueueing(Protocol):
     """Per-expert queues (QLLM, ``jaxmoe.qllm.expert_queues``): in a layer-by-layer step, each MoE
-    layer's logical experts are served in the ranges [lo, hi) of ``expert_rounds`` (empty: off) with a
-    pause point between rounds."""
+    layer routes every (token, choice) assignment into its logical expert's FIFO queue, and the
+    queues are served in rounds over the ranges [lo, hi) of ``expert_rounds`` (empty: off), with pause
+    points after the attention side, after the routing and between rounds (``pause_stage``)."""
 
     expert_rounds: list[tuple[int, int]]
 
     def expert_queue_depth(self) -> np.ndarray | None:
-        """Assignments waiting at each logical expert [E + U] while a step is paused between expert
-        rounds (None anywhere else)."""
+        """Assignments waiting at each logical expert [E + U] while a step is paused inside a MoE
+        layer after its routing (None anywhere else)."""
         ...
 
 
 class RowMerge(NamedTuple):
-    """Rows that join a step paused at a layer boundary (QLLM's merge, ``MergesRows``): ``between_layers``
+    """Rows that join a step paused at a pause point (QLLM's merge, ``MergesRows``): ``between_layers``
     returns one. ``tokens`` / ``batch`` [B', T']: the new rows alone, padded (their first ``rows`` rows
-    are real); they run the layers done so far alone (the catch-up, writing their KV there). Then the
+    are real); they run the layers done so far alone (the catch-up, writing their KV there; inside a
+    MoE layer with per-expert queues also its attention side and routing). Then the
     step goes on over ``merged_batch`` / ``merged_index`` [Bm, Tm]: the running step's first ``keep``
     rows, then the new rows, then padding."""
 
@@ -126,12 +129,12 @@ class RowMerge(NamedTuple):
 
 @runtime_checkable
 class MergesRows(Protocol):
-    """QLLM's merge (Fig. 1b): at a layer boundary of a layer-by-layer step, ``between_layers`` may
-    return a ``RowMerge``; the new rows catch up to that layer alone, then every row shares the
-    remaining layers in one batch, and ``forward`` returns the logits of the merged rows."""
+    """QLLM's merge (Fig. 1b): at a pause point of a layer-by-layer step, ``between_layers`` may
+    return a ``RowMerge``; the new rows catch up to that point alone, then every row shares the
+    rest of the step in one batch, and ``forward`` returns the logits of the merged rows."""
 
     def merge_ready(self) -> bool:
-        """Whether the step now paused can take rows here (a layer boundary, not between expert groups)."""
+        """Whether the step now paused can take rows here."""
         ...
 
 

@@ -22,6 +22,11 @@ partials into the attention side. The program also adds this step's co-activatio
 BrownoutServe's united experts, as routed), the statistics of the placement controller, and
 returns the activated replicas per instance and the distinct (original, extra) experts used.
 
+With QLLM's per-expert queues (``DisaggregatedExecutor(expert_rounds=...)``) the same work runs as
+programs of its own: ``route`` (the gate and the counters: every assignment's logical expert, the
+queues) and ``serve`` (one round: AEBS and the grouped matmul over the queued assignments of a range
+of logical experts, which then leave their queues), so a best-effort step can pause between them.
+
 Weights: the logical experts (``ExpertRouting.logical_params``) as slot arrays [S, D, F] / [S, F, D]
 sharded P("expert") (S = N x C, see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias,
 and what else the routing reads) replicated; shared experts (expert side only) sharded on their
@@ -98,6 +103,10 @@ def _shardings(mesh, specs):
 class ExpertProgram:
     run: Callable  # (params, tables, x, valid, step, coact, routing_state) -> (partials, coact, activated, used)
     replicated: NamedSharding  # P() on the expert mesh
+    # per-expert queues (QLLM), the gate and the experts as programs of their own:
+    route: Callable | None = None  # (params, x, valid, coact, routing_state) -> (queued ids, weights, coact, used)
+    # (params, tables, x, queued, weights, step, lo, hi) -> (partials, activated, queued): serve experts [lo, hi)
+    serve: Callable | None = None
     fallback_above: int | None = None  # steps of more tokens run the FFN form's fallback (expert_ffn.fallback_above)
     aebs_impl: str = "reference"  # the AEBS form it runs (pallas_kernels.aebs.resolve_impl)
 
@@ -172,10 +181,72 @@ def make_expert_program(
         partials, step_coact, activated, used = mapped(p, tables, x, valid, step, state)
         return partials, coact + step_coact, activated, used
 
+    def gate(p, x, valid, state, L):  # per-expert queues: the gate alone; every assignment joins its queue
+        B, T, D = x.shape
+        ids, weights = routing.route(p, cfg.moe, x.reshape(B * T, D), valid.reshape(B * T), state)
+        hit = jax.nn.one_hot(ids, L, dtype=jnp.float32).sum(1)
+        coact = jnp.round(jnp.matmul(hit.T, hit, precision="highest")).astype(jnp.int32)
+
+        def distinct(mask):
+            return jnp.zeros((L,), bool).at[jnp.where(mask, ids, L)].set(True, mode="drop").sum()
+
+        used = jnp.stack([distinct((ids >= 0) & (ids < E)), distinct(ids >= E)]).astype(jnp.int32)
+        return ids, weights, coact, used
+
+    def route(p, x, valid, coact, state):
+        mapped = jax.shard_map(
+            functools.partial(gate, L=coact.shape[0]),  # the E + U logical experts
+            mesh=sub.experts,
+            in_specs=(param_specs(p, tp), P(), P(), P()),
+            out_specs=(P(), P(), P(), P()),
+            check_vma=False,  # replicated by construction (same inputs everywhere)
+        )
+        ids, weights, step_coact, used = mapped(p, x, valid, state)
+        return ids, weights, coact + step_coact, used
+
+    def serve_instance(p, tables, x, queued, weights, step, lo, hi):
+        # one round: the queued assignments at experts [lo, hi) leave their queues (AEBS places them)
+        B, T, D = x.shape
+        x2 = x.reshape(B * T, D)
+        mine = (queued >= lo) & (queued < hi)
+        ids = jnp.where(mine, queued, -1)
+        phys, activated = schedule(
+            ids,
+            tables["replica_table"],
+            tables["replica_instance"],
+            N,
+            policy=policy,
+            impl=aebs_impl,
+            interpret=interpret,
+            seed=step,
+        )
+        first = jax.lax.axis_index(EXP) * C
+        local = jnp.where((phys >= first) & (phys < first + C), phys - first, -1)
+        y = expert_ffn(
+            x2, local, weights, Stacked(p["w_gate"], p["w_up"], p["w_down"]), impl=ffn_impl, interpret=interpret
+        )
+        if tp:
+            y = jax.lax.psum(y, ETP)
+        if "shared" in p:  # the shared experts once per layer: with the first round
+            y = y + jnp.where(lo == 0, shared_experts(p["shared"], x2), 0).astype(y.dtype)
+        return y.reshape(1, B, T, D), activated, jnp.where(mine, -1, queued)
+
+    def serve(p, tables, x, queued, weights, step, lo, hi):
+        mapped = jax.shard_map(
+            serve_instance,
+            mesh=sub.experts,
+            in_specs=(param_specs(p, tp), P(), P(), P(), P(), P(), P(), P()),
+            out_specs=(P(EXP), P(), P()),
+            check_vma=False,
+        )
+        return mapped(p, tables, x, queued, weights, step, lo, hi)
+
     replicated = NamedSharding(sub.experts, P())
     return ExpertProgram(
         run=jax.jit(run, donate_argnums=(5,)),
         replicated=replicated,
+        route=jax.jit(route, donate_argnums=(3,)),
+        serve=jax.jit(serve),
         fallback_above=fallback_above(ffn_impl, C, cfg.moe.top_k),
         aebs_impl=aebs_impl,
     )

@@ -66,19 +66,44 @@ class ExpertSide:
         self._activated = {}
         self._used = {}
 
-    def run(self, i: int, xe, valid, step):
+    def run(self, i: int, xe, valid, step, state=None):
         """Layer i's expert program on the A2E'd activations (async; gate, AEBS and grouped matmul
         all run on the expert mesh): (per-instance partial outputs, co-activation counters,
-        activated replicas per instance, distinct experts used); the counters are kept here."""
-        out = self.program.run(self.layers[i], self._tables[i], xe, valid, step, self._coact[i], self._state_on_mesh())
+        activated replicas per instance, distinct experts used); the counters are kept here.
+        ``state``: the routing state of this call (``models.routing.for_call`` of ``routing_state``)."""
+        on_mesh = self._state_on_mesh(state)
+        out = self.program.run(self.layers[i], self._tables[i], xe, valid, step, self._coact[i], on_mesh)
         _, self._coact[i], self._activated[i], self._used[i] = out
         return out
 
-    def _state_on_mesh(self):
-        """The routing state on the expert mesh (copied once per new value; None stays None)."""
-        key = jax.tree.flatten(self.routing_state)
+    def route(self, i: int, xe, valid, state=None):
+        """Per-expert queues (QLLM): layer i's gate alone on the A2E'd activations (async): (queued
+        logical expert ids [B*T, K'], combine weights), replicated on the expert mesh; the counters
+        count the step as ``run`` does. ``state``: as ``run``'s."""
+        program = self.program
+        queued, weights, self._coact[i], self._used[i] = program.route(
+            self.layers[i], xe, valid, self._coact[i], self._state_on_mesh(state)
+        )
+        self._activated.pop(i, None)
+        return queued, weights
+
+    def serve(self, i: int, xe, queued, weights, step, lo: int, hi: int):
+        """One round of layer i's per-expert queues: the queued assignments at logical experts
+        [lo, hi) run (AEBS places them on replicas). Returns (per-instance partial outputs, the
+        queues left); the replicas activated add up over the layer's rounds."""
+        rep = self.program.replicated
+        lo, hi = (jax.device_put(np.int32(v), rep) for v in (lo, hi))
+        partials, activated, queued = self.program.serve(
+            self.layers[i], self._tables[i], xe, queued, weights, step, lo, hi
+        )
+        self._activated[i] = activated if i not in self._activated else self._activated[i] + activated
+        return partials, queued
+
+    def _state_on_mesh(self, state):
+        """A routing state on the expert mesh (copied once per new value; None stays None)."""
+        key = jax.tree.flatten(state)
         if self._state[0] != key:
-            on_mesh = jax.tree.map(lambda v: jax.device_put(np.asarray(v), self.program.replicated), self.routing_state)
+            on_mesh = jax.tree.map(lambda v: jax.device_put(np.asarray(v), self.program.replicated), state)
             self._state = (key, on_mesh)
         return self._state[1]
 

@@ -7,10 +7,14 @@ each step program).
 
 The MoE layers route with an ``ExpertRouting`` (``models.routing``; top-k by default): their expert
 weights are stacked over the routing's E + U logical experts, and ``routing_state`` (e.g.
-BrownoutServe's threshold) is a traced argument of the step programs, so it may change between steps
-without recompiling. With ``expert_rounds`` a layer-by-layer step serves each MoE layer's logical
-experts range by range, with a pause point between ranges (QLLM's per-expert queues:
-``jaxmoe.qllm.expert_queues`` makes the ranges).
+BrownoutServe's threshold; per phase: ``models.routing.PhaseStates``, resolved per call) is a traced
+argument of the step programs, so it may change between steps without recompiling. ``set_params``
+replaces the parameters between steps (e.g. united experts of another k: BrownoutServe's Experts
+Loader), keeping the KV cache. With ``expert_rounds`` a layer-by-layer step runs each MoE layer as
+QLLM's per-expert queues (``jaxmoe.qllm.expert_queues`` makes the ranges): attention side, routing
+(every assignment joins its expert's FIFO queue), then rounds that serve the queues range by range,
+with a pause point after the attention side, after the routing and between rounds; rows merged at
+one of them have their assignments served ahead of the waiting ones.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import numpy as np
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
 from jaxmoe.models.attention import AttentionBatch
-from jaxmoe.models.experts import AUTO_EXPERT_IMPL, TOP_K, routed_experts_in
-from jaxmoe.models.routing import ExpertRouting, extra_experts, logical_params
+from jaxmoe.models.experts import AUTO_EXPERT_IMPL, TOP_K, routed_experts
+from jaxmoe.models.routing import ExpertRouting, extra_experts, for_call, logical_params
 from jaxmoe.models.transformer import (
     attention_side,
     embed,
+    INVARIANT,
     forward,
+    in_place_mode,
     init_stacked_cache,
     layer_step,
     layer_view,
@@ -73,12 +79,24 @@ def check_rounds(rounds, num_experts: int) -> list[tuple[int, int]]:
     return [(int(lo), int(hi)) for lo, hi in out]
 
 
-def queue_depth(ids: np.ndarray, served_below: int, num_experts: int) -> np.ndarray:
-    """Assignments still queued at each logical expert [E'] when the experts below ``served_below``
-    are done (``ids`` [T, K'], -1: no expert)."""
-    ids = np.asarray(ids).reshape(-1)
-    waiting = ids[ids >= served_below]
-    return np.bincount(waiting, minlength=num_experts)[:num_experts]
+def queue_depth(queued: np.ndarray, num_experts: int) -> np.ndarray:
+    """Assignments waiting at each logical expert [E'] (``queued`` [T, K']: the logical expert each
+    waiting (token, choice) assignment queues at; -1: served, or no expert)."""
+    queued = np.asarray(queued).reshape(-1)
+    return np.bincount(queued[queued >= 0], minlength=num_experts)[:num_experts]
+
+
+def _place(old, new, keep: int, rows: int, old_bt, new_bt, B: int, T: int, fill):
+    """The merged batch's [B, T, ...] (or flat [B*T, ...]) array: the running step's first ``keep``
+    rows of ``old`` (its rows x tokens ``old_bt``), then the first ``rows`` rows of ``new``
+    (``new_bt``), then padding (``fill``)."""
+    flat = old.ndim == 2  # [B*T, ...]: per token (the experts' input, the queues, the partial outputs)
+    old = old.reshape(*old_bt, *old.shape[1 if flat else 2 :])
+    new = new.reshape(*new_bt, *new.shape[1 if flat else 2 :])
+    out = np.full((B, T, *old.shape[2:]), fill, old.dtype)
+    out[:keep, : old.shape[1]] = old[:keep]
+    out[keep : keep + rows, : new.shape[1]] = new[:rows]
+    return out.reshape(B * T, *out.shape[2:]) if flat else out
 
 
 def step_program(cfg: ModelConfig, block_size: int, impl: str, routing):
@@ -93,7 +111,7 @@ def step_program(cfg: ModelConfig, block_size: int, impl: str, routing):
     return jax.jit(step, donate_argnums=(3,))
 
 
-def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype, in_place: bool):
+def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype, in_place: bool | str):
     """The layer-by-layer mode's programs, jitted (what a pausable step runs, warm-up compiles and
     ``jaxmoe lower`` lowers): ``embed(params, tokens)``; ``layers(group, x, batch, group_cache, start,
     state, n)``: ``n`` (static) layers of a layer group from ``start`` (traced), the cache donated;
@@ -113,7 +131,7 @@ def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype,
     def head(params, x, logits_index):
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-        return lm_head(params, cfg, x)
+        return lm_head(params, cfg, x, invariant=in_place == INVARIANT)
 
     return jax.jit(embed), jax.jit(some_layers, donate_argnums=(3,), static_argnums=(6,)), jax.jit(head)
 
@@ -152,19 +170,17 @@ class MonolithicExecutor:
         self.num_attention, self.num_cache_slots = 1, self.kv_layout.num_slots
         self.expert_impl = impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
         self.routing, self.routing_state = routing, routing_state
-        self.num_logical_experts = cfg.moe.num_experts + extra_experts(routing, params)
-        self.stacked = stack_layers(logical_params(routing, params))  # E + U logical experts per MoE layer
-        in_place = impl == "cpu_kernel"  # weights read in place by the CPU kernel
+        self.params_version = 0  # bumped by ``set_params`` (the prefix cache keys KV by it)
+        in_place = in_place_mode(impl)  # weights read in place by the CPU kernel (``cpu_kernel*``)
+        self.num_logical_experts, self.stacked = self._stack(params, in_place)
         self._op_impls = op_impls.build(
             requested_expert_impl=expert_impl,
             expert_impl=impl,
             defaults=AUTO_EXPERT_IMPL,
-            reads_in_place=in_place,
+            reads_in_place=bool(in_place),
             mla=cfg.attn.kind == "mla",
         )
         op_impls.log("monolithic", self._op_impls)
-        if in_place:  # the expert weights in the layout it reads fastest
-            self.stacked = store_as_panels(self.stacked)
         dtype = cache_dtype or params["embed"].dtype
         self._new_cache = lambda: init_stacked_cache(cfg, self.stacked, self.num_cache_slots, dtype)
         self.cache = self._new_cache()
@@ -178,24 +194,58 @@ class MonolithicExecutor:
         self.pause_stage = None  # "layer" or "experts" while a layer-by-layer step waits at a pause point
         dtype = self.stacked["embed"].dtype
 
-        def gate(group, x, batch, group_cache, index, state):  # expert rounds: attention side + routing
+        def attend(group, x, batch, group_cache, index):  # per-expert queues: a MoE layer's attention side
             layer = layer_view(group, index, dtype, in_place=in_place)
             h, xn, group_cache = attention_side(layer, cfg, x, batch, group_cache, block_size, index, in_place)
-            xn = xn.reshape(-1, xn.shape[-1])
-            valid = (batch.slots >= 0).reshape(-1)  # padding queues nowhere
-            ids, weights = routing.route(layer["moe"], cfg.moe, xn, valid, state)
-            return h, xn, ids, weights, jnp.zeros(xn.shape, jnp.float32), group_cache
+            return h, xn.reshape(-1, xn.shape[-1]), group_cache
 
-        def expert_round(group, h, xn, ids, weights, partial, index, lo, hi):
-            # a token's output joins the residual stream (h + partial) only after the last round
+        def route(group, xn, slots, index, state):  # ... its routing: every assignment joins its expert's queue
+            layer = layer_view(group, index, dtype, in_place=in_place)
+            valid = (slots >= 0).reshape(-1)  # padding queues nowhere
+            queued, weights = routing.route(layer["moe"], cfg.moe, xn, valid, state)
+            return queued, weights, jnp.zeros(xn.shape, jnp.float32)
+
+        def expert_round(group, h, xn, queued, weights, partial, index, lo, hi, first):
+            # serve the queued assignments at experts [lo, hi) of the tokens from ``first`` on; a served
+            # assignment leaves its queue (-1); a token's output joins the residual stream (h + partial)
+            # only after the layer's last round
             moe = layer_view(group, index, dtype)["moe"]
-            partial = partial + routed_experts_in(moe, xn, ids, weights, lo, hi, index, impl).astype(jnp.float32)
-            return partial, h + partial.reshape(h.shape).astype(h.dtype)
+            mine = (queued >= lo) & (queued < hi) & (jnp.arange(queued.shape[0])[:, None] >= first)
+            served = routed_experts(moe, xn, jnp.where(mine, queued, -1), weights, index, impl)
+            partial = partial + served.astype(jnp.float32)
+            return jnp.where(mine, -1, queued), partial, h + partial.reshape(h.shape).astype(h.dtype)
 
         self._step = step_program(cfg, block_size, impl, routing)
         self._embed, self._layers, self._head = layer_programs(cfg, block_size, impl, routing, dtype, in_place)
-        self._gate = jax.jit(gate, donate_argnums=(3,))
+        self._attend = jax.jit(attend, donate_argnums=(3,))
+        self._route = jax.jit(route)
         self._expert_round = jax.jit(expert_round)
+
+    def _stack(self, params: dict, in_place: bool):
+        """(E + U logical experts, the stacked parameters: E + U logical experts per MoE layer, the expert
+        weights as panels where the CPU kernel reads them in place)."""
+        n = self.cfg.moe.num_experts + extra_experts(self.routing, params)
+        stacked = stack_layers(logical_params(self.routing, params))
+        return n, store_as_panels(stacked) if in_place else stacked
+
+    def set_params(self, params: dict) -> None:
+        """Serve ``params`` (a per-layer tree of the same model, with what the routing needs) from the
+        next step on; between steps only. The routing's extra experts may differ in number (united
+        experts of another k): the programs are traced again for the new shapes. The KV cache is kept,
+        so requests in flight go on. A ``ValueError`` when the model's shapes differ, or the per-expert
+        queues' rounds do not cover the new logical experts."""
+        n = self.cfg.moe.num_experts + extra_experts(self.routing, params)
+        if self.expert_rounds and n != self.num_logical_experts:
+            raise ValueError(
+                f"expert_rounds cover {self.num_logical_experts} logical experts, the new parameters have {n}"
+            )
+        old = {k: v for k, v in self.stacked.items() if k != "groups"}
+        new_n, stacked = self._stack(params, in_place_mode(self.expert_impl))
+        for k, v in old.items():
+            if jax.tree.map(jnp.shape, v) != jax.tree.map(jnp.shape, stacked[k]):
+                raise ValueError(f"set_params: {k} has other shapes than the model this executor serves")
+        self.num_logical_experts, self.stacked = new_n, stacked
+        self.params_version += 1
 
     @property
     def params(self) -> dict:
@@ -212,12 +262,11 @@ class MonolithicExecutor:
         return None
 
     def expert_queue_depth(self):
-        """Assignments waiting in each logical expert's queue [E + U] while a step is paused between
-        expert rounds (None anywhere else)."""
+        """Assignments waiting in each logical expert's queue [E + U] while a step is paused inside a
+        MoE layer after its routing (None anywhere else)."""
         if self._queued is None:
             return None
-        ids, served_below = self._queued
-        return queue_depth(jax.device_get(ids), served_below, self.num_logical_experts)
+        return queue_depth(jax.device_get(self._queued), self.num_logical_experts)
 
     def reset_cache(self) -> None:
         """A fresh (zero) KV cache, e.g. after a failed step deleted the donated one."""
@@ -235,7 +284,8 @@ class MonolithicExecutor:
         shape (``executor.LowersAhead``): the same arguments as ``forward``'s, so compiling it fills
         the cache ``forward`` looks in."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
-        lowered = self._step.lower(self.stacked, tokens, batch, self.cache, index, self.routing_state)
+        state = for_call(self.routing_state, tokens.shape[1])
+        lowered = self._step.lower(self.stacked, tokens, batch, self.cache, index, state)
         return [lowered], lowered.out_info[0]
 
     def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
@@ -245,42 +295,48 @@ class MonolithicExecutor:
         group, the first layer's index a traced value) and call it after each program but the
         last (``n``: the layers done); what it runs on this
         executor meanwhile (another batch, on other KV slots) does not change this step's result.
-        With ``expert_rounds``, ``between_layers(n)`` is also called between the expert rounds of a
-        MoE layer (``n``: the layers done so far). At a layer boundary it may return a ``RowMerge``
-        (QLLM's merge): the logits are then those of the merged rows (``executor.MergesRows``).
-        Without it: the whole model as one fused program (the fast path)."""
+        With ``expert_rounds``, ``between_layers(n)`` is also called inside each MoE layer (``n``: the
+        layers done so far; ``pause_stage``): after its attention side ("attention"), after its
+        routing ("routing") and between its expert rounds ("experts"). At every pause point it may
+        return a ``RowMerge`` (QLLM's merge): the logits are then those of the merged rows
+        (``executor.MergesRows``). Without it: the whole model as one fused program (the fast path)."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
-        state = self.routing_state
+        state = for_call(self.routing_state, tokens.shape[1])  # per phase: a decode or a prefill call
         if between_layers is None:
             logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index, state)
             return logits
         x = self._embed(self.stacked, tokens)
         pause = PausePoints(between_layers)
         done, total = 0, self.cfg.num_layers
+
+        def at(stage, outputs, queued=None):  # a pause point inside a MoE layer
+            return self._pause_at(pause, done, stage, outputs, queued)
+
         for g, j, n, queued in self._layer_steps():
-            x = self._run_layers(g, j, n, queued, x, batch, state, lambda partial: self._pause(pause, done, partial))
+            if queued:
+                x, batch, index = self._queued_layer(g, j, done, x, batch, index, state, at)
+            else:
+                x = self._run_layers(g, j, n, False, x, batch, state)
             done += n
             if done < total:
-                self.pause_stage = "layer"
-                try:
-                    merge = pause(done, x)
-                finally:
-                    self.pause_stage = None
+                merge = self._pause_at(pause, done, "layer", (x,))
                 if merge is not None:  # QLLM's merge: new rows catch up to this layer, then join the batch
-                    x, batch, index = self._merge(merge, x, done, state)
+                    x, batch, index = self._merge(merge, x, batch, done, state)
         return self._head(self.stacked, x, index)
 
     def merge_ready(self) -> bool:
-        """Whether the step now paused can take rows (``executor.MergesRows``): at a layer boundary."""
-        return self.pause_stage == "layer"
+        """Whether the step now paused can take rows (``executor.MergesRows``): at every pause point
+        (a layer boundary, or a stage of a MoE layer with per-expert queues)."""
+        return self.pause_stage is not None
 
-    def _pause(self, pause, done: int, partial) -> None:
-        """A pause point between the expert groups of a MoE layer (rows cannot join here)."""
-        self.pause_stage = "experts"
+    def _pause_at(self, pause, done: int, stage: str, outputs, queued=None):
+        """A pause point (``stage``) after the programs that produce ``outputs``; ``queued``: the
+        queues then (after a MoE layer's routing); what the hook returns (rows to merge, or None)."""
+        self.pause_stage, self._queued = stage, queued
         try:
-            pause(done, partial)
+            return pause(done, *outputs)
         finally:
-            self.pause_stage = None
+            self.pause_stage, self._queued = None, None
 
     def _layer_steps(self):
         """(group, first layer in it, layers, per-expert queues) of each program of the layer-by-layer
@@ -293,17 +349,16 @@ class MonolithicExecutor:
                 yield g, j, n, queued
                 j += n
 
-    def _run_layers(self, g: int, j: int, n: int, queued: bool, x, batch, state, pause_point=None):
+    def _run_layers(self, g: int, j: int, n: int, queued: bool, x, batch, state):
         if queued:
-            return self._queued_layer(g, j, x, batch, state, pause_point)
+            return self._queued_layer(g, j, 0, x, batch, None, state)[0]
         group = self.stacked["groups"][g]
         x, self.cache[g] = self._layers(group, x, batch, self.cache[g], np.int32(j), state, n)
         return x
 
-    def _merge(self, merge: RowMerge, x, layers: int, state):
-        """QLLM's merge (Fig. 1b): the new rows run layers 0 .. ``layers``-1 alone (the catch-up, the
-        same per-layer programs as the step's), then the running rows and the new ones form one batch
-        (assembled on the host: no program per pair of shapes) for the remaining layers."""
+    def _catch_up(self, merge: RowMerge, layers: int, state):
+        """The merged rows alone through the first ``layers`` layers (the same per-layer programs as
+        the step's, writing their KV): (their hidden states, their batch)."""
         tokens, batch, _ = self._args(merge.tokens, merge.batch, None)
         new, done = self._embed(self.stacked, tokens), 0
         for g, j, n, queued in self._layer_steps():
@@ -311,29 +366,71 @@ class MonolithicExecutor:
                 break
             new = self._run_layers(g, j, n, queued, new, batch, state)
             done += n
-        merged_batch = AttentionBatch(*(_int32(a) for a in merge.merged_batch))
-        index = _int32(merge.merged_index)
-        old, new = jax.device_get((x, new))
-        B, T = merged_batch.slots.shape
-        merged = np.zeros((B, T, old.shape[-1]), old.dtype)
-        merged[: merge.keep, : old.shape[1]] = old[: merge.keep]
-        merged[merge.keep : merge.keep + merge.rows, : new.shape[1]] = new[: merge.rows]
-        return jax.device_put(merged), merged_batch, index
+        return new, batch
 
-    def _queued_layer(self, g: int, j: int, x, batch: AttentionBatch, state, pause_point=None):
-        """Layer ``j`` of group ``g`` with per-expert queues: attention and routing, then the expert
-        rounds with ``pause_point(partial)`` between them (None: no pauses); the tokens' outputs join the
-        residual stream after the last round."""
-        group = self.stacked["groups"][g]
-        h, xn, ids, weights, partial, self.cache[g] = self._gate(group, x, batch, self.cache[g], np.int32(j), state)
-        for r, (lo, hi) in enumerate(self.expert_rounds):
-            partial, x = self._expert_round(
-                group, h, xn, ids, weights, partial, np.int32(j), np.int32(lo), np.int32(hi)
+    def _join(self, merge: RowMerge, old: tuple, new: tuple, old_batch: AttentionBatch, new_batch):
+        """The running rows' arrays ``old`` and the new rows' ``new`` as the merged batch's (assembled
+        on the host: no program per pair of shapes): (arrays, merged batch, merged logits index)."""
+        merged_batch = AttentionBatch(*(_int32(a) for a in merge.merged_batch))
+        B, T = merged_batch.slots.shape
+        old, new = jax.device_get((old, new))
+        shapes = (tuple(old_batch.slots.shape), tuple(new_batch.slots.shape), B, T)
+        arrays = tuple(
+            jax.device_put(_place(o, n, merge.keep, merge.rows, *shapes, -1 if o.dtype.kind == "i" else 0))
+            for o, n in zip(old, new)
+        )
+        return arrays, merged_batch, _int32(merge.merged_index)
+
+    def _merge(self, merge: RowMerge, x, batch, layers: int, state):
+        """QLLM's merge (Fig. 1b) at a layer boundary: the new rows run layers 0 .. ``layers``-1 alone
+        (the catch-up), then the running rows and the new ones form one batch for the remaining
+        layers."""
+        new, new_batch = self._catch_up(merge, layers, state)
+        (x,), batch, index = self._join(merge, (x,), (new,), batch, new_batch)
+        return x, batch, index
+
+    def _queued_layer(self, g: int, j: int, done: int, x, batch: AttentionBatch, index, state, at=None):
+        """Layer ``j`` of group ``g`` (``done``: the layers before it) with per-expert queues: its
+        attention side, its routing (every (token, choice) assignment joins the FIFO queue of its
+        expert, token order = row order), then the expert rounds, each serving the queues of its
+        experts; the tokens' outputs join the residual stream after the last round. ``at(stage,
+        outputs, queued)``: the pause points after the attention side, after the routing and between
+        rounds (None: no pauses). Rows merged at one of them (``RowMerge``) run the layers before
+        alone, then this layer's attention side (and routing) alone, and join the batch; their
+        assignments enter the queues ahead of the waiting ones: the next round serves them at every
+        expert (also at the experts whose round is done), then the remaining rounds go on.
+        Returns (x, batch, logits index): the batch is the merged one after a merge."""
+        group, i = self.stacked["groups"][g], np.int32(j)
+        h, xn, self.cache[g] = self._attend(group, x, batch, self.cache[g], i)
+        merge = None if at is None else at("attention", (h, xn))
+        if merge is not None:
+            (h, xn), batch, index, _ = self._merge_in_layer(merge, g, j, done, (h, xn), batch, state)
+        queued, weights, partial = self._route(group, xn, batch.slots, i, state)
+        todo, stage = [(lo, hi, 0) for lo, hi in self.expert_rounds], "routing"
+        while True:
+            merge = None if at is None else at(stage, (queued, partial), queued)
+            if merge is not None:
+                arrays, batch, index, first = self._merge_in_layer(
+                    merge, g, j, done, (h, xn, queued, weights, partial), batch, state
+                )
+                h, xn, queued, weights, partial = arrays
+                todo.insert(0, (0, self.num_logical_experts, first))  # the new tokens jump every queue
+            lo, hi, first = todo.pop(0)
+            queued, partial, x = self._expert_round(
+                group, h, xn, queued, weights, partial, i, np.int32(lo), np.int32(hi), np.int32(first)
             )
-            if pause_point is not None and r + 1 < len(self.expert_rounds):
-                self._queued = (ids, hi)
-                try:
-                    pause_point(partial)
-                finally:
-                    self._queued = None
-        return x
+            if not todo:
+                return x, batch, index
+            stage = "experts"
+
+    def _merge_in_layer(self, merge: RowMerge, g: int, j: int, done: int, arrays: tuple, batch, state):
+        """QLLM's merge inside a MoE layer: the new rows catch up through the ``done`` layers before
+        it, then run its attention side (and, if ``arrays`` hold the queues, its routing) alone; then
+        both form one batch. Returns (merged ``arrays``, batch, logits index, the merged batch's first
+        token of the new rows)."""
+        new, new_batch = self._catch_up(merge, done, state)
+        group, i = self.stacked["groups"][g], np.int32(j)
+        h, xn, self.cache[g] = self._attend(group, new, new_batch, self.cache[g], i)
+        fresh = (h, xn) if len(arrays) == 2 else (h, xn, *self._route(group, xn, new_batch.slots, i, state))
+        arrays, merged_batch, index = self._join(merge, arrays, fresh, batch, new_batch)
+        return arrays, merged_batch, index, merge.keep * merged_batch.slots.shape[1]

@@ -29,6 +29,11 @@ class PausePoints:
         the hook returns (e.g. rows to merge into the step, ``executor.RowMerge``)."""
         if layers_done % self.every:
             return None
+        return self.inside(layers_done, *outputs)
+
+    def inside(self, layers_done: int, *outputs):
+        """A pause point inside a layer (per-expert queues: after its attention side, after its
+        routing, between expert rounds), whatever ``every`` says; otherwise as a boundary."""
         if self._previous is not None:
             jax.block_until_ready(self._previous)
         self._previous = outputs

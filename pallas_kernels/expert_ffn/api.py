@@ -22,6 +22,8 @@ in x.dtype with fp32 accumulation.  ``experts`` gives the stacked weights (``Exp
   routed expert's weights once, in place, on every thread of XLA's pool, fastest on weights stored as
   column panels (``panels.py``); ``bucketed_loop`` for shapes or dtypes it does not take (and for
   prefill-sized batches of plain weights).
+* ``"cpu_kernel_invariant"``: ``cpu_kernel`` with a work split that does not depend on the batch and
+  no fallback: each token's output is bit-identical whatever it is batched with (deterministic mode).
 
 Which one runs is explicit configuration (``EngineConfig.expert_impl``); ``"auto"`` is resolved by
 the caller with ``resolve`` from its per-backend defaults (a default of ``"cpu_kernel"`` where the
@@ -103,6 +105,7 @@ IMPLS: dict[str, Callable] = {
     "padded_einsum": _sorted("einsum"),
     "pallas": _sorted("pallas"),
     "cpu_kernel": functools.partial(cpu_kernel.cpu_kernel, fallback=xla.bucketed_loop),
+    "cpu_kernel_invariant": functools.partial(cpu_kernel.cpu_kernel, fallback=None, invariant=True),
 }
 CPU_KERNEL_FALLBACK = "bucketed_loop"  # what a default of "cpu_kernel" becomes where it cannot be built
 

@@ -20,6 +20,11 @@ chunk) XLA's matmuls are faster (``bench/expert_ffn_cpu.py``) and ``fallback`` (
 runs; so do shapes and dtypes it does not take (D or F not a multiple of 16, weights other than
 float32 / bfloat16 / int8). int8 weights (``jaxmoe.quantization``, plain or as panels, with per-column
 scales) are read as int8 and scaled in the tile: a decode step reads half the bytes of bfloat16.
+
+Batch invariance (deterministic mode, ``invariant=True``; the ``cpu_kernel_invariant`` expert-FFN
+form): each row's sums run in an order fixed by the shapes of the weights and the thread count, never
+by the batch: the kernel's work split is fixed (``cpu/expert_ffn.cc``), every batch size runs in the
+kernel (no fallback), and ``layer_matmul`` takes every row count (``invariant_matmul``).
 """
 
 from __future__ import annotations
@@ -96,16 +101,18 @@ def plain_rows(num_experts: int, top_k: int) -> int:
     return PLAIN_ROWS_PER_EXPERT * num_experts // top_k
 
 
-def supports(x, ids, experts) -> bool:
+def supports(x, ids, experts, any_rows: bool = False) -> bool:
     """Whether the kernel takes these shapes and weight dtypes, and, for plain weights, the batch is
-    decode-sized (else ``fallback`` runs). On ``Panels`` it takes every batch: at 64-256 tokens it was
-    1.7-2.2x ``bucketed_loop`` on the plain weights (BENCHMARKS.md)."""
+    decode-sized (else ``fallback`` runs; ``any_rows``: every batch size). On ``Panels`` it takes every
+    batch: at 64-256 tokens it was 1.7-2.2x ``bucketed_loop`` on the plain weights (BENCHMARKS.md)."""
     gate, _, _ = experts.layered()[0]
     D, F = gate.shape[-2], gate.shape[-1]
     return (
         x.ndim == 2
         and (
-            isinstance(getattr(gate, "q", gate), Panels) or x.shape[0] <= plain_rows(experts.num_experts, ids.shape[1])
+            any_rows
+            or isinstance(getattr(gate, "q", gate), Panels)
+            or x.shape[0] <= plain_rows(experts.num_experts, ids.shape[1])
         )
         and D % VECTOR == 0
         and F % VECTOR == 0
@@ -113,13 +120,17 @@ def supports(x, ids, experts) -> bool:
     )
 
 
-def cpu_kernel(x, ids, weights, experts, fallback):
+def cpu_kernel(x, ids, weights, experts, fallback, invariant: bool = False):
     """The expert FFN through the custom call (``supports``), else ``fallback(x, ids, weights,
-    experts)``; raises ``KernelUnavailable`` when the kernel cannot run here."""
+    experts)``; raises ``KernelUnavailable`` when the kernel cannot run here. ``invariant``: batch-
+    invariant (a fixed work split, every batch size in the kernel; a ``ValueError`` where it cannot
+    take the shapes or dtypes, as there is no fallback)."""
     reason = unavailable_reason()
     if reason is not None:
         raise KernelUnavailable(f"expert_impl 'cpu_kernel' is unavailable: {reason}")
-    if not supports(x, ids, experts):
+    if not supports(x, ids, experts, any_rows=invariant):
+        if invariant:
+            raise ValueError("expert_impl 'cpu_kernel_invariant': the kernel does not take these shapes or dtypes")
         return fallback(x, ids, weights, experts)
     (gate, up, down), layer = experts.layered()
     if _int8(gate):  # int8 (plain or panels) + column scales, dequantized in the tile (``cpu/expert_ffn.cc``)
@@ -134,6 +145,7 @@ def cpu_kernel(x, ids, weights, experts, fallback):
             *(w.scale for w in (gate, up, down)),
             jnp.asarray(layer, jnp.int32),
             panel=np.int64(_layout(gate.q)[0]),
+            invariant=np.int64(invariant),
         )
         return y.astype(x.dtype)
     layout = _layout(gate)
@@ -149,6 +161,7 @@ def cpu_kernel(x, ids, weights, experts, fallback):
         jnp.asarray(layer, jnp.int32),
         panel=np.int64(width),
         pairs=np.int64(pairs),
+        invariant=np.int64(invariant),
     )
     return y.astype(x.dtype)
 
@@ -157,18 +170,44 @@ def _layout(w) -> tuple[int, bool]:
     return (w.width, w.pairs) if isinstance(w, Panels) else (0, False)
 
 
-def matmul_supports(x, stack) -> bool:
-    """Whether ``layer_matmul`` takes x [..., K] @ stack [L, K, N] here (else slice and ``@``)."""
+def matmul_supports(x, stack, any_rows: bool = False) -> bool:
+    """Whether ``layer_matmul`` takes x [..., K] @ stack [L, K, N] here (else slice and ``@``);
+    ``any_rows``: at every row count, and N padded to whole vectors (``invariant_matmul``)."""
     K, N = stack.shape[-2], stack.shape[-1]
     return (
         unavailable_reason() is None
         and stack.ndim == 3
         and x.shape[-1] == K
-        and math.prod(x.shape[:-1]) <= MATMUL_MAX_ROWS.get(jnp.dtype(x.dtype).name, 0)
+        and (any_rows or math.prod(x.shape[:-1]) <= MATMUL_MAX_ROWS.get(jnp.dtype(x.dtype).name, 0))
         and K % K_BLOCK == 0
-        and N % VECTOR == 0
+        and (any_rows or N % VECTOR == 0)
         and _reads(stack, x)
     )
+
+
+def invariant_sum(a):
+    """The sum over a [..., K]'s last axis (float32), each row in one order whatever the other rows: a
+    product with a column of ones by ``layer_matmul`` (K padded with exact zeros). XLA's reductions
+    change their order with the number of rows (a row's log-softmax over 320 logits differs between
+    1 and 16 rows), so deterministic mode sums this way (norms, softmax, logsumexp)."""
+    K = a.shape[-1]
+    pad = -K % K_BLOCK
+    a = a.astype(jnp.float32)
+    if pad:
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
+    return layer_matmul(a, jnp.ones((1, K + pad, VECTOR), jnp.float32), 0)[..., 0]
+
+
+def invariant_matmul(x, stack, layer):
+    """``layer_matmul`` at any row count, N padded to a multiple of 16 (and cut back): each row of
+    x [..., K] @ stack[layer] is summed in one order whatever the other rows (deterministic mode,
+    where XLA:CPU's dot picks its algorithm, and so its summation order, by the row count)."""
+    N = stack.shape[-1]
+    pad = -N % VECTOR
+    if pad:  # small matrices only (the router's [D, E], a gate's [D, 1]): the padded copy is cheap
+        stack = jnp.pad(stack, ((0, 0), (0, 0), (0, pad)))
+    y = layer_matmul(x, stack, layer)
+    return y[..., :N] if pad else y
 
 
 def layer_matmul(x, stack, layer):

@@ -1,6 +1,8 @@
 """BrownoutServe: Algorithm 1 against a direct reading, brownout in the monolithic expert computation
 (threshold 1 = the exact model, any threshold = a plain jnp reference, no recompile when it moves),
-united experts (`jaxmoe unite`), SALC (Algorithm 2) and the SLO analyzer, bad input."""
+per-phase thresholds (prefill and decode each follow their own), united experts (`jaxmoe unite`) and
+the Experts Loader (united experts of another k loaded at run time), SALC (Algorithm 2, one per
+phase) and the SLO analyzer, bad input."""
 
 from __future__ import annotations
 
@@ -164,11 +166,63 @@ def test_threshold_one_is_the_original_model_and_moving_it_does_not_recompile(un
     assert compile_events()["programs"] == before
 
 
+def _by_hand(llm, prompts, sampling, prefill: float, decode: float):
+    """The oracle of per-phase thresholds from the single-threshold mechanism: one step serving every
+    prompt's prefill (each gets its first token; prompt scoring runs in it too) at ``prefill``, the
+    rest of the steps at ``decode``."""
+    set_threshold(llm.executor, prefill)
+    ids = [llm.engine.add_request(p, sampling) for p in prompts]
+    first = {o.request_id: len(o.token_ids) for o in llm.engine.step()}
+    assert first == {r: 1 for r in ids}  # the prefills (and only they) ran in the first step
+    set_threshold(llm.executor, decode)
+    final = llm.engine.run_until_done()
+    return [final[r].token_ids for r in ids]
+
+
 @pytest.mark.slow
-def test_ways_that_do_not_divide_the_experts_give_a_short_last_group(checkpoint_dir, tmp_path):
+def test_prefill_and_decode_follow_their_own_thresholds(united_dir):
+    """The paper's one threshold per phase: prefill at 1 and decode at 0 gives the original model's
+    prompt logprobs and the tokens of an oracle that runs the prefill step at threshold 1 and the
+    decode steps at 0 by hand (browned-out decode tokens: not the original ones); swapped (prefill 0,
+    decode 1), the prompt logprobs move and the tokens follow the swapped oracle."""
+    out, _ = united_dir
+    scored = SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+
+    def prompt_lps(outs):
+        return [t.logprob for o in outs for t in o.prompt_logprobs if t is not None]
+
+    llm = LLM(out, dtype="float32", brownout=BrownoutConfig(prefill_threshold=1.0, decode_threshold=0.0))
+    assert (brownout_threshold(llm.executor, "prefill"), brownout_threshold(llm.executor, "decode")) == (1.0, 0.0)
+    split = llm.generate(PROMPTS, scored)
+    set_threshold(llm.executor, 0.0, "prefill")
+    set_threshold(llm.executor, 1.0, "decode")
+    swapped = llm.generate(PROMPTS, scored)
+    # the oracles, on the same engine with one threshold for both phases
+    oracle = {(p, d): _by_hand(llm, PROMPTS, scored, p, d) for p, d in ((1.0, 0.0), (0.0, 1.0))}
+    set_threshold(llm.executor, 1.0)
+    original = llm.generate(PROMPTS, scored)
+    assert oracle[1.0, 0.0] != [o.token_ids for o in original]  # decode at 0 does brown out
+    assert prompt_lps(split) == pytest.approx(prompt_lps(original), rel=1e-6, abs=1e-7)
+    assert [o.token_ids for o in split] == oracle[1.0, 0.0]
+    assert prompt_lps(swapped) != pytest.approx(prompt_lps(original), rel=1e-3)
+    assert [o.token_ids for o in swapped] == oracle[0.0, 1.0]
+    with pytest.raises(BrownoutError, match="brownout phase must be 'prefill' or 'decode', got 'ttft'"):
+        set_threshold(llm.executor, 0.5, "ttft")
+    with pytest.raises(BrownoutError, match=r"brownout decode_threshold must be a number in \[0, 1\], got 2"):
+        BrownoutConfig(decode_threshold=2)
+
+
+@pytest.mark.slow
+def test_ways_that_do_not_divide_the_experts_give_a_short_last_group(checkpoint_dir, tmp_path, united_dir):
     """The paper's k = 3, m = 8 example: ceil(8 / 3) = 3 united experts over groups of 3, 3 and 2;
     threshold 1 is still the original model, and lower thresholds run (the special case keeps a lone
-    browned-out expert of a group)."""
+    browned-out expert of a group).
+
+    The Experts Loader on these k = 3 experts: an engine serving k = 2 loads them at run time
+    (``LLM.load_united_experts``) with a request in flight, which goes on and, at threshold 1, keeps
+    the original tokens; at threshold 0 it then gives the tokens of an engine started with k = 3;
+    ``POST /admin/united_experts`` loads k = 2 back (the tokens of k = 2 again) and refuses a
+    directory without united experts with 400, the server still serving."""
     from jaxmoe.brownout.united import unite
 
     corpus = tmp_path / "corpus"
@@ -185,7 +239,40 @@ def test_ways_that_do_not_divide_the_experts_give_a_short_last_group(checkpoint_
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     assert llm.executor.num_logical_experts == 8 + 3  # E originals + ceil(E / k) united experts
     set_threshold(llm.executor, 0.0)
-    assert all(len(o.token_ids) == 8 for o in llm.generate(PROMPTS, GREEDY))
+    three = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert all(len(t) == 8 for t in three)
+
+    import http.client
+    import json
+
+    from jaxmoe.server.app import ServeOptions, ServerThread
+
+    two = LLM(united_dir[0], dtype="float32", brownout=BrownoutConfig(threshold=0.0))
+    two_low = [o.token_ids for o in two.generate(PROMPTS, GREEDY)]
+    assert two_low != three  # k = 2 and k = 3 brown out differently
+    set_threshold(two.executor, 1.0)
+    rid = two.engine.add_request(PROMPTS[0], GREEDY)
+    two.engine.step()
+    two.engine.step()
+    assert two.load_united_experts(out) == {"ways": 3, "grouping": "index", "united_experts": 3, "logical_experts": 11}
+    assert two.engine.run_until_done()[rid].token_ids == want[0]  # in flight across the swap
+    set_threshold(two.executor, 0.0)
+    assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == three
+    st = ServerThread(two.engine, ServeOptions(warmup=False))
+    server = st.start()
+    try:
+        answers = []
+        for path in (united_dir[0], checkpoint_dir("mixtral")):
+            conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+            body = json.dumps({"path": str(path)})
+            conn.request("POST", "/admin/united_experts", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            answers.append((resp.status, json.loads(resp.read())))
+    finally:
+        st.stop()
+    assert answers[0] == (200, {"ways": 2, "grouping": "index", "united_experts": 4, "logical_experts": 12})
+    assert answers[1][0] == 400 and "has no united experts" in answers[1][1]["error"]["message"]
+    assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == two_low
 
 
 @pytest.mark.slow
@@ -238,6 +325,8 @@ def test_bad_brownout_input(checkpoint_dir, tmp_path, capsys):
     llm = LLM(checkpoint_dir("mixtral"), dtype="float32", num_blocks=8)
     with pytest.raises(ValueError, match="built without brownout"):
         set_threshold(llm.executor, 0.5)
+    with pytest.raises(BrownoutError, match="load united experts: this engine runs without brownout"):
+        llm.load_united_experts(checkpoint_dir("mixtral"))
     assert main(["eval", "--model", str(checkpoint_dir("mixtral")), "--brownout-threshold", "2"]) == 2
     assert "threshold must be a number in [0, 1], got 2.0" in capsys.readouterr().err
     for kw, msg in (
@@ -298,7 +387,8 @@ def test_slo_analyzer_p90_over_a_sliding_window():
 
 @pytest.mark.slow
 def test_salc_moves_the_threshold_of_a_serving_engine(united_dir):
-    """A TPOT SLO no step can meet shrinks the threshold; the gauge and P90 are exported."""
+    """A TPOT SLO no step can meet shrinks the decode threshold (the TPOT SALC's phase) and leaves the
+    prefill one; both gauges (``jaxmoe_brownout_threshold{phase}``) and the P90 are exported."""
     import http.client
 
     from jaxmoe.brownout.controller import BrownoutController, SALCConfig
@@ -308,8 +398,10 @@ def test_salc_moves_the_threshold_of_a_serving_engine(united_dir):
     llm = LLM(out, dtype="float32", brownout=BrownoutConfig(threshold=1.0))
     ctl = BrownoutController.attach(llm.engine, SALCConfig(slo_tpot_s=1e-6, window_s=60.0))
     llm.generate(PROMPTS, GREEDY)
-    assert ctl.state()["threshold"] < 0.5 and ctl.state()["p90"]["tpot"] > 1e-6
-    assert brownout_threshold(llm.executor) == ctl.state()["threshold"]
+    decode = ctl.state()["threshold"]["decode"]
+    assert decode < 0.5 and ctl.state()["p90"]["tpot"] > 1e-6
+    assert ctl.state()["threshold"] == {"prefill": 1.0, "decode": decode}  # no TTFT SLO: prefill not moved
+    assert brownout_threshold(llm.executor, "decode") == decode
     st = ServerThread(llm.engine, ServeOptions(warmup=False))
     server = st.start()
     try:
@@ -318,11 +410,13 @@ def test_salc_moves_the_threshold_of_a_serving_engine(united_dir):
         text = conn.getresponse().read().decode()
     finally:
         st.stop()
-    assert "jaxmoe_brownout_threshold" in text and 'jaxmoe_slo_p90_seconds{phase="tpot"}' in text
+    assert 'jaxmoe_brownout_threshold{phase="prefill"} 1.0' in text
+    assert f'jaxmoe_brownout_threshold{{phase="decode"}} {decode}' in text
+    assert 'jaxmoe_slo_p90_seconds{phase="tpot"}' in text
     relaxed = LLM(out, dtype="float32", brownout=BrownoutConfig(threshold=0.5))
     ctl = BrownoutController.attach(relaxed.engine, SALCConfig(slo_tpot_s=60.0))
     relaxed.generate(PROMPTS, GREEDY)
-    assert ctl.state()["threshold"] == 1.0  # far under the SLO: back to zero brownout
+    assert ctl.state()["threshold"] == {"prefill": 0.5, "decode": 1.0}  # under the TPOT SLO: decode back to 1
     with pytest.raises(BrownoutError, match="needs an SLO"):
         SALCConfig()
 
@@ -361,7 +455,7 @@ def test_salc_period_spaces_the_updates(united_dir):
         ctl = BrownoutController(llm.executor, SALCConfig(slo_ttft_s=1e-9, period_s=period), clock=lambda: 0.0)
         llm.engine.add_hook(ctl)
         llm.generate(PROMPTS, GREEDY)
-        got[period] = ctl.state()["threshold"]
+        got[period] = ctl.state()["threshold"]["prefill"]  # the TTFT SALC's phase
     assert got[100.0] == pytest.approx(0.8)
     assert got[0.0] < 0.8 * 0.8
     with pytest.raises(BrownoutError, match="SALC period must be >= 0 seconds, got -1"):
@@ -428,3 +522,41 @@ def test_activated_experts_counts_the_weights_a_step_reads(seed):
     every = np.array([[2 * i, 2 * i + 1] for i in range(E // 2)] * 2)  # all 8 experts used
     orig, united = split_reference(every, np.ones(len(every), bool), groups, 0.0, False)
     assert tuple(int(v) for v in activated_experts(orig, united, np.ones(len(every), bool), E, 4)) == (0, 4)
+
+
+@pytest.mark.slow
+def test_expert_queues_with_brownout(united_dir):
+    """QLLM's per-expert queues combined with brownout (monolithic executor, united experts loaded:
+    the queues are over the E + U logical experts, the threshold is applied by the routing before the
+    assignments enter them). A latency-sensitive prompt arrives between the expert rounds of a
+    best-effort decode step and merges into the queues; at threshold 1 every request gets its
+    standalone tokens. (Below 1 Algorithm 1 depends on the step's counts, so a merged request has
+    no standalone oracle; ``tests/models/test_routing.py`` checks the rounds against the fused
+    program there, united experts queued.)"""
+    out, _ = united_dir
+    llm = LLM(
+        out, dtype="float32", num_blocks=64, max_num_seqs=8, brownout=BrownoutConfig(threshold=1.0), expert_queues=3
+    )
+    engine, executor = llm.engine, llm.executor
+    E, params = engine.cfg.moe.num_experts, SamplingParams(max_tokens=4, ignore_eos=True)
+    be, ls = PROMPTS[:2], PROMPTS[2]
+    alone = [llm.generate([p], params, priority="be")[0].token_ids for p in be]
+    alone.append(llm.generate([ls], params, priority="ls")[0].token_ids)
+    ids = [engine.add_request(p, params, "be") for p in be]
+    depths, steps, finished = [], [0], {}
+
+    def poll():  # the LS prompt arrives between the expert rounds of the first decode step
+        if executor.pause_stage == "routing":
+            depths.append(executor.expert_queue_depth())
+        if len(ids) == 2 and steps[0] == 1 and executor.pause_stage == "experts":
+            ids.append(engine.add_request(ls, params, "ls"))
+
+    engine.poll = poll
+    while engine.has_work():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o.token_ids
+        steps[0] += 1
+    assert [finished[i] for i in ids] == alone and engine.layer_hook.queue_merges == 1
+    assert len(depths[0]) == executor.num_logical_experts > E  # queues at united experts too (none used at 1)
+    assert all(d[E:].sum() == 0 for d in depths) and all(d[:E].sum() > 0 for d in depths)

@@ -2,8 +2,8 @@
 the expert sub-mesh, with replicas and AEBS, against the monolithic executor.
 
 threshold 1 = the monolithic original model's tokens; full brownout at threshold 0 and partial
-brownout at 0.5 = the monolithic executor's tokens with the same brownout config (layouts 2a6e and
-4a4e); moving the threshold recompiles nothing; the distinct experts a step uses equal a direct
+brownout at 0.5, and per-phase thresholds (prefill 1, decode 0) = the monolithic executor's tokens
+with the same brownout config (layouts 2a6e and 4a4e); moving the threshold recompiles nothing; the distinct experts a step uses equal a direct
 reading of Algorithm 1 on the routing of the activations A2E delivered, and brownout lowers them.
 """
 
@@ -59,7 +59,10 @@ def llms(united):
 
 
 def _greedy(llm, threshold):
-    set_threshold(llm.executor, threshold)
+    """Greedy tokens at ``threshold`` (both phases), or per phase with a (prefill, decode) pair."""
+    prefill, decode = threshold if isinstance(threshold, tuple) else (threshold, threshold)
+    set_threshold(llm.executor, prefill, "prefill")
+    set_threshold(llm.executor, decode, "decode")
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
@@ -72,7 +75,7 @@ def test_threshold_one_is_the_monolithic_original_model(llms, checkpoint_dir, me
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", LAYOUTS)
-@pytest.mark.parametrize("threshold,full", [(0.0, True), (0.5, False), (0.0, False)])
+@pytest.mark.parametrize("threshold,full", [(0.0, True), (0.5, False), (0.0, False), ((1.0, 0.0), False)])
 def test_brownout_equals_the_monolithic_executor(llms, mesh, threshold, full):
     want = _greedy(llms(None, full), threshold)
     assert want != _greedy(llms(None, full), 1.0)  # brownout changes this model's tokens

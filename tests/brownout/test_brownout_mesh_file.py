@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from jaxmoe import LLM, SamplingParams
-from jaxmoe.brownout.config import BrownoutSettings, mesh_brownout
+from jaxmoe.brownout.config import BrownoutSettings, describe, mesh_brownout
 from jaxmoe.brownout.controller import BrownoutController
 from jaxmoe.brownout.routing import threshold as brownout_threshold
 from jaxmoe.mesh import MeshConfigError, load_mesh
@@ -88,6 +88,9 @@ def test_the_brownout_section_is_read(capsys):
     off = load_mesh(_mesh({"use_full_brownout": True, "threshold": 0.4}))
     assert mesh_brownout(off) == BrownoutSettings(threshold=0.4, use_full_brownout=True)
     assert mesh_brownout(off).salc_config() is None
+    phases = mesh_brownout(_mesh({"threshold": 0.4, "decode_threshold": 0.2}))
+    assert (phases.brownout().prefill, phases.brownout().decode) == (0.4, 0.2)
+    assert describe(phases) == "start threshold prefill 0.4, decode 0.2 (partial brownout), SALC off"
     assert load_mesh(_mesh()).brownout is None and mesh_brownout(_mesh()) is None
     shipped = load_mesh("meshes/cpu-8-brownout.yaml")
     assert mesh_brownout(shipped) == BrownoutSettings(salc=True, slo_ttft_s=2.0, slo_tpot_s=0.15)
@@ -101,6 +104,10 @@ def test_the_brownout_section_is_read(capsys):
     [
         ({"threshold": 1.5}, r"brownout.threshold: brownout threshold must be a number in \[0, 1\], got 1.5"),
         ({"threshold": "high"}, "brownout.threshold: brownout threshold must be a number in \\[0, 1\\], got 'high'"),
+        (
+            {"prefill_threshold": -1},
+            r"brownout.prefill_threshold: brownout prefill_threshold must be a number in \[0, 1\], got -1",
+        ),
         ({"salc": "yes"}, "brownout.salc: expected true or false, got 'yes'"),
         ({"use_full_brownout": 1}, "brownout.use_full_brownout: expected true or false, got 1"),
         ({"salc": True}, "brownout.salc: SALC needs an SLO: give slo_ttft_ms and/or slo_tpot_ms"),
@@ -131,6 +138,11 @@ def test_flags_override_the_mesh_file(tmp_path, capsys):
         _args("--mesh", path, "--brownout-threshold", "0.3", "--salc-shrink-ratio", "0.9", "--slo-tpot-ms", "40"), spec
     )
     assert (got.threshold, got.shrink_ratio, got.slo_tpot_s, got.increment) == (0.3, 0.9, 0.04, 0.2)
+    got = serve_brownout(_args("--mesh", path, "--brownout-decode-threshold", "0.25"), spec).brownout()
+    assert (got.prefill, got.decode) == (0.9, 0.25)  # the file's threshold for prefill, the flag's for decode
+    phases = load_mesh(_mesh({"prefill_threshold": 0.5}))
+    got = serve_brownout(_args("--brownout-threshold", "0.7"), phases).brownout()
+    assert (got.prefill, got.decode) == (0.7, 0.7)  # --brownout-threshold sets both phases
     assert serve_brownout(_args("--mesh", path, "--no-salc"), spec).salc_config() is None
     assert serve_brownout(_args("--mesh", path, "--full-brownout"), spec).use_full_brownout
     plain = load_mesh(_mesh())
@@ -180,12 +192,14 @@ def test_a_mesh_file_with_salc_on_runs_salc_and_off_does_not(united, tmp_path):
     (controller,) = [h for h in engine.hooks if isinstance(h, BrownoutController)]
     assert controller.config.shrink_ratio == 0.5 and controller.config.window_s == 60.0
     _run(engine)
-    threshold = brownout_threshold(engine.executor)
+    threshold = brownout_threshold(engine.executor, "decode")  # the TPOT SALC's phase
     assert threshold < 0.9 * 0.5**3  # shrunk by 0.5 per step from the file's start threshold 0.9
-    assert controller.state()["threshold"] == threshold
+    both = {"prefill": brownout_threshold(engine.executor, "prefill"), "decode": threshold}
+    assert controller.state()["threshold"] == both
     text, stats = _metrics(engine)
-    assert f"jaxmoe_brownout_threshold {threshold}" in text
-    assert stats["brownout"]["threshold"] == threshold
+    for phase, value in both.items():
+        assert f'jaxmoe_brownout_threshold{{phase="{phase}"}} {value}' in text
+    assert stats["brownout"]["threshold"] == both
 
     off = _write(tmp_path, {**SECTION, "salc": False, "threshold": 0.6}, "off.yaml")
     engine = build_engine(runtime_config(_args("--model", str(united), "--mesh", off, *ENGINE))[0])

@@ -1,14 +1,20 @@
 """Deterministic (batch-invariant) mode: a request's greedy tokens and logprobs are bit-identical alone,
 beside other requests, with its prompt chunked differently, with its prefix read from the cache, and
-after a recompute preemption re-prefilled its prompt and generated tokens."""
+after a recompute preemption re-prefilled its prompt and generated tokens; in both of its forms (the
+batch-invariant CPU kernels on the ordinary bucketed shapes, and one fixed shape with dense experts)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from jaxmoe import LLM, SamplingParams
+from jaxmoe.assembly import deterministic_expert_impl
+from jaxmoe.demo import demo_config
 from jaxmoe.engine.config import EngineConfig
+from jaxmoe.models.transformer import invariant_unsupported
 
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
 
@@ -40,11 +46,11 @@ def check(llm, target, others):
     assert batched.num_cached_tokens == 0
     assert_identical(batched, alone)
     eng.block_manager.reset_prefix_cache()
-    eng.scheduler.max_prefill_chunk = 7  # chunks of 7 tokens: boundaries inside blocks
+    chunk, eng.scheduler.max_prefill_chunk = eng.scheduler.max_prefill_chunk, 7  # boundaries inside blocks
     try:
         assert_identical(llm.generate([target], SP)[0], alone)
     finally:
-        eng.scheduler.max_prefill_chunk = 16
+        eng.scheduler.max_prefill_chunk = chunk
     eng.block_manager.reset_prefix_cache()
     rid = eng.add_request(target, SP)
     for prompt in others[:2]:
@@ -58,8 +64,21 @@ def check(llm, target, others):
 
 @pytest.mark.slow
 def test_deterministic_mode_is_batch_chunk_cache_and_preemption_invariant():
-    llm = LLM("tiny-random", deterministic=True, block_size=16, num_blocks=128, max_num_seqs=8)
-    assert llm.engine.runner.plan.shapes() == [(8, 16)]
+    """The CPU kernels' form: bucketed shapes (decodes of 1 and 8 rows, prefill chunks of 16-64 tokens in
+    one call or many), each token's sums in an order of its own."""
+    if invariant_unsupported(demo_config()) is not None:
+        pytest.skip(f"the batch-invariant CPU kernels cannot run here: {invariant_unsupported(demo_config())}")
+    llm = LLM("tiny-random", deterministic=True, block_size=16, num_blocks=128, max_num_seqs=8, max_prefill_chunk=64)
+    assert llm.engine.executor.expert_impl == "cpu_kernel_invariant"
+    assert llm.engine.scheduler.max_prefill_chunk == 64 and len(llm.engine.runner.plan.shapes()) > 1
+    check(llm, *workload())
+
+
+@pytest.mark.slow
+def test_fixed_shape_deterministic_mode_is_batch_chunk_cache_and_preemption_invariant():
+    """The form that needs no CPU kernel (other platforms, MLA): one step shape, dense experts."""
+    llm = LLM("tiny-random", deterministic=True, expert_impl="dense", block_size=16, num_blocks=128, max_num_seqs=8)
+    assert llm.engine.runner.plan.shapes() == [(8, 16)] and llm.engine.scheduler.max_prefill_chunk == 16
     check(llm, *workload())
 
 
@@ -68,9 +87,13 @@ def test_deterministic_mode_needs_the_monolithic_executor():
         LLM("tiny-random", mesh="meshes/cpu-8.yaml", deterministic=True)
 
 
-@pytest.mark.slow
 def test_deterministic_config():
-    cfg = EngineConfig(deterministic=True, max_prefill_chunk=512)
-    assert cfg.expert_impl == "dense" and cfg.max_prefill_chunk == 16
+    assert EngineConfig(deterministic=True).expert_impl == "auto"  # resolved with the model (assembly)
     with pytest.raises(ValueError, match="expert_impl"):
-        EngineConfig(deterministic=True, expert_impl="cpu_kernel")
+        EngineConfig(deterministic=True, expert_impl="cpu_kernel")  # its work split follows the batch
+    mla = dataclasses.replace(demo_config(), attn=dataclasses.replace(demo_config().attn, kind="mla"))
+    assert invariant_unsupported(mla) == "mla attention runs in XLA"
+    ec = EngineConfig(deterministic=True)
+    assert deterministic_expert_impl(mla, {}, ec) == "dense"
+    with pytest.raises(ValueError, match="cpu_kernel_invariant.*mla"):
+        deterministic_expert_impl(mla, {}, dataclasses.replace(ec, expert_impl="cpu_kernel_invariant"))

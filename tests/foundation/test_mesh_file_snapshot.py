@@ -2,8 +2,9 @@
 the same spec (and the same brownout settings), and a grid of single-field mutations (each field
 deleted, or set to a value of another type, out of range, empty, ...) is accepted into the same spec
 or refused with the same one-line error. ``mesh_file_snapshot.json`` was written from the validator
-before it moved onto pydantic and changed once on purpose since (a byte size that is not one, e.g.
-``true`` or ``-1``, now says "expected bytes" rather than "expected an integer" / "must be >= 0").
+before it moved onto pydantic and changed on purpose since: a byte size that is not one, e.g.
+``true`` or ``-1``, now says "expected bytes" rather than "expected an integer" / "must be >= 0"; the
+``brownout:`` section took per-phase ``prefill_threshold`` / ``decode_threshold`` keys.
 Regenerate it only for a deliberate change of behaviour::
 
     python -c "import sys; sys.path.insert(0, 'tests/foundation'); import test_mesh_file_snapshot as t; t.write()"

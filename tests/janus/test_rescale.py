@@ -219,6 +219,27 @@ def test_normal_step_is_the_same_work():
     assert normal_step([], [(8, 1)]) is None
 
 
+def test_a_rescale_compiles_the_shapes_needed_now():
+    """The build compiles the shapes the live sequences need: idle, one decode shape; decodes up to
+    their count per instance; prefill chunks only while some prefill, up to their longest rest."""
+    from types import SimpleNamespace
+
+    from jaxmoe.engine.buckets import ShapePlan
+
+    plan = ShapePlan(max_num_seqs=16, max_prefill_chunk=256, prefill_rows=4)
+
+    def seq(uncomputed):
+        return SimpleNamespace(num_uncomputed=uncomputed, is_prefill=uncomputed > 1)
+
+    assert plan.shapes_for([]) == [(1, 1)]
+    assert plan.shapes_for([seq(1)] * 3) == [(1, 1), (2, 1), (4, 1)]
+    assert plan.shapes_for([seq(1), seq(40)]) == [(1, 1), (2, 1), (1, 16), (1, 32), (1, 64)]
+    many = [seq(1000)] * 5  # chunks capped at max_prefill_chunk, rows at prefill_rows
+    assert set(plan.shapes_for(many)) == set(plan.shapes()) - {(16, 1)}
+    assert set(plan.shapes_for(many)) <= set(plan.shapes())
+    assert ShapePlan(4, 64, fixed=(2, 16)).shapes_for([seq(1)]) == [(2, 16)]
+
+
 def _layout(llm):
     ex = llm.executor
     return ex.num_attention, ex.num_expert_instances, ex.slots_per_instance, ex.placement()
@@ -353,3 +374,67 @@ def test_placement_controller_follows_the_new_executor(llm):
     finally:
         llm.engine.hooks.remove(controller)
         llm.rescale(2, 6)
+
+
+@pytest.mark.slow
+def test_lower_step_compiles_what_a_step_runs(llm):
+    """What a rescale across processes compiles in the background instead of running: a new layout's
+    step programs from ``ModelRunner.lower_step`` (here with ``CrossProcessTransfer``, whose A2E /
+    E2A are programs, in one process), compiled; the step on that shape then compiles nothing."""
+    from jaxmoe.compilation import compile_events
+    from jaxmoe.engine.model_runner import ModelRunner
+    from jaxmoe.janus.reshard import build_rescaled, rescaled_spec
+    from jaxmoe.runtime.cross_process import CrossProcessTransfer
+
+    ex, runner = llm.executor, llm.engine.runner
+    target = (2, 6) if _layout(llm)[:2] == (4, 4) else (4, 4)
+    slots = llm.engine.config.num_blocks * llm.engine.config.block_size
+    new, _ = build_rescaled(ex, rescaled_spec(ex.sub.spec, *target), slots, transfer=CrossProcessTransfer)
+    new_runner = ModelRunner(new, runner.block_size, runner.max_blocks_per_seq, runner.plan)
+    programs = new_runner.lower_step(1, 1)  # the decode shape of one row per attention instance
+    names = {p.as_text().split("@", 2)[1].split("(", 1)[0] for p in programs}
+    assert len(programs) >= 8 and any("shmap" in n or "body" in n for n in names), names  # the A2E / E2A
+    for program in programs:
+        program.compile()
+    before = compile_events()["programs"]
+    new_runner.warm(1, 1)
+    assert compile_events()["programs"] == before
+
+
+@pytest.mark.slow
+def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm):
+    """The ``jax.distributed`` agreement (``agreed``, background build) in one process, with a stand-in
+    for the all-gather: while another process reports building, steps go on and ``apply`` does not
+    swap; when it reports that its build failed, the rescale fails here too (naming it) and the old
+    layout stays."""
+    from jaxmoe.janus.live_rescale import BUILDING, FAILED
+
+    engine = llm.engine
+    rescaler = LiveRescaler.of(engine)
+    other, agreements = [BUILDING], []
+
+    def gather(mine: int) -> list[int]:
+        agreements.append(mine)
+        return [mine, other[0]]
+
+    own_gather, before = rescaler.gather, _layout(llm)
+    llm.generate([_prompt(300)], SamplingParams(max_tokens=2, ignore_eos=True))  # the steps' programs compiled
+    rescaler.agreed, rescaler.gather, rescaler.background_across_processes = True, gather, True
+    rid = engine.add_request(_prompt(300), SamplingParams(max_tokens=8, ignore_eos=True))
+    try:
+        job = rescaler.start(*((2, 6) if before[:2] == (4, 4) else (4, 4)))
+        assert job.agreed and job.paused_s > 0  # the parameters moved between steps
+        for _ in range(3):
+            engine.step()
+        assert rescaler.apply() is False and not job.done() and len(agreements) == 4
+        other[0] = FAILED
+        engine.step()
+        assert job.done() and rescaler.job is None
+        with pytest.raises(RescaleError, match=r"building the \da\de layout failed on process 1"):
+            job.result(0)
+        job.thread.join(120)  # the build stops at its next program
+        assert not job.thread.is_alive() and _layout(llm) == before
+        assert job.steps_during_build == 3  # the old layout served meanwhile
+    finally:
+        engine.abort(rid)
+        rescaler.agreed, rescaler.gather, rescaler.background_across_processes = False, own_gather, False

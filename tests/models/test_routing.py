@@ -189,8 +189,9 @@ def test_brownout_with_expert_rounds_gives_the_fused_logits(executors, state):
     )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     inside = [d for d in depths if d is not None]
-    assert len(inside) == CFG.num_layers * (len(rounds) - 1) and all(len(d) == L for d in inside)
-    assert inside[0][: rounds[1][0]].sum() == 0  # the first round's experts are served
+    # after each MoE layer's routing and between its rounds
+    assert len(inside) == CFG.num_layers * len(rounds) and all(len(d) == L for d in inside)
+    assert inside[1][: rounds[1][0]].sum() == 0 < inside[0][: rounds[1][0]].sum()  # the first round's are served
     if state < 1:
         assert any(d[CFG.moe.num_experts :].sum() > 0 for d in inside)  # united experts queue like originals
     with pytest.raises(ValueError, match="expert_rounds must be contiguous"):

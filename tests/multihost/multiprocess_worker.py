@@ -254,8 +254,9 @@ def relayout(jax, llm, args) -> dict:
 
 
 def rescale(jax, llm) -> dict:
-    """The engine re-scaled RESCALES times while requests run (every process calls ``rescale`` at
-    the same step: the build runs inline, then the swap at the next step boundary). Returns the
+    """The engine re-scaled RESCALES times while requests run (every process calls ``start`` at the
+    same step: parameters move and the programs compile there, and the processes swap once every one
+    has built). Returns the
     final tokens per request, each change's ``RescaleResult``, the layouts and the free KV blocks."""
     from jaxmoe import SamplingParams
     from jaxmoe.runtime.slot_moves import mover_for
@@ -292,10 +293,13 @@ def rescale(jax, llm) -> dict:
         print(f"rescale to {attention}a{experts}e: building", flush=True)
         job = rescaler.start(attention, experts)
         print(f"rescale to {attention}a{experts}e: built in {time.perf_counter() - t:.1f} s", flush=True)
-        for _ in range(100):  # bounded: the swap happens before the next step
+        for _ in range(20000):  # bounded: the processes agree on the swap once every one has built
             if job.done():
                 break
-            step() if engine.has_work() else rescaler.apply()
+            if engine.has_work():
+                step()
+            elif not rescaler.apply():
+                time.sleep(0.02)  # idle: ask again (every process makes the same calls)
         results.append(job.result(timeout=0).as_dict())
         print(f"rescale to {attention}a{experts}e: serving", flush=True)
         ex = llm.executor

@@ -3,7 +3,9 @@ expert instances on both): process 0 answers HTTP and gRPC with the tokens the s
 engine makes, for every model family; SIGTERM to process 0 stops both; a follower killed with SIGKILL
 makes process 0 unhealthy (503), ends the request in flight with an error and exits non-zero; a mesh
 file that does not match the cluster is refused at start with one line naming the field;
-``POST /admin/rescale`` re-scales both processes while a request runs (meshes/cpu-8-1a7e.yaml).
+``POST /admin/rescale`` re-scales both processes while requests run, building in the background on
+each (meshes/cpu-8-1a7e.yaml), and a follower that hangs without dying is given up after
+``--step-timeout``.
 Each cluster test takes 2-4 minutes on 2 busy cores (the step programs compile on first use)."""
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ MAX_TOKENS = 6
 ENGINE_FLAGS = ["--num-blocks", "64", "--block-size", "8", "--max-num-seqs", "4"]
 ENGINE_FLAGS += ["--max-batch-tokens", "64", "--max-prefill-chunk", "32"]
 ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=4, max_batch_tokens=64, max_prefill_chunk=32)
+# a follower that SIGUSR1 hangs without dying: its main thread (the steps) sleeps, jax's threads (the
+# coordination service's heartbeats) go on
+HANGS_ON_USR1 = (
+    "import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *a: time.sleep(3600)); "
+    "from jaxmoe.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 def _free_port() -> int:
@@ -46,14 +54,17 @@ def _log(path: Path, lines: int = 30) -> str:
 class Cluster:
     """Two ``jaxmoe serve`` processes joined by ``jax.distributed`` on 127.0.0.1."""
 
-    def __init__(self, tmp_path: Path, mesh: Path = MESH, *flags: str, model: str = "tiny-random"):
+    def __init__(
+        self, tmp_path: Path, mesh: Path = MESH, *flags: str, model: str = "tiny-random", hangable: bool = False
+    ):
         self.http_port, self.grpc_port, coordinator = _free_port(), _free_port(), _free_port()
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
         env["JAXMOE_JOIN_TIMEOUT"] = "120"
         self.logs = [tmp_path / f"serve{i}.log" for i in range(2)]
         self.procs = []
         for i in range(2):
-            cmd = [sys.executable, "-m", "jaxmoe.cli", "serve", "--model", model, "--dtype", "float32"]
+            launch = ["-c", HANGS_ON_USR1] if hangable and i > 0 else ["-m", "jaxmoe.cli"]
+            cmd = [sys.executable, *launch, "serve", "--model", model, "--dtype", "float32"]
             cmd += ["--mesh", str(mesh), "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2"]
             cmd += ["--process-id", str(i), "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
             cmd += ["--no-warmup", *ENGINE_FLAGS, *flags]
@@ -223,12 +234,18 @@ def test_mesh_that_does_not_match_the_cluster_is_refused(tmp_path, nodes, per_no
 @pytest.mark.timeout(900)
 def test_rescale_over_http_on_two_processes(tmp_path):
     """meshes/cpu-8-1a7e.yaml (attention on process 0, experts on both): ``POST /admin/rescale`` to
-    4a4e while a request runs reaches both processes (built on each, swapped at the same step); the
-    request in flight and the ones after it keep the single-process monolithic greedy tokens."""
+    4a4e while a request runs reaches both processes: parameters moved and the step programs compiled
+    (not run) on each between two steps, swapped once both have built; the first step on the new
+    layout compiles nothing. The request in flight, those sent during the rescale and the ones after
+    keep the single-process monolithic greedy tokens. Then the follower hangs without dying (SIGUSR1: its steps stop, its heartbeats go
+    on): process 0 gives up after ``--step-timeout``, fails the request in flight, answers 503 and
+    exits 1."""
     from jaxmoe import LLM, SamplingParams
 
     few_shapes = ["--max-num-seqs", "2", "--max-prefill-chunk", "16", "--max-batch-tokens", "32"]
-    cluster = Cluster(tmp_path, ROOT / "meshes" / "cpu-8-1a7e.yaml", *few_shapes)
+    step_timeout = 20
+    flags = [*few_shapes, "--step-timeout", str(step_timeout)]
+    cluster = Cluster(tmp_path, ROOT / "meshes" / "cpu-8-1a7e.yaml", *flags, hangable=True)
     try:
         cluster.wait_serving()
         first = _complete(cluster, PROMPTS[0])
@@ -236,22 +253,60 @@ def test_rescale_over_http_on_two_processes(tmp_path):
         t = threading.Thread(target=lambda: inflight.update(r=_complete(cluster, PROMPTS[1], 24)), daemon=True)
         t.start()
         time.sleep(0.5)
-        rescaled = cluster.post("/admin/rescale", {"attention": 4, "experts": 4}, timeout=600)
+        box: dict = {}
+
+        def rescale():
+            box["r"] = cluster.post("/admin/rescale", {"attention": 4, "experts": 4}, timeout=840)
+            box["t"] = time.monotonic()
+
+        r = threading.Thread(target=rescale, daemon=True)
+        r.start()
+        during = []  # (answer, when) of requests sent while the rescale runs
+        while r.is_alive() and len(during) < 3:  # they wait for the build, then run on the new layout
+            during.append((_complete(cluster, PROMPTS[0], timeout=840), time.monotonic()))
+        r.join(840)
         t.join(600)
+        rescaled = box["r"]
         after = _complete(cluster, PROMPTS[0])
-        cluster.procs[0].send_signal(signal.SIGTERM)
-        codes = cluster.wait_exit(30)
+        # then the follower hangs without dying (its heartbeats go on): process 0 waits in a step past
+        # --step-timeout, fails the request in flight, answers 503 and exits non-zero
+        hung: dict = {}
+        t = threading.Thread(target=lambda: hung.update(r=_complete(cluster, PROMPTS[1], 100, 120)), daemon=True)
+        t.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        os.kill(cluster.procs[1].pid, signal.SIGUSR1)
+        health = 200
+        while health == 200 and time.monotonic() - t0 < step_timeout + 30:
+            time.sleep(0.5)
+            health = cluster.health()
+        unhealthy_s = time.monotonic() - t0
+        refused = _complete(cluster, PROMPTS[0], timeout=30)
+        t.join(60)
+        codes = cluster.wait_exit(step_timeout + 60 - (time.monotonic() - t0))
+        exit_s = time.monotonic() - t0
         report = cluster.report()
     finally:
         cluster.kill()
     assert rescaled[0] == 200, (rescaled, report)
     assert rescaled[1]["attention"] == 4 and rescaled[1]["experts"] == 4, rescaled
-    assert codes == [0, 0], report
+    print({k: rescaled[1][k] for k in ("paused_s", "build_s", "swap_s", "steps_during_build", "first_step_compiles")})
+    print("hang:", health, round(unhealthy_s, 1), codes, round(exit_s, 1))
+    assert health == 503 and unhealthy_s < step_timeout + 15, (health, unhealthy_s, report)
+    assert refused[0] == 503 and "stopped stepping without dying" in refused[1]["error"]["message"], refused
+    assert hung["r"][0] >= 500 and "error" in hung["r"][1], hung
+    # the follower stays hung until jax terminates it once process 0 (the coordination service) is gone
+    assert codes[0] == 1 and codes[1] != 0 and exit_s < step_timeout + 60, (codes, exit_s, report)
+    # built between two steps (compiled ahead, not by running: the first step on it compiles nothing)
+    assert rescaled[1]["paused_s"] > rescaled[1]["build_s"] > 0
+    assert rescaled[1]["first_step_compiles"] is None or rescaled[1]["first_step_compiles"] <= 2, rescaled
+    assert during and all(a[0] == 200 for a, _ in during), (during, rescaled)
     ref = LLM("tiny-random", dtype="float32", **ENGINE)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     want0 = ref.generate(PROMPTS[:1], greedy)[0].text
     want1 = ref.generate(PROMPTS[1:], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].text
     assert first[0] == after[0] == 200 and first[1]["choices"][0]["text"] == after[1]["choices"][0]["text"] == want0
+    assert all(a[1]["choices"][0]["text"] == want0 for a, _ in during), during
     status, body = inflight["r"]
     assert status == 200 and body["choices"][0]["text"] == want1, inflight
 

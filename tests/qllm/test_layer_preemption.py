@@ -16,69 +16,10 @@ from jaxmoe.qllm.policy import QLLMPolicy
 
 BE = SamplingParams(max_tokens=16, ignore_eos=True)
 LS = SamplingParams(max_tokens=4, ignore_eos=True)
-BE_PROMPTS = ["best effort one", "best effort number two", "three"]
-LS_PROMPTS = ["urgent a", "urgent bb", "urgent ccc"]
-# (engine step, layer after which the LS request arrives): step 0 pauses a BE prefill, later ones decodes
-# (a step is pausable only while every request in it is best-effort: the LS ones finish first)
-ARRIVALS = [(0, 1), (7, 3), (11, 2)]
-
-
-def _llm(mesh, **kw):
-    if mesh:
-        kw["mesh"] = mesh
-    return LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8, layer_preemption=True, **kw)
-
-
-def _below_iteration(hook) -> int:
-    """Latency-sensitive work run inside a best-effort step: nested steps and merged requests."""
-    return hook.layer_pauses + hook.ls_merges
-
-
-def _drive(llm):
-    """Serve the BE prompts with the LS ones arriving between layers as ``ARRIVALS`` scripts (an
-    arrival whose step had no layer boundary comes at the next step); asserts every request's tokens
-    equal its standalone tokens and all KV blocks are free after. Returns (LS work run inside a BE step:
-    nested steps + merged requests, overdue arrivals)."""
-    engine = llm.engine
-    alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in BE_PROMPTS}
-    alone.update({p: llm.generate([p], LS, priority="ls")[0].token_ids for p in LS_PROMPTS})
-
-    step = {"n": 0}
-    pending = list(zip(ARRIVALS, LS_PROMPTS))
-    ls_ids = {}
-
-    def poll():  # what AsyncEngine does between layers: admit what arrived
-        layer = poll.layer
-        for (s, at), prompt in list(pending):
-            if s == step["n"] and at == layer:
-                ls_ids[prompt] = engine.add_request(prompt, LS, "ls")
-                pending.remove(((s, at), prompt))
-
-    hook = engine.layer_hook
-    real_between = hook.between_layers
-
-    def between(engine, layer):
-        poll.layer = layer
-        real_between(engine, layer)
-
-    engine.poll = poll
-    hook.between_layers = between
-    be_ids = {p: engine.add_request(p, BE, "be") for p in BE_PROMPTS}
-    pauses, finished, overdue = _below_iteration(engine.layer_hook), {}, 0
-    while engine.has_work() or pending:
-        for (s, at), prompt in list(pending):  # overdue: its step ran fused (not pausable) or never paused
-            if s < step["n"]:
-                ls_ids[prompt] = engine.add_request(prompt, LS, "ls")
-                pending.remove(((s, at), prompt))
-                overdue += 1
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.token_ids
-        step["n"] += 1
-    for p, rid in {**be_ids, **ls_ids}.items():
-        assert finished[rid] == alone[p], p
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    return _below_iteration(engine.layer_hook) - pauses, overdue
+# (engine step, pause point of that step) at which each LS request arrives; the pause points of the
+# 4-layer model come after layers 1, 2, 3. Step 0 pauses a BE prefill, the later ones decodes (a step is
+# pausable only while every request in it is best-effort: the LS ones finish first)
+ARRIVALS = [(0, 0), (7, 2), (11, 1)]
 
 
 @pytest.mark.slow
@@ -87,9 +28,9 @@ def _drive(llm):
     [(None, True), (None, False), ("meshes/cpu-8.yaml", True)],
     ids=["monolithic-merge", "monolithic-nested", "cpu8-disaggregated"],
 )
-def test_layer_preemption_keeps_every_token(mesh, merge):
-    llm = _llm(mesh, ls_merge=merge)
-    pauses, overdue = _drive(llm)
+def test_layer_preemption_keeps_every_token(mesh, merge, tiny_llm, drive):
+    llm = tiny_llm(layer_preemption=True, ls_merge=merge, **({"mesh": mesh} if mesh else {}))
+    pauses, overdue = drive(llm, ARRIVALS, BE, LS)
     hook = llm.engine.layer_hook
     assert overdue == 0  # every scripted arrival happened inside a paused BE step
     assert pauses >= len(ARRIVALS)  # LS decodes may run between later layers too
@@ -118,61 +59,45 @@ class BrokenPause(QLLMPolicy):
 
 
 @pytest.mark.slow
-def test_a_step_over_the_memory_budget_is_not_paused():
+def test_a_step_over_the_memory_budget_is_not_paused(tiny_llm, drive):
     """``max_paused_state_bytes``: a step whose hidden states exceed it runs on (step-level
     preemption instead), counted; tokens are still exact."""
-    llm = LLM(
-        "tiny-random",
-        dtype="float32",
-        num_blocks=64,
-        block_size=8,
-        max_num_seqs=8,
-        layer_preemption=True,
-        max_paused_state_bytes=1024,
-    )
-    pauses, overdue = _drive(llm)
+    llm = tiny_llm(layer_preemption=True, max_paused_state_bytes=1024)
+    pauses, overdue = drive(llm, ARRIVALS, BE, LS)
     assert pauses == 0 and llm.engine.layer_hook.pauses_over_budget > 0
 
 
 @pytest.mark.slow
-def test_a_user_policy_decides_the_pauses():
-    llm = _llm(None)
+def test_a_user_policy_decides_the_pauses(tiny_llm, drive):
+    llm = tiny_llm(layer_preemption=True)
     llm.engine.scheduler.policy.policy = NeverPause()  # the scheduler's (guarded) policy
-    assert _drive(llm)[0] == 0
+    assert drive(llm, ARRIVALS, BE, LS)[0] == 0
 
 
 @pytest.mark.slow
-def test_a_failing_pause_decision_falls_back_to_qllm(caplog):
-    llm = LLM(
-        "tiny-random",
-        dtype="float32",
-        num_blocks=64,
-        block_size=8,
-        max_num_seqs=8,
-        layer_preemption=True,
-        policy=BrokenPause(),
-    )
+def test_a_failing_pause_decision_falls_back_to_qllm(caplog, tiny_llm, drive):
+    llm = tiny_llm(layer_preemption=True, policy=BrokenPause())
     with caplog.at_level("ERROR"):
-        pauses, overdue = _drive(llm)
+        pauses, overdue = drive(llm, ARRIVALS, BE, LS)
     assert overdue == 0 and pauses >= len(ARRIVALS)  # QLLM's pauses, as without the policy
     assert llm.engine.scheduler.stats()["policy_errors"] > 0
     assert "broken_pause" in caplog.text and "bug in a user policy" in caplog.text
 
 
 @pytest.mark.slow
-def test_no_pause_without_latency_sensitive_work():
-    llm = _llm(None)
+def test_no_pause_without_latency_sensitive_work(tiny_llm):
+    llm = tiny_llm(layer_preemption=True)
     before = llm.engine.layer_hook.layer_pauses
-    outs = llm.generate(BE_PROMPTS, BE, priority="be")
+    outs = llm.generate(["best effort one", "best effort number two", "three"], BE, priority="be")
     assert all(len(o.token_ids) == 16 for o in outs) and llm.engine.layer_hook.layer_pauses == before
 
 
 @pytest.mark.slow
-def test_latency_sensitive_tokens_go_out_while_the_paused_step_waits():
+def test_latency_sensitive_tokens_go_out_while_the_paused_step_waits(tiny_llm):
     """Nested steps (``ls_merge=False``): the outputs of the step run inside a paused one are emitted
     at once (``engine.emit``: the serving loop delivers them to their streams), not held until the
     paused step ends."""
-    llm = _llm(None, ls_merge=False)
+    llm = tiny_llm(layer_preemption=True, ls_merge=False)
     engine, events, ls = llm.engine, [], {}
     engine.emit = lambda outs: events.append(("inner", [o.request_id for o in outs]))
 
@@ -216,18 +141,10 @@ def test_pause_points_wait_for_the_device():
 
 
 @pytest.mark.slow
-def test_pause_every_runs_layers_in_groups_with_the_same_tokens():
+def test_pause_every_runs_layers_in_groups_with_the_same_tokens(tiny_llm):
     """``pause_every=2`` on the 4-layer model: one pause point (after layer 2) and the same logits as
     the fused program."""
-    llm = LLM(
-        "tiny-random",
-        dtype="float32",
-        num_blocks=64,
-        block_size=8,
-        max_num_seqs=8,
-        layer_preemption=True,
-        pause_every=2,
-    )
+    llm = tiny_llm(layer_preemption=True, pause_every=2)
     ex = llm.executor
     calls = []
     tokens, batch, last = llm.engine.runner.prepare([Row([5, 6, 7], 0, [0])])[:3]
@@ -241,9 +158,11 @@ def test_pause_every_runs_layers_in_groups_with_the_same_tokens():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mesh,seed", [(None, 0), (None, 3), ("meshes/cpu-8.yaml", 2)], ids=["monolithic-0", "monolithic-3", "cpu8-2"]
+    "mesh,seed,queues",
+    [(None, 0, 0), (None, 3, 4), ("meshes/cpu-8.yaml", 2, 4)],
+    ids=["monolithic-0", "monolithic-expert-queues-3", "cpu8-expert-queues-2"],
 )
-def test_random_mixed_traces_keep_every_token(mesh, seed):
+def test_random_mixed_traces_keep_every_token(mesh, seed, queues, tiny_llm):
     """A random trace: LS and BE requests with random prompts and lengths arrive at random engine
     steps and pause points; every request's greedy tokens equal its standalone tokens.
 
@@ -251,9 +170,13 @@ def test_random_mixed_traces_keep_every_token(mesh, seed):
     batch of two rows than alone, with or without preemption -- its logits agree to 3e-6 up to
     position 10 and jump at 11, where (on this random model, layer 0) the router's 2nd and 3rd
     scores differ by 6e-8, so the batch shape's summation order flips the top-2 choice. That is
-    floating point, not lost state; the other seeds tried (0, 2, 3) pass."""
+    floating point, not lost state; the other seeds tried (0, 2, 3) pass.
+
+    With per-expert queues (``expert_queues=4``) the pause points are also inside every MoE layer
+    (after attention, after routing, between expert rounds): arrivals there merge into the queues
+    (monolithic), or run as nested steps while the queues wait (disaggregated, ``cpu-8.yaml``)."""
     rng = np.random.default_rng(seed)
-    llm = _llm(mesh)
+    llm = tiny_llm(layer_preemption=True, expert_queues=queues, **({"mesh": mesh} if mesh else {}))
     engine = llm.engine
     trace = []
     for i in range(8):  # two BE requests start the trace; then LS / BE at random steps and pause points
@@ -288,31 +211,35 @@ def test_random_mixed_traces_keep_every_token(mesh, seed):
     for prompt, rid in ids.items():
         assert finished[rid] == alone[prompt], prompt
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    assert _below_iteration(engine.layer_hook) > 0  # the trace did preempt between layers
+    hook = engine.layer_hook
+    assert hook.layer_pauses + hook.ls_merges > 0  # the trace did preempt between layers
     if mesh is None:
-        assert engine.layer_hook.ls_merges > 0  # and merged LS work into running BE steps
+        assert hook.ls_merges > 0  # and merged LS work into running BE steps
+    if queues and mesh is None:
+        assert hook.queue_merges > 0  # some of it inside a MoE layer, into the expert queues
+    elif queues:  # nested steps inside MoE layers while the BE queues waited
+        assert engine.scheduler.preemptions["expert_pause"]["be"] > 0
 
 
 @pytest.mark.slow
-def test_several_arrivals_merge_into_one_step():
+def test_several_arrivals_merge_into_one_step(tiny_llm, metric_families):
     """Two LS requests arrive during one BE decode step, after layers 1 and 2 of the 4: both join
     that step (each catches up to its layer alone), their first tokens come with the step's outputs,
     the step is never paused for a nested step, and every token equals the standalone ones. The merges
     are counted in ``jaxmoe_ls_merges_total``."""
-    from jaxmoe.server.metrics import _EngineCollector
-
-    llm = _llm(None)
+    llm = tiny_llm(layer_preemption=True)
     engine = llm.engine
-    alone = {p: llm.generate([p], LS, priority="ls")[0].token_ids for p in LS_PROMPTS[:2]}
-    be_alone = llm.generate([BE_PROMPTS[0]], BE, priority="be")[0].token_ids
-    be = engine.add_request(BE_PROMPTS[0], BE, "be")
+    ls_prompts = ["urgent a", "urgent bb"]
+    alone = {p: llm.generate([p], LS, priority="ls")[0].token_ids for p in ls_prompts}
+    be_alone = llm.generate(["best effort one"], BE, priority="be")[0].token_ids
+    be = engine.add_request("best effort one", BE, "be")
     engine.step()  # the BE prefill
     ls, calls = {}, []
 
     def poll():  # the 1st pause point of the step comes after layer 1, the 2nd after layer 2
         calls.append(1)
         if len(calls) <= 2:
-            prompt = LS_PROMPTS[len(calls) - 1]
+            prompt = ls_prompts[len(calls) - 1]
             ls[prompt] = engine.add_request(prompt, LS, "ls")
 
     engine.poll = poll
@@ -329,21 +256,9 @@ def test_several_arrivals_merge_into_one_step():
     for prompt, rid in ls.items():
         assert finished[rid] == alone[prompt], prompt
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    families = {f.name: f for f in _EngineCollector(_Async(engine)).collect()}
+    families = metric_families(engine)
     assert families["jaxmoe_ls_merges"].samples[0].name == "jaxmoe_ls_merges_total"
     assert families["jaxmoe_ls_merges"].samples[0].value == engine.layer_hook.ls_merges
-
-
-class _Async:  # what the server's collector reads
-    compiles_after_warmup = None
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def snapshot(self):
-        from jaxmoe.engine.stats import EngineStats
-
-        return EngineStats().snapshot(self.engine, in_flight=0, step_errors=0)
 
 
 @pytest.mark.slow

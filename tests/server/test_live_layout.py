@@ -1,6 +1,6 @@
 """After a live rescale, gRPC ``ModelInfo``, ``/v1/models`` and ``/metrics`` report the layout serving
 now; stopping the server with a rescale build in flight cancels the build (its caller gets
-503 ``unavailable``) and returns within seconds."""
+503 ``unavailable``), ends the streams in flight with ``finish_reason="abort"`` and returns within 3 s."""
 
 from __future__ import annotations
 
@@ -31,6 +31,18 @@ def _request(srv, method, path, payload=None, timeout=600):
     return resp.status, (json.loads(raw) if raw.startswith("{") else raw)
 
 
+def _stream(srv, chunks: list) -> None:
+    """A long streamed completion; appends each chunk's finish_reason (None until the last)."""
+    # 3 + 120 tokens: fits one attention instance of 4a4e (128 KV slots) and of 2a6e
+    body = {"prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True, "temperature": 0, "stream": True}
+    conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    for line in conn.getresponse():
+        if line.startswith(b"data: {"):
+            chunks.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+    conn.close()
+
+
 def _gauge(text: str, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
@@ -58,7 +70,15 @@ def test_layout_reported_after_rescale_and_shutdown_cancels_a_build(checkpoint_d
         assert _gauge(text, "jaxmoe_attention_instances") == 4 and _gauge(text, "jaxmoe_expert_instances") == 4
         assert _gauge(text, "jaxmoe_rescales_total") == 1
 
-        # a second rescale, stopped while it builds: cancelled, the server stops within seconds
+        # a second rescale, stopped while it builds with a stream in flight: the build is cancelled,
+        # the stream ends with finish_reason "abort", the server stops within 3 s
+        chunks: list = []
+        streamer = threading.Thread(target=_stream, args=(srv, chunks))
+        streamer.start()
+        deadline = time.monotonic() + 120
+        while not chunks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert chunks, "the stream did not start"
         answer: dict = {}
         caller = threading.Thread(
             target=lambda: answer.update(r=_request(srv, "POST", "/admin/rescale", {"attention": 2, "experts": 6}))
@@ -74,7 +94,9 @@ def test_layout_reported_after_rescale_and_shutdown_cancels_a_build(checkpoint_d
         stopped = True
         took = time.monotonic() - t0
         caller.join(30)
+        streamer.join(30)
         assert took < 3.0, took
+        assert chunks[-1] == "abort", chunks[-3:]  # the in-flight stream was ended, and told so
         status, body = answer["r"]
         assert status == 503 and body["error"]["code"] == "unavailable" and "cancelled" in body["error"]["message"]
         assert llm.engine.runner.executor.num_attention == 4  # the old layout stayed

@@ -136,6 +136,69 @@ def test_huge_prompts_refused_by_length_while_others_go_on(server):
     assert engine_idle_and_free(server.async_engine)
 
 
+def _recording(calls: list, fn):
+    def record(*args):
+        calls.append(threading.current_thread().name)
+        return fn(*args)
+
+    return record
+
+
+def test_large_bodies_are_parsed_off_the_loop(server, monkeypatch):
+    """HTTP bodies (and gRPC messages) of OFF_LOOP_BYTES or more are parsed and validated in a worker
+    thread, not on the event loop (the thread "jaxmoe-server"), with the same answers; small ones are
+    parsed as before."""
+    from jaxmoe.server import grpc_junk, http_parse
+
+    calls, decoded = [], []
+    monkeypatch.setattr(http_parse, "parse_body", _recording(calls, http_parse.parse_body))
+    monkeypatch.setattr(grpc_junk, "_parse", _recording(decoded, grpc_junk._parse))
+    pad = "p" * http_parse.OFF_LOOP_BYTES  # an unknown field: ignored, as the OpenAI API does
+    status, body = _post(server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "padding": pad})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+    status, body = _post(server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": "2", "padding": pad})
+    assert status == 400 and body["error"]["param"] == "max_tokens", body
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", b"{" + pad.encode(), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 400 and "not valid JSON" in json.loads(resp.read())["error"]["message"]
+    conn.close()
+    assert len(calls) == 3 and "jaxmoe-server" not in calls, calls
+    status, body = _post(server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert status == 200 and len(calls) == 3  # a small body: FastAPI's own parse
+    limit = max_prompt_chars(server.async_engine.engine.max_model_len)
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.JaxmoeStub(ch).Generate(make_request("g" * (2 * limit + (64 << 10))), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(limit) in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            ch.unary_stream("/jaxmoe.v1.Jaxmoe/Generate")(b"\xff" * (64 << 10), timeout=60).next()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(decoded) == 2 and "jaxmoe-server" not in decoded, decoded
+
+
+def test_health_is_answered_as_it_arrives(server, monkeypatch):
+    """GET /health is answered by the connection as its head arrives (no task behind the others'),
+    on a kept-alive connection too; a request the guard would refuse goes to the app as before."""
+    protocol = server._http._server.config.http
+    answered = []
+    monkeypatch.setattr(protocol, "health", staticmethod(_recording(answered, protocol.health)))
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    for _ in range(2):
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
+    assert len(answered) == 2
+    body = json.dumps({"prompt": "hi", "max_tokens": 1})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()  # the same connection goes on to the app
+    assert resp.status == 200 and json.loads(resp.read())["choices"]
+    conn.request("GET", "/health", headers={"Origin": "http://elsewhere.example"})
+    resp = conn.getresponse()
+    assert resp.status == 403 and json.loads(resp.read())["error"]["code"] == "origin_not_allowed"
+    conn.close()
+
+
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_prompt_over_the_token_limit_after_tokenizing(server, route):
     """Under the character bound but over the context once tokenized: 400 naming max_model_len."""

@@ -12,7 +12,10 @@
 // its combine weight and writes h @ down[chunk, :] to its own rows of fp32 output; the sum over chunks
 // is the whole down projection, so no thread waits for another before the final sum. That sum runs in
 // a fixed order (token, choice, chunk), so the result does not depend on which thread ran which item:
-// the same inputs give the same bits.
+// the same inputs give the same bits. A row's own sums (over D in its gate / up tiles, one accumulator
+// per row; over each chunk in the down tile) do not depend on the other rows; only the chunk width
+// does, as it grows with fewer routed experts: with the ``invariant`` attribute it is fixed by the
+// thread count and top-k alone, so a row's output is bit-identical whatever it is batched with.
 //
 // Weights: float32, or 16-bit bfloat16 (as BF16 or as its uint16 bits, ``models.common.pack16``),
 // widened to float32 on load; stored plain ([L, E, D, F] / [L, E, F, D]) or as column panels
@@ -433,8 +436,8 @@ struct Scales {  // int8 weights: the column scales [L, E, 1, F] / [L, E, 1, D]
 
 ffi::Error RunExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                         ffi::Buffer<ffi::F32> combine, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
-                        ffi::Buffer<ffi::S32> layer, int64_t panel, int64_t pairs, const Scales* scales,
-                        ffi::ResultBuffer<ffi::F32> y) {
+                        ffi::Buffer<ffi::S32> layer, int64_t panel, int64_t pairs, int64_t invariant,
+                        const Scales* scales, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), gd = gate.dimensions(), dd = down.dimensions();
   if (panel != 0 && panel != V && panel != 2 * V && panel != 4 * V)
     return ffi::Error::InvalidArgument("expert_ffn: panel must be 0, 16, 32 or 64");
@@ -497,8 +500,12 @@ ffi::Error RunExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   // every thread has work. (Chunking down to twice the threads was 20-30 % slower at batch 1: half
   // rows, two streams. Cutting experts into 256-column chunks at prefill sizes, to share out experts
   // with many rows, was 10 % slower on evenly routed batches: more partial rows to sum on one thread.)
+  // ``invariant``: the chunks do not depend on the batch (on how many experts it routes to), only on
+  // the thread count and top-k, so each row's down projection is summed in the same order whatever
+  // it is batched with (deterministic mode, ``cpu_kernel.py``).
   int64_t active = 0;
   for (int64_t e = 0; e < E; ++e) active += !p.assignments[e].empty();
+  if (invariant) active = std::min(E, p.K);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_expert = active ? std::max<int64_t>(1, (threads + active - 1) / active) : 1;
   const int64_t unit = panel ? panel : V;  // chunks are whole panels (or vectors)
@@ -544,26 +551,28 @@ ffi::Error RunExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 
 ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                      ffi::Buffer<ffi::F32> combine, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
-                     ffi::Buffer<ffi::S32> layer, int64_t panel, int64_t pairs, ffi::ResultBuffer<ffi::F32> y) {
-  return RunExpertFfn(pool, x, ids, combine, gate, up, down, layer, panel, pairs, nullptr, y);
+                     ffi::Buffer<ffi::S32> layer, int64_t panel, int64_t pairs, int64_t invariant,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  return RunExpertFfn(pool, x, ids, combine, gate, up, down, layer, panel, pairs, invariant, nullptr, y);
 }
 
 ffi::Error ExpertFfnInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                          ffi::Buffer<ffi::F32> combine, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
                          ffi::Buffer<ffi::F32> gate_scale, ffi::Buffer<ffi::F32> up_scale,
                          ffi::Buffer<ffi::F32> down_scale, ffi::Buffer<ffi::S32> layer, int64_t panel,
-                         ffi::ResultBuffer<ffi::F32> y) {
+                         int64_t invariant, ffi::ResultBuffer<ffi::F32> y) {
   if (up_scale.element_count() != gate_scale.element_count())
     return ffi::Error::InvalidArgument("expert_ffn_int8: gate and up scales must match");
   const Scales scales{gate_scale.typed_data(), up_scale.typed_data(), down_scale.typed_data(),
                       static_cast<int64_t>(gate_scale.element_count()),
                       static_cast<int64_t>(down_scale.element_count())};
-  return RunExpertFfn(pool, x, ids, combine, gate, up, down, layer, panel, 0, &scales, y);
+  return RunExpertFfn(pool, x, ids, combine, gate, up, down, layer, panel, 0, invariant, &scales, y);
 }
 
 // ---- One layer's weight matrix of a stack: y [M, N] = x [M, K] @ w[layer] ([L, K, N]) ----------
 // The down projection's tile; items are contiguous blocks of K rows (one per thread), each into its
-// own [M, N] partial, summed in item order (same inputs, same bits).
+// own [M, N] partial, summed in item order (same inputs, same bits). The items depend on K and the
+// thread count only, so a row's result does not depend on M or on the other rows (batch-invariant).
 template <typename W>
 void matmul_item(const float* x, const W* w, int64_t M, int64_t K, int64_t N, int64_t c0, int64_t kc, float* y) {
   std::fill(y, y + M * N, 0.0f);
@@ -624,6 +633,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeExpertFfn, ExpertFfn,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Attr<int64_t>("panel")        // 0: plain weights, else panel width
                                   .Attr<int64_t>("pairs")        // 1: bfloat16 panels in pairs of rows
+                                  .Attr<int64_t>("invariant")    // 1: work split independent of the batch
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
 );
 
@@ -641,6 +651,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeExpertFfnInt8, ExpertFfnInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // down scales [L, E, 1, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Attr<int64_t>("panel")        // 0: plain weights, else panel width
+                                  .Attr<int64_t>("invariant")    // 1: work split independent of the batch
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
 );
 

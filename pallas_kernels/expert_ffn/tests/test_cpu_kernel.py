@@ -170,6 +170,50 @@ def test_same_inputs_same_bits_whichever_thread_runs_an_item():
         np.testing.assert_array_equal(np.asarray(run(x)), first)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [0, 32], ids=["plain", "panels"])
+def test_invariant_form_gives_a_token_the_same_bits_in_any_batch(width):
+    """``cpu_kernel_invariant`` (deterministic mode): a token's output is bit-identical alone, in a
+    decode-sized batch and in a prefill-sized one (plain weights too: no fallback), at any row; it is
+    the reference's result. ``pool_threads`` chunks: the default form's work split changes with the
+    number of routed experts when there are more threads than a token's experts."""
+    E, D, F, K = 8, 64, 128, 2
+    p = _layers(1, E, D, F, jnp.float32, 5)
+    weights3 = tuple(p[k][0] for k in ("w_gate", "w_up", "w_down"))
+    experts = LayerWeights({k: to_panels(v, width) if width else v for k, v in p.items()}, jnp.int32(0))
+    ids, weights, kx = _routing(70, K, E, 5, jnp.float32)
+    x = jax.random.normal(kx, (70, D))
+    run = jax.jit(lambda x, i, w: expert_ffn(x, i, w, experts, impl="cpu_kernel_invariant"))
+    alone = np.asarray(run(x[:1], ids[:1], weights[:1]))
+    want = np.asarray(expert_ffn_reference(x[:1], ids[:1], weights[:1], Stacked(*weights3)))
+    np.testing.assert_allclose(alone, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    for n, at in ((5, 3), (70, 41)):  # token 0 moved to row ``at`` of a batch of n
+        order = np.r_[1 : at + 1, 0, at + 1 : n]
+        got = np.asarray(run(x[order], ids[order], weights[order]))
+        np.testing.assert_array_equal(got[at], alone[0])
+    with pytest.raises(ValueError, match="cpu_kernel_invariant"):  # no silent fallback: odd shapes refused
+        odd = Stacked(*(w[:, :40, :] if i < 2 else w[:, :, :40] for i, w in enumerate(weights3)))
+        expert_ffn(x[:2, :40], ids[:2], weights[:2], odd, impl="cpu_kernel_invariant")
+
+
+@pytest.mark.slow
+def test_invariant_matmul_gives_a_row_the_same_bits_at_any_row_count():
+    """``invariant_matmul`` (deterministic mode's dense matrices, N padded to whole vectors): a row's
+    result does not depend on the row count or its position, where XLA's dot changes algorithm with
+    the row count (docs/serving.md); it is the product."""
+    from jaxmoe.models.layer_matrix import LayerMatrix
+
+    kw, kx = jax.random.split(jax.random.PRNGKey(7))
+    stack = jax.random.normal(kw, (2, 64, 40)) / 8  # N = 40: padded to 48 and cut back
+    x = jax.random.normal(kx, (300, 64))
+    run = jax.jit(lambda x: x @ LayerMatrix(stack, jnp.int32(1), jnp.float32, invariant=True))
+    alone = np.asarray(run(x[:1]))
+    np.testing.assert_allclose(alone, np.asarray(x[:1] @ stack[1]), rtol=2e-5, atol=2e-5)
+    for n, at in ((7, 3), (300, 211)):
+        order = np.r_[1 : at + 1, 0, at + 1 : n]
+        np.testing.assert_array_equal(np.asarray(run(x[order]))[at], alone[0])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 32, 33])
 def test_layer_matrix_reads_one_layer_in_place(dtype, rows):

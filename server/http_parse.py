@@ -1,0 +1,64 @@
+"""``OffLoopBodyRoute``: FastAPI routes whose large JSON bodies are parsed and validated in a worker
+thread, so that the event loop both front ends share only moves their bytes.
+
+FastAPI parses (``json.loads``) and validates (pydantic) a route's body on the event loop: for a
+body of megabytes that is tens of milliseconds in which no other request, stream or health check
+is served. A body of ``OFF_LOOP_BYTES`` or more is parsed and validated here in a thread instead;
+FastAPI then gets the validated model, which it takes as it is (a model instance validates in
+constant time), so the route, its OpenAPI schema and its error answers stay FastAPI's. Smaller
+bodies take FastAPI's own path (a thread hop would cost more than the parse).
+"""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+from fastapi.exceptions import HTTPException, RequestValidationError
+from fastapi.routing import APIRoute
+
+OFF_LOOP_BYTES = 64 << 10  # a body this large (bytes, decoded) is parsed and validated off the loop
+
+
+def _json_content(content_type: str | None) -> bool:
+    if not content_type:
+        return False
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def parse_body(field, body: bytes):
+    """The body as ``field``'s model; raises ``RequestValidationError`` as FastAPI would."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as e:
+        error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {}}
+        raise RequestValidationError([dict(error, ctx={"error": e.msg})], body=e.doc) from None
+    except UnicodeDecodeError as e:
+        error = {"type": "json_invalid", "loc": ("body", e.start), "msg": "JSON decode error", "input": {}}
+        raise RequestValidationError([dict(error, ctx={"error": str(e)})]) from None
+    except Exception:  # e.g. RecursionError (JSON nested too deep): FastAPI's own answer
+        raise HTTPException(status_code=400, detail="There was an error parsing the body") from None
+    value, errors = field.validate(data, {}, loc=("body",))
+    if errors:
+        raise RequestValidationError(errors, body=data)
+    return value
+
+
+class OffLoopBodyRoute(APIRoute):
+    """An ``APIRoute`` (``FastAPI(route_class=...)``) that parses large JSON bodies in a thread."""
+
+    def get_route_handler(self):
+        on_loop = super().get_route_handler()
+        field = self.body_field
+        if field is None:
+            return on_loop
+
+        async def handler(request):
+            body = await request.body()
+            if len(body) >= OFF_LOOP_BYTES and _json_content(request.headers.get("content-type")):
+                # FastAPI reads the parsed body from here (Request.json's cache)
+                request._json = await anyio.to_thread.run_sync(parse_body, field, body)
+            return await on_loop(request)
+
+        return handler
