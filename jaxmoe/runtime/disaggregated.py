@@ -341,6 +341,7 @@ class DisaggregatedExecutor:
         x, y = (struct(o.shape, o.dtype, A.rows) for o in lower("embed", A.embed, self._embed, tok))
         zeros = y
         side = self.expert_side
+        state = for_call(self.routing_state, tokens.shape[1])  # this call's phase, as ``forward``'s
         for i, layer in enumerate(self._attn_layers):
             h, xn, _ = lower("attention", A.layer, layer, x, y, bat, self.cache[i], local)
             h, xn = struct(h.shape, h.dtype, A.rows), struct(xn.shape, xn.dtype, A.rows)
@@ -350,7 +351,7 @@ class DisaggregatedExecutor:
                 if cross:
                     more, xe = self.transfer.lower_a2e(xn, plan)
                     programs.extend(more)
-                args = (side.layers[i], side._tables[i], xe, valid, step, side._coact[i], side._state_on_mesh())
+                args = (side.layers[i], side._tables[i], xe, valid, step, side._coact[i], side._state_on_mesh(state))
                 part = lower("experts", self.experts.run, *args)[0]
                 part = struct(part.shape, part.dtype, self.sub.partials_sharding)
                 y = struct(part.shape[1:], part.dtype, self.sub.batch_sharding)
