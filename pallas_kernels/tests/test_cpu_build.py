@@ -27,6 +27,7 @@ def test_build_failures_say_why(monkeypatch, tmp_path):
     assert "building broken.cc failed" in cpu_build.CppKernels(broken, {"x": "X"}).unavailable_reason()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES, ids=lambda s: s.stem)
 def test_the_library_is_cached_by_source_and_machine(monkeypatch, tmp_path, source):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

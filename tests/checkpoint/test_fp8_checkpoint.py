@@ -192,6 +192,7 @@ def test_unsupported_quantization_is_refused_in_one_line(checkpoint_dir, tmp_pat
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_quantizes_shard_by_shard(checkpoint_dir, tmp_path):
     src = checkpoint_dir("mixtral", sharded=True)
     fp8 = quantize_checkpoint(src, tmp_path / "fp8", (16, 16))

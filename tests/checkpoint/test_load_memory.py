@@ -43,6 +43,7 @@ _MEASURE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shard_mb", [16])
 def test_sharded_load_peak_rss_below_125x_checkpoint(tmp_path, shard_mb):
     # expert weights dominate, as in real MoE checkpoints (a leaf -- one layer's w_gate -- is 5 % of the bytes)

@@ -87,6 +87,7 @@ def reference(checkpoint_dir):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_schedule_equals_monolithic(checkpoint_dir, reference, family, layout):
@@ -148,6 +149,7 @@ def test_schedule_by_name_through_llm(checkpoint_dir, reference, tmp_path):
     assert llm.engine.executor.pipeline.profile.mesh == chooser.profile.mesh
 
 
+@pytest.mark.slow
 def test_serve_pipeline_option(checkpoint_dir):
     """``jaxmoe serve --pipeline``: a name or a JSON object, handed to the engine's executor."""
     from jaxmoe.assembly import FinDEPConfig, RuntimeConfig, build_engine

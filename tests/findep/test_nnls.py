@@ -23,6 +23,7 @@ def test_matches_scipy_and_is_non_negative(seed):
     np.testing.assert_allclose(x, want, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_recovers_a_non_negative_fit():
     rng = np.random.default_rng(1)
     X = rng.uniform(1, 1e6, size=(50, 2))

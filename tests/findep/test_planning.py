@@ -123,6 +123,7 @@ def test_timeline_respects_resources_and_dependencies(order):
         check_constraints(events, times, order, r1, r2, layers)
 
 
+@pytest.mark.slow
 def test_steady_state_extrapolation_and_closed_form_equal_the_full_event_model():
     rng = random.Random(1)
     for _ in range(300):
@@ -226,6 +227,7 @@ def test_convex_expert_term_is_fitted_only_when_the_samples_need_it():
     assert plan.r1 * plan.r2 > 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["batch", "max"])
 def test_solver_with_convex_expert_and_host_matches_brute_force(mode):
     rng = random.Random(5)
@@ -250,6 +252,7 @@ def host_profile(dims: Dims, concurrency: float | None, dispatch: float) -> Prof
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["batch", "max"])
 def test_solver_with_a_host_matches_brute_force_and_runs_under_5ms(mode):
     slowest, cases = 0.0, list(grid_cases())
@@ -288,6 +291,7 @@ def grid_cases():
         yield (ag, eg), BatchShape(batch, max(1, seq), seq if seq > 1 else 2048)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["batch", "max"])
 def test_solver_matches_brute_force_within_one_percent_and_runs_under_5ms(mode):
     cases = list(grid_cases())
@@ -304,6 +308,7 @@ def test_solver_matches_brute_force_within_one_percent_and_runs_under_5ms(mode):
     assert slowest <= 5.0
 
 
+@pytest.mark.slow
 def test_solver_on_random_profiles_and_limits_matches_brute_force():
     rng = random.Random(2)
     for _ in range(60):
@@ -404,6 +409,7 @@ def test_profile_round_trip_and_mismatch_errors(tmp_path):
 # ---- measured profiles: jaxmoe profile / jaxmoe plan on the CPU mesh ------------------------------
 
 
+@pytest.mark.slow
 def test_profile_and_plan_cli(checkpoint_dir, tmp_path, capsys):
     """`jaxmoe profile` times the disaggregated runtime's own programs on the cpu-8 mesh, fits every
     stage (R² reported), writes a loadable profile and a plot; `jaxmoe plan` solves from it."""
@@ -464,6 +470,7 @@ def test_profile_and_plan_cli(checkpoint_dir, tmp_path, capsys):
     assert brute["search"] == "brute_force" and brute["predicted_tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_profile_bad_input(checkpoint_dir, tmp_path, capsys):
     from jaxmoe.cli import main
 

@@ -127,6 +127,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         load_config(tmp_path)
 
 
+@pytest.mark.slow
 def test_orbax_round_trip_keeps_values_and_sharding(checkpoint_dir, tmp_path):
     path = checkpoint_dir("deepseek_v3")
     cfg = load_config(path)

@@ -16,6 +16,7 @@ ENGINE = dict(dtype="float32", num_blocks=64, block_size=8, max_num_seqs=4, max_
 PROMPTS = [[5, 9, 11, 40, 2], [7, 3, 8], [100, 101, 102, 103, 104, 105, 106]]
 
 
+@pytest.mark.slow
 def test_variants_give_the_same_greedy_tokens(checkpoint_dir):
     path = str(checkpoint_dir("mixtral"))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -33,6 +34,7 @@ def test_variants_give_the_same_greedy_tokens(checkpoint_dir):
     assert hops["+2pc"] < hops["base"]
 
 
+@pytest.mark.slow
 def test_bad_variant_and_replica_policy_are_named():
     with pytest.raises(ValueError, match="variant must be one of"):
         build_variant("tiny-random", BASE, 2, 6, "fast")

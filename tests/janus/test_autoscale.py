@@ -73,6 +73,7 @@ def test_attach_builds_the_real_controller(llm):
             llm.rescale(2, 6)
 
 
+@pytest.mark.slow
 def test_autoscaler_rescales_the_engine_when_the_decision_changes(llm):
     engine = llm.engine
     now = [0.0]
@@ -149,6 +150,7 @@ def test_attach_uses_the_fitted_model_when_a_profile_is_given(llm, tmp_path):
     assert isinstance(fitted_model(llm.engine, found), FittedPerfModel)
 
 
+@pytest.mark.slow
 def test_scaling_profile_needs_autoscale(capsys):
     from jaxmoe.cli import main
 

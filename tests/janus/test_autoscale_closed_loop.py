@@ -420,6 +420,7 @@ def test_at_the_device_limit_a_violation_never_shrinks_the_layout(fallback):
     assert ctl.decide(bad, cur) == cur
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "batch, context, grows, holds",
     [(256, 4000, "attention", "experts"), (64, 144, "experts", "attention")],

@@ -122,6 +122,7 @@ def test_bad_inputs():
 # --------------------------------------------------------------------------- the controller, end to end
 
 
+@pytest.mark.slow
 def test_controller_rebalances_between_steps_without_changing_tokens():
     """LLM(mesh=..., rebalance_every=k): the host controller re-places replicas from the window's
     co-activations every k steps; greedy tokens stay those of the monolithic model; a rebalance
@@ -152,6 +153,7 @@ def test_controller_rebalances_between_steps_without_changing_tokens():
     assert result.tokens == [int(np.diagonal(w).sum()) for w in window]
 
 
+@pytest.mark.slow
 def test_controller_needs_expert_replicas():
     from jaxmoe import LLM
 

@@ -47,6 +47,7 @@ def mono(path):
     return LLM(path, **ENGINE)
 
 
+@pytest.mark.slow
 def test_rescale_three_times_under_load(llm, mono):
     engine = llm.engine
     final, added = {}, []
@@ -105,6 +106,7 @@ def _mappings() -> int:
         return sum(1 for _ in f)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts Linux memory mappings")
 def test_repeated_rescales_keep_the_mappings_bounded(llm):
     """XLA:CPU maps memory for every compiled program: a long-running server that rescales back and
@@ -151,6 +153,7 @@ def test_bad_tensor_parallel_rescale_changes_nothing(tp_llm, kwargs, names):
     assert LiveRescaler.of(tp_llm.engine).job is None and tp_llm.executor.sub.spec == before
 
 
+@pytest.mark.slow
 def test_rescale_tensor_parallel_instances_under_load(tp_llm, mono):
     """Instances of 2 devices on both sides (heads and FFN columns split) re-scaled twice under a
     bounded load, counting instances of 2 devices: 2a2e -> 1a3e -> 3a1e. 0 failed requests, every
@@ -263,6 +266,7 @@ def test_bad_rescale_changes_nothing(llm, kwargs, names):
     assert LiveRescaler.of(llm.engine).job is None and _layout(llm) == before
 
 
+@pytest.mark.slow
 def test_rescale_while_one_is_in_progress(llm):
     """A second rescale is refused while the first one is built; the first one still completes."""
     job = LiveRescaler.of(llm.engine).start(4, 4)
@@ -308,6 +312,7 @@ def test_admin_payload_errors_name_the_field(payload, names):
     assert err.value.http_status == 400
 
 
+@pytest.mark.slow
 def test_grpc_rescale_behind_the_api_key_while_streaming(llm):
     """``Rescale`` needs the API key; a bad one is INVALID_ARGUMENT naming the value; a good one
     answers once 4a4e serves, while a streamed request goes on with its standalone tokens. Then
@@ -362,6 +367,7 @@ def _post(srv, payload: dict, key: str | None = None) -> tuple[int, dict]:
     return resp.status, json.loads(resp.read())
 
 
+@pytest.mark.slow
 def test_placement_controller_follows_the_new_executor(llm):
     from jaxmoe.janus.placement_controller import PlacementController
 

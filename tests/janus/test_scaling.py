@@ -90,6 +90,7 @@ def test_simulation_counts_gpu_hours_and_attainment():
         simulate(rates, "magic")
 
 
+@pytest.mark.slow
 def test_simulate_cli_json(capsys, tmp_path):
     from jaxmoe.cli import main
 

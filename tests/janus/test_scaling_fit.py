@@ -116,6 +116,7 @@ def test_profile_identity_and_controller_protocol(tmp_path):
 ENGINE = dict(dtype="float32", num_blocks=64, block_size=8, max_num_seqs=4, max_prefill_chunk=16, max_batch_tokens=64)
 
 
+@pytest.mark.slow
 def test_profile_fitted_on_the_cpu_mesh_predicts_a_measured_tpot(checkpoint_dir):
     """Fit on two layouts (parts over a small sweep, engine TPOT at batches 1 and 4), then predict the
     engine's TPOT at batch 2 (not fitted on): within a loose bound (the machine is shared and noisy)."""
@@ -135,6 +136,7 @@ def test_profile_fitted_on_the_cpu_mesh_predicts_a_measured_tpot(checkpoint_dir)
         decode_tpot(llm.engine, 8, 8, 6)
 
 
+@pytest.mark.slow
 def test_scaling_profile_command_writes_what_serve_finds(tmp_path, capsys):
     """``jaxmoe scaling-profile`` fits a profile on the mesh (a small sweep) and writes it under the
     name ``jaxmoe serve --autoscale --scaling-profile DIR`` looks for; a bad layout is named."""

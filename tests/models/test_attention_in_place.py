@@ -39,6 +39,7 @@ def _generate(llm, dtype):
     return [o.token_ids for o in outs], [[lp.logprob for lp in o.prompt_logprobs[1:]] for o in outs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_in_place_attention_gives_the_tokens_of_xlas_form(monkeypatch, dtype):
     kernel = _llm(dtype)
@@ -61,6 +62,7 @@ def test_in_place_attention_gives_the_tokens_of_xlas_form(monkeypatch, dtype):
     assert np.median(diff) < 1e-2 and (diff > 5e-2).mean() <= 0.02 and diff.max() < 0.5, diff
 
 
+@pytest.mark.slow
 def test_xla_form_where_the_kernels_are_not_the_implementation():
     llm = LLM("tiny-random", dtype="float32", num_blocks=32, block_size=8, expert_impl="bucketed_loop")
     assert attention_kernel.TARGET not in _step_hlo(llm)

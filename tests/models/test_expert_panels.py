@@ -21,6 +21,7 @@ def _moe_groups(llm):
     return [g["moe"] for g in llm.executor.stacked["groups"] if "moe" in g]
 
 
+@pytest.mark.slow
 def test_stored_as_panels_read_back_plain_and_same_tokens():
     prompts = [[5, 9, 2, 7, 11, 3], [8, 1], list(range(3, 40))]  # decode rows and a prefill-sized chunk
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -47,6 +48,7 @@ def test_plain_executor_when_the_kernel_is_not_the_implementation():
     assert leaves and not any(isinstance(a, Panels) for a in leaves)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bf16_dot", [True, False], ids=["bf16-dot", "no-bf16-dot"])
 def test_bfloat16_panels_in_pairs_where_the_cpu_has_a_bf16_dot(monkeypatch, bf16_dot):
     """bfloat16 experts are stored in pairs of rows exactly where the CPU has AVX512-BF16 (the layout

@@ -23,6 +23,7 @@ def _rel_err(a, b) -> float:
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(b).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,variant", CASES, ids=[f"{f}-{v}" for f, v in CASES])
 def test_logits_and_greedy_match_transformers(checkpoint_dir, family, variant):
     path = checkpoint_dir(family, variant)

@@ -62,6 +62,7 @@ def _batch():
     return tokens, AttentionBatch(positions, slots, np.array([[0, 0], [2, 0]], np.int32)), np.array([7, 5], np.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_top_k_routing_is_the_router(checkpoint_dir, family):
     cfg, params, _ = load_model(checkpoint_dir(family), "float32")
@@ -80,6 +81,7 @@ def test_top_k_routing_is_the_router(checkpoint_dir, family):
     np.testing.assert_array_equal(np.asarray(masked), np.where(np.asarray(valid)[:, None], np.asarray(ids), -1))
 
 
+@pytest.mark.slow
 def test_brownout_at_threshold_one_chooses_what_top_k_chooses():
     params = _united(demo_params(CFG, seed=2), CFG)
     moe = params["layers"][0]["moe"]
@@ -102,6 +104,7 @@ def test_brownout_at_threshold_one_chooses_what_top_k_chooses():
             np.testing.assert_array_equal(weights[:, :K], np.where(ids[:, :K] >= 0, np.asarray(top_weights), 0))
 
 
+@pytest.mark.slow
 def test_brownout_routes_united_experts_as_logical_experts_e_plus_u():
     """At threshold 0.4, partial brownout: the kept originals, then united experts as E + u, exactly
     the split read from Algorithm 1; the same choice of one token's two group members is merged."""
@@ -142,6 +145,7 @@ def executors():
     return params, top, brown
 
 
+@pytest.mark.slow
 def test_both_routings_through_one_executor_api(executors):
     """Threshold 1 gives the top-k executor's logits (and tokens); moving the threshold changes them,
     recompiles nothing, and ``set_threshold`` refuses an executor without brownout and bad values."""
@@ -170,6 +174,7 @@ def test_both_routings_through_one_executor_api(executors):
     set_threshold(brown, 1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state", [1.0, 0.5])
 def test_brownout_with_expert_rounds_gives_the_fused_logits(executors, state):
     """QLLM's expert rounds over the E + U logical experts (united experts included) with brownout:

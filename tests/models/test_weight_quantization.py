@@ -28,6 +28,7 @@ from jaxmoe.quantization import (
 )
 
 
+@pytest.mark.slow
 def test_int8_is_per_output_channel():
     w = jax.random.normal(jax.random.key(0), (3, 40, 24)) * jnp.arange(1, 25)  # columns of different range
     q = quantize_int8(w)
@@ -37,6 +38,7 @@ def test_int8_is_per_output_channel():
     assert bool(jnp.all(err <= 0.5 * q.scale[:, 0] * 1.0001))  # half a step of that channel's scale
 
 
+@pytest.mark.slow
 def test_fp8_is_per_128_block_with_partial_edges():
     w = jax.random.normal(jax.random.key(1), (2, 200, 136))
     w = w.at[:, 128:, :128].multiply(50.0)  # one block per expert with a much larger range

@@ -57,6 +57,7 @@ def layout(request):
     return spec, sub, CrossProcessTransfer(sub)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", T.STRATEGIES)
 def test_collective_transfer_matches_device_put_transfer(layout, strategy):
     spec, sub, xp = layout
@@ -177,6 +178,7 @@ def _run_workers(tmp_path: Path, *args: str, timeout: float = TIMEOUT_S, mesh: P
     return [json.loads(o.read_text()) for o in outs]
 
 
+@pytest.mark.slow
 def test_device_put_cannot_cross_processes_collectives_can(tmp_path):
     results = _run_workers(tmp_path, "--probe", timeout=120)
     p0, p1 = results
@@ -201,6 +203,7 @@ def test_device_put_cannot_cross_processes_collectives_can(tmp_path):
         assert r["a2e_ok"] and r["e2a_ok"] and r["fetch_ok"]
 
 
+@pytest.mark.slow
 def test_two_processes_generate_the_same_tokens_as_one(tmp_path):
     from jaxmoe import LLM, SamplingParams
     from multiprocess_worker import ENGINE, PROMPTS, SAMPLE_SEED
@@ -250,6 +253,7 @@ def _moved_slots(old: list[int], new: list[int], C: int) -> int:
     )
 
 
+@pytest.mark.slow
 def test_set_placement_moves_replicas_between_processes(tmp_path):
     """meshes/cpu-8-1a7e.yaml on 2 processes: expert instances 0-2 on process 0, 3-6 on process 1.
     Three set_placement calls move replicas between the processes (ppermute rounds, ``slot_moves``);
@@ -361,6 +365,7 @@ def test_live_rescale_across_processes(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_two_processes_with_tensor_parallel_instances(tmp_path):
     """meshes/cpu-8-tp2x2.yaml across 2 processes: 2 attention instances x 2 devices (heads split) on
     process 0, 2 expert instances x 2 devices (FFN columns split) on process 1; the same greedy

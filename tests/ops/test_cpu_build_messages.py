@@ -3,6 +3,8 @@ instead and why (once per process), and serving still works on the XLA forms."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ print("IMPL", resolve("auto", {"cpu": "cpu_kernel", "other": "dense"}))
 """
 
 
+@pytest.mark.slow
 def test_no_compiler_is_one_warning_line_naming_the_fallback(tmp_path):
     env = {
         **os.environ,

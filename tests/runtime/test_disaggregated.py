@@ -74,12 +74,14 @@ def assert_equivalent(mono, dis):
 # --------------------------------------------------------------------------- equivalence
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_cpu8(llms, family):
     """2 attention + 6 expert instances, default placement (24 slots: every expert replicated)."""
     assert_equivalent(llms(family), llms(family, "meshes/cpu-8.yaml"))
 
 
+@pytest.mark.slow
 def test_4a4e_deepseek_v3(llms):
     """4 attention + 4 experts; 16 experts in exactly 16 slots (no redundancy), sigmoid group routing."""
     dis = llms("deepseek_v3", "meshes/cpu-8-4a4e.yaml")
@@ -87,6 +89,7 @@ def test_4a4e_deepseek_v3(llms):
     assert dis.executor.placement() == default_placement(16, 4, 4)
 
 
+@pytest.mark.slow
 def test_1a7e_redundant_default_placement(llms):
     dis = llms("mixtral", "meshes/cpu-8-1a7e.yaml")
     layout = dis.executor.layouts[0]
@@ -94,6 +97,7 @@ def test_1a7e_redundant_default_placement(llms):
     assert_equivalent(llms("mixtral"), dis)
 
 
+@pytest.mark.slow
 def test_1a7e_forced_placement_uses_replicas(llms):
     """Experts with 2-3 replicas on different instances and unused slots; the replica-only
     instance 6 really serves tokens, and results do not change."""
@@ -131,6 +135,7 @@ def test_set_placement_between_generates(llms, checkpoint_dir):
     assert _greedy(dis) == before
 
 
+@pytest.mark.slow
 def test_shared_experts_on_expert_side(llms):
     """shared_experts: experts — the shared FFN (with Qwen2's sigmoid gate) split over expert instances."""
     spec = dict(
@@ -151,6 +156,7 @@ def test_shared_experts_on_expert_side(llms):
 # --------------------------------------------------------------------------- placement on devices
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order,r2", [("ASAS", 1), ("AASS", 2)])
 def test_fine_grained_pipeline_equals_monolithic(llms, checkpoint_dir, order, r2):
     """FinDEP: rows in r1 = 2 micro-batches per step, shared experts as their own program dispatched
@@ -284,6 +290,7 @@ def test_expert_activation_counts_and_coactivation(llms):
     assert ex.expert_activation_counts() == after  # reading does not lose or add counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["aebs_plus", "random"])
 def test_replica_policies(llms, checkpoint_dir, policy):
     """Other replica selection policies pick other replicas, never other results (one prefill)."""
@@ -299,6 +306,7 @@ def test_replica_policies(llms, checkpoint_dir, policy):
 # --------------------------------------------------------------------------- kernels
 
 
+@pytest.mark.slow
 def test_pallas_kernels_match_reference(checkpoint_dir):
     """Pallas grouped matmul + Pallas AEBS (interpret mode) == plain-XLA reference impls."""
     cfg, params, _ = load_model(checkpoint_dir("mixtral"), dtype="float32")
@@ -311,6 +319,7 @@ def test_pallas_kernels_match_reference(checkpoint_dir):
     assert _rel_err(b, a) < 1e-5
 
 
+@pytest.mark.slow
 def test_cpu_default_expert_ffn_is_the_kernel(checkpoint_dir, monkeypatch):
     """On CPU the expert program's "auto" is the C++ expert kernel over the plain replica slots (it
     runs in the traced program) and gives the padded einsum's logits."""
@@ -362,6 +371,7 @@ def test_replica_tables():
         ReplicaLayout((0, 1), 8, 7, 4)
 
 
+@pytest.mark.slow
 def test_failed_step_that_deletes_the_cache_is_recovered(llms):
     """A crashed step that took the donated KV cache with it: the engine re-allocates the sharded
     cache (same shapes and shardings) and later requests get the monolithic tokens."""

@@ -14,6 +14,7 @@ from jaxmoe.runtime.executor import Executor, LowersAhead, ReplicaPlacement, Rou
 from jaxmoe.runtime.monolithic import MonolithicExecutor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [None, "meshes/cpu-8.yaml"])
 def test_executors_implement_the_protocol(mesh):
     llm = LLM("tiny-random", dtype="float32", num_blocks=32, block_size=8, **({"mesh": mesh} if mesh else {}))

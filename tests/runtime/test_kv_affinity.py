@@ -50,6 +50,7 @@ def _record_batches(runner):
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family, mesh",
     [
@@ -83,6 +84,7 @@ def test_rows_and_blocks_stay_on_their_instance(llms, family, mesh):
     assert bm.num_free == bm.num_blocks
 
 
+@pytest.mark.slow
 def test_local_attention_program_has_no_collectives(llms):
     ex = llms("mixtral", "meshes/cpu-8-4a4e.yaml").executor
     B, T, NB = 8, 4, 4
@@ -98,6 +100,7 @@ def test_local_attention_program_has_no_collectives(llms):
     assert collectives(local=False) and not collectives(local=True)
 
 
+@pytest.mark.slow
 def test_rows_spanning_instances_fall_back_to_the_partitioned_program(llms):
     """Blocks of one row on two instances: not local, still the monolithic result."""
     dis, mono = llms("mixtral", "meshes/cpu-8-4a4e.yaml"), llms("mixtral")

@@ -3,6 +3,8 @@ over as written (``ClusterSpec.brownout``) and validated by ``jaxmoe.brownout.co
 
 from __future__ import annotations
 
+import pytest
+
 import ast
 from pathlib import Path
 
@@ -19,6 +21,7 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+@pytest.mark.slow
 def test_mesh_modules_do_not_import_brownout():
     root = Path(jaxmoe.__file__).parent
     for name in ("mesh.py", "mesh_file.py"):

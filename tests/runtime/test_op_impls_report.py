@@ -3,6 +3,8 @@ INFO line at build and from ``executor.op_impls()``."""
 
 from __future__ import annotations
 
+import pytest
+
 import logging
 import pathlib
 
@@ -45,6 +47,7 @@ def test_unavailable_kernel_and_explicit_forms_carry_the_reason(monkeypatch):
     assert impls["expert_ffn"] == "ragged_dot" and impls["grouped_matmul"] == "xla ragged_dot"
 
 
+@pytest.mark.slow
 def test_disaggregated_reports_aebs_and_the_expert_form():
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 

@@ -48,6 +48,7 @@ def _random_placement(rng, N, C):
     return [int(s) for s in slots]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_collective_relayout_equals_device_put_and_fresh_placement(name):
     spec = load_mesh(LAYOUTS[name])
@@ -113,6 +114,7 @@ def test_rounds_pack_the_copies():
         slot_moves.SlotPlan((0, 1), 4, 4, {1: (0, -1, -1, -1)}, (slot_moves.RowCopy(0, 0, 1, 0),)).check()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh, target", [("cpu-8-1a7e", (2, 6)), ("cpu-8-1a7e", (4, 4)), ("cpu-8", (1, 7)), ("cpu-8", (3, 2))]
 )

@@ -64,6 +64,7 @@ def assert_same(a, b):
     assert _greedy(a) == _greedy(b)
 
 
+@pytest.mark.slow
 def test_gqa_heads_split_2x2(llms):
     """Mixtral (4 query heads, 2 KV heads) on 2 instances x 2 devices: each device holds 2 query
     heads and 1 KV head; same logits and tokens as one device per instance and as monolithic."""
@@ -96,6 +97,7 @@ def test_local_tp_layer_only_sums_inside_the_instance(llms):
     assert len(found) == 1 and "all-reduce" in found[0] and "replica_groups={{0,1},{2,3}}" in found[0]
 
 
+@pytest.mark.slow
 def test_gqa_kv_heads_replicated_1x4(llms):
     """Qwen3-MoE (4 query heads, 2 KV heads, q/k norms) on one instance of 4 devices: the KV heads
     are fewer than the devices, so each is repeated twice (device t holds the KV head of its query head)."""
@@ -108,6 +110,7 @@ def test_gqa_kv_heads_replicated_1x4(llms):
     assert_same(tp, llms("qwen3_moe"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [TP2, TP4])
 def test_mla_heads_split(llms, mesh):
     """DeepSeek-V3 (MLA, 4 heads): q_b / kv_b columns and o rows split; the compressed KV cache is
@@ -161,6 +164,7 @@ def test_expand_kv_keeps_the_groups():
         np.testing.assert_array_equal(out[:, j], heads[:, j // 2])
 
 
+@pytest.mark.slow
 def test_expert_ffn_columns_split(llms):
     """2 attention x 2 devices + 2 expert instances x 2 devices (DeepSeek-V3: 16 experts, shared
     experts): each expert device holds its instance's 8 slots with half of the FFN columns; same
@@ -197,6 +201,7 @@ def test_expert_columns_that_do_not_split(checkpoint_dir):
         DisaggregatedExecutor(cfg, params, 64, 8, mesh)
 
 
+@pytest.mark.slow
 def test_tp_with_micro_batches_and_shared_experts_on_the_expert_side(checkpoint_dir, llms):
     """FinDEP micro-batches (r1 = 2, ASAS, expert work in r2 = 2 chunks) over tensor-parallel
     instances on both sides, Qwen2-MoE's shared experts on the expert side (not split over
@@ -212,6 +217,7 @@ def test_tp_with_micro_batches_and_shared_experts_on_the_expert_side(checkpoint_
     assert got == [o.token_ids for o in llms("qwen2_moe").generate(prompts, greedy)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["ragged_dot", "pallas"])
 def test_expert_columns_split_with_each_expert_ffn(checkpoint_dir, llms, impl):
     """The split FFN columns through the other expert-FFN implementations (Pallas: interpret mode on CPU)."""
@@ -240,6 +246,7 @@ def test_collective_slot_moves_refuse_split_columns(llms):
     assert ex.placement() == before
 
 
+@pytest.mark.slow
 def test_rescaled_tp_layout_repeats_kv_heads_once(llms):
     """Live re-scaling of a layout whose 4-device attention instance repeats each of the 2 GQA KV
     heads twice (``attention_tp.expand_kv``): the new layout (1a3e, still 4 devices per attention

@@ -150,6 +150,7 @@ def test_real_cluster_plans():
     assert T.plan_transfers(tpu, 1024).counts("a2e").cross == 3  # one send per expert host
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_rejected():
     spec = load_mesh(MESHES / "cpu-8.yaml")
     sub = build_meshes(spec)

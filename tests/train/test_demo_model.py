@@ -3,6 +3,8 @@ held-out perplexity where training left it."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from jaxmoe import LLM, SamplingParams
@@ -20,6 +22,7 @@ def test_demo_files_ship_in_the_package():
     assert config["num_experts_per_tok"] == 2
 
 
+@pytest.mark.slow
 def test_demo_writes_python_and_english():
     llm = LLM("demo", num_blocks=64, block_size=16)
     greedy = SamplingParams(max_tokens=24)
@@ -31,6 +34,7 @@ def test_demo_writes_python_and_english():
     assert sum(c.isalpha() or c == " " for c in english.text) / len(english.text) > 0.7, english.text
 
 
+@pytest.mark.slow
 def test_demo_held_out_perplexity(capsys):
     from jaxmoe.cli import main
 

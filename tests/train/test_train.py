@@ -61,6 +61,7 @@ def trained(corpus, tmp_path_factory) -> tuple[Path, dict]:
     return out, train(tiny(corpus, steps=40), out, progress=False, log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_tiny_run_learns_and_reports(trained):
     out, report = trained
     assert report["steps"] == 40 and report["train_tokens"] == 40 * 8 * 32
@@ -80,6 +81,7 @@ def test_tiny_run_learns_and_reports(trained):
         assert (out / "model" / name).exists(), name
 
 
+@pytest.mark.slow
 def test_resume_gives_the_same_parameters(corpus, tmp_path, trained):
     """Stopped after 20 steps and resumed: the same export as the uninterrupted 40-step run."""
     from safetensors.numpy import load_file
@@ -94,6 +96,7 @@ def test_resume_gives_the_same_parameters(corpus, tmp_path, trained):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_with_the_same_greedy_tokens(trained):
     import torch
     from transformers import AutoModelForCausalLM
@@ -157,6 +160,7 @@ def test_bad_settings_fail_before_training(corpus, tmp_path, capsys):
     assert "unknown preset" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_cli_scores_a_text_file(trained, tmp_path, capsys):
     from jaxmoe.cli import main
 

@@ -65,6 +65,7 @@ def run(ids, rt, ri, N, policy, impl="kernel", **kw):
     return np.asarray(O), np.asarray(load)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["aebs", "aebs_plus"])
 def test_kernel_matches_reference_random(policy):
     rng = np.random.default_rng(1234 if policy == "aebs" else 4321)
@@ -80,6 +81,7 @@ def test_kernel_matches_reference_random(policy):
         check_valid(ids, rt, ri, N, O, load)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["aebs", "aebs_plus"])
 def test_kernel_matches_reference_larger(policy):
     rng = np.random.default_rng(7)
@@ -93,6 +95,7 @@ def test_kernel_matches_reference_larger(policy):
         np.testing.assert_array_equal(load, load_ref)
 
 
+@pytest.mark.slow
 def test_kernel_improvement_moves_match_reference():
     """The improved state itself (no final comparison with Algorithm 1), on
     random cases the reference needed forward / backward path moves for."""
@@ -154,6 +157,7 @@ def _edge_cases():
     return cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(_edge_cases()))
 def test_edge_cases(name):
     ids, rt, ri, N = _edge_cases()[name]
@@ -217,6 +221,7 @@ def test_plus_never_worse_and_better_on_skewed_routing():
     assert np.mean(gaps_p) < np.mean(gaps_a)
 
 
+@pytest.mark.slow
 def test_under_jit():
     rng = np.random.default_rng(11)
     rt, ri = make_placement(rng, 12, 4, extra=8)
@@ -237,6 +242,7 @@ def test_under_jit():
     check_valid(ids, rt, ri, 4, *d)
 
 
+@pytest.mark.slow
 def test_random_policy():
     rng = np.random.default_rng(3)
     rt, ri = make_placement(rng, 12, 4, extra=12)
@@ -257,6 +263,7 @@ def test_bad_arguments():
         schedule(np.zeros((1, 1), int), np.zeros((1, 1), int), np.zeros(1, int), 1, impl="x")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["aebs", "aebs_plus"])
 def test_mosaic_gpu_lowering(policy):
     """The GPU path lowers to a Mosaic GPU module (cross-platform, no GPU needed)."""
@@ -271,6 +278,7 @@ def test_mosaic_gpu_lowering(policy):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.slow
 def test_mosaic_gpu_interpreter():
     """The plgpu.kernel wrapper (SMEM staging) through the Mosaic GPU interpreter."""
     rng = np.random.default_rng(8)
@@ -299,6 +307,7 @@ def test_compiled_gpu_kernel(policy):
         np.testing.assert_array_equal(load, load_ref)
 
 
+@pytest.mark.slow
 def test_mosaic_tpu_kernel_matches_jnp_reference_in_interpret_mode():
     """The Mosaic TPU form (``kernel_tpu``) through the TPU interpreter, on random placements and
     routings (one shape, so one compile), equals the jnp Algorithm 1."""

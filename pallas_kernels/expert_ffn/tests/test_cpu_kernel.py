@@ -41,6 +41,7 @@ def _routing(T, K, E, seed, dtype):
     return ids, weights, kx
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_reads_one_layer_of_a_stack_in_place(dtype):
     seed = int.from_bytes(os.urandom(3), "little")
@@ -63,6 +64,7 @@ def test_reads_one_layer_of_a_stack_in_place(dtype):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype, pairs", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)], ids=["f32", "bf16", "pairs"]
 )
@@ -99,6 +101,7 @@ def test_reads_weights_stored_as_panels(dtype, pairs, D, F, width, T):
             np.testing.assert_array_equal(np.asarray(mine, np.float32), np.asarray(theirs, np.float32))
 
 
+@pytest.mark.slow
 def test_panels_round_trip_and_refuse_widths_that_do_not_divide():
     a = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 32, 96))
     for width in (16, 32):
@@ -117,6 +120,7 @@ def test_panels_round_trip_and_refuse_widths_that_do_not_divide():
         to_panels(a, 64)
 
 
+@pytest.mark.slow
 def test_an_expert_chosen_twice_by_one_token_counts_twice():
     seed = int.from_bytes(os.urandom(3), "little")
     p = _layers(1, 4, 32, 64, jnp.float32, seed)
@@ -129,6 +133,7 @@ def test_an_expert_chosen_twice_by_one_token_counts_twice():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed={seed}")
 
 
+@pytest.mark.slow
 def test_prefill_sized_batches_and_odd_shapes_run_the_fallback():
     p = _layers(1, 4, 32, 64, jnp.float32, 0)
     experts = Stacked(*(p[k][0] for k in ("w_gate", "w_up", "w_down")))
@@ -146,6 +151,7 @@ def test_prefill_sized_batches_and_odd_shapes_run_the_fallback():
     assert calls == [1]
 
 
+@pytest.mark.slow
 def test_turned_off_auto_falls_back_and_explicit_use_names_the_reason(monkeypatch):
     monkeypatch.setenv("JAXMOE_CPU_KERNEL", "0")
     assert not cpu_kernel.available()
@@ -157,6 +163,7 @@ def test_turned_off_auto_falls_back_and_explicit_use_names_the_reason(monkeypatc
         expert_ffn(jax.random.normal(kx, (2, 32)), ids, weights, experts, impl="cpu_kernel")
 
 
+@pytest.mark.slow
 def test_same_inputs_same_bits_whichever_thread_runs_an_item():
     """Items run on whichever pool thread claims them; the sum over them runs in a fixed order, so a
     repeated request gets the same logprobs to the last bit (the serving tests compare them)."""
@@ -214,6 +221,7 @@ def test_invariant_matmul_gives_a_row_the_same_bits_at_any_row_count():
         np.testing.assert_array_equal(np.asarray(run(x[order]))[at], alone[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 32, 33])
 def test_layer_matrix_reads_one_layer_in_place(dtype, rows):
@@ -238,6 +246,7 @@ def test_layer_matrix_reads_one_layer_in_place(dtype, rows):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("T", [1, 3, 16])
 @pytest.mark.parametrize("width", [0, 32], ids=["plain", "panels"])

@@ -55,6 +55,7 @@ def _tolerance(dtype, want):
     return dict(rtol=2e-5, atol=2e-5 * scale) if dtype == jnp.float32 else dict(rtol=3e-2, atol=3e-2 * scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("impl", sorted(IMPLS))

@@ -46,6 +46,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
 def test_grouped_swiglu_impls_agree(case, dtype):
@@ -68,6 +69,7 @@ def test_grouped_swiglu_impls_agree(case, dtype):
         assert float(jnp.max(jnp.abs(ref[:total].astype(jnp.float32)))) > 0
 
 
+@pytest.mark.slow
 def test_metadata_covers_each_group_tile_pair():
     sizes = jnp.asarray([0, 37, 3, 0, 17, 5, 0], jnp.int32)
     m, tm = 80, 16
@@ -85,6 +87,7 @@ def test_metadata_covers_each_group_tile_pair():
     assert set(np.asarray(meta.m_tile_ids[na:]).tolist()) <= {want[-1][1]}
 
 
+@pytest.mark.slow
 def test_dispatch_combine_round_trip():
     t, k, g, d = 11, 3, 5, 8
     kx, ki, kw = jax.random.split(jax.random.PRNGKey(1), 3)
@@ -113,6 +116,7 @@ def test_dispatch_combine_round_trip():
     assert np.all(np.asarray(y[0]) == 0)
 
 
+@pytest.mark.slow
 def test_tpu_kernel_under_tpu_interpreter():
     """TPU-faithful interpreter: NaN-initialised outputs, block write-back."""
     pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
@@ -132,6 +136,7 @@ def test_tpu_kernel_under_tpu_interpreter():
     np.testing.assert_allclose(np.asarray(y[:37]), np.asarray(ref[:37]), **_tol(jnp.float32, ref))
 
 
+@pytest.mark.slow
 def test_gpu_kernel_under_mosaic_gpu_interpreter():
     params = kernel_gpu.gpu_interpret_params()
     if params is None:
@@ -176,6 +181,7 @@ def test_cross_lowering_at_model_sizes(platform, model):
     assert len(re.findall(want, text)) >= 2
 
 
+@pytest.mark.slow
 def test_backend_selection_is_explicit():
     x = jnp.ones((4, 8))
     ws = _weights(jax.random.PRNGKey(0), 2, 8, 16, jnp.float32)

@@ -38,6 +38,7 @@ CASES = [  # B, T, H, KVH, hd, block_size, NB
 ]
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_T{}_H{}_KVH{}_hd{}_bs{}_NB{}".format(*c))
 @pytest.mark.parametrize("dtype,packed", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)])
@@ -52,6 +53,7 @@ def test_cpu_kernel_matches_the_reference(case, dtype, packed):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_padding_rows_and_positions_past_the_table_stay_finite():
     """Padding rows (position 0, the table of the first block) see key 0 only; a position past the
@@ -67,6 +69,7 @@ def test_padding_rows_and_positions_past_the_table_stay_finite():
     np.testing.assert_allclose(np.asarray(got[0, 0, :4]), np.asarray(v[layer, slot, 0])[None].repeat(4, 0), rtol=1e-6)
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_same_inputs_same_bits():
     q, k, v, layer, tables, positions = _problem(11, 8, 20, 8, 2, 64, 16, 4, jnp.float32)
@@ -76,6 +79,7 @@ def test_same_inputs_same_bits():
         assert np.array_equal(np.asarray(run(q, k, v, layer, tables, positions)), first)
 
 
+@pytest.mark.slow
 def test_unknown_impl_names_the_choices():
     with pytest.raises(ValueError, match="reference"):
         paged_attention(
