@@ -277,7 +277,10 @@ class LiveRescaler:
             job = self.job = RescaleJob(attention, experts, C)
         job.previous = f"{ex.num_attention}a{ex.num_expert_instances}e"
         plan = self.engine.runner.plan
-        job.shapes = plan.shapes() if full_warmup else plan.shapes_for(self.engine.scheduler.sequences())
+        # one process: only the shapes the live requests need now (the rest compile when first met);
+        # across processes every shape, compiled ahead while the world stops anyway
+        every = full_warmup or self.agreed
+        job.shapes = plan.shapes() if every else plan.shapes_for(self.engine.scheduler.sequences())
         # the baseline: steps before the build (those during it compete with it for the host)
         job.before = list(self._step_times)
         if self.agreed:
