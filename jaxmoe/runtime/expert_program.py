@@ -133,18 +133,21 @@ def make_expert_program(
     ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
     aebs_impl = resolve_impl(aebs_impl, policy)  # "auto": the platform's form (pallas_kernels.aebs.AUTO_IMPL)
 
-    def per_instance(p, tables, x, valid, step, state):
-        B, T, D = x.shape
-        x2 = x.reshape(B * T, D)
-        L = tables["replica_table"].shape[0]  # logical experts: E originals + U extras
-        # 1. gate (expert side): logical ids, what runs (the counters count it)
-        ids, weights = routing.route(p, cfg.moe, x2, valid.reshape(B * T), state)
+    def counters(ids, L):
+        """Co-activation counts [L, L] (tokens that chose both e and f; diagonal: e) and the distinct
+        original / extra experts used, of one call's logical ids."""
+        hit = jax.nn.one_hot(ids, L, dtype=jnp.float32).sum(1)  # [B*T, L]: 1 where the token chose e
+        coact = jnp.round(jnp.matmul(hit.T, hit, precision="highest")).astype(jnp.int32)
 
         def distinct(mask):
             return jnp.zeros((L,), bool).at[jnp.where(mask, ids, L)].set(True, mode="drop").sum()
 
         used = jnp.stack([distinct((ids >= 0) & (ids < E)), distinct(ids >= E)]).astype(jnp.int32)
-        # 2. AEBS: logical -> physical replica, identical on every instance
+        return coact, used
+
+    def place_and_run(p, tables, x2, ids, weights, step):
+        """AEBS (logical -> physical replica, identical on every instance), then the grouped matmul
+        over the replicas this instance hosts: (its routed output [B*T, D], activated replicas)."""
         phys, activated = schedule(
             ids,
             tables["replica_table"],
@@ -155,7 +158,6 @@ def make_expert_program(
             interpret=interpret,
             seed=step,
         )
-        # 3. grouped matmul over the replicas this instance hosts
         first = jax.lax.axis_index(EXP) * C
         local = jnp.where((phys >= first) & (phys < first + C), phys - first, -1)
         y = expert_ffn(
@@ -163,11 +165,20 @@ def make_expert_program(
         )
         if tp:  # this device computed its slice of the FFN columns: sum the instance's slices
             y = jax.lax.psum(y, ETP)
+        return y, activated
+
+    def per_instance(p, tables, x, valid, step, state):
+        B, T, D = x.shape
+        x2 = x.reshape(B * T, D)
+        L = tables["replica_table"].shape[0]  # logical experts: E originals + U extras
+        # 1. gate (expert side): logical ids, what runs (the counters count it)
+        ids, weights = routing.route(p, cfg.moe, x2, valid.reshape(B * T), state)
+        # 2.-3. AEBS, then the grouped matmul over this instance's replicas
+        y, activated = place_and_run(p, tables, x2, ids, weights, step)
         # 4. this instance's slice of the shared experts (shared_experts: experts)
         if "shared" in p:
             y = y + shared_experts(p["shared"], x2).astype(y.dtype)
-        hit = jax.nn.one_hot(ids, L, dtype=jnp.float32).sum(1)  # [B*T, L]: 1 where the token chose e
-        coact = jnp.round(jnp.matmul(hit.T, hit, precision="highest")).astype(jnp.int32)  # both e and f (diag: e)
+        coact, used = counters(ids, L)
         return y.reshape(1, B, T, D), coact, activated, used
 
     def run(p, tables, x, valid, step, coact, state):
@@ -184,14 +195,7 @@ def make_expert_program(
     def gate(p, x, valid, state, L):  # per-expert queues: the gate alone; every assignment joins its queue
         B, T, D = x.shape
         ids, weights = routing.route(p, cfg.moe, x.reshape(B * T, D), valid.reshape(B * T), state)
-        hit = jax.nn.one_hot(ids, L, dtype=jnp.float32).sum(1)
-        coact = jnp.round(jnp.matmul(hit.T, hit, precision="highest")).astype(jnp.int32)
-
-        def distinct(mask):
-            return jnp.zeros((L,), bool).at[jnp.where(mask, ids, L)].set(True, mode="drop").sum()
-
-        used = jnp.stack([distinct((ids >= 0) & (ids < E)), distinct(ids >= E)]).astype(jnp.int32)
-        return ids, weights, coact, used
+        return ids, weights, *counters(ids, L)
 
     def route(p, x, valid, coact, state):
         mapped = jax.shard_map(
@@ -209,24 +213,7 @@ def make_expert_program(
         B, T, D = x.shape
         x2 = x.reshape(B * T, D)
         mine = (queued >= lo) & (queued < hi)
-        ids = jnp.where(mine, queued, -1)
-        phys, activated = schedule(
-            ids,
-            tables["replica_table"],
-            tables["replica_instance"],
-            N,
-            policy=policy,
-            impl=aebs_impl,
-            interpret=interpret,
-            seed=step,
-        )
-        first = jax.lax.axis_index(EXP) * C
-        local = jnp.where((phys >= first) & (phys < first + C), phys - first, -1)
-        y = expert_ffn(
-            x2, local, weights, Stacked(p["w_gate"], p["w_up"], p["w_down"]), impl=ffn_impl, interpret=interpret
-        )
-        if tp:
-            y = jax.lax.psum(y, ETP)
+        y, activated = place_and_run(p, tables, x2, jnp.where(mine, queued, -1), weights, step)
         if "shared" in p:  # the shared experts once per layer: with the first round
             y = y + jnp.where(lo == 0, shared_experts(p["shared"], x2), 0).astype(y.dtype)
         return y.reshape(1, B, T, D), activated, jnp.where(mine, -1, queued)
