@@ -138,6 +138,7 @@ def test_unite_writes_united_experts(united_dir):
         assert all(np.isfinite(v) and v >= 0 for v in r["losses"])
 
 
+@pytest.mark.slow
 def test_distillation_lowers_eq4_from_the_group_mean_start(united_dir):
     """Each united expert's eq. 4 loss after training is well below its value at the group-mean start
     (both reported by ``unite`` and saved in brownout.json)."""

@@ -23,6 +23,8 @@ from jaxmoe.compilation import compile_events
 from jaxmoe.engine.model_runner import Row
 from jaxmoe.models.router import route
 
+pytestmark = pytest.mark.slow  # every test here builds engines on the 8-device mesh
+
 ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=4)
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPTS = [[3, 9, 27, 81, 11], [5, 25, 17], [2, 4, 8, 16, 32, 64]]
@@ -66,14 +68,12 @@ def _greedy(llm, threshold):
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh", LAYOUTS)
 def test_threshold_one_is_the_monolithic_original_model(llms, checkpoint_dir, mesh):
     want = [o.token_ids for o in LLM(checkpoint_dir("mixtral"), dtype="float32", **ENGINE).generate(PROMPTS, GREEDY)]
     assert _greedy(llms(mesh), 1.0) == want
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh", LAYOUTS)
 @pytest.mark.parametrize("threshold,full", [(0.0, True), (0.5, False), (0.0, False), ((1.0, 0.0), False)])
 def test_brownout_equals_the_monolithic_executor(llms, mesh, threshold, full):
@@ -82,7 +82,6 @@ def test_brownout_equals_the_monolithic_executor(llms, mesh, threshold, full):
     assert _greedy(llms(mesh, full), threshold) == want
 
 
-@pytest.mark.slow
 def test_moving_the_threshold_on_a_mesh_does_not_recompile(llms):
     dis = llms(LAYOUTS[0])
     _greedy(dis, 0.7)
@@ -92,7 +91,6 @@ def test_moving_the_threshold_on_a_mesh_does_not_recompile(llms):
     assert compile_events()["programs"] == before
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("threshold,full", [(1.0, False), (0.4, False), (0.0, False), (0.3, True)])
 def test_activated_experts_follow_algorithm_1(llms, threshold, full):
     """The expert program's count of distinct original / united experts equals the split read
@@ -246,7 +244,6 @@ def _observed_step(llm, threshold):
     return sent, batch
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("threshold", [0.0, 0.4])
 def test_aebs_chooses_among_the_united_replicas(replicated, threshold):
     """The activated replicas per instance equal AEBS (the jnp reference) run on a direct reading of
@@ -303,7 +300,6 @@ def test_brownout_lowers_the_activated_experts_per_instance(replicated):
     assert busiest[-1] < busiest[0]  # the busiest instance runs fewer replicas (this model: 2 -> 1)
 
 
-@pytest.mark.slow
 def test_the_placement_controller_replicates_hot_united_experts(united, llms):
     """At threshold 0 the united experts carry the load: a rebalance from the measured counts gives
     the busiest united expert more replicas than any original, and the tokens stay the monolithic ones."""
@@ -340,7 +336,6 @@ def test_live_rescale_keeps_brownout_and_the_united_experts(united, llms):
     assert _greedy(llm, 0.5) == _greedy(llms(None), 0.5)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("threshold,full", [(0.0, True), (0.5, False)])
 def test_brownout_on_tensor_parallel_instances(llms, threshold, full):
     """meshes/cpu-8-tp2x2.yaml: heads split over 2 devices per attention instance, the slots' FFN

@@ -32,6 +32,7 @@ def test_same_seed_same_tokens_and_seeds_differ(llm):
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
 
+@pytest.mark.slow
 def test_top_k_one_and_tiny_top_p_are_greedy(llm):
     greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
     topk1 = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=2.0, top_k=1, seed=1, ignore_eos=True))

@@ -108,6 +108,7 @@ def test_every_schedule_equals_monolithic(checkpoint_dir, reference, family, lay
     assert ran[2].r2 == 2 and ran[3].r2 == 4 and (not more or ran[4].r2 == 4)  # expert-side chunks ran
 
 
+@pytest.mark.slow
 def test_schedule_by_name_through_llm(checkpoint_dir, reference, tmp_path):
     """``LLM(path, mesh=FILE, pipeline=...)``: names, a fixed dict, the solver cached per shape; errors."""
     path = checkpoint_dir("deepseek_v2")

@@ -116,6 +116,7 @@ def test_1a7e_forced_placement_uses_replicas(llms):
     assert loads.shape[1] == 7 and loads[:, 6].sum() > 0  # AEBS sent work to replica-only instance 6
 
 
+@pytest.mark.slow
 def test_set_placement_between_generates(llms, checkpoint_dir):
     dis = llms("mixtral", "meshes/cpu-8-1a7e.yaml")
     ex = dis.executor
@@ -209,6 +210,7 @@ def test_pipeline_settings_are_checked():
             Pipeline.parse(bad)
 
 
+@pytest.mark.slow
 def test_programs_run_on_their_sub_meshes(llms):
     dis = llms("deepseek_v2", "meshes/cpu-8.yaml")  # 2 attention (devices 0-1), 6 experts (2-7)
     ex = dis.executor
@@ -236,6 +238,7 @@ def test_programs_run_on_their_sub_meshes(llms):
     assert ex.params["layers"][1]["shared"]["w_gate"].sharding.device_set == attn
 
 
+@pytest.mark.slow
 def test_transfer_counts_per_layer(llms):
     dis = llms("qwen3_moe", "meshes/cpu-8.yaml")
     ex = dis.executor

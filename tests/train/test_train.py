@@ -114,6 +114,7 @@ def test_export_loads_in_transformers_with_the_same_greedy_tokens(trained):
     assert ours == theirs[0, len(ids) :].tolist()
 
 
+@pytest.mark.slow
 def test_eval_cli_prints_json(trained, corpus, capsys):
     from jaxmoe.cli import main
 
