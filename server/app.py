@@ -7,6 +7,11 @@ taking new RPCs, lets in-flight requests finish for ``grace`` seconds (or aborts
 
 ``ServerThread`` runs a server on its own event loop in a background thread (tests, benchmarks).
 
+While a server runs, the interpreter's GIL switch interval is at most ``SWITCH_INTERVAL_S``: the
+event loop releases the GIL at every socket call (each send, accept, close, epoll change) and then
+waits for it up to one interval each time, behind the engine thread and the tokenizer workers; at
+Python's default (5 ms) a burst of connections cost ``/health`` about twice as long as at 1 ms.
+
 Multi-host (``leader``): this is process 0 of a ``jax.distributed`` cluster; when another process is
 gone the engine loop ends every request with an error, health turns NOT_SERVING (HTTP ``/health``
 503, new requests 503) and ``cluster_failed`` is set (``jaxmoe serve`` then exits non-zero).
@@ -18,6 +23,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import sys
 import threading
 
 from jaxmoe.janus.live_rescale import LiveRescaler
@@ -33,6 +39,8 @@ from jaxmoe.server.metrics import ServerMetrics
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.prompts import PromptPreparer
 from jaxmoe.server.security import HttpGuard, SecurityOptions
+
+SWITCH_INTERVAL_S: float | None = 0.001  # the GIL switch interval while serving (at most; None: left as it is)
 
 
 @dataclasses.dataclass
@@ -107,6 +115,7 @@ class JaxmoeServer:
         self.prompts = PromptPreparer(engine)  # tokenization and chat templates, shared by both front ends
         self.cancel_warmup = threading.Event()  # set it to stop start() between two warm-up compiles
         self._grpc = self._health = self._http = None
+        self._switch_interval: float | None = None  # the interval before start() lowered it
 
     def _on_cluster_failure(self, reason: str) -> None:
         """(the engine thread, or the watchdog) A process of the cluster is gone: stop answering as healthy."""
@@ -124,6 +133,9 @@ class JaxmoeServer:
 
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        if SWITCH_INTERVAL_S is not None and sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.async_engine.start()
         o = self.opts
         if o.warmup:
@@ -189,6 +201,9 @@ class JaxmoeServer:
         if self._http is not None:
             await self._http.stop()
         self.prompts.close()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     @property
     def grpc_target(self) -> str:

@@ -9,6 +9,7 @@ import http.client
 import json
 import re
 import socket
+import sys
 import threading
 import time
 
@@ -147,25 +148,34 @@ def _recording(calls: list, fn):
 def test_large_bodies_are_parsed_off_the_loop(server, monkeypatch):
     """HTTP bodies (and gRPC messages) of OFF_LOOP_BYTES or more are parsed and validated in a worker
     thread, not on the event loop (the thread "jaxmoe-server"), with the same answers; small ones are
-    parsed as before."""
+    parsed as before. Large bodies are parsed by jiter, not by ``json.loads`` (which holds the GIL,
+    so the loop too, for tens of milliseconds over megabytes); what jiter refuses gets
+    ``json.loads``'s answer."""
     from jaxmoe.server import grpc_junk, http_parse
 
-    calls, decoded = [], []
+    calls, decoded, stdlib = [], [], []
     monkeypatch.setattr(http_parse, "parse_body", _recording(calls, http_parse.parse_body))
+    monkeypatch.setattr(http_parse, "_stdlib_loads", _recording(stdlib, http_parse._stdlib_loads))
     monkeypatch.setattr(grpc_junk, "_parse", _recording(decoded, grpc_junk._parse))
     pad = "p" * http_parse.OFF_LOOP_BYTES  # an unknown field: ignored, as the OpenAI API does
     status, body = _post(server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "padding": pad})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
     status, body = _post(server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": "2", "padding": pad})
     assert status == 400 and body["error"]["param"] == "max_tokens", body
+    assert stdlib == []  # valid JSON: jiter's parse alone
+    # a lone surrogate: valid for json.loads, refused by jiter; the answer is json.loads's
+    status, body = _post(
+        server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "padding": "\ud800" + pad}
+    )
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length" and len(stdlib) == 1, body
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
     conn.request("POST", "/v1/chat/completions", b"{" + pad.encode(), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 400 and "not valid JSON" in json.loads(resp.read())["error"]["message"]
     conn.close()
-    assert len(calls) == 3 and "jaxmoe-server" not in calls, calls
+    assert len(calls) == 4 and "jaxmoe-server" not in calls and len(stdlib) == 2, calls
     status, body = _post(server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
-    assert status == 200 and len(calls) == 3  # a small body: FastAPI's own parse
+    assert status == 200 and len(calls) == 4  # a small body: FastAPI's own parse
     limit = max_prompt_chars(server.async_engine.engine.max_model_len)
     with grpc.insecure_channel(server.grpc_target) as ch:
         with pytest.raises(grpc.RpcError) as err:
@@ -180,6 +190,10 @@ def test_large_bodies_are_parsed_off_the_loop(server, monkeypatch):
 def test_health_is_answered_as_it_arrives(server, monkeypatch):
     """GET /health is answered by the connection as its head arrives (no task behind the others'),
     on a kept-alive connection too; a request the guard would refuse goes to the app as before."""
+    from jaxmoe.server import app
+
+    # the loop waits for the GIL after each of its socket calls: at most this long while serving
+    assert sys.getswitchinterval() <= app.SWITCH_INTERVAL_S < 0.005
     protocol = server._http._server.config.http
     answered = []
     monkeypatch.setattr(protocol, "health", staticmethod(_recording(answered, protocol.health)))
