@@ -18,6 +18,7 @@ import grpc
 import pydantic
 
 from jaxmoe.janus.live_rescale import LiveRescaler, RescaleCancelledError, RescaleError, RescaleInProgressError
+from jaxmoe.server.serving_process import SERVING
 
 APPLY_POLL_S = 0.25  # across processes: how often a built rescale asks whether every process has built
 
@@ -101,6 +102,8 @@ def rescale(async_engine, payload, timeout_s: float = 600.0) -> dict:
         raise AdminError(str(e)) from None
     except TimeoutError as e:
         raise AdminError(f"rescale not done: {e}", 504, grpc.StatusCode.DEADLINE_EXCEEDED) from None
+    finally:
+        SERVING.refreeze()  # the old layout's objects are garbage now: let the collector see them
 
 
 def load_united_experts(async_engine, payload, timeout_s: float = 600.0) -> dict:
@@ -119,6 +122,8 @@ def load_united_experts(async_engine, payload, timeout_s: float = 600.0) -> dict
         raise AdminError(
             f"united experts not loaded in {timeout_s}s: {e}", 504, grpc.StatusCode.DEADLINE_EXCEEDED
         ) from None
+    finally:
+        SERVING.refreeze()  # the experts replaced are garbage now
 
 
 def _load_united(path: str, engine) -> dict:

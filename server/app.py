@@ -7,6 +7,16 @@ taking new RPCs, lets in-flight requests finish for ``grace`` seconds (or aborts
 
 ``ServerThread`` runs a server on its own event loop in a background thread (tests, benchmarks).
 
+While a server runs, the interpreter's GIL switch interval is at most ``SWITCH_INTERVAL_S`` (``server/serving_process.py``): the
+event loop releases the GIL at every socket call (each send, accept, close, epoll change) and then
+waits for it up to one interval each time, behind the engine thread and the tokenizer workers; at
+Python's default (5 ms) a burst of connections cost ``/health`` about twice as long as at 1 ms.
+And once warmed up, before it listens, the server moves every object then alive out of the
+garbage collector's reach (``gc.freeze``; given back when the process's last server stops): the model, JAX, the
+compiled programs and the libraries are hundreds of thousands of long-lived objects that each
+full collection would walk, holding the GIL, so the loop too (1.4 s at a time during a burst on a
+loaded 2-core machine; a collection now walks only what the requests made).
+
 Multi-host (``leader``): this is process 0 of a ``jax.distributed`` cluster; when another process is
 gone the engine loop ends every request with an error, health turns NOT_SERVING (HTTP ``/health``
 503, new requests 503) and ``cluster_failed`` is set (``jaxmoe serve`` then exits non-zero).
@@ -33,6 +43,7 @@ from jaxmoe.server.metrics import ServerMetrics
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.prompts import PromptPreparer
 from jaxmoe.server.security import HttpGuard, SecurityOptions
+from jaxmoe.server.serving_process import SERVING as _SERVING
 
 
 @dataclasses.dataclass
@@ -107,6 +118,7 @@ class JaxmoeServer:
         self.prompts = PromptPreparer(engine)  # tokenization and chat templates, shared by both front ends
         self.cancel_warmup = threading.Event()  # set it to stop start() between two warm-up compiles
         self._grpc = self._health = self._http = None
+        self._serving = False  # counted in _SERVING (start() got past the GIL settings)
 
     def _on_cluster_failure(self, reason: str) -> None:
         """(the engine thread, or the watchdog) A process of the cluster is gone: stop answering as healthy."""
@@ -124,6 +136,9 @@ class JaxmoeServer:
 
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        if not self._serving:
+            self._serving = True
+            _SERVING.begin()
         self.async_engine.start()
         o = self.opts
         if o.warmup:
@@ -166,6 +181,7 @@ class JaxmoeServer:
             health=health,
         )
         self.http_port = self._http.port
+        _SERVING.freeze()  # the long-lived objects, warm-up's included: no collection walks them now
         await self._http.start()
         await self._grpc.start()
         if self.failure is None:
@@ -189,6 +205,9 @@ class JaxmoeServer:
         if self._http is not None:
             await self._http.stop()
         self.prompts.close()
+        if self._serving:
+            self._serving = False
+            _SERVING.end()
 
     @property
     def grpc_target(self) -> str:

@@ -5,10 +5,12 @@ prompts that are accepted are tokenized off the event loop and off the engine th
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import json
 import re
 import socket
+import sys
 import threading
 import time
 
@@ -147,25 +149,34 @@ def _recording(calls: list, fn):
 def test_large_bodies_are_parsed_off_the_loop(server, monkeypatch):
     """HTTP bodies (and gRPC messages) of OFF_LOOP_BYTES or more are parsed and validated in a worker
     thread, not on the event loop (the thread "jaxmoe-server"), with the same answers; small ones are
-    parsed as before."""
+    parsed as before. Large bodies are parsed by jiter, not by ``json.loads`` (which holds the GIL,
+    so the loop too, for tens of milliseconds over megabytes); what jiter refuses gets
+    ``json.loads``'s answer."""
     from jaxmoe.server import grpc_junk, http_parse
 
-    calls, decoded = [], []
+    calls, decoded, stdlib = [], [], []
     monkeypatch.setattr(http_parse, "parse_body", _recording(calls, http_parse.parse_body))
+    monkeypatch.setattr(http_parse, "_stdlib_loads", _recording(stdlib, http_parse._stdlib_loads))
     monkeypatch.setattr(grpc_junk, "_parse", _recording(decoded, grpc_junk._parse))
     pad = "p" * http_parse.OFF_LOOP_BYTES  # an unknown field: ignored, as the OpenAI API does
     status, body = _post(server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "padding": pad})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
     status, body = _post(server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": "2", "padding": pad})
     assert status == 400 and body["error"]["param"] == "max_tokens", body
+    assert stdlib == []  # valid JSON: jiter's parse alone
+    # a lone surrogate: valid for json.loads, refused by jiter; the answer is json.loads's
+    status, body = _post(
+        server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "padding": "\ud800" + pad}
+    )
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length" and len(stdlib) == 1, body
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
     conn.request("POST", "/v1/chat/completions", b"{" + pad.encode(), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 400 and "not valid JSON" in json.loads(resp.read())["error"]["message"]
     conn.close()
-    assert len(calls) == 3 and "jaxmoe-server" not in calls, calls
+    assert len(calls) == 4 and "jaxmoe-server" not in calls and len(stdlib) == 2, calls
     status, body = _post(server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
-    assert status == 200 and len(calls) == 3  # a small body: FastAPI's own parse
+    assert status == 200 and len(calls) == 4  # a small body: FastAPI's own parse
     limit = max_prompt_chars(server.async_engine.engine.max_model_len)
     with grpc.insecure_channel(server.grpc_target) as ch:
         with pytest.raises(grpc.RpcError) as err:
@@ -180,6 +191,13 @@ def test_large_bodies_are_parsed_off_the_loop(server, monkeypatch):
 def test_health_is_answered_as_it_arrives(server, monkeypatch):
     """GET /health is answered by the connection as its head arrives (no task behind the others'),
     on a kept-alive connection too; a request the guard would refuse goes to the app as before."""
+    from jaxmoe.server import serving_process
+
+    # the loop waits for the GIL after each of its socket calls: at most this long while serving
+    assert sys.getswitchinterval() <= serving_process.SWITCH_INTERVAL_S < 0.005
+    # the objects alive once it had warmed up are out of the collector's reach: no full collection
+    # walks the model, JAX and the libraries while serving (it held the GIL for up to 1.4 s)
+    assert gc.get_freeze_count() > 10_000
     protocol = server._http._server.config.http
     answered = []
     monkeypatch.setattr(protocol, "health", staticmethod(_recording(answered, protocol.health)))
@@ -393,3 +411,28 @@ def test_grpc_burst_of_1400_streams_on_one_channel_cancels_none(server):
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, {c: codes.count(c) for c in set(codes)}
     assert all(hint for _, hint in results) and codes.count("OK") >= 700
     assert wait_until(lambda: ae.snapshot()["in_flight"] == 0, timeout=120) and engine_idle_and_free(ae)
+
+
+def test_refreeze_lets_the_collector_free_what_was_frozen():
+    """While serving, objects alive at start are frozen; after a layout change (``refreeze``: live
+    rescale, united experts) a frozen reference cycle that became garbage is collected."""
+    import weakref
+
+    from jaxmoe.server.serving_process import SERVING as serving
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.self = cycle
+    gone = weakref.ref(cycle)
+    serving.begin()
+    try:
+        serving.freeze()
+        del cycle
+        gc.collect()
+        assert gone() is not None  # frozen: no collection sees it
+        serving.refreeze()
+        assert gone() is None
+    finally:
+        serving.end()
