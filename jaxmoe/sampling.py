@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import functools
 import numbers
 
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import invariant_sum
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import INVARIANT_COMPILER_OPTIONS, invariant_sum
 from jaxmoe.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -300,7 +301,7 @@ def sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, w
     return _sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs)
 
 
-@jax.jit
+@functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS)
 def sample_invariant(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs=False):
     """``sample`` with each row's logprobs summed in an order that does not depend on the other rows
     (deterministic mode; greedy tokens are an exact argmax in both)."""
