@@ -197,6 +197,9 @@ def invariant_sum(a):
     product with a column of ones by ``layer_matmul`` (K padded with exact zeros). XLA's reductions
     change their order with the number of rows (a row's log-softmax over 320 logits differs between
     1 and 16 rows), so deterministic mode sums this way (norms, softmax, logsumexp)."""
+    reason = unavailable_reason()  # built and registered here if nothing else has used the kernel yet
+    if reason is not None:
+        raise KernelUnavailable(f"deterministic mode's invariant sum is unavailable: {reason}")
     K = a.shape[-1]
     pad = -K % K_BLOCK
     a = a.astype(jnp.float32)
