@@ -27,6 +27,12 @@ programs of its own: ``route`` (the gate and the counters: every assignment's lo
 queues) and ``serve`` (one round: AEBS and the grouped matmul over the queued assignments of a range
 of logical experts, which then leave their queues), so a best-effort step can pause between them.
 
+In deterministic mode (the ``cpu_kernel_invariant`` expert-FFN form) a token's output does not depend
+on the batch or on where AEBS placed its experts: the router runs through the invariant matmul kernel,
+each (token, choice) assignment runs through the expert kernel as a row of its own, the rows are summed
+over the instances (one of them computed each; the others add exact zeros) and a token's choices added
+in their order; instance 0 returns the result, the others zeros (``assignments_combined``).
+
 Weights: the logical experts (``ExpertRouting.logical_params``) as slot arrays [S, D, F] / [S, F, D]
 sharded P("expert") (S = N x C, see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias,
 and what else the routing reads) replicated; shared experts (expert side only) sharded on their
