@@ -203,8 +203,16 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
         )
     if is_quantized_tree(params):
         raise ValueError("quantization (int8 / fp8 weights) runs on the monolithic executor only (no mesh file)")
-    if ec.deterministic:  # its expert side's results still depend on the batch (in the last bits)
-        raise ValueError("deterministic mode runs on the monolithic executor only (no mesh file)")
+    expert_impl = deterministic_expert_impl(cfg, params, ec, brownout)
+    if ec.deterministic and expert_impl != "cpu_kernel_invariant":  # the fixed-shape dense form: monolithic only
+        from jaxmoe.models.transformer import invariant_unsupported
+
+        reason = invariant_unsupported(cfg) or ("brownout routing" if brownout is not None else None)
+        raise ValueError(
+            "deterministic mode with a mesh file runs on the batch-invariant CPU kernels (expert_impl "
+            f"'cpu_kernel_invariant'), which cannot run here ({reason or f'expert_impl {ec.expert_impl!r}'}); "
+            "drop the mesh file to run its fixed-shape form on the monolithic executor"
+        )
     if config.qllm.expert_queues and (findep.pipeline not in (None, "sequential") or findep.pipeline_profile):
         raise ValueError(
             "expert_queues (QLLM per-expert queues) runs with the sequential schedule only: drop pipeline / "
@@ -213,7 +221,7 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
     kwargs = {
-        "expert_impl": ec.expert_impl,
+        "expert_impl": expert_impl,
         "pause_every": ec.pause_every,
         "routing": routing,
         "routing_state": routing_state,

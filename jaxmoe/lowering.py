@@ -324,8 +324,8 @@ def disaggregated_programs(
     sub = abstract_sub_meshes(spec, devices)
     m, n = spec.attention.count, spec.experts.count
     C = spec.experts.slots_per_instance
-    attention = make_attention_programs(cfg, engine_config.block_size, sub)
     impl = resolve(engine_config.expert_impl, AUTO_EXPERT_IMPL)
+    attention = make_attention_programs(cfg, engine_config.block_size, sub, impl == "cpu_kernel_invariant")
     kwargs = {} if aebs_impl is None else {"aebs_impl": aebs_impl}
     experts = make_expert_program(cfg, sub, C, policy=replica_policy, expert_impl=impl, **kwargs)
     dtype = params["embed"].dtype

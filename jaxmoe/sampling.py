@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import functools
 import numbers
 
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import invariant_sum
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import INVARIANT_COMPILER_OPTIONS, invariant_sum
 from jaxmoe.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -210,17 +211,25 @@ def _real_in(name: str, v, lo: float, hi: float, low_open: bool = False) -> None
         raise SamplingParamsError(name, f"must be {'in ' if math.isfinite(hi) else ''}{bounds}, got {v!r}")
 
 
-def _filter(logits: jnp.ndarray, top_k: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
-    """Mask logits [B, V] outside each row's top-k and top-p nucleus."""
+def _filter(logits: jnp.ndarray, top_k: jnp.ndarray, top_p: jnp.ndarray, invariant: bool = False) -> jnp.ndarray:
+    """Mask logits [B, V] outside each row's top-k and top-p nucleus (a row with top_p 1 keeps its
+    top-k whole). ``invariant`` (deterministic mode): the softmax's sum and the running sum of the
+    sorted probabilities in an order fixed per row (``invariant_sum``; a scan of element-wise adds),
+    so a row's nucleus does not depend on the other rows."""
     V = logits.shape[-1]
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
     logits = jnp.where(logits < kth, -jnp.inf, logits)
     sorted_logits = jnp.where(jnp.arange(V)[None] < k[:, None], sorted_logits, -jnp.inf)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
-    keep = before < top_p[:, None]
+    if invariant:
+        exp = jnp.exp(sorted_logits - sorted_logits[:, :1])  # sorted: the first is the row's max
+        probs = exp / invariant_sum(exp)[:, None]
+        before = jax.lax.associative_scan(jnp.add, probs, axis=-1) - probs
+    else:
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
+    keep = (before < top_p[:, None]) | (top_p[:, None] >= 1)
     threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
@@ -241,8 +250,9 @@ def _min_p(scaled, min_p):
     return jnp.where((min_p[:, None] > 0) & (scaled < floor), -jnp.inf, scaled)
 
 
-def _choose(logits, temperature, top_k, top_p, seeds, steps, min_p):
-    """The token of each row of ``logits`` [B, V] (float32): greedy where temperature is 0."""
+def _choose(logits, temperature, top_k, top_p, seeds, steps, min_p, invariant: bool = False):
+    """The token of each row of ``logits`` [B, V] (float32): greedy where temperature is 0;
+    ``invariant``: each row's draw whatever the other rows (``_filter``)."""
     greedy, _ = _argmax_and_max(logits)
 
     def random_tokens(logits):
@@ -250,7 +260,7 @@ def _choose(logits, temperature, top_k, top_p, seeds, steps, min_p):
         scaled = jax.lax.cond(jnp.any(min_p > 0), lambda l: _min_p(l, min_p), lambda l: l, scaled)
         # The top-k / top-p filter sorts the vocabulary of every row (slow on CPU): only when asked.
         scaled = jax.lax.cond(
-            jnp.any((top_k > 0) | (top_p < 1)), lambda l: _filter(l, top_k, top_p), lambda l: l, scaled
+            jnp.any((top_k > 0) | (top_p < 1)), lambda l: _filter(l, top_k, top_p, invariant), lambda l: l, scaled
         )
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(seeds, steps)
         sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
@@ -286,7 +296,7 @@ def _logprobs(logits, tokens, want_logprobs, invariant: bool = False):
 def _sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs=False, invariant=False):
     logits = logits.astype(jnp.float32)
     raw_logits = raw_logits.astype(jnp.float32)
-    tokens = _choose(logits, temperature, top_k, top_p, seeds, steps, min_p)
+    tokens = _choose(logits, temperature, top_k, top_p, seeds, steps, min_p, invariant)
     return (tokens, *_logprobs(raw_logits, tokens, want_logprobs, invariant))
 
 
@@ -300,10 +310,10 @@ def sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, w
     return _sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs)
 
 
-@jax.jit
+@functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS)
 def sample_invariant(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs=False):
-    """``sample`` with each row's logprobs summed in an order that does not depend on the other rows
-    (deterministic mode; greedy tokens are an exact argmax in both)."""
+    """``sample`` with each row's logprobs and its top-k / top-p / min-p draw computed in an order that
+    does not depend on the other rows (deterministic mode; greedy tokens are an exact argmax in both)."""
     return _sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs, True)
 
 

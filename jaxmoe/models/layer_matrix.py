@@ -12,6 +12,7 @@ on the other rows (``cpu_kernel.invariant_matmul``).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxmoe.models.common import unpack16
 from jaxmoe.pallas_kernels.expert_ffn import cpu_kernel
@@ -34,3 +35,17 @@ class LayerMatrix:
         if cpu_kernel.matmul_supports(x, self.stack):
             return cpu_kernel.layer_matmul(x, self.stack, self.index)
         return x @ self.array()
+
+
+def invariant_matrices(tree):
+    """``tree`` with every plain 2-D float matrix (a projection [K, N]) as an invariant ``LayerMatrix``,
+    so ``x @ m`` sums each row in an order that does not depend on the other rows (deterministic mode
+    on the disaggregated executor, whose programs get one layer's matrices unstacked); other leaves
+    (norms, biases) as they are."""
+
+    def view(a):
+        if getattr(a, "ndim", 0) == 2 and jnp.issubdtype(a.dtype, jnp.floating):
+            return LayerMatrix(a[None], 0, a.dtype, invariant=True)
+        return a
+
+    return jax.tree.map(view, tree)

@@ -53,6 +53,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import ATTN_AXES, SubMeshes
 from jaxmoe.models.attention import AttentionBatch, attention_layer
+from jaxmoe.models.common import INVARIANT
+from jaxmoe.models.layer_matrix import invariant_matrices
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import INVARIANT_COMPILER_OPTIONS
 from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.transformer import attention_side_ffn, embed, lm_head
 from jaxmoe.runtime import attention_tp
@@ -84,10 +87,16 @@ class AttentionPrograms:
 
 
 @functools.lru_cache(maxsize=32)
-def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -> AttentionPrograms:
+def make_attention_programs(
+    cfg: ModelConfig, block_size: int, sub: SubMeshes, invariant: bool = False
+) -> AttentionPrograms:
     """The jitted programs (cached: executors with the same model, block size and sub-meshes
     share them, and so share their compiled executables). Raises ``MeshConfigError`` when the
-    attention heads do not split over ``attention.devices_per_instance`` (``attention_tp.plan``)."""
+    attention heads do not split over ``attention.devices_per_instance`` (``attention_tp.plan``).
+    ``invariant`` (deterministic mode): every matrix product and norm sums each token's terms in an
+    order of its own (``layer_matrix.invariant_matrices``, ``common.INVARIANT``) and attention runs
+    the CPU paged-attention kernel, so a token's results do not depend on the other rows or on how
+    its prompt was chunked (one-device instances only: ``DisaggregatedExecutor`` checks)."""
     attn, tp_axis = ATTN_AXES
     tp = attention_tp.plan(cfg, sub.spec)
     cfg, local_cfg = tp.cfg, tp.local_cfg  # all heads (KV heads repeated) / one device's heads
@@ -102,6 +111,11 @@ def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -
         return x, jnp.zeros_like(x)
 
     def attend(p, x, batch: AttentionBatch, layer_cache):
+        if invariant:  # the kernel reads a cache stacked over layers: this one as a stack of one
+            stacked = jax.tree.map(lambda a: a[None], layer_cache)
+            p = invariant_matrices(p)
+            h, xn, stacked = attention_layer(p, cfg, x, batch, stacked, block_size, 0, in_place=INVARIANT)
+            return h, xn, jax.tree.map(lambda a: a[0], stacked)
         if split:  # this device's heads (manual over attn_tp; the rows as the caller has them)
             return attention_layer(p, local_cfg, x, batch, layer_cache, block_size, tp_axis=tp_axis)
         return attention_layer(p, cfg, x, batch, layer_cache, block_size)
@@ -144,23 +158,26 @@ def make_attention_programs(cfg: ModelConfig, block_size: int, sub: SubMeshes) -
             h, xn, layer_cache = attend_split(layer["attn"], x, batch, layer_cache, local)
         else:
             h, xn, layer_cache = (attend_local if local else attend)(layer["attn"], x, batch, layer_cache)
-        out = attention_side_ffn(layer, xn)
+        out = attention_side_ffn(invariant_matrices(layer) if invariant else layer, xn)
         return (h if out is None else h + out), xn, layer_cache
 
     def shared_step(p, h, xn):
-        return h + shared_experts(p, xn)  # the monolithic forward's order: (h + shared) + routed
+        return h + shared_experts(
+            invariant_matrices(p) if invariant else p, xn
+        )  # the monolithic forward's order: (h + shared) + routed
 
     def head_step(head, x, y_prev, logits_index):
         x = x + y_prev
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-        return lm_head(head, cfg, x)
+        return lm_head(head, cfg, x, invariant=invariant)
 
+    jit = functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS if invariant else None)
     return AttentionPrograms(
-        embed=jax.jit(embed_step, out_shardings=(rows, rows)),
-        layer=jax.jit(layer_step, out_shardings=(rows, rows, cache), donate_argnums=(4,), static_argnums=(5,)),
-        shared=jax.jit(shared_step, out_shardings=rows),
-        head=jax.jit(head_step, out_shardings=rows),
+        embed=jit(embed_step, out_shardings=(rows, rows)),
+        layer=jit(layer_step, out_shardings=(rows, rows, cache), donate_argnums=(4,), static_argnums=(5,)),
+        shared=jit(shared_step, out_shardings=rows),
+        head=jit(head_step, out_shardings=rows),
         rows=rows,
         replicated=replicated,
         cache=cache,

@@ -159,8 +159,14 @@ class DisaggregatedExecutor:
             transfer = transfer(self.sub)
         self.transfer = transfer
 
-        self.attention = make_attention_programs(cfg, block_size, self.sub)
         self.expert_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
+        invariant = self.expert_impl == "cpu_kernel_invariant"  # deterministic mode: every program batch-invariant
+        if invariant and (spec.attention.devices_per_instance > 1 or spec.experts.devices_per_instance > 1):
+            raise ValueError(
+                f"{spec.source}: deterministic mode (expert_impl 'cpu_kernel_invariant') runs on instances of one "
+                "device: attention.devices_per_instance and experts.devices_per_instance must be 1"
+            )
+        self.attention = make_attention_programs(cfg, block_size, self.sub, invariant)
         # the routing's extra logical experts take ceil(U / N) more slots per instance
         self.slots_per_instance = slots_with_extra(
             self.slots_per_instance, extra_experts(routing, params), self.num_expert_instances

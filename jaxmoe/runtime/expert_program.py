@@ -27,6 +27,12 @@ programs of its own: ``route`` (the gate and the counters: every assignment's lo
 queues) and ``serve`` (one round: AEBS and the grouped matmul over the queued assignments of a range
 of logical experts, which then leave their queues), so a best-effort step can pause between them.
 
+In deterministic mode (the ``cpu_kernel_invariant`` expert-FFN form) a token's output does not depend
+on the batch or on where AEBS placed its experts: the router runs through the invariant matmul kernel,
+each (token, choice) assignment runs through the expert kernel as a row of its own, the rows are summed
+over the instances (one of them computed each; the others add exact zeros) and a token's choices added
+in their order; instance 0 returns the result, the others zeros (``assignments_combined``).
+
 Weights: the logical experts (``ExpertRouting.logical_params``) as slot arrays [S, D, F] / [S, F, D]
 sharded P("expert") (S = N x C, see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias,
 and what else the routing reads) replicated; shared experts (expert side only) sharded on their
@@ -47,12 +53,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxmoe.config import ModelConfig
 from jaxmoe.mesh import EXPERT_AXES, MeshConfigError, SubMeshes
 from jaxmoe.models.experts import shared_experts
+from jaxmoe.models.layer_matrix import invariant_matrices
 from jaxmoe.models.experts import TOP_K
 from jaxmoe.models.routing import WEIGHTS, ExpertRouting
 from jaxmoe.runtime import slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import POLICIES, resolve_impl, schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, fallback_above, resolve
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import INVARIANT_COMPILER_OPTIONS
 
 EXP, ETP = EXPERT_AXES
 _SLOT_SPEC = P(EXP)
@@ -131,6 +139,7 @@ def make_expert_program(
         raise ValueError(f"replica_policy must be one of {POLICIES} (AEBS or random scheduling), got {policy!r}")
     tp = check_tp(cfg, sub.spec)
     ffn_impl = resolve(expert_impl, AUTO_EXPERT_IMPL)
+    invariant = ffn_impl == "cpu_kernel_invariant"  # deterministic mode (``assignments_combined``)
     aebs_impl = resolve_impl(aebs_impl, policy)  # "auto": the platform's form (pallas_kernels.aebs.AUTO_IMPL)
 
     def counters(ids, L):
@@ -144,6 +153,44 @@ def make_expert_program(
 
         used = jnp.stack([distinct((ids >= 0) & (ids < E)), distinct(ids >= E)]).astype(jnp.int32)
         return coact, used
+
+    def assignments_combined(p, x2, local, weights):
+        """Deterministic mode: the routed output [B*T, D] (float32, the same on every instance) summed
+        in one order whatever the batch and wherever AEBS placed each assignment: every (token, k)
+        assignment's weighted output by the kernel as a row of its own, gathered over the instances
+        (each assignment runs on one replica, the others add exact zeros), then added up in k order."""
+        T, K = local.shape
+        y = expert_ffn(
+            jnp.repeat(x2, K, axis=0),
+            local.reshape(T * K, 1),
+            weights.reshape(T * K, 1),
+            Stacked(p["w_gate"], p["w_up"], p["w_down"]),
+            impl=ffn_impl,
+            interpret=interpret,
+        )
+        y = jax.lax.psum(y.astype(jnp.float32).reshape(T, K, -1), (EXP, ETP) if tp else EXP)
+        out = y[:, 0]
+        for k in range(1, K):
+            out = out + y[:, k]
+        return out
+
+    def shared_part(p, x2):
+        """This instance's slice of the shared experts' output; deterministic mode: the whole output
+        (the slices summed over the instances, float32)."""
+        if not invariant:
+            return shared_experts(p["shared"], x2)
+        return jax.lax.psum(shared_experts(invariant_matrices(p["shared"]), x2).astype(jnp.float32), EXP)
+
+    def partial_out(y, x2, B, T):
+        """[1, B, T, D] in x2's dtype: this instance's partial output; deterministic mode: the whole
+        output on instance 0, zeros elsewhere (E2A's sum then adds only exact zeros to it)."""
+        if invariant:
+            y = jnp.where(jax.lax.axis_index(EXP) == 0, y, 0)
+        return y.astype(x2.dtype).reshape(1, B, T, -1)
+
+    def gate_params(p):
+        """The parameters the gate reads; deterministic mode: the router as an invariant matrix."""
+        return {**p, "router": invariant_matrices(p["router"])} if invariant else p
 
     def place_and_run(p, tables, x2, ids, weights, step):
         """AEBS (logical -> physical replica, identical on every instance), then the grouped matmul
@@ -160,6 +207,8 @@ def make_expert_program(
         )
         first = jax.lax.axis_index(EXP) * C
         local = jnp.where((phys >= first) & (phys < first + C), phys - first, -1)
+        if invariant:
+            return assignments_combined(p, x2, local, weights), activated
         y = expert_ffn(
             x2, local, weights, Stacked(p["w_gate"], p["w_up"], p["w_down"]), impl=ffn_impl, interpret=interpret
         )
@@ -172,14 +221,14 @@ def make_expert_program(
         x2 = x.reshape(B * T, D)
         L = tables["replica_table"].shape[0]  # logical experts: E originals + U extras
         # 1. gate (expert side): logical ids, what runs (the counters count it)
-        ids, weights = routing.route(p, cfg.moe, x2, valid.reshape(B * T), state)
+        ids, weights = routing.route(gate_params(p), cfg.moe, x2, valid.reshape(B * T), state)
         # 2.-3. AEBS, then the grouped matmul over this instance's replicas
         y, activated = place_and_run(p, tables, x2, ids, weights, step)
         # 4. this instance's slice of the shared experts (shared_experts: experts)
         if "shared" in p:
-            y = y + shared_experts(p["shared"], x2).astype(y.dtype)
+            y = y + shared_part(p, x2).astype(y.dtype)
         coact, used = counters(ids, L)
-        return y.reshape(1, B, T, D), coact, activated, used
+        return partial_out(y, x2, B, T), coact, activated, used
 
     def run(p, tables, x, valid, step, coact, state):
         mapped = jax.shard_map(
@@ -194,7 +243,7 @@ def make_expert_program(
 
     def gate(p, x, valid, state, L):  # per-expert queues: the gate alone; every assignment joins its queue
         B, T, D = x.shape
-        ids, weights = routing.route(p, cfg.moe, x.reshape(B * T, D), valid.reshape(B * T), state)
+        ids, weights = routing.route(gate_params(p), cfg.moe, x.reshape(B * T, D), valid.reshape(B * T), state)
         return ids, weights, *counters(ids, L)
 
     def route(p, x, valid, coact, state):
@@ -215,8 +264,8 @@ def make_expert_program(
         mine = (queued >= lo) & (queued < hi)
         y, activated = place_and_run(p, tables, x2, jnp.where(mine, queued, -1), weights, step)
         if "shared" in p:  # the shared experts once per layer: with the first round
-            y = y + jnp.where(lo == 0, shared_experts(p["shared"], x2), 0).astype(y.dtype)
-        return y.reshape(1, B, T, D), activated, jnp.where(mine, -1, queued)
+            y = y + jnp.where(lo == 0, shared_part(p, x2), 0).astype(y.dtype)
+        return partial_out(y, x2, B, T), activated, jnp.where(mine, -1, queued)
 
     def serve(p, tables, x, queued, weights, step, lo, hi):
         mapped = jax.shard_map(
@@ -229,11 +278,12 @@ def make_expert_program(
         return mapped(p, tables, x, queued, weights, step, lo, hi)
 
     replicated = NamedSharding(sub.experts, P())
+    jit = functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS if invariant else None)
     return ExpertProgram(
-        run=jax.jit(run, donate_argnums=(5,)),
+        run=jit(run, donate_argnums=(5,)),
         replicated=replicated,
-        route=jax.jit(route, donate_argnums=(3,)),
-        serve=jax.jit(serve),
+        route=jit(route, donate_argnums=(3,)),
+        serve=jit(serve),
         fallback_above=fallback_above(ffn_impl, C, cfg.moe.top_k),
         aebs_impl=aebs_impl,
     )

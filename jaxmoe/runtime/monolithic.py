@@ -19,12 +19,15 @@ one of them have their assignments served ahead of the waiting ones.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import INVARIANT_COMPILER_OPTIONS
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.models.experts import AUTO_EXPERT_IMPL, TOP_K, routed_experts
 from jaxmoe.models.routing import ExpertRouting, extra_experts, for_call, logical_params
@@ -108,7 +111,8 @@ def step_program(cfg: ModelConfig, block_size: int, impl: str, routing):
     def step(params, tokens, batch, cache, logits_index, state):
         return forward(params, cfg, tokens, batch, cache, block_size, logits_index, routing, state, impl)
 
-    return jax.jit(step, donate_argnums=(3,))
+    options = INVARIANT_COMPILER_OPTIONS if impl == "cpu_kernel_invariant" else None  # deterministic mode
+    return jax.jit(step, donate_argnums=(3,), compiler_options=options)
 
 
 def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype, in_place: bool | str):
@@ -133,7 +137,8 @@ def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype,
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
         return lm_head(params, cfg, x, invariant=in_place == INVARIANT)
 
-    return jax.jit(embed), jax.jit(some_layers, donate_argnums=(3,), static_argnums=(6,)), jax.jit(head)
+    jit = functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS if in_place == INVARIANT else None)
+    return jit(embed), jit(some_layers, donate_argnums=(3,), static_argnums=(6,)), jit(head)
 
 
 class MonolithicExecutor:
@@ -217,9 +222,10 @@ class MonolithicExecutor:
 
         self._step = step_program(cfg, block_size, impl, routing)
         self._embed, self._layers, self._head = layer_programs(cfg, block_size, impl, routing, dtype, in_place)
-        self._attend = jax.jit(attend, donate_argnums=(3,))
-        self._route = jax.jit(route)
-        self._expert_round = jax.jit(expert_round)
+        jit = functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS if in_place == INVARIANT else None)
+        self._attend = jit(attend, donate_argnums=(3,))
+        self._route = jit(route)
+        self._expert_round = jit(expert_round)
 
     def _stack(self, params: dict, in_place: bool):
         """(E + U logical experts, the stacked parameters: E + U logical experts per MoE layer, the expert

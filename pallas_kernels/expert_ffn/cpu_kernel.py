@@ -185,11 +185,21 @@ def matmul_supports(x, stack, any_rows: bool = False) -> bool:
     )
 
 
+# deterministic mode's programs are compiled without XLA:CPU's YNNPACK reduction fusions: it takes a
+# reduction and the elementwise ops after it (a softmax's max and exp) into one YNNPACK call above some
+# array size only, and that call's exp differs in the last bit from the one XLA emits below it, so a
+# row's result would change with the number of rows (dots stay allowed: they run as this module's kernels)
+INVARIANT_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+
+
 def invariant_sum(a):
     """The sum over a [..., K]'s last axis (float32), each row in one order whatever the other rows: a
     product with a column of ones by ``layer_matmul`` (K padded with exact zeros). XLA's reductions
     change their order with the number of rows (a row's log-softmax over 320 logits differs between
     1 and 16 rows), so deterministic mode sums this way (norms, softmax, logsumexp)."""
+    reason = unavailable_reason()  # built and registered here if nothing else has used the kernel yet
+    if reason is not None:
+        raise KernelUnavailable(f"deterministic mode's invariant sum is unavailable: {reason}")
     K = a.shape[-1]
     pad = -K % K_BLOCK
     a = a.astype(jnp.float32)

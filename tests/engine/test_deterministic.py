@@ -1,7 +1,8 @@
 """Deterministic (batch-invariant) mode: a request's greedy tokens and logprobs are bit-identical alone,
 beside other requests, with its prompt chunked differently, with its prefix read from the cache, and
 after a recompute preemption re-prefilled its prompt and generated tokens; in both of its forms (the
-batch-invariant CPU kernels on the ordinary bucketed shapes, and one fixed shape with dense experts)."""
+batch-invariant CPU kernels on the ordinary bucketed shapes, and one fixed shape with dense experts),
+and on the disaggregated executor; seeded top-k / top-p / min-p draws too."""
 
 from __future__ import annotations
 
@@ -82,9 +83,49 @@ def test_fixed_shape_deterministic_mode_is_batch_chunk_cache_and_preemption_inva
     check(llm, *workload())
 
 
-def test_deterministic_mode_needs_the_monolithic_executor():
-    with pytest.raises(ValueError, match="deterministic"):
-        LLM("tiny-random", mesh="meshes/cpu-8.yaml", deterministic=True)
+def check_sampling(llm, target, others):
+    """A seeded top-k / top-p / min-p request draws the same tokens (and logprobs) alone and beside rows
+    that sample otherwise or greedily."""
+    sp = SamplingParams(
+        max_tokens=6, temperature=0.9, top_k=40, top_p=0.85, min_p=0.02, seed=7, ignore_eos=True, logprobs=0
+    )
+    mixed = [
+        SamplingParams(max_tokens=6, temperature=1.2, top_p=0.5, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.7, top_k=5, seed=2, ignore_eos=True),
+    ]
+    alone = llm.generate([target], sp)[0]
+    batched = llm.generate(others[:3] + [target], mixed + [sp])[3]
+    assert_identical(batched, alone)
+    assert len(set(alone.token_ids)) > 1  # sampled, not stuck on one token
+
+
+@pytest.mark.slow
+def test_disaggregated_deterministic_mode_is_batch_chunk_cache_preemption_and_sampling_invariant():
+    """The disaggregated executor on the smallest test mesh (2 attention, 6 expert instances of 4 slots:
+    the 8 experts have replicas, so AEBS places a token's experts by the batch's load): the attention
+    program, the gate, the expert FFN over AEBS's replicas and the transfers give each token's results
+    whatever it is batched with; and the sampler's top-k / top-p / min-p draws too."""
+    if invariant_unsupported(demo_config()) is not None:
+        pytest.skip(f"the batch-invariant CPU kernels cannot run here: {invariant_unsupported(demo_config())}")
+    llm = LLM(
+        "tiny-random",
+        mesh="meshes/cpu-8.yaml",
+        deterministic=True,
+        block_size=16,
+        num_blocks=128,
+        max_num_seqs=8,
+        max_prefill_chunk=64,
+    )
+    assert llm.engine.executor.expert_impl == "cpu_kernel_invariant"
+    target, others = workload()
+    check(llm, target, others)
+    check_sampling(llm, target, others)
+
+
+def test_deterministic_mode_on_a_mesh_needs_the_invariant_kernels():
+    with pytest.raises(ValueError, match="deterministic mode with a mesh file runs on the batch-invariant"):
+        LLM("tiny-random", mesh="meshes/cpu-8.yaml", deterministic=True, expert_impl="dense")
 
 
 def test_deterministic_config():

@@ -105,3 +105,43 @@ def test_prefix_cache_metrics(server):
     assert values["jaxmoe_prefix_cache_hits_total"] >= 80
     assert values["jaxmoe_prefix_cache_queries_total"] > values["jaxmoe_prefix_cache_hits_total"]
     assert values["jaxmoe_prefix_cache_blocks"] >= 5
+
+
+@pytest.fixture(scope="module")
+def deterministic_server():
+    """``jaxmoe serve --deterministic``'s engine behind the HTTP server; ``.rows``: the rows of every
+    model call it ran."""
+    engine = LLM("tiny-random", deterministic=True, **ENGINE).engine
+    runner, rows = engine.runner, []
+    run = runner.run
+
+    def counted(batch, *args, **kwargs):
+        rows.append(len(batch))
+        return run(batch, *args, **kwargs)
+
+    runner.run = counted
+    st = ServerThread(engine, ServeOptions(model_name="m", warmup=False))  # compiles only what runs
+    server = st.start()
+    server.rows = rows
+    yield server
+    st.stop(abort_inflight=True)
+
+
+@pytest.mark.slow
+def test_deterministic_server_answers_alike_alone_and_beside_concurrent_requests(deterministic_server):
+    """The same greedy request with logprobs, alone and beside three concurrent requests of other
+    lengths (other cache salts: no cached prefix either time), gets bit-identical tokens and logprobs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(q, salt, n=8):
+        obj = complete(deterministic_server, q, max_tokens=n, cache_salt=salt)
+        return obj["choices"][0]["text"], obj["choices"][0]["logprobs"]["token_logprobs"]
+
+    alone = ask("alone?", "a")
+    others = ["x" * 30 + "?", "a longer question that takes a few more tokens to say?", "hm?"]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(ask, q, "b", 12) for q in others]
+        futures.insert(1, pool.submit(ask, "alone?", "c"))
+        batched = [f.result() for f in futures]
+    assert max(deterministic_server.rows) >= 2  # it ran beside others
+    assert batched[1] == alone  # the text and every logprob, exactly
