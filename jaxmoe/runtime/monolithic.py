@@ -56,6 +56,11 @@ def _int32(a):
     return np.asarray(a, np.int32)
 
 
+def _moe(group: dict) -> dict:
+    """A layer group's MoE part, as a group (what the per-expert queues' routing and rounds read)."""
+    return {"moe": group["moe"]}
+
+
 def check_rounds(rounds, num_experts: int) -> list[tuple[int, int]]:
     """``rounds`` as a list of (lo, hi): non-empty, contiguous ranges that cover the logical experts
     0 .. ``num_experts`` in order (None or empty: no rounds); a ``ValueError`` naming ``expert_rounds``
@@ -199,6 +204,8 @@ class MonolithicExecutor:
             h, xn, group_cache = attention_side(layer, cfg, x, batch, group_cache, block_size, index, in_place)
             return h, xn.reshape(-1, xn.shape[-1]), group_cache
 
+        # ``route`` and ``expert_round`` take the group's MoE part only (``_moe``): the rest would be
+        # flattened at every call for nothing (R + 1 calls per MoE layer)
         def route(group, xn, slots, index, state):  # ... its routing: every assignment joins its expert's queue
             layer = layer_view(group, index, dtype, in_place=in_place)
             valid = (slots >= 0).reshape(-1)  # padding queues nowhere
@@ -405,7 +412,8 @@ class MonolithicExecutor:
         merge = None if at is None else at("attention", (h, xn))
         if merge is not None:
             (h, xn), batch, index, _ = self._merge_in_layer(merge, g, j, done, (h, xn), batch, state)
-        queued, weights, partial = self._route(group, xn, batch.slots, i, state)
+        moe = _moe(group)
+        queued, weights, partial = self._route(moe, xn, batch.slots, i, state)
         todo, stage = [(lo, hi, 0) for lo, hi in self.expert_rounds], "routing"
         while True:
             merge = None if at is None else at(stage, (queued, partial), queued)
@@ -417,7 +425,7 @@ class MonolithicExecutor:
                 todo.insert(0, (0, self.num_logical_experts, first))  # the new tokens jump every queue
             lo, hi, first = todo.pop(0)
             queued, partial, x = self._expert_round(
-                group, h, xn, queued, weights, partial, i, np.int32(lo), np.int32(hi), np.int32(first)
+                moe, h, xn, queued, weights, partial, i, np.int32(lo), np.int32(hi), np.int32(first)
             )
             if not todo:
                 return x, batch, index
@@ -431,6 +439,6 @@ class MonolithicExecutor:
         new, new_batch = self._catch_up(merge, done, state)
         group, i = self.stacked["groups"][g], np.int32(j)
         h, xn, self.cache[g] = self._attend(group, new, new_batch, self.cache[g], i)
-        fresh = (h, xn) if len(arrays) == 2 else (h, xn, *self._route(group, xn, new_batch.slots, i, state))
+        fresh = (h, xn) if len(arrays) == 2 else (h, xn, *self._route(_moe(group), xn, new_batch.slots, i, state))
         arrays, merged_batch, index = self._join(merge, arrays, fresh, batch, new_batch)
         return arrays, merged_batch, index, merge.keep * merged_batch.slots.shape[1]
