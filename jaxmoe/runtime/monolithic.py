@@ -196,6 +196,7 @@ class MonolithicExecutor:
         self.pause_every = pause_every
         self.expert_rounds = check_rounds(expert_rounds, self.num_logical_experts)
         self._queued = None  # (ids, first expert not yet served) while a step waits between expert rounds
+        self._scalars: dict[int, jax.Array] = {}  # ``_scalar``
         self.pause_stage = None  # "layer" or "experts" while a layer-by-layer step waits at a pause point
         dtype = self.stacked["embed"].dtype
 
@@ -312,6 +313,9 @@ class MonolithicExecutor:
         if between_layers is None:
             logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index, state)
             return logits
+        # the batch goes to the device once, not with each of the step's programs (host arrays would be
+        # copied again at every call: one per layer, R + 2 per MoE layer with per-expert queues)
+        tokens, batch = jax.device_put((tokens, batch))
         x = self._embed(self.stacked, tokens)
         pause = PausePoints(between_layers)
         done, total = 0, self.cfg.num_layers
@@ -335,6 +339,14 @@ class MonolithicExecutor:
         """Whether the step now paused can take rows (``executor.MergesRows``): at every pause point
         (a layer boundary, or a stage of a MoE layer with per-expert queues)."""
         return self.pause_stage is not None
+
+    def _scalar(self, n: int) -> jax.Array:
+        """``n`` as an int32 on the device, made once (a layer index, a round's experts, a first token):
+        a host scalar would be copied to the device at every program call that takes it."""
+        scalar = self._scalars.get(n)
+        if scalar is None:
+            scalar = self._scalars[n] = jnp.asarray(n, jnp.int32)
+        return scalar
 
     def _pause_at(self, pause, done: int, stage: str, outputs, queued=None):
         """A pause point (``stage``) after the programs that produce ``outputs``; ``queued``: the
@@ -360,7 +372,7 @@ class MonolithicExecutor:
         if queued:
             return self._queued_layer(g, j, 0, x, batch, None, state)[0]
         group = self.stacked["groups"][g]
-        x, self.cache[g] = self._layers(group, x, batch, self.cache[g], np.int32(j), state, n)
+        x, self.cache[g] = self._layers(group, x, batch, self.cache[g], self._scalar(j), state, n)
         return x
 
     def _catch_up(self, merge: RowMerge, layers: int, state):
@@ -407,7 +419,7 @@ class MonolithicExecutor:
         assignments enter the queues ahead of the waiting ones: the next round serves them at every
         expert (also at the experts whose round is done), then the remaining rounds go on.
         Returns (x, batch, logits index): the batch is the merged one after a merge."""
-        group, i = self.stacked["groups"][g], np.int32(j)
+        group, i = self.stacked["groups"][g], self._scalar(j)
         h, xn, self.cache[g] = self._attend(group, x, batch, self.cache[g], i)
         merge = None if at is None else at("attention", (h, xn))
         if merge is not None:
@@ -425,7 +437,7 @@ class MonolithicExecutor:
                 todo.insert(0, (0, self.num_logical_experts, first))  # the new tokens jump every queue
             lo, hi, first = todo.pop(0)
             queued, partial, x = self._expert_round(
-                moe, h, xn, queued, weights, partial, i, np.int32(lo), np.int32(hi), np.int32(first)
+                moe, h, xn, queued, weights, partial, i, self._scalar(lo), self._scalar(hi), self._scalar(first)
             )
             if not todo:
                 return x, batch, index
@@ -437,7 +449,7 @@ class MonolithicExecutor:
         both form one batch. Returns (merged ``arrays``, batch, logits index, the merged batch's first
         token of the new rows)."""
         new, new_batch = self._catch_up(merge, done, state)
-        group, i = self.stacked["groups"][g], np.int32(j)
+        group, i = self.stacked["groups"][g], self._scalar(j)
         h, xn, self.cache[g] = self._attend(group, new, new_batch, self.cache[g], i)
         fresh = (h, xn) if len(arrays) == 2 else (h, xn, *self._route(_moe(group), xn, new_batch.slots, i, state))
         arrays, merged_batch, index = self._join(merge, arrays, fresh, batch, new_batch)
