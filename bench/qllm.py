@@ -12,10 +12,12 @@ first token is handed out. The model is a random Mixtral-shaped MoE (hidden 256,
 byte vocabulary) with ``--layers`` layers, so one step is long enough for the difference to show.
 
 Rates are multiples of the measured capacity (best-effort requests per second when all arrive at
-once). Also measured: the cost of pausable steps when nothing preempts (the same 16 best-effort
-decodes stepped on each engine, rounds interleaved across engines, median ms per step).
+once). Also measured: the cost of pausable steps when nothing preempts, as a same-engine A/B
+(``paired_cost``: the same 16 best-effort decodes on one engine, fused steps and each pausable form
+alternating round by round; the median per-round ratio).
 
     python bench/qllm.py [--layers 16] [--requests 60] [--loads 0.4,0.7,0.9] [--modes ...] [--json out.json]
+    python bench/qllm.py --layers 8 --loads "" --modes layer-level,expert-queues --rounds 20   # the cost only
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def build_engine(
     expert_queues: int = 0,
     pause_every: int = 1,
     ls_merge: bool = True,
+    warm: bool = True,
 ) -> LLMEngine:
     cfg = from_hf_config({**DEMO_HF_CONFIG, "num_hidden_layers": layers})
     config = RuntimeConfig(
@@ -71,7 +74,8 @@ def build_engine(
     )
     executor = build_executor(cfg, demo_params(cfg), config)
     engine = attach_features(LLMEngine(cfg, executor, ByteTokenizer(), config.engine), config)
-    warm_up(engine, progress=False)
+    if warm:  # every shape a trace may need (the cost's A/B compiles its few shapes as it runs them)
+        warm_up(engine, progress=False)
     return engine
 
 
@@ -162,29 +166,72 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1e3 * seconds:.0f}"
 
 
-def decode_step_cost(engines: dict[str, LLMEngine], modes, rounds: int, steps: int = 8) -> dict[str, float]:
-    """Median ms per decode step of 16 BE sequences on each engine, rounds interleaved across engines
-    (the machine is noisy: every mode sees the same slices of time)."""
+# how a step runs when nothing preempts: (layer by layer, layers per program, per-expert queues)
+VARIANTS = {
+    "fused": (False, 1, False),
+    "layer-level": (True, 1, False),
+    "every-4-layers": (True, 4, False),
+    "expert-queues": (True, 1, True),
+}
+COST_OF = {"layer-level": "layer-level", "layer-nested": "layer-level"} | {
+    m: m for m in ("every-4-layers", "expert-queues")
+}  # a trace mode -> the variant it runs when nothing preempts (the merge and the nested step: the same)
+
+
+def paired_cost(layers: int, variants, rounds: int, steps: int = 4, expert_queues: int = 4) -> dict:
+    """The cost of pausable steps when nothing preempts, as a same-engine A/B: one engine (layer
+    preemption on, ``expert_queues`` rounds) decodes the same 16 best-effort sequences, and each
+    round runs ``steps`` steps of every variant in turn (order rotated per round): "fused" without a
+    poll (one program per step, as with layer preemption off), the others with a serving loop's
+    poll that admits nothing (pause points checked, no arrival), the per-expert queues and
+    ``pause_every`` switched on the executor between rounds. Every variant runs the same programs
+    it runs in its own mode, on the same weights, KV cache and sequences, in the same slices of
+    time: per round the ratio to the fused steps of that round. Returns per variant the median ms
+    per step and the median ratio over rounds (tokens/s ratio = 1 / it), in wall time and in this
+    process's CPU time (on a machine shared with other jobs the CPU time is the steadier one)."""
+    engine = build_engine(layers, "qllm", True, expert_queues, warm=False)
+    ex = engine.executor
+    queues = ex.expert_rounds
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, 256, 64).tolist() for _ in range(16)]
-    for mode in modes:  # same 16 sequences on every engine, all past their prefill
-        engine, started = engines[mode], set()
-        engine.poll, engine.emit = (lambda: None), None  # a serving loop's poll: arrivals possible, none come
-        for i, p in enumerate(prompts):
-            engine.add_request(p, SamplingParams(max_tokens=400, ignore_eos=True), "be", request_id=f"cost-{i}")
-        while len(started) < len(prompts):
-            started.update(out.request_id for out in engine.step() if out.token_ids)
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in range(rounds):
-        for mode in modes:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engines[mode].step()
-            times[mode].append(1e3 * (time.perf_counter() - t0) / steps)
-    for mode in modes:
-        for i in range(16):
-            engines[mode].abort(f"cost-{i}")
-    return {m: float(np.median(v)) for m, v in times.items()}
+    engine.emit = None
+    for i in range(16):
+        prompt = rng.integers(0, 256, 64).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=100000, ignore_eos=True), "be", request_id=f"cost-{i}")
+    started: set[str] = set()
+    while len(started) < 16:  # every sequence past its prefill
+        started.update(out.request_id for out in engine.step() if out.token_ids)
+
+    def run(variant: str, n: int) -> tuple[float, float]:
+        layered, every, queued = VARIANTS[variant]
+        engine.poll = (lambda: None) if layered else None
+        ex.pause_every, ex.expert_rounds = every, (queues if queued else [])
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            engine.step()
+        return 1e3 * (time.perf_counter() - t0) / n, 1e3 * (time.process_time() - c0) / n
+
+    for v in variants:  # compiles what warm-up did not (pause_every > 1)
+        run(v, 1)
+    wall: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(rounds):
+        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            w, c = run(v, steps)
+            wall[v].append(w)
+            cpu[v].append(c)
+    out = {}
+    for v in variants:
+        ratios = np.array(wall[v]) / np.array(wall["fused"])
+        cpu_ratios = np.array(cpu[v]) / np.array(cpu["fused"])
+        out[v] = {
+            "ms": float(np.median(wall[v])),
+            "ratio": float(np.median(ratios)),
+            "ratios": [round(float(x), 4) for x in ratios],
+            "cpu_ms": float(np.median(cpu[v])),  # CPU time of this process (all threads) per step
+            "cpu_ratio": float(np.median(cpu_ratios)),
+            "cpu_ratios": [round(float(x), 4) for x in cpu_ratios],
+        }
+    return out
 
 
 def capacity(engine: LLMEngine, n: int) -> float:
@@ -201,7 +248,9 @@ def main(argv=None) -> int:
     ap.add_argument("--loads", default="0.4,0.7,0.9", help="arrival rates as fractions of the measured capacity")
     ap.add_argument("--ls-share", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds of the no-preemption step cost")
+    ap.add_argument("--rounds", type=int, default=15, help="A/B rounds of the no-preemption cost (0: not measured)")
+    ap.add_argument("--cost-steps", type=int, default=4, help="decode steps per variant and round of the cost")
+    ap.add_argument("--cost-expert-queues", type=int, default=4, help="rounds per MoE layer of the expert-queues cost")
     ap.add_argument("--json", default=None, help="write the results here too")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     args = ap.parse_args(argv)
@@ -210,10 +259,11 @@ def main(argv=None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"--modes: unknown {', '.join(unknown)}")
-    if "step-level" not in modes:
-        ap.error("--modes: step-level (the baseline of the cost) must be one")
-    engines = {mode: build_engine(args.layers, *MODES[mode]) for mode in modes}
-    cap = capacity(engines["fcfs" if "fcfs" in modes else "step-level"], 16) if args.loads.strip() else 0.0
+    loads = [float(x) for x in args.loads.split(",") if x.strip()]  # --loads "": the cost only
+    if loads and not {"fcfs", "step-level"} & set(modes):
+        ap.error("--modes: fcfs or step-level (the capacity's engine) must be one")
+    engines = {mode: build_engine(args.layers, *MODES[mode]) for mode in modes} if loads else {}
+    cap = capacity(engines["fcfs" if "fcfs" in modes else "step-level"], 16) if loads else 0.0
     print(
         f"# {platform.node()} {platform.processor() or platform.machine()}, jax {jax.__version__}, "
         f"{args.layers} layers, capacity {cap:.2f} BE req/s (16 at once)"
@@ -224,7 +274,7 @@ def main(argv=None) -> int:
         "preempt step | preempt layer | LS merges | max saved state KiB |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for load in (float(x) for x in args.loads.split(",") if x.strip()):  # --loads "": the cost only
+    for load in loads:
         rate = load * cap
         trace = make_trace(args.requests, rate, args.ls_share, args.seed)
         for mode, engine in engines.items():
@@ -239,16 +289,21 @@ def main(argv=None) -> int:
                 flush=True,
             )
 
-    # the price of pausable steps when nothing preempts: the same 16 decodes, step by step
-    pausable = [m for m in modes if MODES[m][1]]
-    cost = decode_step_cost(engines, ["step-level", *pausable], args.rounds)
-    overhead = {m: cost[m] / cost["step-level"] - 1 for m in pausable}
-    results["no_preemption_step_ms"] = cost
-    results["pausable_step_overhead"] = overhead
-    print(f"\nNothing preempts: 16 BE decodes, median over {args.rounds} interleaved rounds of 8 steps:")
-    print(f"- fused (step-level): {cost['step-level']:.2f} ms/step")
-    for m, o in overhead.items():
-        print(f"- {m}: {cost[m]:.2f} ms/step ({100 * o:+.1f} %)")
+    # the price of pausable steps when nothing preempts: the same 16 decodes on one engine, A/B per round
+    variants = ["fused", *dict.fromkeys(COST_OF[m] for m in modes if m in COST_OF)]
+    if args.rounds and len(variants) > 1:
+        cost = paired_cost(args.layers, variants, args.rounds, args.cost_steps, args.cost_expert_queues)
+        results["no_preemption_cost"] = cost
+        print(
+            f"\nNothing preempts: 16 BE decodes on one engine, {args.rounds} rounds of {args.cost_steps} steps per "
+            "variant (order rotated), median ms/step and median per-round ratio to the fused steps:"
+        )
+        for v, c in cost.items():
+            print(
+                f"- {v}: wall {c['ms']:.2f} ms/step ({100 * (c['ratio'] - 1):+.1f} %, tokens/s x{1 / c['ratio']:.3f}; "
+                f"per-round {min(c['ratios']):.3f}-{max(c['ratios']):.3f}); CPU {c['cpu_ms']:.2f} ms/step "
+                f"({100 * (c['cpu_ratio'] - 1):+.1f} %; per-round {min(c['cpu_ratios']):.3f}-{max(c['cpu_ratios']):.3f})"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

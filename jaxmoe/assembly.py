@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 class QLLMConfig:
     """QLLM: layer-level preemption of best-effort steps, and per-expert queues."""
 
-    # latency-sensitive work may join (or run between) the layers of a BE step; None: only with expert_queues
-    # (the cost when nothing preempts did not measure within 2 % on a loaded CPU, so it stays opt-in)
+    # latency-sensitive work may join (or run between) the layers of a BE step; None: where it applies
+    # (``preempts``), True / False: as asked
     layer_preemption: bool | None = None
     expert_queues: int = 0  # serve each MoE layer's experts in this many rounds (needs layer_preemption; 0: off)
     max_paused_state_bytes: int | None = None  # a step whose paused state is bigger is not paused (None: any)
@@ -53,12 +53,17 @@ class QLLMConfig:
             raise ValueError(f"layer_preemption must be True, False or None (auto), got {self.layer_preemption!r}")
 
     def preempts(self, config: RuntimeConfig) -> bool:
-        """Whether the engine gets layer-level preemption: as asked, else (None) only with expert queues
-        (their rounds are its pause points). Not on by default: pausable steps did not measure within
-        2 % of the fused step when nothing preempts (``bench/qllm.py``, BENCHMARKS.md)."""
+        """Whether the engine gets layer-level preemption: as asked, else (None) on with expert queues
+        (their rounds are its pause points) and on the monolithic executor (no mesh file: where its
+        cost when nothing preempts measured within 2 % of the fused step, ``bench/qllm.py``,
+        BENCHMARKS.md), except in deterministic mode (one fixed-shape call per step). Off by default
+        on a mesh file: the disaggregated executor's cost is not measured, and across processes it
+        is refused (``server.multihost``)."""
         if self.layer_preemption is not None:
             return self.layer_preemption
-        return bool(self.expert_queues)
+        if self.expert_queues:
+            return True
+        return config.mesh is None and not config.engine.deterministic
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,9 @@ What is lowered is what warm-up compiles (``engine.warmup``) for each shape of t
 ``ShapePlan`` (``engine.buckets``), built by the same factories the executors use:
 
 * monolithic (no mesh file): the fused step (``runtime.monolithic.step_program``) per bucket, and
-  the sampler (``sampling.sample``) per batch size; with ``--layer-preemption`` (as ``jaxmoe serve
-  --layer-preemption``) also the layer-by-layer programs a pausable step runs (``runtime.monolithic.layer_programs``: ``embed``, each layer group's ``layers``, ``head``);
+  the sampler (``sampling.sample``) per batch size, and (as ``jaxmoe serve``, whose layer preemption
+  is on by default there; ``--no-layer-preemption``: not) the layer-by-layer programs a pausable step
+  runs (``runtime.monolithic.layer_programs``: ``embed``, each layer group's ``layers``, ``head``);
 * disaggregated (a mesh file): per bucket the attention side's ``embed``, one ``layer`` per kind
   of layer (dense / MoE; every layer of a kind shares it), ``shared`` (shared experts on the
   attention side) and ``head`` (``runtime.attention_program``), the expert program of each kind of
@@ -499,11 +500,12 @@ def lower_all(
     compile: bool = False,
     aebs_impl: str | None = None,
     log: Callable[[str], None] | None = None,
-    layer_preemption: bool = False,
+    layer_preemption: bool | None = None,
 ) -> dict:
     """Lower (and with ``compile``, compile where JAX can) every program serving ``model`` on
     ``mesh`` would compile, for each platform (``layer_preemption``: with the layer-by-layer programs
-    of the monolithic executor's pausable steps, as ``jaxmoe serve --layer-preemption`` runs). Returns ``{"programs": [...], "ok": bool, "notes":
+    of the monolithic executor's pausable steps, as ``jaxmoe serve`` runs them; None: as its default,
+    on without a mesh file). Returns ``{"programs": [...], "ok": bool, "notes":
     {platform: what was done}}``; a program that fails is reported with its error, the others go on."""
     from jaxmoe.engine.buckets import ShapePlan
     from jaxmoe.engine.config import EngineConfig
@@ -529,7 +531,8 @@ def lower_all(
         devices, why_not = (None, "not asked (--compile)") if not compile else compile_target(platform, _devices(spec))
         with lowering_for(platform):
             if spec is None:
-                programs = monolithic_programs(cfg, params, engine_config, shapes, devices, layer_preemption)
+                layered = not engine_config.deterministic if layer_preemption is None else layer_preemption
+                programs = monolithic_programs(cfg, params, engine_config, shapes, devices, layered)
             else:
                 programs = disaggregated_programs(
                     cfg, params, engine_config, spec, shapes, aebs_impl=aebs_impl, devices=devices
@@ -604,8 +607,9 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--expert-impl", default="auto", help="expert-FFN implementation (auto: the platform's)")
     p.add_argument(
         "--layer-preemption",
-        action="store_true",
-        help="also the layer-by-layer programs of pausable steps (as serve --layer-preemption)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the layer-by-layer programs of pausable steps too (default: as serve, on without --mesh)",
     )
     p.add_argument("--pause-every", type=int, default=1, metavar="LAYERS", help="layers per layer-by-layer program")
     p.set_defaults(func=cmd_lower)

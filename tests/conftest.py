@@ -26,6 +26,31 @@ def _release_compiled_programs():
     gc.collect()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fused_steps_where_qllm_is_not_the_subject(request):
+    """QLLM's layer preemption is on by default on the monolithic executor (``QLLMConfig.preempts``):
+    a served best-effort step then runs layer by layer, and warm-up compiles every shape a second
+    time, layer by layer, by running it. Test modules whose subject is something else keep the
+    fused steps (the default off, as ``layer_preemption=False``) so they do not pay for it; those
+    under tests/qllm and modules that set ``LAYER_PREEMPTION_DEFAULT = True`` get the real default.
+    Asking for it (``layer_preemption=True`` / ``--layer-preemption``, ``expert_queues``) is never
+    changed."""
+    from jaxmoe.assembly import QLLMConfig
+
+    module = request.module
+    if "qllm" in pathlib.Path(str(request.path)).parts or getattr(module, "LAYER_PREEMPTION_DEFAULT", False):
+        yield
+        return
+    real = QLLMConfig.preempts
+
+    def preempts(self, config):
+        return False if self.layer_preemption is None and not self.expert_queues else real(self, config)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(QLLMConfig, "preempts", preempts)
+        yield
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """checkpoint_dir(family, variant="default", **kw) -> path, cached for the session."""

@@ -34,7 +34,7 @@ from jaxmoe.sampling import (
     sample_invariant,
 )
 from jaxmoe.models.attention import AttentionBatch
-from jaxmoe.runtime.executor import ExpertQueueing, LowersAhead, MergesRows, RowMerge
+from jaxmoe.runtime.executor import LowersAhead, MergesRows, RowMerge
 
 
 @dataclasses.dataclass
@@ -388,7 +388,7 @@ class ModelRunner:
         (per-expert queues) also the experts' input, the float32 partial outputs and the queues."""
         ex, cfg = self.executor, self.executor.cfg
         hidden = num_tokens * cfg.hidden_size * jax.tree.leaves(ex.cache)[0].dtype.itemsize
-        if not (isinstance(ex, ExpertQueueing) and ex.expert_rounds):
+        if not getattr(ex, "expert_rounds", None):  # per-expert queues (``ExpertQueueing``; no isinstance per step)
             return hidden
         return 2 * hidden + num_tokens * (cfg.hidden_size * 4 + cfg.moe.top_k * 8)
 

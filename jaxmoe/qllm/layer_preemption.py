@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from jaxmoe.engine.policies import PausePoint
 from jaxmoe.engine.sequence import Priority
-from jaxmoe.runtime.executor import ExpertQueueing
 
 
 class LayerPreemption:
@@ -56,7 +55,9 @@ class LayerPreemption:
         paused = frozenset(engine.step_request_ids)
         scheduler = engine.scheduler
         executor = engine.executor
-        depth = executor.expert_queue_depth if isinstance(executor, ExpertQueueing) else None
+        # per-expert queues (``ExpertQueueing``); getattr, not isinstance: a runtime-checkable protocol's
+        # isinstance inspects the class on every call, and this runs at every pause point of every step
+        depth = getattr(executor, "expert_queue_depth", None)
         stage = getattr(executor, "pause_stage", None) or "layer"
         point = PausePoint(layer, stage, depth)
         if not scheduler.pause_at_layer(paused, point):  # the policy sees the stage and the queue depths

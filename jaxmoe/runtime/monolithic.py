@@ -59,6 +59,11 @@ def _int32(a):
     return np.asarray(a, np.int32)
 
 
+def _moe(group: dict) -> dict:
+    """A layer group's MoE part, as a group (what the per-expert queues' routing and rounds read)."""
+    return {"moe": group["moe"]}
+
+
 def check_rounds(rounds, num_experts: int) -> list[tuple[int, int]]:
     """``rounds`` as a list of (lo, hi): non-empty, contiguous ranges that cover the logical experts
     0 .. ``num_experts`` in order (None or empty: no rounds); a ``ValueError`` naming ``expert_rounds``
@@ -196,6 +201,7 @@ class MonolithicExecutor:
         self.pause_every = pause_every
         self.expert_rounds = check_rounds(expert_rounds, self.num_logical_experts)
         self._queued = None  # (ids, first expert not yet served) while a step waits between expert rounds
+        self._scalars: dict[int, jax.Array] = {}  # ``_scalar``
         self.pause_stage = None  # "layer" or "experts" while a layer-by-layer step waits at a pause point
         dtype = self.stacked["embed"].dtype
 
@@ -204,6 +210,8 @@ class MonolithicExecutor:
             h, xn, group_cache = attention_side(layer, cfg, x, batch, group_cache, block_size, index, in_place)
             return h, xn.reshape(-1, xn.shape[-1]), group_cache
 
+        # ``route`` and ``expert_round`` take the group's MoE part only (``_moe``): the rest would be
+        # flattened at every call for nothing (R + 1 calls per MoE layer)
         def route(group, xn, slots, index, state):  # ... its routing: every assignment joins its expert's queue
             layer = layer_view(group, index, dtype, in_place=in_place)
             valid = (slots >= 0).reshape(-1)  # padding queues nowhere
@@ -311,6 +319,9 @@ class MonolithicExecutor:
         if between_layers is None:
             logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index, state)
             return logits
+        # the batch goes to the device once, not with each of the step's programs (host arrays would be
+        # copied again at every call: one per layer, R + 2 per MoE layer with per-expert queues)
+        tokens, batch = jax.device_put((tokens, batch))
         x = self._embed(self.stacked, tokens)
         pause = PausePoints(between_layers)
         done, total = 0, self.cfg.num_layers
@@ -334,6 +345,14 @@ class MonolithicExecutor:
         """Whether the step now paused can take rows (``executor.MergesRows``): at every pause point
         (a layer boundary, or a stage of a MoE layer with per-expert queues)."""
         return self.pause_stage is not None
+
+    def _scalar(self, n: int) -> jax.Array:
+        """``n`` as an int32 on the device, made once (a layer index, a round's experts, a first token):
+        a host scalar would be copied to the device at every program call that takes it."""
+        scalar = self._scalars.get(n)
+        if scalar is None:
+            scalar = self._scalars[n] = jnp.asarray(n, jnp.int32)
+        return scalar
 
     def _pause_at(self, pause, done: int, stage: str, outputs, queued=None):
         """A pause point (``stage``) after the programs that produce ``outputs``; ``queued``: the
@@ -359,7 +378,7 @@ class MonolithicExecutor:
         if queued:
             return self._queued_layer(g, j, 0, x, batch, None, state)[0]
         group = self.stacked["groups"][g]
-        x, self.cache[g] = self._layers(group, x, batch, self.cache[g], np.int32(j), state, n)
+        x, self.cache[g] = self._layers(group, x, batch, self.cache[g], self._scalar(j), state, n)
         return x
 
     def _catch_up(self, merge: RowMerge, layers: int, state):
@@ -406,12 +425,13 @@ class MonolithicExecutor:
         assignments enter the queues ahead of the waiting ones: the next round serves them at every
         expert (also at the experts whose round is done), then the remaining rounds go on.
         Returns (x, batch, logits index): the batch is the merged one after a merge."""
-        group, i = self.stacked["groups"][g], np.int32(j)
+        group, i = self.stacked["groups"][g], self._scalar(j)
         h, xn, self.cache[g] = self._attend(group, x, batch, self.cache[g], i)
         merge = None if at is None else at("attention", (h, xn))
         if merge is not None:
             (h, xn), batch, index, _ = self._merge_in_layer(merge, g, j, done, (h, xn), batch, state)
-        queued, weights, partial = self._route(group, xn, batch.slots, i, state)
+        moe = _moe(group)
+        queued, weights, partial = self._route(moe, xn, batch.slots, i, state)
         todo, stage = [(lo, hi, 0) for lo, hi in self.expert_rounds], "routing"
         while True:
             merge = None if at is None else at(stage, (queued, partial), queued)
@@ -423,7 +443,7 @@ class MonolithicExecutor:
                 todo.insert(0, (0, self.num_logical_experts, first))  # the new tokens jump every queue
             lo, hi, first = todo.pop(0)
             queued, partial, x = self._expert_round(
-                group, h, xn, queued, weights, partial, i, np.int32(lo), np.int32(hi), np.int32(first)
+                moe, h, xn, queued, weights, partial, i, self._scalar(lo), self._scalar(hi), self._scalar(first)
             )
             if not todo:
                 return x, batch, index
@@ -435,8 +455,8 @@ class MonolithicExecutor:
         both form one batch. Returns (merged ``arrays``, batch, logits index, the merged batch's first
         token of the new rows)."""
         new, new_batch = self._catch_up(merge, done, state)
-        group, i = self.stacked["groups"][g], np.int32(j)
+        group, i = self.stacked["groups"][g], self._scalar(j)
         h, xn, self.cache[g] = self._attend(group, new, new_batch, self.cache[g], i)
-        fresh = (h, xn) if len(arrays) == 2 else (h, xn, *self._route(group, xn, new_batch.slots, i, state))
+        fresh = (h, xn) if len(arrays) == 2 else (h, xn, *self._route(_moe(group), xn, new_batch.slots, i, state))
         arrays, merged_batch, index = self._join(merge, arrays, fresh, batch, new_batch)
         return arrays, merged_batch, index, merge.keep * merged_batch.slots.shape[1]

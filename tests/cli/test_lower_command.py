@@ -16,8 +16,9 @@ FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 SMALL_PLAN = ["--max-num-seqs", "1", "--max-prefill-chunk", "16"]  # buckets 1x1, 1x16, 2x16, 4x16
 
 
-def lower(capsys, *args) -> tuple[int, dict]:
-    code = main(["lower", *args, "--json", *SMALL_PLAN])
+def lower(capsys, *args, layered: bool = False) -> tuple[int, dict]:
+    """``jaxmoe lower ARGS`` (without the layer-by-layer programs unless ``layered``: as serve's default)."""
+    code = main(["lower", *([] if layered else ["--no-layer-preemption"]), *args, "--json", *SMALL_PLAN])
     out = capsys.readouterr().out
     return code, json.loads(out)
 
@@ -51,9 +52,10 @@ def test_monolithic_every_family_lowers_for_cuda_and_tpu(capsys, checkpoint_dir,
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
 def test_layer_preemption_programs_lower(capsys, checkpoint_dir, family):
-    """``--layer-preemption``: the layer-by-layer programs of pausable steps lower too (embed, each
-    layer group's layers, head) for every shape, ``--pause-every`` layers per program."""
-    code, report = lower(capsys, "--model", str(checkpoint_dir(family)), "--platforms", "tpu", "--layer-preemption")
+    """By default (as serve's layer preemption without a mesh file) the layer-by-layer programs of
+    pausable steps lower too (embed, each layer group's layers, head) for every shape, ``--pause-every``
+    layers per program."""
+    code, report = lower(capsys, "--model", str(checkpoint_dir(family)), "--platforms", "tpu", layered=True)
     assert code == 0 and report["ok"], [p for p in report["programs"] if not p["ok"]]
     got = names(report, "tpu")
     for shape in ("1x1", "1x16", "2x16", "4x16"):
@@ -70,6 +72,7 @@ def test_layer_preemption_programs_lower(capsys, checkpoint_dir, family):
             "--pause-every",
             "2",
             "--layer-preemption",
+            layered=True,
         )
         got = {n for n in names(report, "tpu") if n.startswith("monolithic.layers[") and n.endswith("[1x1]")}
         assert code == 0 and got == {"monolithic.layers[group 0, 2 layers][1x1]"}

@@ -1,8 +1,10 @@
-"""Layer-level preemption stays opt-in (pausable steps did not measure within 2 % of the fused step
-when nothing preempts): ``layer_preemption=True`` / ``jaxmoe serve --layer-preemption`` turn it on,
-``--expert-queues`` implies it, ``--no-layer-preemption`` keeps it off. A step runs layer by layer
-only where a request can arrive during it (a serving loop's poll): ``LLM.generate``'s steps stay one
-fused program even with it on."""
+"""Layer-level preemption is on by default where its cost when nothing preempts measured within 2 %
+of the fused step (the monolithic executor; ``bench/qllm.py``, BENCHMARKS.md): ``LLM(...)`` and
+``jaxmoe serve`` attach it unless ``layer_preemption=False`` / ``--no-layer-preemption``; it stays off
+by default on a mesh file (the disaggregated executor) and in deterministic mode, where
+``layer_preemption=True`` / ``--layer-preemption`` still turns it on (``--expert-queues`` implies
+it). A step runs layer by layer only where a request can arrive during it (a serving loop's poll):
+``LLM.generate``'s steps stay one fused program with it on."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from jaxmoe import LLM, SamplingParams
 from jaxmoe.assembly import QLLMConfig, RuntimeConfig
 from jaxmoe.cli import build_parser
+from jaxmoe.engine.config import EngineConfig
 from jaxmoe.qllm.layer_preemption import LayerPreemption
 from jaxmoe.server.cli import runtime_config
 
@@ -18,9 +21,9 @@ TINY = dict(num_blocks=32, block_size=8, max_num_seqs=4)
 
 
 @pytest.mark.slow
-def test_llm_turns_layer_preemption_on_and_offline_steps_stay_fused():
-    assert LLM("tiny-random", **TINY).engine.layer_hook is None
-    llm = LLM("tiny-random", layer_preemption=True, **TINY)
+def test_llm_has_layer_preemption_by_default_and_offline_steps_stay_fused():
+    assert LLM("tiny-random", layer_preemption=False, **TINY).engine.layer_hook is None
+    llm = LLM("tiny-random", **TINY)
     assert isinstance(llm.engine.layer_hook, LayerPreemption)
     # offline generation: nothing can arrive mid-step, so no step runs layer by layer
     calls = []
@@ -31,8 +34,11 @@ def test_llm_turns_layer_preemption_on_and_offline_steps_stay_fused():
 
 
 def test_the_setting():
-    assert not QLLMConfig().preempts(RuntimeConfig())
-    assert QLLMConfig(expert_queues=2).preempts(RuntimeConfig())  # its rounds are pause points
+    assert QLLMConfig().preempts(RuntimeConfig())  # monolithic: on by default
+    assert not QLLMConfig(layer_preemption=False).preempts(RuntimeConfig())
+    assert not QLLMConfig().preempts(RuntimeConfig(mesh="meshes/cpu-8.yaml"))  # a mesh file: off by default
+    assert not QLLMConfig().preempts(RuntimeConfig(engine=EngineConfig(deterministic=True)))
+    assert QLLMConfig(expert_queues=2).preempts(RuntimeConfig(mesh="meshes/cpu-8.yaml"))  # its rounds pause
     assert QLLMConfig(layer_preemption=True).preempts(RuntimeConfig(mesh="meshes/cpu-8.yaml"))
     with pytest.raises(ValueError, match="expert_queues needs layer_preemption"):
         QLLMConfig(layer_preemption=False, expert_queues=2)
@@ -44,10 +50,13 @@ def test_the_setting():
 @pytest.mark.parametrize(
     "flags,on",
     [
-        ((), False),
+        ((), True),
         (("--layer-preemption",), True),
         (("--no-layer-preemption",), False),
         (("--expert-queues", "2"), True),
+        (("--deterministic",), False),
+        (("--deterministic", "--layer-preemption"), True),
+        (("--mesh", "meshes/cpu-8.yaml"), False),
     ],
 )
 def test_serve_flags(flags, on):

@@ -212,6 +212,7 @@ def test_jaxmoe_serve_subprocess_exits_cleanly_on_sigterm():
         "2",
         "--max-batch-tokens",
         "32",
+        "--no-layer-preemption",  # fused steps only: QLLM's layer preemption is not the subject here
     ]
     # default warm-up grid: decodes of 1 and 2 rows, prefills of 16 and 32 tokens
     proc = subprocess.Popen(

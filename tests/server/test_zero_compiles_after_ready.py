@@ -1,6 +1,7 @@
 """Warm-up covers every program serving runs: after ready, plain, sampled, logprobs, echo (with
 prompt logprobs, any prompt length), penalties, min-p, n > 1 and structured-output requests compile
-nothing, as ``/metrics`` shows (``jaxmoe_compiles_after_warmup``)."""
+nothing, as ``/metrics`` shows (``jaxmoe_compiles_after_warmup``). With the engine's defaults, so with
+QLLM's layer preemption on: best-effort steps run layer by layer (their programs warmed too)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from jaxmoe import LLM
 from jaxmoe.server.app import ServeOptions, ServerThread
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+LAYER_PREEMPTION_DEFAULT = True  # the real default (tests/conftest.py): layer preemption on
 
 CASES = [
     {"prompt": "Hello there", "max_tokens": 4},
@@ -53,5 +55,7 @@ def test_no_program_compiles_after_ready():
         _, metrics = _call(server, "GET", "/metrics")
         late = re.search(r"^jaxmoe_compiles_after_warmup(?:_total)? (\S+)$", metrics, re.M)
         assert late is not None and float(late.group(1)) == 0, metrics[:2000]
+        # the defaults' layer preemption: the best-effort steps ran layer by layer (pausable)
+        assert llm.engine.layer_hook is not None and llm.engine.runner.pausable_state_bytes > 0
     finally:
         st.stop(abort_inflight=True)
