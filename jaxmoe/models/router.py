@@ -29,7 +29,10 @@ def route(p: dict, moe: MoEConfig, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.nda
     """Top-k logical expert ids [T, k] (int32) and combine weights [T, k] (fp32) for tokens x [T, D]."""
     # deterministic mode (an invariant ``LayerMatrix`` router): sums in an order fixed per token
     invariant = getattr(p["router"], "invariant", False)
-    logits = (x @ p["router"]).astype(jnp.float32)
+    router = p["router"]  # fp32 logits also for 16-bit weights (a LayerMatrix sums in fp32 itself)
+    logits = (x @ router if invariant else jnp.matmul(x, router, preferred_element_type=jnp.float32)).astype(
+        jnp.float32
+    )
     if moe.scoring == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     elif invariant:

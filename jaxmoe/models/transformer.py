@@ -119,13 +119,14 @@ def attention_side_ffn(layer: dict, xn: jnp.ndarray) -> jnp.ndarray | None:
 
 
 def lm_head(params: dict, cfg: ModelConfig, x: jnp.ndarray, invariant: bool = False) -> jnp.ndarray:
-    """Logits (fp32) of the final-normed x; ``invariant``: by the CPU kernel, a row's logits whatever
+    """Logits (fp32, also for 16-bit weights) of the final-normed x; ``invariant``: by the CPU kernel, a row's logits whatever
     the other rows (``in_place_mode``)."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, invariant)
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     if invariant:
         return cpu_kernel.invariant_matmul(x, w[None], 0).astype(jnp.float32)
-    return (x @ w).astype(jnp.float32)
+    # the logits summed and kept in fp32: rounded to bf16 they would move a logprob by up to 2^-8 of a logit
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
 
 ROUTED = ("w_gate", "w_up", "w_down")  # routed expert weights: sliced per layer at their use (experts.py)

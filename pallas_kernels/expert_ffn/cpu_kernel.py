@@ -13,7 +13,9 @@ runs this kernel: each panel is one contiguous stream under a register tile of u
 1.1-1.6x the speed on plain weights at decode sizes, and faster than XLA's matmuls at prefill sizes
 too (``bench/expert_ffn_cpu.py``). bfloat16 panels are stored in pairs of rows where the CPU has
 AVX512-BF16 (``has_bf16_dot``): the kernel then multiplies bfloat16 pairs of the activations with
-its dot instruction instead of widening the weights.
+its dot instruction instead of widening the weights; the hidden activation into the down projection
+goes in as two bfloat16 parts (hi + lo), so it is not rounded to bfloat16 (a second dot per weight
+pair read once).
 On plain weights (the ``Stacked`` weights of the disaggregated expert program, say) it is a decode
 kernel: where the batch gives an expert more than 8 rows on average (T * top_k > 8 * E: a prefill
 chunk) XLA's matmuls are faster (``bench/expert_ffn_cpu.py``) and ``fallback`` (``bucketed_loop``)

@@ -23,7 +23,9 @@
 // kernel reads as one contiguous stream per panel, faster at every batch size (bench/expert_ffn_cpu.py).
 // bfloat16 panels may come in pairs (the ``pairs`` attribute: [L, E, F / P, D / 2, 2 P], rows k and
 // k + 1 interleaved column by column): then the activations are rounded to bfloat16 pairs too and
-// each pair of rows is one bf16 dot (AVX512-BF16's vdpbf16ps) into float32 accumulators.
+// each pair of rows is one bf16 dot (AVX512-BF16's vdpbf16ps) into float32 accumulators. The hidden
+// activation h into the down projection is not rounded to bfloat16: it goes in as two bfloat16 parts
+// (h = hi + lo, 16 bits of mantissa), two dots per pair of weight rows read once.
 // int8 weights (``jaxmoe.quantization``: symmetric, one float32 scale per output column) come plain or
 // as panels (no pairs) with their scales ([L, E, 1, F] / [L, E, 1, D]; the ``JaxmoeExpertFfnInt8`` target): the tiles widen
 // the int8 values to float32 in registers and each output column of a projection is multiplied by its
@@ -179,9 +181,29 @@ inline void to_pairs(const float* x, int64_t K, uint32_t* dst) {
   for (int64_t i = 0; i < K / 2; ++i) dst[i] = bf16_bits(x[2 * i]) | (bf16_bits(x[2 * i + 1]) << 16);
 }
 
-// out[r][0:P] = sum_kp x[r][kp] . w[kp][0:P] for R rows of K2 pairs (pointers already at their start).
-template <int R, int S>
-void pair_tile(const uint32_t* const* x, const uint16_t* w, int64_t K2, float* const* out) {
+inline float bf16_value(uint32_t bits) {  // the float32 of bfloat16 bits (low 16 bits)
+  const uint32_t u = bits << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// ``to_pairs`` of x into hi and of what rounding left (x - hi) into lo: hi + lo holds x to 16 bits of
+// mantissa, where hi alone holds 8 (a hidden activation rounded to bfloat16 moved a logprob of the 107 M
+// model by more than 0.1 nats).
+inline void to_split_pairs(const float* x, int64_t K, uint32_t* hi, uint32_t* lo) {
+  for (int64_t i = 0; i < K / 2; ++i) {
+    const uint32_t h0 = bf16_bits(x[2 * i]), h1 = bf16_bits(x[2 * i + 1]);
+    hi[i] = h0 | (h1 << 16);
+    lo[i] = bf16_bits(x[2 * i] - bf16_value(h0)) | (bf16_bits(x[2 * i + 1] - bf16_value(h1)) << 16);
+  }
+}
+
+// out[r][0:P] = sum_kp x[r][kp] . w[kp][0:P] for R rows of K2 pairs (pointers already at their start);
+// ``SPLIT``: x[r][kp] + xlo[r][kp] instead of x[r][kp] (``to_split_pairs``).
+template <int R, int S, bool SPLIT = false>
+void pair_tile(const uint32_t* const* x, const uint16_t* w, int64_t K2, float* const* out,
+               const uint32_t* const* xlo = nullptr) {
   constexpr int P = S * V;
 #ifdef __AVX512BF16__
   __m512 acc[R][S];
@@ -195,6 +217,10 @@ void pair_tile(const uint32_t* const* x, const uint16_t* w, int64_t K2, float* c
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r][kp]));
       for (int s = 0; s < S; ++s) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], xv, wv[s]);
+      if constexpr (SPLIT) {
+        const __m512bh xl = (__m512bh)_mm512_set1_epi32(static_cast<int>(xlo[r][kp]));
+        for (int s = 0; s < S; ++s) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], xl, wv[s]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -218,6 +244,10 @@ void pair_tile(const uint32_t* const* x, const uint16_t* w, int64_t K2, float* c
       float a, b;
       std::memcpy(&a, &xl, sizeof a);
       std::memcpy(&b, &xh, sizeof b);
+      if constexpr (SPLIT) {  // hi + lo is exact in float32
+        a += bf16_value(xlo[r][kp]);
+        b += bf16_value(xlo[r][kp] >> 16);
+      }
       for (int s = 0; s < S; ++s) acc[r][s] += a * lo[s] + b * hi[s];
     }
   }
@@ -313,18 +343,19 @@ void run_item(const Problem& p, int64_t item, float* y, std::vector<float>& scra
 
 // One tile over a panel's K rows: float32 rows for panels, bfloat16 pairs (K / 2 of them) for
 // panels in pairs.
-template <int R, int S, bool PAIRS, typename X, typename W>
-inline void tile(const X* const* x, const W* w, int64_t K, float* const* out) {
+template <int R, int S, bool PAIRS, bool SPLIT = false, typename X, typename W>
+inline void tile(const X* const* x, const W* w, int64_t K, float* const* out, const X* const* lo = nullptr) {
   if constexpr (PAIRS)
-    pair_tile<R, S>(x, w, K / 2, out);
+    pair_tile<R, S, SPLIT>(x, w, K / 2, out, lo);
   else
     panel_tile<R, S>(x, w, K, out);
 }
 
 // ``run_item`` for weights stored as panels of P = 16 * S columns: gate / up [F / P][D][P], down
 // [D / P][F][P] per expert; an item's chunk of F is whole panels. ``PAIRS`` (bfloat16 panels in
-// pairs, the same offsets): the expert's x rows and then its h rows are rounded to bfloat16 pairs
-// once, and every tile is a ``pair_tile``.
+// pairs, the same offsets): the expert's x rows are rounded to bfloat16 pairs once (in a bfloat16
+// model they are bfloat16 already) and its h rows split into two (``to_split_pairs``), and every tile is
+// a ``pair_tile``.
 template <int S, typename W, bool PAIRS>
 void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float>& scratch) {
   constexpr int P = S * V;
@@ -339,9 +370,9 @@ void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float
   scratch.resize(m * width + MR * P);
   float* h = scratch.data();            // [m, width]: gate, then combine weight * silu(gate) * up
   float* up = h + m * width;            // [MR, P]: one panel's up projection
-  thread_local std::vector<uint32_t> pairs;  // PAIRS: x rows [m, D / 2], then h rows [m, width / 2]
+  thread_local std::vector<uint32_t> pairs;  // PAIRS: x rows [m, D / 2], then h rows [m, width / 2] hi, lo
   if constexpr (PAIRS) {
-    pairs.resize(m * (p.D + width) / 2);
+    pairs.resize(m * (p.D + 2 * width) / 2);
     for (int64_t r = 0; r < m; ++r) to_pairs(p.x + (rows[r] / p.K) * p.D, p.D, pairs.data() + r * p.D / 2);
   }
   auto x_row = [&](int64_t i) -> const X* {
@@ -380,10 +411,11 @@ void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float
       }
     }
   }
-  uint32_t* hp = nullptr;
+  uint32_t *hp = nullptr, *hl = nullptr;
   if constexpr (PAIRS) {
     hp = pairs.data() + m * p.D / 2;
-    for (int64_t r = 0; r < m; ++r) to_pairs(h + r * width, width, hp + r * width / 2);
+    hl = hp + m * width / 2;
+    for (int64_t r = 0; r < m; ++r) to_split_pairs(h + r * width, width, hp + r * width / 2, hl + r * width / 2);
   }
   auto h_row = [&](int64_t i) -> const X* {
     if constexpr (PAIRS)
@@ -391,14 +423,17 @@ void run_item_panels(const Problem& p, int64_t item, float* y, std::vector<float
     else
       return h + i * width;
   };
+  const X* lr[MR];  // PAIRS: the lo parts of the h rows
+
   for (int64_t q = 0; q < p.D; q += P) {  // output panel q: rows c0 .. c0 + width of its F rows
     for (int64_t r0 = 0; r0 < m; r0 += MR) {
       const int R = static_cast<int>(std::min<int64_t>(MR, m - r0));
       for (int r = 0; r < R; ++r) {
         xr[r] = h_row(r0 + r);
+        if constexpr (PAIRS) lr[r] = hl + (r0 + r) * width / 2;
         out[r] = y + (r0 + r) * p.D + q;
       }
-#define JAXMOE_DOWN(n) tile<n, S, PAIRS>(xr, d + q * p.F, width, out)
+#define JAXMOE_DOWN(n) tile<n, S, PAIRS, PAIRS>(xr, d + q * p.F, width, out, lr)
       JAXMOE_BY_ROWS(R, JAXMOE_DOWN)
 #undef JAXMOE_DOWN
     }

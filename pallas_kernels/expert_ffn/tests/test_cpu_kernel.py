@@ -102,6 +102,24 @@ def test_reads_weights_stored_as_panels(dtype, pairs, D, F, width, T):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("T", [1, 9])
+def test_pairs_keep_the_hidden_activation_in_fp32(T):
+    """bfloat16 weights in pairs of rows (the AVX512-BF16 dot) with activations that are bfloat16 values:
+    the result matches float32 math on those values to 1e-5 of its size, so the hidden activation
+    into the down projection was not rounded to bfloat16 (that alone is ~1e-3 of it)."""
+    seed = int.from_bytes(os.urandom(3), "little")
+    L, E, K, D, F = 1, 4, 2, 64, 128
+    p = _layers(L, E, D, F, jnp.bfloat16, seed)
+    ids, weights, kx = _routing(T, K, E, seed, jnp.float32)
+    x = jax.random.normal(kx, (T, D)).astype(jnp.bfloat16).astype(jnp.float32)  # exact in the pairs
+    stored = {k: to_panels(v, width_for(D, F), pairs=True) for k, v in p.items()}
+    got = np.asarray(expert_ffn(x, ids, weights, LayerWeights(stored, jnp.int32(0)), impl="cpu_kernel"))
+    fp32 = Stacked(*(p[k][0].astype(jnp.float32) for k in ("w_gate", "w_up", "w_down")))
+    want = np.asarray(expert_ffn_reference(x, ids, weights, fp32))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=f"seed={seed}")
+
+
+@pytest.mark.slow
 def test_panels_round_trip_and_refuse_widths_that_do_not_divide():
     a = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 32, 96))
     for width in (16, 32):
