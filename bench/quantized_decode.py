@@ -3,6 +3,7 @@
 
     python bench/quantized_decode.py                       # the demo model
     python bench/quantized_decode.py --model /tmp/mixtral  # any checkpoint (bench/big_checkpoint.py --keep)
+    python bench/quantized_decode.py --forms none,int8,none,int8  # alternating: the first row is the base
 
 int8 weights go through the CPU expert kernel's int8 path (read as int8, scaled in the tile); fp8 ones
 through ``bucketed_loop``, one expert dequantized at a time. Prints one JSON line per form.
@@ -39,6 +40,7 @@ def main() -> None:
     p.add_argument("--forms", default="none,int8,fp8")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batches", default="1,16", help="batch sizes, comma-separated")
     args = p.parse_args()
 
     import jax
@@ -53,12 +55,12 @@ def main() -> None:
         groups = llm.executor.stacked["groups"]
         nbytes = sum(a.nbytes for g in groups if "moe" in g for k in ROUTED for a in jax.tree.leaves(g["moe"][k]))
         row = {"model": args.model, "weights": form if q else "bf16", "expert_bytes": nbytes}
-        for batch in (1, 16):
+        for batch in map(int, args.batches.split(",")):
             row[f"decode_tok_s_b{batch}"] = round(decode_rate(llm, batch, args.tokens, args.repeats), 1)
         if base is None:
             base = row
         row["vs_bf16"] = {
-            k: round(row[k] / base[k], 3) for k in ("decode_tok_s_b1", "decode_tok_s_b16", "expert_bytes")
+            k: round(row[k] / base[k], 3) for k in row if k.startswith("decode_tok_s") or k == "expert_bytes"
         }
         print(json.dumps(row), flush=True)
         del llm
