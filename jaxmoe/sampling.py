@@ -19,8 +19,8 @@ temperature), as vLLM's default.
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
+import math
 import numbers
 
 import jax
