@@ -31,7 +31,6 @@ import json
 import os
 import pathlib
 import platform
-import subprocess
 import sys
 import time
 
@@ -161,13 +160,10 @@ def run_worker(engine: str, args, python: str) -> dict:
     if engine == "vllm":
         cores = sorted(os.sched_getaffinity(0))
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}", VLLM_CPU_KVCACHE_SPACE="1")
-    load = os.getloadavg()[0]
-    print(f"  {engine} (load {load:.2f}) ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{engine} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    sys.path.insert(0, str(ROOT))
+    from bench.vs_vllm import worker_result
+
+    return worker_result(cmd, env, ROOT, engine, args.timeout)
 
 
 def errors(scores: list[list[float]], reference: list[list[float]]) -> tuple[float, float]:

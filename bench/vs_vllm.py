@@ -228,14 +228,19 @@ def run_engine(engine: str, dtype: str, args) -> dict:
         if preload:
             env["LD_PRELOAD"] = ":".join(preload)
     load = os.getloadavg()[0]
-    print(f"  {engine} {dtype} (load {load:.2f}) ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=args.timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{engine} {dtype} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    result = json.loads(lines[-1][len("RESULT ") :])
+    result = worker_result(cmd, env, cwd, f"{engine} {dtype}", args.timeout)
     result["load"] = (load, os.getloadavg()[0])
     return result
+
+
+def worker_result(cmd: list[str], env: dict, cwd, label: str, timeout: float) -> dict:
+    """Run a bench worker subprocess; its last ``RESULT {json}`` line, or exit naming ``label``."""
+    print(f"  {label} (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{label} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def agree(a: list, b: list) -> str:

@@ -19,14 +19,13 @@ temperature), as vLLM's default.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import INVARIANT_COMPILER_OPTIONS, invariant_sum
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import invariant_sum, program_jit
 from jaxmoe.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -310,7 +309,7 @@ def sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, w
     return _sample(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs)
 
 
-@functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS)
+@program_jit(True)
 def sample_invariant(logits, raw_logits, temperature, top_k, top_p, min_p, seeds, steps, want_logprobs=False):
     """``sample`` with each row's logprobs and its top-k / top-p / min-p draw computed in an order that
     does not depend on the other rows (deterministic mode; greedy tokens are an exact argmax in both)."""

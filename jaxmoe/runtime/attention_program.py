@@ -55,7 +55,7 @@ from jaxmoe.mesh import ATTN_AXES, SubMeshes
 from jaxmoe.models.attention import AttentionBatch, attention_layer
 from jaxmoe.models.common import INVARIANT
 from jaxmoe.models.layer_matrix import invariant_matrices
-from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import INVARIANT_COMPILER_OPTIONS
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import program_jit
 from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.transformer import attention_side_ffn, embed, lm_head
 from jaxmoe.runtime import attention_tp
@@ -172,7 +172,7 @@ def make_attention_programs(
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
         return lm_head(head, cfg, x, invariant=invariant)
 
-    jit = functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS if invariant else None)
+    jit = program_jit(invariant)
     return AttentionPrograms(
         embed=jit(embed_step, out_shardings=(rows, rows)),
         layer=jit(layer_step, out_shardings=(rows, rows, cache), donate_argnums=(4,), static_argnums=(5,)),

@@ -60,7 +60,7 @@ from jaxmoe.runtime import slot_moves
 from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import POLICIES, resolve_impl, schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, fallback_above, resolve
-from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import INVARIANT_COMPILER_OPTIONS
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import program_jit
 
 EXP, ETP = EXPERT_AXES
 _SLOT_SPEC = P(EXP)
@@ -278,7 +278,7 @@ def make_expert_program(
         return mapped(p, tables, x, queued, weights, step, lo, hi)
 
     replicated = NamedSharding(sub.experts, P())
-    jit = functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS if invariant else None)
+    jit = program_jit(invariant)
     return ExpertProgram(
         run=jit(run, donate_argnums=(5,)),
         replicated=replicated,

@@ -19,7 +19,6 @@ one of them have their assignments served ahead of the waiting ones.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ import numpy as np
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
-from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import INVARIANT_COMPILER_OPTIONS
+from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import program_jit
 from jaxmoe.models.attention import AttentionBatch
 from jaxmoe.models.experts import AUTO_EXPERT_IMPL, TOP_K, routed_experts
 from jaxmoe.models.routing import ExpertRouting, extra_experts, for_call, logical_params
@@ -116,8 +115,7 @@ def step_program(cfg: ModelConfig, block_size: int, impl: str, routing):
     def step(params, tokens, batch, cache, logits_index, state):
         return forward(params, cfg, tokens, batch, cache, block_size, logits_index, routing, state, impl)
 
-    options = INVARIANT_COMPILER_OPTIONS if impl == "cpu_kernel_invariant" else None  # deterministic mode
-    return jax.jit(step, donate_argnums=(3,), compiler_options=options)
+    return program_jit(impl == "cpu_kernel_invariant")(step, donate_argnums=(3,))  # deterministic mode
 
 
 def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype, in_place: bool | str):
@@ -142,7 +140,7 @@ def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype,
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
         return lm_head(params, cfg, x, invariant=in_place == INVARIANT)
 
-    jit = functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS if in_place == INVARIANT else None)
+    jit = program_jit(in_place == INVARIANT)
     return jit(embed), jit(some_layers, donate_argnums=(3,), static_argnums=(6,)), jit(head)
 
 
@@ -230,7 +228,7 @@ class MonolithicExecutor:
 
         self._step = step_program(cfg, block_size, impl, routing)
         self._embed, self._layers, self._head = layer_programs(cfg, block_size, impl, routing, dtype, in_place)
-        jit = functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS if in_place == INVARIANT else None)
+        jit = program_jit(in_place == INVARIANT)
         self._attend = jit(attend, donate_argnums=(3,))
         self._route = jit(route)
         self._expert_round = jit(expert_round)

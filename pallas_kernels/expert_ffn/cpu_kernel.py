@@ -31,6 +31,7 @@ kernel (no fallback), and ``layer_matmul`` takes every row count (``invariant_ma
 
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 
@@ -192,6 +193,12 @@ def matmul_supports(x, stack, any_rows: bool = False) -> bool:
 # array size only, and that call's exp differs in the last bit from the one XLA emits below it, so a
 # row's result would change with the number of rows (dots stay allowed: they run as this module's kernels)
 INVARIANT_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+
+
+def program_jit(invariant: bool):
+    """``jax.jit`` for a program of the step: in deterministic mode (``invariant``) with
+    ``INVARIANT_COMPILER_OPTIONS``, else plain."""
+    return functools.partial(jax.jit, compiler_options=INVARIANT_COMPILER_OPTIONS if invariant else None)
 
 
 def invariant_sum(a):
