@@ -384,6 +384,16 @@ def test_slo_analyzer_p90_over_a_sliding_window():
     assert a.p90("tpot") == 1.0 and a.p90("ttft") is None
     with pytest.raises(BrownoutError, match="phase"):
         a.record("e2e", 1.0)
+    # the sorted window gives np.percentile's P90 to the last bit as samples arrive and expire (ties too)
+    rng, seen, b = np.random.default_rng(0), [], SLOAnalyzer(window_s=1.0, clock=lambda: now[0])
+    for i in range(400):
+        now[0] = i * 0.01
+        for v in rng.choice([0.25, 0.5, rng.random()], size=rng.integers(0, 4)):
+            b.record("tpot", v)
+            seen.append((now[0], float(v)))
+        window = [v for t, v in seen if t >= now[0] - 1.0]
+        assert b.samples("tpot") == window
+        assert b.p90("tpot") == (float(np.percentile(window, 90)) if window else None)
 
 
 @pytest.mark.slow
