@@ -3,10 +3,10 @@
 ``SLOAnalyzer`` keeps (time, latency) samples per phase (``ttft``: prefill, ``tpot``: decode) and
 answers the P90 over the last ``tw`` seconds (``np.percentile``'s linear P90, from a window kept
 sorted: a step adds and expires a few samples, the P90 is read in O(1); sorting the window at every
-call cost 1.7 ms per step with 3,200 TPOT samples, several per cent of a decode step). ``SALC.update`` is Algorithm 2 for one phase: below
-``warning_factor x slo`` the threshold grows by ``increment`` (fewer tokens browned out), above
-``slo`` it shrinks by ``shrink_ratio``; it stays in [0, 1]. Paper defaults: warning 0.8, increment
-0.1, shrink 0.8.
+call cost 1.7 ms per step with 3,200 TPOT samples, several per cent of a decode step).
+``SALC.update`` is Algorithm 2 for one phase: below ``warning_factor x slo`` the threshold grows by
+``increment`` (fewer tokens browned out), above ``slo`` it shrinks by ``shrink_ratio``; it stays in
+[0, 1]. Paper defaults: warning 0.8, increment 0.1, shrink 0.8.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import bisect
 import collections
 import dataclasses
 import time
-
 
 from jaxmoe.brownout.config import BrownoutError, check_salc, check_threshold
 
