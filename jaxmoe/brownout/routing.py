@@ -171,6 +171,11 @@ class BrownoutRouting:
         threshold = 1.0 if state is None else state
         return split_choices(moe["united_groups"], mask_padding(ids, valid), weights, valid, threshold, self.full)
 
+    def exact(self, state) -> bool:
+        """Threshold 1 (zero brownout) in every phase: the original model."""
+        values = (state.prefill, state.decode) if isinstance(state, PhaseStates) else (state,)
+        return all(v is None or float(v) >= 1.0 for v in values)
+
 
 def _check_united(moe: dict) -> None:
     if "united_groups" not in moe:

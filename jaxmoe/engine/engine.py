@@ -31,7 +31,7 @@ from jaxmoe.engine.policies import make_policy
 from jaxmoe.engine.prompt_limits import check_prompt_chars, check_prompt_tokens
 from jaxmoe.engine.scheduler import Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
-from jaxmoe.models.routing import state_key
+from jaxmoe.models.routing import is_exact, state_key
 from jaxmoe.runtime.executor import Executor
 from jaxmoe.sampling import SamplingParams, SamplingParamsError
 from jaxmoe.structured_output import Grammar, GrammarBackend
@@ -71,6 +71,7 @@ class LLMEngine:
         )
         # what the KV depends on besides the tokens: the expert routing's state (e.g. the brownout threshold)
         self.scheduler.kv_key = lambda: _routing_key(self.executor)
+        self.scheduler.exact_kv_key = lambda: _routing_key(self.executor, exact=True)
         plan = ShapePlan(
             max_num_seqs=config.max_num_seqs,
             max_prefill_chunk=min(chunk, config.max_batch_tokens, self.max_model_len),
@@ -469,13 +470,19 @@ def _block_manager(executor, config: EngineConfig) -> BlockManager:
     return BlockManager.for_layout(layout, config.prefix_caching)
 
 
-def _routing_key(executor) -> str:
+def _routing_key(executor, exact: bool = False) -> str:
     """The prefix-cache key of the executor's expert routing: its name, state (brownout's thresholds:
     KV computed under one threshold is not read under another) and parameter version (extra experts
-    loaded at run time, ``params_version``)."""
+    loaded at run time, ``params_version``). A state that routes as the checkpoint's top-k
+    (``models.routing.is_exact``: brownout at threshold 1) has the exact key, which is also
+    ``exact=True``'s: the key of the KV every state may read (a browned-out step reads the exact
+    model's KV; the exact model never reads browned-out KV)."""
     routing = getattr(executor, "routing", None)
-    state = state_key(getattr(executor, "routing_state", None))
-    return f"{getattr(routing, 'name', None)}:{state!r}:{getattr(executor, 'params_version', 0)}"
+    version = getattr(executor, "params_version", 0)
+    state = getattr(executor, "routing_state", None)
+    if exact or is_exact(routing, state):
+        return f"exact:{version}"
+    return f"{getattr(routing, 'name', None)}:{state_key(state)!r}:{version}"
 
 
 def _cut_at_stop(text: str, stops) -> str:

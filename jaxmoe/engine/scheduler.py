@@ -28,7 +28,9 @@ logits -- and its prefill starts after them (on a partitioned cache in the parti
 are registered under their hash. The hash includes the sequence's ``cache_salt`` and the executor's
 KV key (``kv_key``: the engine sets it to its expert routing's state, e.g. the brownout threshold); a sequence whose KV was computed
 under more than one key (brownout changed while it ran) registers no more blocks until it is
-recomputed. ``drop_all_kv`` forgets the cache; ``move_kv_to`` (live re-scaling) starts the new
+recomputed. KV of the exact model (``exact_kv_key``: brownout at threshold 1) is read under every
+key: a browned-out sequence may start from it (and then registers nothing); the exact model never
+reads browned-out KV. ``drop_all_kv`` forgets the cache; ``move_kv_to`` (live re-scaling) starts the new
 allocator with an empty index: the sequences it moves register their blocks there again.
 """
 
@@ -105,6 +107,7 @@ class Scheduler:
         # "expert_pause" (paused inside a MoE layer: per-expert queues)
         self.preemptions = {k: {"ls": 0, "be": 0} for k in PREEMPTION_LEVELS}
         self.kv_key = lambda: None  # what else the KV depends on (the engine: its expert routing's state)
+        self.exact_kv_key = lambda: None  # the KV key every kv_key may also read (the exact model's; None: none)
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens looked up / found in the cache
 
     # -- admission ---------------------------------------------------------
@@ -219,6 +222,15 @@ class Scheduler:
         usable = (len(tokens) - 1) // bm.block_size  # the last token is always computed
         extend_hashes(seq.block_hashes, tokens[: usable * bm.block_size], bm.block_size, key)
         hits = [bm.cached_prefix(seq.block_hashes[:usable], p) for p in range(bm.num_partitions)]
+        exact = self.exact_kv_key()
+        exact = None if exact is None else cache_key(seq.cache_salt, exact)
+        from_exact = [False] * len(hits)
+        if exact is not None and exact != key:  # e.g. browned out: the exact model's KV serves too
+            hashes = extend_hashes([], tokens[: usable * bm.block_size], bm.block_size, exact)
+            for p in range(bm.num_partitions):
+                other = bm.cached_prefix(hashes, p)
+                if len(other) > len(hits[p]):
+                    hits[p], from_exact[p] = other, True
         if not any(hits):
             return 0
         chunk = min(self.max_prefill_chunk, self.max_batch_tokens)
@@ -228,6 +240,8 @@ class Scheduler:
         bm.take_cached(seq, hits[p])
         seq.num_computed = len(hits[p]) * bm.block_size
         seq.num_registered_blocks = len(hits[p])
+        if from_exact[p]:  # its KV mixes two keys: it registers none (as after a key change)
+            seq.cache_key, seq.block_hashes = None, []
         return seq.num_computed
 
     def _register_blocks(self, seq: Sequence) -> None:

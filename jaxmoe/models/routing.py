@@ -56,6 +56,12 @@ class ExpertRouting(Protocol):
         padding activates no expert); ``state`` the traced per-step value."""
         ...
 
+    def exact(self, state: Any) -> bool:
+        """Whether the layers route as the checkpoint's own top-k under ``state`` (e.g. brownout at
+        threshold 1 in every phase): KV computed so is the exact model's, which the prefix cache lets
+        a step under any state read (``is_exact``)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class TopKRouting:
@@ -73,6 +79,9 @@ class TopKRouting:
     def route(self, moe: dict, cfg: MoEConfig, x, valid=None, state=None):
         ids, weights = top_k(moe, cfg, x)
         return mask_padding(ids, valid), weights
+
+    def exact(self, state) -> bool:
+        return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +108,12 @@ def state_key(state):
     if isinstance(state, PhaseStates):
         return (state_key(state.prefill), state_key(state.decode))
     return None if state is None else tuple(float(v) for v in jax.tree.leaves(state))
+
+
+def is_exact(routing, state) -> bool:
+    """``routing.exact(state)``; False for a routing that does not say (its KV is only its own state's)."""
+    exact = getattr(routing, "exact", None)
+    return bool(exact(state)) if exact is not None else False
 
 
 def mask_padding(ids, valid):

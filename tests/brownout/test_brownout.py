@@ -17,6 +17,7 @@ import pytest
 
 from jaxmoe import LLM, BrownoutConfig, BrownoutError, SamplingParams
 from jaxmoe.brownout.routing import BrownoutRouting, set_threshold, split, split_reference
+from jaxmoe.models.routing import TopKRouting
 from jaxmoe.brownout.routing import threshold as brownout_threshold
 from jaxmoe.brownout.salc import SALC, SLOAnalyzer
 from jaxmoe.compilation import compile_events
@@ -113,6 +114,17 @@ def test_moe_layer_with_brownout_equals_a_plain_reference(checkpoint_dir):
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
         if threshold == 1.0:
             np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))  # zero brownout: exact
+            # ... and no extra work: the expert FFN gets exactly top-k's (token, expert) rows
+            b_ids, _ = routing.route(routing.logical_params(p), cfg.moe, x, valid, jnp.float32(1.0))
+            k_ids, _ = TopKRouting().route(p, cfg.moe, x, valid)
+            assert _rows(b_ids) == _rows(k_ids)
+
+
+def _rows(ids):
+    """The (token, expert) rows an expert FFN computes for ids [T, K] (-1: none), sorted."""
+    ids = np.asarray(ids)
+    t, k = np.nonzero(ids >= 0)
+    return sorted(zip(t.tolist(), ids[t, k].tolist()))
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +177,20 @@ def test_threshold_one_is_the_original_model_and_moving_it_does_not_recompile(un
         outs = llm.generate(PROMPTS, GREEDY)
         assert all(len(o.token_ids) == 8 for o in outs)
     assert compile_events()["programs"] == before
+    # the prefix cache: KV of the exact model (threshold 1) serves a browned-out step (SALC moves the
+    # threshold every step: keyed by the threshold alone, no prompt would hit); browned-out KV never
+    # serves threshold 1, which keeps the original's tokens
+    exact, browned = [list(range(3, 23))], [list(range(40, 60))]  # 20 tokens: one full block of 16
+    original = LLM(checkpoint_dir("mixtral"), dtype="float32").generate(browned, GREEDY)[0].token_ids
+    set_threshold(llm.executor, 1.0)
+    assert llm.generate(exact, GREEDY)[0].num_cached_tokens == 0
+    set_threshold(llm.executor, 0.3)
+    assert llm.generate(exact, GREEDY)[0].num_cached_tokens == 16
+    assert llm.generate(browned, GREEDY)[0].num_cached_tokens == 0
+    assert llm.generate(browned, GREEDY)[0].num_cached_tokens == 16  # the same threshold: its own KV
+    set_threshold(llm.executor, 1.0)
+    out = llm.generate(browned, GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == original
 
 
 def _by_hand(llm, prompts, sampling, prefill: float, decode: float):
@@ -384,6 +410,16 @@ def test_slo_analyzer_p90_over_a_sliding_window():
     assert a.p90("tpot") == 1.0 and a.p90("ttft") is None
     with pytest.raises(BrownoutError, match="phase"):
         a.record("e2e", 1.0)
+    # the sorted window gives np.percentile's P90 to the last bit as samples arrive and expire (ties too)
+    rng, seen, b = np.random.default_rng(0), [], SLOAnalyzer(window_s=1.0, clock=lambda: now[0])
+    for i in range(400):
+        now[0] = i * 0.01
+        for v in rng.choice([0.25, 0.5, rng.random()], size=rng.integers(0, 4)):
+            b.record("tpot", v)
+            seen.append((now[0], float(v)))
+        window = [v for t, v in seen if t >= now[0] - 1.0]
+        assert b.samples("tpot") == window
+        assert b.p90("tpot") == (float(np.percentile(window, 90)) if window else None)
 
 
 @pytest.mark.slow

@@ -158,6 +158,27 @@ def test_salt_and_kv_key_keep_caches_apart():
     before = sched.bm.num_cached_blocks
     drain(sched)
     assert f.cache_key is None and sched.bm.num_cached_blocks == before
+    # the exact model's KV (exact_kv_key) is read under every key; the exact key reads only its own
+    sched.exact_kv_key = lambda: "exact"
+    key[0] = "exact"
+    sched.add(mk("g", range(300, 313)))
+    drain(sched)
+    key[0] = 0.125  # browned out: reads the exact KV, registers nothing of its own
+    h = mk("h", range(300, 313))
+    sched.add(h)
+    drain(sched)
+    assert h.num_cached_tokens == 12 and h.cache_key is None
+    sched.add(mk("i", range(400, 413)))  # browned-out KV ...
+    drain(sched)
+    j = mk("j", range(400, 413))
+    sched.add(j)
+    drain(sched)
+    assert j.num_cached_tokens == 12  # ... serves its own key
+    key[0] = "exact"
+    k = mk("k", range(400, 413))
+    sched.add(k)
+    drain(sched)
+    assert k.num_cached_tokens == 0  # ... never the exact model
 
 
 def test_drop_all_kv_forgets_the_cache():
