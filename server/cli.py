@@ -67,6 +67,13 @@ def register(sub, add_model_args) -> None:
         "by default)",
     )
     serve.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="dispatch each step before the previous step's tokens are read, overlapping stops, "
+        "detokenization and streaming with the model (monolithic executor; default: off)",
+    )
+    serve.add_argument(
         "--deterministic",
         action="store_true",
         help="batch-invariant mode: a request's tokens and logprobs are bit-identical whatever it is batched "
@@ -280,6 +287,7 @@ def runtime_config(args):
         expert_impl=args.expert_impl,
         prefix_caching=args.prefix_caching,
         deterministic=args.deterministic,
+        async_scheduling=args.async_scheduling,
     )
     mesh_description = "monolithic: one device (no mesh file)"
     spec = None

@@ -1,0 +1,111 @@
+"""Async scheduling (``LLM(async_scheduling=True)``): each step is dispatched before the step
+before it is read. Through ``LLM`` and its engine: the same tokens, logprobs, texts and finish
+reasons as the synchronous loop -- with stops by length, stop token, stop string and EOS in the
+middle of a batch, seeded sampling, requests arriving and aborted mid-stream, a request that needs
+the synchronous path in between, and prompts read again from the prefix cache -- and the overlap
+really ran (``steps_ahead``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxmoe import LLM, SamplingParams
+
+ENGINE = dict(num_blocks=128, block_size=8, max_num_seqs=8)  # test_vllm_habits's: programs in common
+LONG = "The quick brown fox jumps over the lazy dog"  # > one KV block: its prefix is cached
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return LLM("tiny-random", **ENGINE), LLM("tiny-random", async_scheduling=True, **ENGINE)
+
+
+def _same(a, b):
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+    assert [o.text for o in a] == [o.text for o in b]
+    for x, y in zip(a, b):
+        assert (x.logprobs is None) == (y.logprobs is None)
+        if x.logprobs is not None:
+            assert [(t.token_id, t.logprob, t.top) for t in x.logprobs] == [
+                (t.token_id, t.logprob, t.top) for t in y.logprobs
+            ]
+
+
+@pytest.mark.slow
+def test_async_scheduling_matches_the_synchronous_loop(pair):
+    sync, overlap = pair
+    eight = SamplingParams(max_tokens=8, ignore_eos=True)
+    probe = sync.generate([LONG, "a"], eight)  # both engines: the same prefix cache from here on
+    assert [o.token_ids for o in overlap.generate([LONG, "a"], eight)] == [o.token_ids for o in probe]
+    stop_token = probe[0].token_ids[3]  # stops the first request after 4 tokens
+    stop_text = probe[1].text[2:3]  # a character of the second request's text
+    assert stop_text
+    greedy = [
+        SamplingParams(max_tokens=8, logprobs=2, stop_token_ids=[stop_token], ignore_eos=True),
+        SamplingParams(max_tokens=8, stop=[stop_text], ignore_eos=True),
+        SamplingParams(max_tokens=3, logprobs=0),
+        SamplingParams(max_tokens=6),
+    ]
+    seeded = [SamplingParams(max_tokens=10, temperature=2.0, seed=i, logprobs=1) for i in range(4, 8)]
+    prompts = [LONG, "a", "Hello, MoE world", LONG] + ["eos?"] * len(seeded)
+    ref = sync.generate(prompts, greedy + seeded)
+    before = overlap.engine.steps_ahead
+    got = overlap.generate(prompts, greedy + seeded)
+    _same(ref, got)
+    assert overlap.engine.steps_ahead - before >= 7  # the decodes ran one step ahead
+    assert sync.engine.steps_ahead == 0
+    # the stops this checks happened mid-batch: stop token, stop string, EOS (a seeded request)
+    assert ref[0].finish_reason == "stop" and len(ref[0].token_ids) == 4
+    assert ref[1].finish_reason == "stop" and len(ref[1].token_ids) < 8
+    assert ref[2].finish_reason == "length"
+    eos = set(sync.cfg.eos_token_ids)
+    assert any(o.finish_reason == "stop" and o.token_ids[-1] in eos and len(o.token_ids) < 10 for o in ref[4:])
+    # both engines read the long prompt's blocks from the prefix cache (the overlapping one's registered
+    # while its steps ran ahead)
+    assert ref[0].num_cached_tokens == got[0].num_cached_tokens > 0
+    assert not overlap.engine.has_work() and overlap.engine.block_manager.num_free == ENGINE["num_blocks"]
+
+
+def _drive(llm, late_sampling):
+    """Two requests; a third arrives after two steps; the second is aborted after three; the rest
+    run out. Returns (the final outputs, every streamed output, the aborted request's tokens)."""
+    engine, greedy = llm.engine, SamplingParams(max_tokens=10, ignore_eos=True)
+    a, b = engine.add_request(LONG, greedy), engine.add_request("a", greedy)
+    streamed = engine.step() + engine.step()
+    c = engine.add_request("Hello, MoE world", late_sampling)
+    streamed += engine.step()
+    seq = engine.scheduler.get(b)
+    assert engine.abort(b)
+    aborted = list(seq.output_ids)
+    mark = len(streamed)
+    final = {}
+    while engine.has_work():
+        for out in engine.step():
+            streamed.append(out)
+            if out.finished:
+                final[out.request_id] = out
+    assert not any(out.request_id == b for out in streamed[mark:])  # nothing after its abort
+    return [final[a], final[c]], streamed, aborted, (a, b, c)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "late", [SamplingParams(max_tokens=5), SamplingParams(max_tokens=5, repetition_penalty=1.3)], ids=["plain", "sync"]
+)
+def test_arrivals_and_aborts_mid_stream(pair, late):
+    """``sync``: the late request has a penalty, so the steps it is in run synchronously (the
+    fallback) between overlapped ones."""
+    sync, overlap = pair
+    ref, _, ref_aborted, _ = _drive(sync, late)
+    before = overlap.engine.steps_ahead
+    got, streamed, aborted, (a, b, c) = _drive(overlap, late)
+    _same(ref, got)
+    assert overlap.engine.steps_ahead > before
+    full = sync.generate("a", SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
+    assert aborted == full[: len(aborted)] and len(aborted) >= 2  # no placeholder, no token twice
+    for rid, final in ((a, got[0]), (c, got[1])):  # streamed deltas add up to the output, token by token
+        deltas = [t for out in streamed if out.request_id == rid for t in out.delta_token_ids]
+        assert deltas == final.token_ids
+    assert all(t >= 0 for out in streamed for t in out.token_ids)
+    assert overlap.engine.block_manager.num_free == ENGINE["num_blocks"]
