@@ -56,7 +56,7 @@ def register(sub, add_model_args) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="QLLM: latency-sensitive requests join a running best-effort step at its next layer boundary "
-        "(default: on without --mesh and --deterministic, else off; on with --expert-queues; "
+        "(default: on without --mesh, --deterministic and --async-scheduling, else off; on with --expert-queues; "
         "--no-layer-preemption: off)",
     )
     serve.add_argument(

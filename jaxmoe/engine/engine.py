@@ -29,6 +29,7 @@ hooks, a step a layer hook may pause (QLLM), an executor that does not say it ov
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 
@@ -50,6 +51,8 @@ from jaxmoe.runtime.executor import Executor
 from jaxmoe.sampling import SamplingParams, SamplingParamsError
 from jaxmoe.structured_output import Grammar, GrammarBackend
 from jaxmoe.tokenizer import Detokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -257,7 +260,8 @@ class LLMEngine:
                 raise RuntimeError("a decode row's token was not sampled by the step before")
             try:
                 launched = self.runner.launch(rows, fed, ahead.launched if ahead is not None else None)
-            except Exception:  # run it the synchronous way below, which isolates the failing requests
+            except Exception as e:  # run it the synchronous way below, which isolates the failing requests
+                log.warning("dispatching a step ahead failed (%s: %s); running it synchronously", type(e).__name__, e)
                 launched = None
         outputs = self._read_ahead(ahead) if ahead is not None else []
         if launched is not None:

@@ -213,6 +213,21 @@ class ModelRunner:
         logits = self.executor.forward(padding, batch, None)[np.zeros(1, dtype=np.int64)]
         jax.block_until_ready(_score(logits, np.zeros(tokens, np.int32)))
 
+    def warm_feed(self) -> int:
+        """Compile (by running on zeros) what async scheduling adds to a step: ``_feed`` for each pair
+        of a call whose rows may be fed (a decode call; in the fixed-shape form the one call) and the
+        rows of a call before it. Returns the pairs."""
+        m = self.num_instances
+        calls = {(m * r, t) for r, t in self.plan.shapes()}
+        fed = [(B, T) for B, T in sorted(calls) if T == 1 or self.row_tokens]
+        sources = sorted({B for B, _ in calls})
+        for B, T in fed:
+            for source in sources:
+                jax.block_until_ready(
+                    _feed(np.zeros((B, T), np.int32), jnp.zeros(source, jnp.int32), np.full(B, -1, np.int32))
+                )
+        return len(fed) * len(sources)
+
     def forward(self, rows: list[Row], all_logits: bool = False):
         """Logits of the rows, in their order: [len(rows), V] at each row's last token, or
         [len(rows), T, V] with ``all_logits``."""
@@ -333,7 +348,7 @@ class ModelRunner:
         masked = any(r.sampling is not None and r.allowed is not None for r in rows)
         allowed = self._allowed_array(B, self.executor.cfg.vocab_size, rows, where) if masked else None
         want_logprobs = any(r.sampling is not None and r.sampling.logprobs is not None for r in rows)
-        return self._sample(logits, sampling, want_logprobs, extras, allowed, fetch)
+        return self._sample(logits, sampling, want_logprobs, extras, allowed, fetch=fetch)
 
     def _merge_points(self, between_layers, call: _Call):
         """``between_layers`` that hands the executor the rows merged at the pause point (or None)."""
