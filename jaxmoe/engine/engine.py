@@ -203,11 +203,17 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        self._requests.pop(request_id, None)
-        seq = self.scheduler.get(request_id)
-        if seq is not None and seq.output_ids and seq.output_ids[-1] == AHEAD:
-            seq.output_ids.pop()  # its token of a step still running is never emitted
-        return self.scheduler.abort(request_id)
+        state = self._requests.pop(request_id, None)
+        if state is not None and state.seq.output_ids and state.seq.output_ids[-1] == AHEAD:
+            state.seq.output_ids.pop()  # its token of a step still running is never emitted
+        # async scheduling: a request finished by length at dispatch is held until its step is read
+        return self.scheduler.abort(request_id) or state is not None
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The sequence of a request whose final output is not made yet (None: unknown or done). With
+        async scheduling that includes one the scheduler finished at dispatch, its step not read yet."""
+        state = self._requests.get(request_id)
+        return state.seq if state is not None else self.scheduler.get(request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._ahead is not None

@@ -108,4 +108,14 @@ def test_arrivals_and_aborts_mid_stream(pair, late):
         deltas = [t for out in streamed if out.request_id == rid for t in out.delta_token_ids]
         assert deltas == final.token_ids
     assert all(t >= 0 for out in streamed for t in out.token_ids)
+    # finished by length when its step was dispatched, not read yet: still the engine's to abort (as
+    # AsyncEngine does: it sends the stream a final "abort" output), its unread token never shown
+    engine = overlap.engine
+    d = engine.add_request("d", SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step(), engine.step()
+    seq = engine.sequence(d)
+    assert seq is not None and seq.is_finished and engine.scheduler.get(d) is None
+    assert engine.abort(d) and engine.sequence(d) is None
+    assert seq.output_ids == sync.generate("d", SamplingParams(max_tokens=1))[0].token_ids  # the read one only
+    assert d not in engine.run_until_done(timeout=60)
     assert overlap.engine.block_manager.num_free == ENGINE["num_blocks"]
