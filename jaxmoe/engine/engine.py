@@ -22,7 +22,8 @@ every block the prefix cache holds (blocks are offered only up to ``num_computed
 host must see step N's token before step N+1 can be built, a step runs synchronously (step N read
 first): rows with a grammar (structured output), logit bias or penalties (their token history),
 prompt logprobs, a prefill chunk holding a placeholder (a recompute-preempted sequence), step
-hooks, a step a layer hook may pause (QLLM), deterministic mode, an executor that does not say it
+hooks, a step a layer hook may pause (QLLM), deterministic mode's fixed-shape form (its batch-invariant
+CPU kernels overlap), an executor that does not say it
 overlaps (``overlaps_steps``: the disaggregated one) and multi-process serving. A step that fails
 on the device fails all its requests (the synchronous loop isolates the failing ones).
 """
@@ -236,8 +237,8 @@ class LLMEngine:
     def _overlaps(self, batch) -> bool:
         """Whether ``batch`` may be dispatched before the step before it is read (async scheduling;
         see the module docstring for where it may not)."""
-        if batch.is_empty or not self.config.async_scheduling or self.hooks or self.config.deterministic:
-            return False
+        if batch.is_empty or not self.config.async_scheduling or self.hooks or self.runner.row_tokens:
+            return False  # row_tokens: deterministic mode's fixed-shape form
         if not getattr(self.executor, "overlaps_steps", False) or jax.process_count() > 1:
             return False
         for seq, _, end in batch.prefills:  # a chunk holding a token not read yet
