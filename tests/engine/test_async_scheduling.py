@@ -124,3 +124,36 @@ def test_arrivals_and_aborts_mid_stream(pair, late):
     assert seq.output_ids == sync.generate("d", SamplingParams(max_tokens=1))[0].token_ids  # the read one only
     assert d not in engine.run_until_done(timeout=60)
     assert overlap.engine.block_manager.num_free == ENGINE["num_blocks"]
+
+
+@pytest.mark.slow
+def test_served_streams(pair):
+    """Through ``AsyncEngine`` (the serving loop): streams of the overlapping engine carry the
+    synchronous loop's tokens, their deltas add up, and a stream aborted mid-way ends with an
+    "abort" output holding only tokens read."""
+    from jaxmoe.engine.async_engine import AsyncEngine
+
+    sync, overlap = pair
+    prompts, sp = [LONG, "Hello, MoE world"], SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = [o.token_ids for o in sync.generate(prompts, sp)]
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    before = overlap.engine.steps_ahead
+    ae = AsyncEngine(overlap.engine).start()
+    try:
+        streams = [ae.add(p, sp) for p in prompts]
+        doomed, seen = ae.add("a", long), []
+        for out in doomed:
+            seen.append(out)
+            if len(out.token_ids) >= 3:
+                ae.abort(doomed.request_id)
+        outs = [list(s) for s in streams]
+    finally:
+        ae.shutdown(abort_inflight=True, timeout=10)
+    assert [o[-1].token_ids for o in outs] == ref
+    assert all([t for out in o for t in out.delta_token_ids] == o[-1].token_ids for o in outs)
+    last = seen[-1]
+    assert last.finished and last.finish_reason == "abort" and len(last.token_ids) >= 3
+    alone = sync.generate("a", SamplingParams(max_tokens=len(last.token_ids), ignore_eos=True))[0]
+    assert last.token_ids == alone.token_ids  # only tokens read, none twice
+    assert overlap.engine.steps_ahead > before
+    assert not overlap.engine.has_work() and overlap.engine.block_manager.num_free == ENGINE["num_blocks"]
