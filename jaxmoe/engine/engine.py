@@ -21,11 +21,11 @@ was computed once more in step N+1: that token is dropped, never emitted, and it
 every block the prefix cache holds (blocks are offered only up to ``num_computed``). Where the
 host must see step N's token before step N+1 can be built, a step runs synchronously (step N read
 first): rows with a grammar (structured output), logit bias or penalties (their token history),
-prompt logprobs, a prefill chunk holding a placeholder (a recompute-preempted sequence), step
-hooks, a step a layer hook may pause (QLLM), deterministic mode's fixed-shape form (its batch-invariant
-CPU kernels overlap), an executor that does not say it
-overlaps (``overlaps_steps``: the disaggregated one) and multi-process serving. A step that fails
-on the device fails all its requests (the synchronous loop isolates the failing ones).
+prompt logprobs, a prefill chunk holding a placeholder (a recompute-preempted sequence); and step
+hooks, a step a layer hook may pause (QLLM), deterministic mode's fixed-shape form (its
+batch-invariant CPU kernels overlap), an executor that does not say it overlaps
+(``overlaps_steps``: the disaggregated one) and multi-process serving. A step that fails on the
+device fails all its requests (the synchronous loop isolates the failing ones).
 """
 
 from __future__ import annotations
