@@ -56,14 +56,16 @@ class QLLMConfig:
         """Whether the engine gets layer-level preemption: as asked, else (None) on with expert queues
         (their rounds are its pause points) and on the monolithic executor (no mesh file: where its
         cost when nothing preempts measured within 2 % of the fused step, ``bench/qllm.py``,
-        BENCHMARKS.md), except in deterministic mode (one fixed-shape call per step). Off by default
+        BENCHMARKS.md), except in deterministic mode (one fixed-shape call per step) and with async
+        scheduling (a step that may pause runs synchronously). Off by default
         on a mesh file: the disaggregated executor's cost is not measured, and across processes it
         is refused (``server.multihost``)."""
         if self.layer_preemption is not None:
             return self.layer_preemption
         if self.expert_queues:
             return True
-        return config.mesh is None and not config.engine.deterministic
+        # async scheduling overlaps only steps that no pause point may stop (``engine.engine``)
+        return config.mesh is None and not config.engine.deterministic and not config.engine.async_scheduling
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,7 @@ def register(sub, add_model_args) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="QLLM: latency-sensitive requests join a running best-effort step at its next layer boundary "
-        "(default: on without --mesh and --deterministic, else off; on with --expert-queues; "
+        "(default: on without --mesh, --deterministic and --async-scheduling, else off; on with --expert-queues; "
         "--no-layer-preemption: off)",
     )
     serve.add_argument(
@@ -65,6 +65,13 @@ def register(sub, add_model_args) -> None:
         action="store_false",
         help="do not keep and share the KV of full prompt blocks between requests (automatic prefix caching is on "
         "by default)",
+    )
+    serve.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="dispatch each step before the previous step's tokens are read, overlapping stops, "
+        "detokenization and streaming with the model (monolithic executor; default: off)",
     )
     serve.add_argument(
         "--deterministic",
@@ -280,6 +287,7 @@ def runtime_config(args):
         expert_impl=args.expert_impl,
         prefix_caching=args.prefix_caching,
         deterministic=args.deterministic,
+        async_scheduling=args.async_scheduling,
     )
     mesh_description = "monolithic: one device (no mesh file)"
     spec = None

@@ -321,7 +321,7 @@ class AsyncEngine:
         stream = self._streams.get(rid)
         if stream is None:
             return
-        seq = self.engine.scheduler.get(rid)
+        seq = self.engine.sequence(rid)
         self._engine_abort(rid)
         last = self._last.get(rid)
         if seq is not None:
@@ -433,7 +433,7 @@ class AsyncEngine:
 
     def _after_failure(self) -> None:
         """No stream may wait forever: fail every stream whose request the engine no longer holds."""
-        orphans = [rid for rid in self._streams if self.engine.scheduler.get(rid) is None]
+        orphans = [rid for rid in self._streams if self.engine.sequence(rid) is None]
         self._fail(orphans, "the request was lost by a failed engine step")
         self._publish()
 

@@ -36,6 +36,10 @@ class EngineConfig:
     # instance, rounded up to a power of two, of DETERMINISTIC_ROW_TOKENS tokens; prefill chunks of at most that
     # many), the experts run as one dense einsum and attention in its XLA form (engine.model_runner)
     deterministic: bool = False
+    # async scheduling (vLLM's name): step N+1 is dispatched before step N's tokens are read, and step N's
+    # stops, detokenization and outputs run while step N+1 runs; steps that need step N's tokens on the host
+    # first run synchronously (``engine.engine``)
+    async_scheduling: bool = False
 
     def __post_init__(self):
         every = self.pause_every

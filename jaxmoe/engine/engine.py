@@ -10,11 +10,28 @@
    request is returned for streaming.
 4. The step hooks run (``engine.hooks``: features plugged in between steps, e.g. live re-scaling
    or the expert placement controller); a ``LayerHook`` may pause a step between its layers.
+
+Async scheduling (``EngineConfig.async_scheduling``, as vLLM's): step N+1 is scheduled and
+dispatched before step N's sampled tokens are read, one step late (``_step_ahead``). Step N's
+sequences are postprocessed at once with a placeholder token (``AHEAD``, so the scheduler counts
+it and allocates its KV slot); a sequence that decodes on takes step N's sampled token on the
+device as its input (``ModelRunner.launch``); then step N's tokens are read and its stops,
+logprobs, detokenization and outputs done while step N+1 runs. A sequence that stops at step N
+was computed once more in step N+1: that token is dropped, never emitted, and its KV slot lies past
+every block the prefix cache holds (blocks are offered only up to ``num_computed``). Where the
+host must see step N's token before step N+1 can be built, a step runs synchronously (step N read
+first): rows with a grammar (structured output), logit bias or penalties (their token history),
+prompt logprobs, a prefill chunk holding a placeholder (a recompute-preempted sequence); and step
+hooks, a step a layer hook may pause (QLLM), deterministic mode's fixed-shape form (its
+batch-invariant CPU kernels overlap), an executor that does not say it overlaps
+(``overlaps_steps``: the disaggregated one) and multi-process serving. A step that fails on the
+device fails all its requests (the synchronous loop isolates the failing ones).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 
@@ -25,17 +42,19 @@ from jaxmoe.engine.block_manager import BlockManager
 from jaxmoe.engine.buckets import ShapePlan, bucket
 from jaxmoe.engine.config import DETERMINISTIC_ROW_TOKENS, EngineConfig
 from jaxmoe.engine.hooks import LayerHook, StepHook
-from jaxmoe.engine.model_runner import ModelRunner, Row
+from jaxmoe.engine.model_runner import Launched, ModelRunner, Row
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
 from jaxmoe.engine.policies import make_policy
 from jaxmoe.engine.prompt_limits import check_prompt_chars, check_prompt_tokens
-from jaxmoe.engine.scheduler import Scheduler
+from jaxmoe.engine.scheduler import ScheduledBatch, Scheduler
 from jaxmoe.engine.sequence import Priority, Sequence
 from jaxmoe.models.routing import is_exact, state_key
 from jaxmoe.runtime.executor import Executor
 from jaxmoe.sampling import SamplingParams, SamplingParamsError
 from jaxmoe.structured_output import Grammar, GrammarBackend
 from jaxmoe.tokenizer import Detokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -50,6 +69,18 @@ class _RequestState:
     cumulative_logprob: float = 0.0
     detok: Detokenizer | None = None  # streaming detokenization (each token decoded once)
     grammar: Grammar | None = None  # structured output: what the output must match
+
+
+AHEAD = -1  # async scheduling: the output token of a sequence whose step is dispatched, not read yet
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """A step dispatched and not read yet (async scheduling): its batch, sequences and launch."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]
+    launched: Launched
 
 
 class LLMEngine:
@@ -95,6 +126,8 @@ class LLMEngine:
         self.last_step_ran = False  # the latest step ran the model
         # what a front end's request leaves unset takes these (the checkpoint's generation_config)
         self.sampling_defaults: dict = {}
+        self._ahead: _Ahead | None = None  # async scheduling: the step dispatched, not read yet
+        self.steps_ahead = 0  # steps dispatched before the step before them was read (async scheduling)
 
     def add_hook(self, hook: StepHook) -> StepHook:
         """Run ``hook.before_step`` / ``after_step`` around every step from now on."""
@@ -172,11 +205,20 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        self._requests.pop(request_id, None)
-        return self.scheduler.abort(request_id)
+        state = self._requests.pop(request_id, None)
+        if state is not None and state.seq.output_ids and state.seq.output_ids[-1] == AHEAD:
+            state.seq.output_ids.pop()  # its token of a step still running is never emitted
+        # async scheduling: a request finished by length at dispatch is held until its step is read
+        return self.scheduler.abort(request_id) or state is not None
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The sequence of a request whose final output is not made yet (None: unknown or done). With
+        async scheduling that includes one the scheduler finished at dispatch, its step not read yet."""
+        state = self._requests.get(request_id)
+        return state.seq if state is not None else self.scheduler.get(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._ahead is not None
 
     # -- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -184,11 +226,123 @@ class LLMEngine:
             hook.before_step(self)
         batch = self.scheduler.schedule()
         self.last_step_ran = not batch.is_empty
-        outputs = self.run_batch(batch, self._pause_points(batch)) if self.last_step_ran else []
+        if self._ahead is not None or self._overlaps(batch):
+            outputs = self._step_ahead(batch)
+        else:
+            outputs = self.run_batch(batch, self._pause_points(batch)) if self.last_step_ran else []
         outputs, self._delivered = self._delivered + outputs, []
         for hook in self.hooks:
             hook.after_step(self, outputs)
         return outputs
+
+    def _overlaps(self, batch) -> bool:
+        """Whether ``batch`` may be dispatched before the step before it is read (async scheduling;
+        see the module docstring for where it may not)."""
+        if batch.is_empty or not self.config.async_scheduling or self.hooks or self.runner.row_tokens:
+            return False  # row_tokens: deterministic mode's fixed-shape form
+        if not getattr(self.executor, "overlaps_steps", False) or jax.process_count() > 1:
+            return False
+        for seq, _, end in batch.prefills:  # a chunk holding a token not read yet
+            if end == seq.num_tokens and seq.output_ids and seq.output_ids[-1] == AHEAD:
+                return False
+        for seq in batch.seqs:
+            state = self._requests[seq.request_id]
+            s = state.sampling
+            if state.grammar is not None or s.adjusts_logits or s.prompt_logprobs is not None or s.max_tokens == 0:
+                return False
+        return self._pause_points(batch) is None
+
+    def _step_ahead(self, batch) -> list[RequestOutput]:
+        """One step of async scheduling: dispatch ``batch`` (its decodes fed the tokens of the step
+        still running), then read that step and finish its work; or, where ``batch`` cannot overlap,
+        read that step first and run ``batch`` synchronously (without the sequences it stopped)."""
+        ahead, self._ahead = self._ahead, None
+        launched = None
+        if self._overlaps(batch):
+            rows, seqs = self._rows(batch)
+            self.step_request_ids = [seq.request_id for seq in seqs]
+            fed = None
+            if ahead is not None:
+                index = {seq.request_id: i for i, seq in enumerate(ahead.seqs)}
+                fed = [index.get(seq.request_id) if r.token_ids == [AHEAD] else None for seq, r in zip(seqs, rows)]
+            if fed is None and any(r.token_ids == [AHEAD] for r in rows):
+                raise RuntimeError("a decode row's token was not sampled by the step before")
+            try:
+                launched = self.runner.launch(rows, fed, ahead.launched if ahead is not None else None)
+            except Exception as e:  # run it the synchronous way below, which isolates the failing requests
+                log.warning("dispatching a step ahead failed (%s: %s); running it synchronously", type(e).__name__, e)
+                launched = None
+        outputs = self._read_ahead(ahead) if ahead is not None else []
+        if launched is not None:
+            self.steps_ahead += ahead is not None
+            self._ahead = _Ahead(batch, seqs, launched)
+            live = [(seq, r) for seq, r in zip(seqs, rows) if self.scheduler.get(seq.request_id) is seq]
+            self.scheduler.postprocess(
+                batch, {seq.request_id: AHEAD for seq, r in live if r.sampling is not None}
+            )  # counts the token: the next step is scheduled with it
+            return outputs
+        batch = _without_finished(batch, self.scheduler)
+        if not batch.is_empty:
+            outputs += self.run_batch(batch, self._pause_points(batch))
+        return outputs
+
+    def _read_ahead(self, ahead: _Ahead) -> list[RequestOutput]:
+        """Read a dispatched step's tokens (waiting for it) and do what ``_finish`` does for a step:
+        stop conditions, logprobs, finishing requests, outputs. Its sequences already hold a
+        placeholder token (``AHEAD``), replaced here; one the scheduler finished by length keeps its
+        finish unless the token stops it."""
+        try:
+            sampled = self.runner.collect(ahead.launched)
+        except Exception as e:  # the step failed on the device: its requests fail
+            message = f"engine step failed: {type(e).__name__}: {e}"
+            outputs = []
+            for seq in ahead.seqs:
+                if seq.request_id in self._requests:
+                    if seq.output_ids and seq.output_ids[-1] == AHEAD:
+                        seq.output_ids.pop()
+                    outputs.append(self._failed(seq, message))
+            self._recover_cache()
+            return outputs
+        now = time.monotonic()
+        finished, touched, failed = {}, [], []
+        for seq, s in zip(ahead.seqs, sampled):
+            state = self._requests.get(seq.request_id)
+            if s is None or state is None or not seq.output_ids or seq.output_ids[-1] != AHEAD:
+                continue  # a partial prefill chunk, or aborted meanwhile
+            seq.output_ids[-1] = s.token_id
+            seq.last_token_time = now
+            if seq.num_output_tokens == 1:
+                seq.first_token_time = now
+            try:
+                reason = self._stop_reason(state, s.token_id)
+            except Exception as e:
+                failed.append(self._failed(seq, f"{type(e).__name__}: {e}"))
+                continue
+            self._record(state, s)
+            touched.append(seq)
+            if reason:
+                finished[seq.request_id] = reason
+                if seq.is_finished:  # by length, at dispatch: the stop decides, as in ``postprocess``
+                    seq.finish_reason = reason
+        self.scheduler.postprocess(ScheduledBatch(), {}, finished)  # frees their blocks
+        outputs = []
+        for seq in touched:
+            try:
+                outputs.append(self._output(self._requests[seq.request_id]))
+            except Exception as e:
+                failed.append(self._failed(seq, f"{type(e).__name__}: {e}"))
+        return outputs + failed
+
+    def _record(self, state: _RequestState, s) -> None:
+        """A sampled token's logprobs, into its request's state."""
+        state.cumulative_logprob += s.logprob
+        if state.logprobs is not None:
+            decode = self.tokenizer.decode
+            state.logprobs.append(
+                TokenLogprob(
+                    s.token_id, s.logprob, s.top, s.rank, decode([s.token_id]), [decode([t]) for t, _ in s.top]
+                )
+            )
 
     def _pause_points(self, batch):
         """``between_layers`` for a batch the layer hook may pause (None: one fused program)."""
@@ -287,14 +441,7 @@ class LLMEngine:
                 errors[seq.request_id] = f"{type(e).__name__}: {e}"
                 continue
             new_tokens[seq.request_id] = s.token_id
-            state.cumulative_logprob += s.logprob
-            if state.logprobs is not None:
-                decode = self.tokenizer.decode
-                state.logprobs.append(
-                    TokenLogprob(
-                        s.token_id, s.logprob, s.top, s.rank, decode([s.token_id]), [decode([t]) for t, _ in s.top]
-                    )
-                )
+            self._record(state, s)
             if reason:
                 finished[seq.request_id] = reason
         failed = [self._failed(seq, errors[seq.request_id]) for seq in seqs if seq.request_id in errors]
@@ -457,6 +604,16 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return final
+
+
+def _without_finished(batch, scheduler: Scheduler):
+    """``batch`` without the sequences the scheduler no longer holds (stopped or aborted since)."""
+    live = lambda seq: scheduler.get(seq.request_id) is seq  # noqa: E731
+    return ScheduledBatch(
+        [(seq, a, b) for seq, a, b in batch.prefills if live(seq)],
+        [seq for seq in batch.decodes if live(seq)],
+        batch.preempted,
+    )
 
 
 def _block_manager(executor, config: EngineConfig) -> BlockManager:

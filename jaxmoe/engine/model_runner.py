@@ -213,6 +213,21 @@ class ModelRunner:
         logits = self.executor.forward(padding, batch, None)[np.zeros(1, dtype=np.int64)]
         jax.block_until_ready(_score(logits, np.zeros(tokens, np.int32)))
 
+    def warm_feed(self) -> int:
+        """Compile (by running on zeros) what async scheduling adds to a step: ``_feed`` for each pair
+        of a call whose rows may be fed (a decode call; in the fixed-shape form the one call) and the
+        rows of a call before it. Returns the pairs."""
+        m = self.num_instances
+        calls = {(m * r, t) for r, t in self.plan.shapes()}
+        fed = [(B, T) for B, T in sorted(calls) if T == 1 or self.row_tokens]
+        sources = sorted({B for B, _ in calls})
+        for B, T in fed:
+            for source in sources:
+                jax.block_until_ready(
+                    _feed(np.zeros((B, T), np.int32), jnp.zeros(source, jnp.int32), np.full(B, -1, np.int32))
+                )
+        return len(fed) * len(sources)
+
     def forward(self, rows: list[Row], all_logits: bool = False):
         """Logits of the rows, in their order: [len(rows), V] at each row's last token, or
         [len(rows), T, V] with ``all_logits``."""
@@ -290,6 +305,42 @@ class ModelRunner:
         if call.groups:  # the merged rows (the running ones first, in order, then the new ones)
             rows = call.rows
             where = self.placement(rows, self.fixed_rows)[0]
+        out = _unpack(rows, where, self._sample_rows(logits, rows, where))
+        first = len(out) - sum(len(g.rows) for g in call.groups)
+        for group in call.groups:
+            group.sampled, first = out[first : first + len(group.rows)], first + len(group.rows)
+        return out[: len(out) - sum(len(g.rows) for g in call.groups)]
+
+    def launch(self, rows: list[Row], fed: list[int | None] | None = None, feed: Launched | None = None) -> Launched:
+        """``run`` without reading the results (async scheduling): every program call of the step is
+        dispatched and the sampler's outputs stay on the device until ``collect``. ``fed[i]``: the row
+        of ``feed`` (the step before, dispatched and maybe still running) whose sampled token is row
+        i's input token -- a decode row's one token, taken on the device; None: row i's own tokens.
+        No pause points, no merges."""
+        self.last_calls = []
+        calls = []
+        for group in self._calls(rows):
+            sub = [rows[i] for i in group]
+            tokens, batch, last, where = self.prepare(sub)
+            self.last_calls.append(tuple(tokens.shape))
+            if fed is not None and feed is not None:
+                tokens = _fed_tokens(tokens, [fed[i] for i in group], where, feed)
+            logits = self._forward(tokens, batch, last)
+            calls.append((group, where, self._sample_rows(logits, sub, where, fetch=False)))
+        return Launched(rows, calls)
+
+    def collect(self, launched: Launched) -> list[Sampled | None]:
+        """The sampled tokens of a launched step, in its rows' order (blocks until it has run)."""
+        results = jax.device_get([result for _, _, result in launched.calls])
+        out: list[Sampled | None] = [None] * len(launched.rows)
+        for (group, where, _), result in zip(launched.calls, results):
+            for i, sampled in zip(group, _unpack([launched.rows[i] for i in group], where, result)):
+                out[i] = sampled
+        return out
+
+    def _sample_rows(self, logits, rows: list[Row], where, fetch: bool = True):
+        """The sampler over a call's logits for its rows (padded rows ``where``): (tokens, logprob,
+        rank, top ids, top logprobs), on the host (``fetch``) or on the device."""
         B = logits.shape[0]
         adjusted = any(r.sampling is not None and r.sampling.adjusts_logits for r in rows)
         sampling = _sampling_arrays(B, rows, where)
@@ -297,19 +348,7 @@ class ModelRunner:
         masked = any(r.sampling is not None and r.allowed is not None for r in rows)
         allowed = self._allowed_array(B, self.executor.cfg.vocab_size, rows, where) if masked else None
         want_logprobs = any(r.sampling is not None and r.sampling.logprobs is not None for r in rows)
-        tokens, chosen, rank, top_ids, top_lp = self._sample(logits, sampling, want_logprobs, extras, allowed)
-        out: list[Sampled | None] = []
-        for i, r in zip(where, rows):
-            if r.sampling is None:
-                out.append(None)
-                continue
-            n = r.sampling.logprobs
-            top = [(int(t), float(lp)) for t, lp in zip(top_ids[i, : n or 0], top_lp[i, : n or 0])]
-            out.append(Sampled(int(tokens[i]), float(chosen[i]), top, None if n is None else int(rank[i])))
-        first = len(out) - sum(len(g.rows) for g in call.groups)
-        for group in call.groups:
-            group.sampled, first = out[first : first + len(group.rows)], first + len(group.rows)
-        return out[: len(out) - sum(len(g.rows) for g in call.groups)]
+        return self._sample(logits, sampling, want_logprobs, extras, allowed, fetch=fetch)
 
     def _merge_points(self, between_layers, call: _Call):
         """``between_layers`` that hands the executor the rows merged at the pause point (or None)."""
@@ -369,7 +408,7 @@ class ModelRunner:
         self.pausable_state_bytes = self._pause_state_bytes(int(np.prod(np.shape(tokens))))
         return self.executor.forward(tokens, batch, last, between_layers=between_layers)
 
-    def _sample(self, logits, sampling, want_logprobs: bool, extras=None, allowed=None):
+    def _sample(self, logits, sampling, want_logprobs: bool, extras=None, allowed=None, fetch: bool = True):
         """The sampler as its own program (compiled once per batch size, shared by every token
         bucket); only the sampled tokens come back to the host. ``extras``: the arguments of
         ``adjust_logits`` (``_adjusted_arrays``), None when no row needs it; ``allowed`` the tokens
@@ -381,7 +420,7 @@ class ModelRunner:
         # deterministic mode's batch-invariant form: logprobs summed in an order fixed per row
         invariant = getattr(self.executor, "expert_impl", None) == "cpu_kernel_invariant"
         result = (sample_invariant if invariant else sample)(adjusted, logits, *sampling, flag)
-        return jax.device_get(result)  # one host transfer for all five
+        return jax.device_get(result) if fetch else result  # one host transfer for all five
 
     def _pause_state_bytes(self, num_tokens: int) -> int:
         """What a pause keeps on the device: the step's hidden states [B, T, D]; inside a MoE layer
@@ -391,6 +430,55 @@ class ModelRunner:
         if not getattr(ex, "expert_rounds", None):  # per-expert queues (``ExpertQueueing``; no isinstance per step)
             return hidden
         return 2 * hidden + num_tokens * (cfg.hidden_size * 4 + cfg.moe.top_k * 8)
+
+
+@dataclasses.dataclass
+class Launched:
+    """A step dispatched by ``ModelRunner.launch`` and not read yet: per program call, its rows'
+    indices, their padded rows and the sampler's outputs on the device."""
+
+    rows: list[Row]
+    calls: list[tuple[list[int], np.ndarray, tuple]]
+
+    def __post_init__(self):
+        # row index -> (call, padded row): where its sampled token lies
+        self.at = {i: (k, int(w)) for k, (group, where, _) in enumerate(self.calls) for i, w in zip(group, where)}
+
+
+def _unpack(rows: list[Row], where, result) -> list[Sampled | None]:
+    """Each row's ``Sampled`` (None: a row that samples nothing) from a call's host sampler outputs."""
+    tokens, chosen, rank, top_ids, top_lp = result
+    out: list[Sampled | None] = []
+    for i, r in zip(where, rows):
+        if r.sampling is None:
+            out.append(None)
+            continue
+        n = r.sampling.logprobs
+        top = [(int(t), float(lp)) for t, lp in zip(top_ids[i, : n or 0], top_lp[i, : n or 0])]
+        out.append(Sampled(int(tokens[i]), float(chosen[i]), top, None if n is None else int(rank[i])))
+    return out
+
+
+def _fed_tokens(tokens: np.ndarray, fed: list[int | None], where, feed: Launched):
+    """``tokens`` [B, T] of a call with the first token of each fed row (``fed``: the row of ``feed``
+    whose sampled token it takes, or None) from ``feed``'s sampled tokens, on the device; the host
+    array itself when no row is fed."""
+    out = tokens
+    for k, (_, _, result) in enumerate(feed.calls):
+        src = np.full(tokens.shape[0], -1, np.int32)
+        for w, f in zip(where, fed):
+            if f is not None and feed.at[f][0] == k:
+                src[w] = feed.at[f][1]
+        if (src >= 0).any():
+            out = _feed(out, result[0], src)
+    return out
+
+
+@jax.jit
+def _feed(tokens, sampled, src):
+    """``tokens`` [B, T] with column 0 of the rows where ``src`` [B] >= 0 set to ``sampled[src]``."""
+    taken = sampled[jnp.maximum(src, 0)].astype(tokens.dtype)
+    return tokens.at[:, 0].set(jnp.where(src >= 0, taken, tokens[:, 0]))
 
 
 @jax.jit

@@ -71,6 +71,12 @@ def warm_up(
             bar.set_postfix_str(f"scoring {tokens} tokens")
             engine.runner.warm_scoring(tokens)
             bar.update()
+        if engine.config.async_scheduling:  # feeding a step's tokens to the next one on the device
+            _check(cancel, t0)
+            bar.set_postfix_str("async scheduling's feed")
+            bar.total += 1
+            engine.runner.warm_feed()
+            bar.update()
         if engine.layer_hook is not None:  # steps that may pause run layer by layer
             bar.total += len(todo)
             for rows, tokens in todo:

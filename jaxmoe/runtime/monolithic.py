@@ -150,6 +150,10 @@ class MonolithicExecutor:
     Parameters and caches are stacked per layer group (``models.transformer.stack_layers``): the
     jitted step scans over layers."""
 
+    # ``forward`` dispatches and returns (its tokens may be a device array): the engine may dispatch the
+    # next step before reading this one's tokens (async scheduling, ``engine.engine``)
+    overlaps_steps = True
+
     def __init__(
         self,
         cfg: ModelConfig,

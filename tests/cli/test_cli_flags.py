@@ -66,3 +66,14 @@ def test_a_mesh_needing_more_cpu_devices_says_how(capsys, tmp_path):
     assert main(["generate", "--model", "tiny-random", "--mesh", str(path), "--max-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert "only 8 jax devices exist" in err and "XLA_FLAGS=--xla_force_host_platform_device_count=16" in err
+
+
+def test_serve_async_scheduling_flag_reaches_the_engine_config():
+    """``--async-scheduling`` (off by default) sets the engine's async scheduling (what it does to
+    layer preemption's default: tests/qllm/test_layer_preemption_default.py)."""
+    from jaxmoe.server.cli import runtime_config
+
+    serve = lambda *argv: runtime_config(build_parser().parse_args(["serve", *argv]))[0]  # noqa: E731
+    assert serve().engine.async_scheduling is False
+    assert serve("--async-scheduling").engine.async_scheduling is True
+    assert serve("--no-async-scheduling").engine.async_scheduling is False

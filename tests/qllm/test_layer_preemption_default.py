@@ -38,6 +38,8 @@ def test_the_setting():
     assert not QLLMConfig(layer_preemption=False).preempts(RuntimeConfig())
     assert not QLLMConfig().preempts(RuntimeConfig(mesh="meshes/cpu-8.yaml"))  # a mesh file: off by default
     assert not QLLMConfig().preempts(RuntimeConfig(engine=EngineConfig(deterministic=True)))
+    assert not QLLMConfig().preempts(RuntimeConfig(engine=EngineConfig(async_scheduling=True)))  # would sync steps
+    assert QLLMConfig(layer_preemption=True).preempts(RuntimeConfig(engine=EngineConfig(async_scheduling=True)))
     assert QLLMConfig(expert_queues=2).preempts(RuntimeConfig(mesh="meshes/cpu-8.yaml"))  # its rounds pause
     assert QLLMConfig(layer_preemption=True).preempts(RuntimeConfig(mesh="meshes/cpu-8.yaml"))
     with pytest.raises(ValueError, match="expert_queues needs layer_preemption"):
