@@ -300,6 +300,39 @@ class MonolithicExecutor:
         lowered = self._step.lower(self.stacked, tokens, batch, self.cache, index, state)
         return [lowered], lowered.out_info[0]
 
+    def lower_layers(self, tokens, batch: AttentionBatch, logits_index) -> list[jax.stages.Lowered]:
+        """The programs ``forward(..., between_layers=...)`` runs for these shapes, lowered (not
+        compiled, not run): ``embed``, one ``layers`` program per layer group and programs' layer count
+        (or, with ``expert_rounds``, a MoE layer's ``attend``, ``route`` and ``expert_round``) and
+        ``head``. Traced on the argument types of ``forward``'s (uncommitted device arrays, the layer
+        index and the round bounds as traced int32 scalars), so compiling them fills the caches a
+        layer-by-layer step looks in; a merge runs the same programs on shapes of the plan."""
+        tokens, batch, index = self._args(tokens, batch, logits_index)
+        state = for_call(self.routing_state, tokens.shape[1])
+
+        def like(info):  # an intermediate array's type (the program's output), as an argument
+            return jax.ShapeDtypeStruct(info.shape, info.dtype)
+
+        embed = self._embed.lower(self.stacked, tokens)
+        x = like(embed.out_info)
+        i = jax.ShapeDtypeStruct((), jnp.int32)
+        programs, seen = [embed], set()
+        for g, _, n, queued in self._layer_steps():
+            if (g, n, queued) in seen:  # the layer index is traced: one program per group and count
+                continue
+            seen.add((g, n, queued))
+            group = self.stacked["groups"][g]
+            if not queued:
+                programs.append(self._layers.lower(group, x, batch, self.cache[g], i, state, n))
+                continue
+            attend = self._attend.lower(group, x, batch, self.cache[g], i)
+            h, xn = (like(a) for a in attend.out_info[:2])
+            route = self._route.lower(_moe(group), xn, batch.slots, i, state)
+            queued_ids, weights, partial = (like(a) for a in route.out_info)
+            rounds = self._expert_round.lower(_moe(group), h, xn, queued_ids, weights, partial, i, i, i, i)
+            programs += [attend, route, rounds]
+        return programs + [self._head.lower(self.stacked, x, index)]
+
     def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
         """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None); updates the KV cache.
 
@@ -349,7 +382,7 @@ class MonolithicExecutor:
         a host scalar would be copied to the device at every program call that takes it."""
         scalar = self._scalars.get(n)
         if scalar is None:
-            scalar = self._scalars[n] = jnp.asarray(n, jnp.int32)
+            scalar = self._scalars[n] = jax.device_put(np.int32(n))  # a transfer, no program (jnp.asarray compiles one)
         return scalar
 
     def _pause_at(self, pause, done: int, stage: str, outputs, queued=None):
