@@ -142,9 +142,10 @@ def test_compile_workers_setting(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("expert_queues", [0, 2])
 def test_warmup_with_layer_preemption_covers_both_paths(expert_queues):
-    """The fused step and the layer-by-layer programs (layer preemption; with per-expert queues a
-    MoE layer's attention side, routing and expert round) compile ahead on the pool, nothing runs:
-    afterwards neither path compiles."""
+    """With layer preemption every step runs the layer-by-layer programs (a step that does not pause
+    too: one ``layers`` call per layer group), never the fused one; they (with per-expert queues also
+    a MoE layer's attention side, routing and expert round) compile ahead on the pool, nothing runs:
+    afterwards neither a pausable nor an unpaused step compiles."""
     from jaxmoe.engine.warmup import warm_up
 
     cfg = from_hf_config(dict(TINY, num_hidden_layers=2))
@@ -155,6 +156,7 @@ def test_warmup_with_layer_preemption_covers_both_paths(expert_queues):
     executor = build_executor(cfg, demo_params(cfg, seed=3), config)
     engine = attach_features(LLMEngine(cfg, executor, ByteTokenizer(), config.engine), config)
     shapes = [(1, 1), (1, 16)]
+    executor._step = None  # the fused program: neither lowered nor run
     ran = []
     executor.forward = lambda *args, **kwargs: ran.append(args)  # warm-up must run no step
     warm_up(engine, shapes, progress=False, workers=2)
