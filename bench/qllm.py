@@ -167,11 +167,12 @@ def _ms(seconds: float | None) -> str:
 
 
 # how a step runs when nothing preempts: (layer by layer, layers per program, per-expert queues)
-VARIANTS = {
-    "fused": (False, 1, False),
-    "layer-level": (True, 1, False),
-    "every-4-layers": (True, 4, False),
-    "expert-queues": (True, 1, True),
+VARIANTS = {  # name: (pausable, pause_every, per-expert queues, split_step)
+    "fused": (False, 1, False, False),  # one program per step: layer preemption off
+    "unpaused": (False, 1, False, True),  # a step that does not pause, layer preemption on: its programs per group
+    "layer-level": (True, 1, False, True),
+    "every-4-layers": (True, 4, False, True),
+    "expert-queues": (True, 1, True, True),
 }
 COST_OF = {"layer-level": "layer-level", "layer-nested": "layer-level"} | {
     m: m for m in ("every-4-layers", "expert-queues")
@@ -182,7 +183,8 @@ def paired_cost(layers: int, variants, rounds: int, steps: int = 4, expert_queue
     """The cost of pausable steps when nothing preempts, as a same-engine A/B: one engine (layer
     preemption on, ``expert_queues`` rounds) decodes the same 16 best-effort sequences, and each
     round runs ``steps`` steps of every variant in turn (order rotated per round): "fused" without a
-    poll (one program per step, as with layer preemption off), the others with a serving loop's
+    poll (one program per step, as with layer preemption off), "unpaused" without a poll as with
+    layer preemption on (embed, each layer group in one call, head: ``split_step``), the others with a serving loop's
     poll that admits nothing (pause points checked, no arrival), the per-expert queues and
     ``pause_every`` switched on the executor between rounds. Every variant runs the same programs
     it runs in its own mode, on the same weights, KV cache and sequences, in the same slices of
@@ -202,9 +204,9 @@ def paired_cost(layers: int, variants, rounds: int, steps: int = 4, expert_queue
         started.update(out.request_id for out in engine.step() if out.token_ids)
 
     def run(variant: str, n: int) -> tuple[float, float]:
-        layered, every, queued = VARIANTS[variant]
+        layered, every, queued, split = VARIANTS[variant]
         engine.poll = (lambda: None) if layered else None
-        ex.pause_every, ex.expert_rounds = every, (queues if queued else [])
+        ex.pause_every, ex.expert_rounds, ex.split_step = every, (queues if queued else []), split
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n):
             engine.step()
@@ -290,7 +292,7 @@ def main(argv=None) -> int:
             )
 
     # the price of pausable steps when nothing preempts: the same 16 decodes on one engine, A/B per round
-    variants = ["fused", *dict.fromkeys(COST_OF[m] for m in modes if m in COST_OF)]
+    variants = ["fused", "unpaused", *dict.fromkeys(COST_OF[m] for m in modes if m in COST_OF)]
     if args.rounds and len(variants) > 1:
         cost = paired_cost(args.layers, variants, args.rounds, args.cost_steps, args.cost_expert_queues)
         results["no_preemption_cost"] = cost

@@ -278,6 +278,8 @@ def attach_features(engine: LLMEngine, config: RuntimeConfig, salc: SALCConfig |
         from jaxmoe.qllm.layer_preemption import LayerPreemption
 
         engine.layer_hook = LayerPreemption(config.qllm.max_paused_state_bytes, config.qllm.ls_merge)
+        if isinstance(engine.executor, MonolithicExecutor):  # steps that do not pause run the same programs
+            engine.executor.split_step = True
     if config.mesh is not None:
         from jaxmoe.janus.live_rescale import LiveRescaler
 

@@ -4,10 +4,11 @@ JAX platform) on a machine with no device of that platform.
 What is lowered is what warm-up compiles (``engine.warmup``) for each shape of the engine's
 ``ShapePlan`` (``engine.buckets``), built by the same factories the executors use:
 
-* monolithic (no mesh file): the fused step (``runtime.monolithic.step_program``) per bucket, and
-  the sampler (``sampling.sample``) per batch size, and (as ``jaxmoe serve``, whose layer preemption
-  is on by default there; ``--no-layer-preemption``: not) the layer-by-layer programs a pausable step
-  runs (``runtime.monolithic.layer_programs``: ``embed``, each layer group's ``layers``, ``head``);
+* monolithic (no mesh file): per bucket the fused step (``runtime.monolithic.step_program``), or
+  where layer preemption is on (``jaxmoe serve``'s default there; ``--no-layer-preemption``: off) the
+  layer-by-layer programs every step runs instead, pausable or not
+  (``runtime.monolithic.layer_programs``: ``embed``, each layer group's ``layers``, ``head``), and
+  the sampler (``sampling.sample``) per batch size;
 * disaggregated (a mesh file): per bucket the attention side's ``embed``, one ``layer`` per kind
   of layer (dense / MoE; every layer of a kind shares it), ``shared`` (shared experts on the
   attention side) and ``head`` (``runtime.attention_program``), the expert program of each kind of
@@ -174,8 +175,9 @@ def monolithic_programs(
 ) -> Iterator[Program]:
     """The programs of ``MonolithicExecutor`` + ``ModelRunner`` for each (rows, tokens) shape
     (``devices``: on the first of these, e.g. a TPU topology's, to compile ahead; None: unplaced);
-    ``layer_by_layer``: also those of a pausable step (layer-level preemption), ``pause_every`` layers
-    per program."""
+    ``layer_by_layer``: those of layer-level preemption instead of the fused step (``embed``, one
+    ``layers`` program per layer group whatever ``pause_every``, ``head``: what every step runs
+    then, ``MonolithicExecutor.split_step``)."""
     import jax
 
     from jaxmoe.kv_layout import KVLayout
@@ -199,28 +201,26 @@ def monolithic_programs(
     embed, layers, head = layer_programs(
         cfg, engine_config.block_size, impl, TopKRouting(), dtype, in_place=in_place_mode(impl)
     )
-    pause_every = engine_config.pause_every
     max_blocks = _max_blocks(cfg, engine_config)
     seen: set[int] = set()
     for rows, T in shapes:
         tokens, batch, index = _step_inputs(rows, T, max_blocks, one)
-        yield Program(
-            f"monolithic.step[{rows}x{T}]",
-            lambda tokens=tokens, batch=batch, index=index: step.trace(stacked, tokens, batch, cache, index, None),
-        )
-        if layer_by_layer:
+        if not layer_by_layer:
+            yield Program(
+                f"monolithic.step[{rows}x{T}]",
+                lambda tokens=tokens, batch=batch, index=index: step.trace(stacked, tokens, batch, cache, index, None),
+            )
+        else:
             x = _sds((rows, T, cfg.hidden_size), dtype, one)
             yield Program(f"monolithic.embed[{rows}x{T}]", lambda tokens=tokens: embed.trace(stacked, tokens))
+            scalar = _sds((), np.int32, one)  # the first layer and the layer count: traced
             for g, group in enumerate(stacked["groups"]):
-                size = jax.tree.leaves(group)[0].shape[0]
-                start = _sds((), np.int32, one)
-                for n in sorted({min(pause_every, size - j) for j in range(0, size, pause_every)}):
-                    yield Program(
-                        f"monolithic.layers[group {g}, {n} layers][{rows}x{T}]",
-                        lambda group=group, g=g, n=n, x=x, batch=batch, start=start: layers.trace(
-                            group, x, batch, cache[g], start, None, n
-                        ),
-                    )
+                yield Program(
+                    f"monolithic.layers[group {g}][{rows}x{T}]",
+                    lambda group=group, g=g, x=x, batch=batch: layers.trace(
+                        group, x, batch, cache[g], scalar, None, scalar
+                    ),
+                )
             yield Program(f"monolithic.head[{rows}x{T}]", lambda x=x, index=index: head.trace(stacked, x, index))
         if rows not in seen:
             seen.add(rows)
@@ -611,7 +611,13 @@ def register(sub, add_model_args) -> None:
         default=None,
         help="the layer-by-layer programs of pausable steps too (default: as serve, on without --mesh)",
     )
-    p.add_argument("--pause-every", type=int, default=1, metavar="LAYERS", help="layers per layer-by-layer program")
+    p.add_argument(
+        "--pause-every",
+        type=int,
+        default=1,
+        metavar="LAYERS",
+        help="layers between pause points (lowers the same programs: the layer count is traced)",
+    )
     p.set_defaults(func=cmd_lower)
 
 

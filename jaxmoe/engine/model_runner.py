@@ -155,15 +155,21 @@ class ModelRunner:
             allowed=self._allowed_array(B, self.executor.cfg.vocab_size),
         )
 
-    def lower(self, rows_per_instance: int, tokens: int, sampler: bool = True) -> list[jax.stages.Lowered] | None:
+    def lower(
+        self, rows_per_instance: int, tokens: int, sampler: bool = True, layer_by_layer: bool = False
+    ) -> list[jax.stages.Lowered] | None:
         """The programs a step of one bucket shape runs (the executor's fused step, and the sampler
-        for its batch size unless ``sampler`` is False), traced and lowered on the same argument
-        types as ``run``'s, not compiled: compiling them (any thread) is what ``warm`` does by
-        running. None: the executor cannot lower ahead (``runtime.executor.LowersAhead``)."""
+        for its batch size unless ``sampler`` is False; ``layer_by_layer``: also the per-layer
+        programs of a pausable step), traced and lowered on the same argument types as ``run``'s,
+        not compiled: compiling them (any thread) is what ``warm`` does by running. None: the
+        executor cannot lower ahead (``runtime.executor.LowersAhead``)."""
         if not isinstance(self.executor, LowersAhead):
             return None
         B = self.num_instances * rows_per_instance
-        programs, logits = self.executor.lower(*self._empty(B, tokens))
+        args = self._empty(B, tokens)
+        programs, logits = self.executor.lower(*args)
+        if layer_by_layer:
+            programs = programs + self.executor.lower_layers(*args)
         return programs + (self._lower_sampler(B, logits, keep_sharding=False) if sampler else [])
 
     def lower_step(self, rows_per_instance: int, tokens: int) -> list[jax.stages.Lowered] | None:

@@ -4,8 +4,9 @@ Where the executor can lower its step ahead (``runtime.executor.LowersAhead``: t
 warm-up traces and lowers each shape's programs on the calling thread and compiles them on a pool
 of ``compile_workers()`` threads as they come (XLA compiles without holding the GIL, so on a
 2-core machine two compiles run side by side, and tracing the next shape overlaps them); nothing
-is run. Otherwise, and for the layer-by-layer programs of layer-level preemption, each shape runs
-once on padding rows, one after the other.
+is run; where the engine may pause a step (layer-level preemption), each shape's layer-by-layer
+programs (``LowersAhead.lower_layers``) go to the same pool. Otherwise each shape runs once on
+padding rows (and once more layer by layer where the engine may pause a step), one after the other.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def warm_up(
 ) -> float:
     """Compile the programs of each shape of ``engine.runner.plan.shapes()`` (rows per attention
     instance, tokens per row): lowered ahead and compiled on ``workers`` threads (default
-    ``compile_workers()``) where the executor allows, else by running the shape once on padding
-    rows that write no KV (and layer by layer too when the engine may pause a step). With
+    ``compile_workers()``) where the executor allows (the layer-by-layer programs too when the
+    engine may pause a step), else by running the shape once on padding rows that write no KV (and
+    layer by layer too when the engine may pause a step). With
     ``scoring`` (what ``jaxmoe serve`` does), also the programs of prompt scoring (``echo`` with
     logprobs, ``prompt_logprobs``) per prefill token bucket, by running them on padding. Returns the
     seconds spent. ``progress``: True a tqdm bar on stderr, False nothing, None (default) a bar on a
@@ -58,7 +60,8 @@ def warm_up(
     bar = progress_reporter("jaxmoe warm-up", len(todo), "program", progress)
     pool = concurrent.futures.ThreadPoolExecutor(workers or compile_workers(), thread_name_prefix="jaxmoe-compile")
     try:
-        run_instead = _lower_and_compile(engine.runner, todo, pool, bar, cancel, t0)
+        layered = engine.layer_hook is not None  # steps that may pause run layer by layer
+        run_instead = _lower_and_compile(engine.runner, todo, pool, bar, cancel, t0, layered)
         for rows, tokens in run_instead:
             _check(cancel, t0)
             bar.set_postfix_str(f"{rows}x{tokens}")
@@ -77,9 +80,9 @@ def warm_up(
             bar.total += 1
             engine.runner.warm_feed()
             bar.update()
-        if engine.layer_hook is not None:  # steps that may pause run layer by layer
-            bar.total += len(todo)
-            for rows, tokens in todo:
+        if layered:  # the shapes whose layer-by-layer programs could not be lowered ahead
+            bar.total += len(run_instead)
+            for rows, tokens in run_instead:
                 _check(cancel, t0)
                 bar.set_postfix_str(f"{rows}x{tokens} layer by layer")
                 engine.runner.warm(rows, tokens, layer_by_layer=True)
@@ -95,9 +98,10 @@ def _check(cancel: threading.Event | None, t0: float) -> None:
         raise WarmupCancelled(f"warm-up cancelled after {time.monotonic() - t0:.1f}s")
 
 
-def _lower_and_compile(runner, todo, pool, bar, cancel, t0) -> list[tuple[int, int]]:
-    """Lower each shape's programs here and compile them on ``pool``; returns the shapes the runner
-    cannot lower ahead (to be run instead). The sampler is lowered once per batch size."""
+def _lower_and_compile(runner, todo, pool, bar, cancel, t0, layer_by_layer: bool) -> list[tuple[int, int]]:
+    """Lower each shape's programs here (``layer_by_layer``: those of a pausable step too) and compile
+    them on ``pool``; returns the shapes the runner cannot lower ahead (to be run instead). The
+    sampler is lowered once per batch size."""
     pending: set[concurrent.futures.Future] = set()
     batch_sizes: set[int] = set()
     run_instead = []
@@ -112,7 +116,7 @@ def _lower_and_compile(runner, todo, pool, bar, cancel, t0) -> list[tuple[int, i
     for rows, tokens in todo:
         _check(cancel, t0)
         bar.set_postfix_str(f"{rows}x{tokens}")
-        programs = runner.lower(rows, tokens, sampler=rows not in batch_sizes)
+        programs = runner.lower(rows, tokens, sampler=rows not in batch_sizes, layer_by_layer=layer_by_layer)
         if programs is None:
             run_instead.append((rows, tokens))
             continue

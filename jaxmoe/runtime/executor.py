@@ -10,8 +10,8 @@ run-time state: both executors; e.g. ``jaxmoe.brownout`` moves the threshold) an
 between its expert rounds; both executors, with rounds from ``jaxmoe.qllm``) and
 ``MergesRows`` (rows that join a layer-by-layer step at a pause point: QLLM's merge; the monolithic
 executor) and ``LowersAhead`` (the
-step's programs traced and lowered without running them, so warm-up can compile them in parallel:
-the monolithic executor). Layer-level preemption (QLLM) is every executor's:
+step's programs, fused and layer by layer, traced and lowered without running them, so warm-up can
+compile them in parallel: the monolithic executor). Layer-level preemption (QLLM) is every executor's:
 ``forward(..., between_layers=...)``.
 """
 
@@ -140,8 +140,8 @@ class MergesRows(Protocol):
 
 @runtime_checkable
 class LowersAhead(Protocol):
-    """The fused step's programs for given shapes, traced and lowered but neither compiled nor run
-    (``engine.warmup`` compiles them on a thread pool). Compiling a returned ``Lowered`` fills the
+    """The step's programs (fused, and layer by layer) for given shapes, traced and lowered but
+    neither compiled nor run (``engine.warmup`` compiles them on a thread pool). Compiling a returned ``Lowered`` fills the
     same caches ``forward`` looks in, so a later ``forward`` on arrays of these shapes compiles
     nothing."""
 
@@ -149,4 +149,9 @@ class LowersAhead(Protocol):
         self, tokens, batch: AttentionBatch, logits_index
     ) -> tuple[list[jax.stages.Lowered], jax.ShapeDtypeStruct]:
         """(the programs ``forward(tokens, batch, logits_index)`` runs, lowered; the logits' shape)."""
+        ...
+
+    def lower_layers(self, tokens, batch: AttentionBatch, logits_index) -> list[jax.stages.Lowered]:
+        """The programs ``forward(tokens, batch, logits_index, between_layers=...)`` runs (a step run
+        layer by layer, layer-level preemption), lowered."""
         ...

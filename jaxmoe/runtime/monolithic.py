@@ -119,21 +119,21 @@ def step_program(cfg: ModelConfig, block_size: int, impl: str, routing):
 
 
 def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype, in_place: bool | str):
-    """The layer-by-layer mode's programs, jitted (what a pausable step runs, warm-up compiles and
-    ``jaxmoe lower`` lowers): ``embed(params, tokens)``; ``layers(group, x, batch, group_cache, start,
-    state, n)``: ``n`` (static) layers of a layer group from ``start`` (traced), the cache donated;
-    ``head(params, x, logits_index)``. ``dtype``: the parameters'; ``in_place``: the expert weights
-    are read in place (``cpu_kernel``)."""
+    """The layer-by-layer mode's programs, jitted (what a pausable step runs, what a step runs where
+    the executor shares them, ``split_step``; what warm-up compiles and ``jaxmoe lower`` lowers):
+    ``embed(params, tokens)``; ``layers(group, x, batch, group_cache, start, state, n)``: ``n`` layers
+    of a layer group from ``start`` (both traced int32 scalars: one program per group, whatever the
+    pause points), the cache donated; ``head(params, x, logits_index)``. ``dtype``: the parameters';
+    ``in_place``: the expert weights are read in place (``cpu_kernel``)."""
 
     def some_layers(group, x, batch, group_cache, start, state, n):
-        def body(carry, index):
+        def body(i, carry):
             x, group_cache = carry
+            index = start + i
             layer = layer_view(group, index, dtype, in_place=in_place)
-            step = layer_step(layer, cfg, x, batch, group_cache, block_size, index, routing, state, impl, in_place)
-            return step, None
+            return layer_step(layer, cfg, x, batch, group_cache, block_size, index, routing, state, impl, in_place)
 
-        (x, group_cache), _ = jax.lax.scan(body, (x, group_cache), start + jnp.arange(n))
-        return x, group_cache
+        return jax.lax.fori_loop(0, n, body, (x, group_cache))
 
     def head(params, x, logits_index):
         if logits_index is not None:
@@ -141,7 +141,7 @@ def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype,
         return lm_head(params, cfg, x, invariant=in_place == INVARIANT)
 
     jit = program_jit(in_place == INVARIANT)
-    return jit(embed), jit(some_layers, donate_argnums=(3,), static_argnums=(6,)), jit(head)
+    return jit(embed), jit(some_layers, donate_argnums=(3,)), jit(head)
 
 
 class MonolithicExecutor:
@@ -205,6 +205,10 @@ class MonolithicExecutor:
         self._queued = None  # (ids, first expert not yet served) while a step waits between expert rounds
         self._scalars: dict[int, jax.Array] = {}  # ``_scalar``
         self.pause_stage = None  # "layer" or "experts" while a layer-by-layer step waits at a pause point
+        # a step that does not pause runs the layer-by-layer programs too (embed, each layer group's
+        # ``layers`` over the whole group, head) instead of the fused program, so a pausable step
+        # compiles nothing more (set where layer-level preemption is on: ``assembly.attach_features``)
+        self.split_step = False
         dtype = self.stacked["embed"].dtype
 
         def attend(group, x, batch, group_cache, index):  # per-expert queues: a MoE layer's attention side
@@ -300,9 +304,53 @@ class MonolithicExecutor:
         shape (``executor.LowersAhead``): the same arguments as ``forward``'s, so compiling it fills
         the cache ``forward`` looks in."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
+        if self.split_step:
+            programs = self._lower_programs(tokens, batch, index, self._whole_groups())
+            return programs, programs[-1].out_info
         state = for_call(self.routing_state, tokens.shape[1])
         lowered = self._step.lower(self.stacked, tokens, batch, self.cache, index, state)
         return [lowered], lowered.out_info[0]
+
+    def lower_layers(self, tokens, batch: AttentionBatch, logits_index) -> list[jax.stages.Lowered]:
+        """The programs ``forward(..., between_layers=...)`` runs for these shapes, lowered (not
+        compiled, not run): ``embed``, one ``layers`` program per layer group (or, with
+        ``expert_rounds``, a MoE layer's ``attend``, ``route`` and ``expert_round``) and ``head``;
+        with ``split_step`` only those ``lower`` does not return (the per-expert queues' programs).
+        Traced on the argument types of ``forward``'s (uncommitted device arrays, the layer index,
+        layer count and round bounds as traced int32 scalars), so compiling them fills the caches a
+        layer-by-layer step looks in; a merge runs the same programs on shapes of the plan."""
+        tokens, batch, index = self._args(tokens, batch, logits_index)
+        skip = self._whole_groups() if self.split_step else []
+        return self._lower_programs(tokens, batch, index, self._layer_steps(), skip)
+
+    def _lower_programs(self, tokens, batch, index, steps, skip=()) -> list[jax.stages.Lowered]:
+        """``embed``, the programs of ``steps`` (``_layer_steps``' form; those of ``skip`` left out:
+        already lowered) and ``head``, lowered on ``forward``'s argument types; the head last."""
+        state = for_call(self.routing_state, tokens.shape[1])
+
+        def like(info):  # an intermediate array's type (the program's output), as an argument
+            return jax.ShapeDtypeStruct(info.shape, info.dtype)
+
+        embed = self._embed.lower(self.stacked, tokens)
+        x = like(embed.out_info)
+        i = jax.ShapeDtypeStruct((), jnp.int32)
+        seen = {(g, queued) for g, _, _, queued in skip}
+        programs = [] if skip else [embed]
+        for g, _, _, queued in steps:
+            if (g, queued) in seen:  # the first layer and the count are traced: one program per group
+                continue
+            seen.add((g, queued))
+            group = self.stacked["groups"][g]
+            if not queued:
+                programs.append(self._layers.lower(group, x, batch, self.cache[g], i, state, i))
+                continue
+            attend = self._attend.lower(group, x, batch, self.cache[g], i)
+            h, xn = (like(a) for a in attend.out_info[:2])
+            route = self._route.lower(_moe(group), xn, batch.slots, i, state)
+            queued_ids, weights, partial = (like(a) for a in route.out_info)
+            rounds = self._expert_round.lower(_moe(group), h, xn, queued_ids, weights, partial, i, i, i, i)
+            programs += [attend, route, rounds]
+        return programs if skip else programs + [self._head.lower(self.stacked, x, index)]
 
     def forward(self, tokens, batch: AttentionBatch, logits_index, between_layers=None) -> jax.Array:
         """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None); updates the KV cache.
@@ -318,13 +366,17 @@ class MonolithicExecutor:
         (``executor.MergesRows``). Without it: the whole model as one fused program (the fast path)."""
         tokens, batch, index = self._args(tokens, batch, logits_index)
         state = for_call(self.routing_state, tokens.shape[1])  # per phase: a decode or a prefill call
-        if between_layers is None:
+        if between_layers is None and not self.split_step:
             logits, self.cache = self._step(self.stacked, tokens, batch, self.cache, index, state)
             return logits
         # the batch goes to the device once, not with each of the step's programs (host arrays would be
         # copied again at every call: one per layer, R + 2 per MoE layer with per-expert queues)
         tokens, batch = jax.device_put((tokens, batch))
         x = self._embed(self.stacked, tokens)
+        if between_layers is None:  # ``split_step``: each layer group in one call
+            for g, j, n, _ in self._whole_groups():
+                x = self._run_layers(g, j, n, False, x, batch, state)
+            return self._head(self.stacked, x, index)
         pause = PausePoints(between_layers)
         done, total = 0, self.cfg.num_layers
 
@@ -353,7 +405,7 @@ class MonolithicExecutor:
         a host scalar would be copied to the device at every program call that takes it."""
         scalar = self._scalars.get(n)
         if scalar is None:
-            scalar = self._scalars[n] = jnp.asarray(n, jnp.int32)
+            scalar = self._scalars[n] = jax.device_put(np.int32(n))  # a transfer, no program (jnp.asarray compiles one)
         return scalar
 
     def _pause_at(self, pause, done: int, stage: str, outputs, queued=None):
@@ -364,6 +416,10 @@ class MonolithicExecutor:
             return pause(done, *outputs)
         finally:
             self.pause_stage, self._queued = None, None
+
+    def _whole_groups(self) -> list[tuple[int, int, int, bool]]:
+        """``_layer_steps``' form of a step that does not pause (``split_step``): each group at once."""
+        return [(g, 0, jax.tree.leaves(group)[0].shape[0], False) for g, group in enumerate(self.stacked["groups"])]
 
     def _layer_steps(self):
         """(group, first layer in it, layers, per-expert queues) of each program of the layer-by-layer
@@ -380,7 +436,7 @@ class MonolithicExecutor:
         if queued:
             return self._queued_layer(g, j, 0, x, batch, None, state)[0]
         group = self.stacked["groups"][g]
-        x, self.cache[g] = self._layers(group, x, batch, self.cache[g], self._scalar(j), state, n)
+        x, self.cache[g] = self._layers(group, x, batch, self.cache[g], self._scalar(j), state, self._scalar(n))
         return x
 
     def _catch_up(self, merge: RowMerge, layers: int, state):

@@ -140,20 +140,28 @@ def test_compile_workers_setting(monkeypatch):
 
 
 @pytest.mark.slow
-def test_warmup_with_layer_preemption_covers_both_paths():
-    """The fused step compiles ahead on the pool; the layer-by-layer programs (layer preemption) warm
-    by running: afterwards neither path compiles."""
+@pytest.mark.parametrize("expert_queues", [0, 2])
+def test_warmup_with_layer_preemption_covers_both_paths(expert_queues):
+    """With layer preemption every step runs the layer-by-layer programs (a step that does not pause
+    too: one ``layers`` call per layer group), never the fused one; they (with per-expert queues also
+    a MoE layer's attention side, routing and expert round) compile ahead on the pool, nothing runs:
+    afterwards neither a pausable nor an unpaused step compiles."""
     from jaxmoe.engine.warmup import warm_up
 
     cfg = from_hf_config(dict(TINY, num_hidden_layers=2))
     config = RuntimeConfig(
         engine=EngineConfig(max_num_seqs=2, max_prefill_chunk=16, max_model_len=64, num_blocks=16),
-        qllm=QLLMConfig(layer_preemption=True),
+        qllm=QLLMConfig(layer_preemption=True, expert_queues=expert_queues),
     )
     executor = build_executor(cfg, demo_params(cfg, seed=3), config)
     engine = attach_features(LLMEngine(cfg, executor, ByteTokenizer(), config.engine), config)
     shapes = [(1, 1), (1, 16)]
+    executor._step = None  # the fused program: neither lowered nor run
+    ran = []
+    executor.forward = lambda *args, **kwargs: ran.append(args)  # warm-up must run no step
     warm_up(engine, shapes, progress=False, workers=2)
+    del executor.forward
+    assert ran == []
     before = compile_events()["programs"]
     for rows, tokens in shapes:
         engine.runner.warm(rows, tokens)

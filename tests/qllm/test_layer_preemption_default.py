@@ -21,11 +21,13 @@ TINY = dict(num_blocks=32, block_size=8, max_num_seqs=4)
 
 
 @pytest.mark.slow
-def test_llm_has_layer_preemption_by_default_and_offline_steps_stay_fused():
+def test_llm_has_layer_preemption_by_default_and_offline_steps_never_pause():
     assert LLM("tiny-random", layer_preemption=False, **TINY).engine.layer_hook is None
     llm = LLM("tiny-random", **TINY)
     assert isinstance(llm.engine.layer_hook, LayerPreemption)
-    # offline generation: nothing can arrive mid-step, so no step runs layer by layer
+    # offline generation: nothing can arrive mid-step, so no step is pausable (each runs the layer
+    # programs without pause points: one call per layer group, ``split_step``)
+    assert llm.executor.split_step
     calls = []
     forward = llm.executor.forward
     llm.executor.forward = lambda *a, **kw: calls.append(kw.get("between_layers")) or forward(*a, **kw)
