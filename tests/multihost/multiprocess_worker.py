@@ -255,8 +255,8 @@ def relayout(jax, llm, args) -> dict:
 
 def rescale(jax, llm) -> dict:
     """The engine re-scaled RESCALES times while requests run (every process calls ``start`` at the
-    same step: parameters move and the programs compile there, and the processes swap once every one
-    has built). Returns the
+    same step: parameters move there, the programs compile one unit before each step or idle
+    ``apply``, and the processes swap once every one has built). Returns the
     final tokens per request, each change's ``RescaleResult``, the layouts and the free KV blocks."""
     from jaxmoe import SamplingParams
     from jaxmoe.runtime.slot_moves import mover_for
@@ -292,7 +292,7 @@ def rescale(jax, llm) -> dict:
         t = time.perf_counter()
         print(f"rescale to {attention}a{experts}e: building", flush=True)
         job = rescaler.start(attention, experts)
-        print(f"rescale to {attention}a{experts}e: built in {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"rescale to {attention}a{experts}e: started in {time.perf_counter() - t:.1f} s", flush=True)
         for _ in range(20000):  # bounded: the processes agree on the swap once every one has built
             if job.done():
                 break
