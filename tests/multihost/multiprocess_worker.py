@@ -89,6 +89,12 @@ def main(argv=None) -> int:
         help="live re-scaling under a bounded load: the layout changes RESCALES times while requests "
         "run (use with meshes/cpu-8-1a7e.yaml)",
     )
+    ap.add_argument(
+        "--rescale-form",
+        default="steps",
+        choices=["steps", "stop", "thread"],
+        help="with --rescale: how the build compiles (LiveRescaler.across_processes)",
+    )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -115,7 +121,7 @@ def main(argv=None) -> int:
         return 0
     if args.rescale:
         llm = LLM(args.model, dtype="float32", mesh=args.mesh, **RESCALE_ENGINE)
-        Path(args.out).write_text(json.dumps(rescale(jax, llm), indent=1))
+        Path(args.out).write_text(json.dumps(rescale(jax, llm, args.rescale_form), indent=1))
         jax.distributed.shutdown()
         return 0
     llm = LLM(args.model, dtype="float32", mesh=args.mesh, **ENGINE)
@@ -253,7 +259,7 @@ def relayout(jax, llm, args) -> dict:
     return out
 
 
-def rescale(jax, llm) -> dict:
+def rescale(jax, llm, form: str = "steps") -> dict:
     """The engine re-scaled RESCALES times while requests run (every process calls ``start`` at the
     same step: parameters move there, the programs compile one unit before each step or idle
     ``apply``, and the processes swap once every one has built). Returns the
@@ -276,6 +282,7 @@ def rescale(jax, llm) -> dict:
     from jaxmoe.janus.live_rescale import LiveRescaler, RescaleError
 
     rescaler = LiveRescaler.of(engine)
+    rescaler.across_processes = form
 
     try:  # 5a3e: attention devices 0-4 would span both processes: refused, nothing changes
         rescaler.start(5, 3)
