@@ -146,6 +146,9 @@ class RescaleResult:
     # moves, or one build unit between two steps, or the whole build when it stops the world)
     largest_pause_s: float = 0.0
     build_units: int = 0  # "steps": the build units run between steps (lowerings and compiles)
+    # "steps": [unit, seconds] of each unit run, in order (unit: "lower RxT" or "compile RxT", the
+    # serving shape: rows per instance x tokens per row)
+    unit_pauses_s: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -177,6 +180,7 @@ class RescaleJob:
         self.shapes: list[tuple[int, int]] = []  # (rows per instance, tokens per row) the build compiles
         self.units = None  # agreed "steps": the build's units not run yet (a generator; None: none left)
         self.units_run = 0
+        self.unit_pauses: list[list] = []  # [unit, seconds] of each unit run
         self.idle_units = 0  # of them, run by ``apply`` (the engine idle)
         self.largest_pause_s = 0.0  # agreed: the longest single pause between two steps for the build
 
@@ -358,10 +362,10 @@ class LiveRescaler:
         units depend only on the layout and the shapes, so every process runs the same list."""
         for rows, tokens in job.shapes:
             programs = job.runner.lower_step(rows, tokens) or []  # None: compiles on first use
-            yield
+            yield f"lower {rows}x{tokens}"
             for program in programs:
                 program.compile()  # fills the cache the step looks in
-                yield
+                yield f"compile {rows}x{tokens}"
 
     def _build_unit(self, job: RescaleJob) -> bool:
         """(agreed, "steps") Run the build's next unit here, between two steps (every process at the
@@ -371,8 +375,9 @@ class LiveRescaler:
             return False
         t0 = time.perf_counter()
         try:
-            next(job.units)
+            unit = next(job.units)
             job.units_run += 1
+            job.unit_pauses.append([unit, round(time.perf_counter() - t0, 4)])
         except StopIteration:
             job.units = None
             job._ready.set()
@@ -602,6 +607,7 @@ class LiveRescaler:
             shapes_compiled=len(job.shapes),
             largest_pause_s=job.largest_pause_s,
             build_units=job.units_run,
+            unit_pauses_s=job.unit_pauses,
         )
         self.history.append(job._result)
         self._step_times.clear()  # the new layout's steps are the next baseline

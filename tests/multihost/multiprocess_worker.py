@@ -43,7 +43,7 @@ SWAPPED_1A7E = [4, 5, 6, 7] * 3 + [0, 1, 2, 3] * 4
 # them all before the swap.
 RESCALES = [(4, 4), (1, 7)]
 RESCALE_ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=2, max_prefill_chunk=16, max_batch_tokens=32)
-RESCALE_REQUESTS = 6
+RESCALE_REQUESTS = 7
 
 
 def rescale_request(i: int):
@@ -305,8 +305,14 @@ def rescale(jax, llm, form: str = "steps") -> dict:
                 break
             if engine.has_work():
                 step()
-            elif not rescaler.apply():
-                time.sleep(0.02)  # idle: ask again (every process makes the same calls)
+            elif job.swapped and len(added) < RESCALE_REQUESTS:  # swapped while idle: a first step on it
+                add(len(added))
+            elif job.swapped:
+                rescaler.apply()  # nothing left to add: done, idle
+            else:
+                step()  # idle: no model step, but the hooks run (the next build unit, the agreement)
+                if job.units is None and not job.swapped:
+                    time.sleep(0.02)  # ("thread") ask again (every process makes the same calls)
         results.append(job.result(timeout=0).as_dict())
         print(f"rescale to {attention}a{experts}e: serving", flush=True)
         ex = llm.executor
@@ -314,8 +320,6 @@ def rescale(jax, llm, form: str = "steps") -> dict:
             [ex.num_attention, ex.num_expert_instances, sorted({d.process_index for d in ex.sub.experts.devices.flat})]
         )
         crossed.append(mover_for(ex.sub).rows_across_processes)
-        if len(added) < RESCALE_REQUESTS:
-            add(len(added))
     for _ in range(2000):  # bounded
         if not engine.has_work():
             break
