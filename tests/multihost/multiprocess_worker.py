@@ -44,6 +44,9 @@ SWAPPED_1A7E = [4, 5, 6, 7] * 3 + [0, 1, 2, 3] * 4
 RESCALES = [(4, 4), (1, 7)]
 RESCALE_ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=2, max_prefill_chunk=16, max_batch_tokens=32)
 RESCALE_REQUESTS = 7
+# while a build runs the engine is kept full (RESCALE_ENGINE's 2 sequences) up to this many requests in
+# all, so that sequences live through the swap (their KV blocks move) and a first step follows it
+RESCALE_MAX_REQUESTS = 40
 
 
 def rescale_request(i: int):
@@ -303,9 +306,12 @@ def rescale(jax, llm, form: str = "steps") -> dict:
         for _ in range(20000):  # bounded: the processes agree on the swap once every one has built
             if job.done():
                 break
+            live = len(engine.scheduler.sequences())
+            if not job.swapped and live < RESCALE_ENGINE["max_num_seqs"] and len(added) < RESCALE_MAX_REQUESTS:
+                add(len(added))  # the old layout serves a full engine during the build (the same on every process)
             if engine.has_work():
                 step()
-            elif job.swapped and len(added) < RESCALE_REQUESTS:  # swapped while idle: a first step on it
+            elif job.swapped and len(added) < RESCALE_MAX_REQUESTS:  # swapped while idle: a first step on it
                 add(len(added))
             elif job.swapped:
                 rescaler.apply()  # nothing left to add: done, idle
