@@ -292,6 +292,8 @@ class LiveRescaler:
         ):
             raise RescaleError(f"the engine already runs {attention}a{experts}e with {C} slots per instance")
         self._check_fits(self._kv_layout(attention))
+        if self.agreed and self.across_processes not in BUILD_FORMS:
+            raise RescaleError(f"across_processes={self.across_processes!r}: one of {', '.join(BUILD_FORMS)}")
         with self._lock:
             if self.job is not None:
                 raise RescaleInProgressError(
@@ -309,11 +311,9 @@ class LiveRescaler:
         job.before = list(self._step_times)
         if self.agreed:
             # multi-controller: every process must launch the same collectives in the same order, so
-            # what moves data runs here, between steps; the compiles (no collective) in a thread
+            # what moves data runs here, between steps; the compiles (no collective) as the form says
             job.agreed = True
             form = self.across_processes
-            if form not in BUILD_FORMS:
-                raise RescaleError(f"across_processes={form!r}: one of {', '.join(BUILD_FORMS)}")
             self._move_parameters(job, ex, spec)
             job.largest_pause_s = job.paused_s
             if form == "steps":  # one unit before each step (``_build_unit``), the same on every process
