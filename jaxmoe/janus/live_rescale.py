@@ -358,14 +358,21 @@ class LiveRescaler:
     @staticmethod
     def _build_units(job: RescaleJob):
         """(agreed, "steps") The compiles as units, one per ``next()``: lowering one serving shape's
-        step programs (``ModelRunner.lower_step``), then compiling each of them (nothing runs). The
-        units depend only on the layout and the shapes, so every process runs the same list."""
-        for rows, tokens in job.shapes:
-            programs = job.runner.lower_step(rows, tokens) or []  # None: compiles on first use
-            yield f"lower {rows}x{tokens}"
-            for program in programs:
-                program.compile()  # fills the cache the step looks in
-                yield f"compile {rows}x{tokens}"
+        step programs (``ModelRunner.lower_step``), then compiling them ``compile_workers()`` at a
+        time, one program per thread, the engine's thread waiting (nothing runs). The units depend
+        only on the layout, the shapes and the worker count, so processes with as many cores run
+        the same list (others only finish at another step: the agreement waits for the last)."""
+        workers = compile_workers()
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxmoe-rescale-compile")
+        try:
+            for rows, tokens in job.shapes:
+                programs = job.runner.lower_step(rows, tokens) or []  # None: compiles on first use
+                yield f"lower {rows}x{tokens}"
+                for i in range(0, len(programs), workers):  # each fills the cache the step looks in
+                    list(pool.map(lambda program: program.compile(), programs[i : i + workers]))
+                    yield f"compile {rows}x{tokens}"
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _build_unit(self, job: RescaleJob) -> bool:
         """(agreed, "steps") Run the build's next unit here, between two steps (every process at the
