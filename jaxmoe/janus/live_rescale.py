@@ -38,10 +38,11 @@ the same point of the same request stream, and the build is split in two:
   (``LiveRescaler.across_processes``):
 
   - ``"steps"`` (the default, cooperative): the compiles are cut into units (lowering one serving
-    shape's programs, then compiling each of them) and every process runs the next unit before each
-    step (``apply`` runs one when the engine is idle), on the engine's thread: the unit list is the
-    same everywhere, so every process runs the same unit at the same step, and the old layout keeps
-    serving with at most one unit's pause per step (``largest_pause_s``; ``steps_during_build``);
+    shape's programs, then compiling them ``compile_workers()`` at a time) and every process runs
+    the next unit before each step (``apply`` runs one when the engine is idle), on the engine's
+    thread: the unit list is the same everywhere, so every process runs the same unit at the same
+    step, and the old layout keeps serving with at most one unit's pause per step
+    (``largest_pause_s``; ``steps_during_build``);
   - ``"stop"``: all of them between the same two steps as the parameter moves (stop-the-world:
     ``paused_s`` includes it, ``build_s`` is its part), and the swap follows there at once;
   - ``"thread"``: compiled on ``compile_workers()`` threads of a background thread while the old

@@ -413,7 +413,7 @@ def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm, form):
     """The ``jax.distributed`` agreement (``agreed``) in one process, with a stand-in for the
     all-gather: while another process reports building, steps go on and ``apply`` does not swap; when
     it reports that its build failed, the rescale fails here too (naming it) and the old layout stays.
-    ``steps`` (the default): one build unit (a lowering or one program's compile) before each step, on
+    ``steps`` (the default): one build unit (a lowering or a few programs compiled) before each step, on
     the engine's thread, none in ``apply`` while requests run; ``thread``: the compiles in a thread."""
     from jaxmoe.janus.live_rescale import BUILDING, FAILED
 
