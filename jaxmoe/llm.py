@@ -6,6 +6,8 @@ sorts them into their sections) and steps the engine until every prompt is done.
 
 from __future__ import annotations
 
+import time
+
 from typing import Sequence as Seq
 
 from jaxmoe.assembly import RuntimeConfig, build_engine
@@ -86,7 +88,13 @@ class LLM:
                 "requests are in flight on this engine: call LiveRescaler.of(llm.engine).start(...) and keep stepping it"
             )
         job = rescaler.start(attention, experts, slots_per_instance)
-        if not job.wait_ready(timeout):
+        if job.agreed:  # jax.distributed: every process calls this at the same point and asks together
+            deadline = time.monotonic() + timeout
+            while not job.done():  # each call runs the next build unit ("steps"), then agrees
+                if time.monotonic() > deadline:  # the same on every process only if they all give up
+                    raise TimeoutError(f"rescale to {job.target} not built after {timeout}s")
+                rescaler.apply()
+        elif not job.wait_ready(timeout):
             raise TimeoutError(f"rescale to {job.target} not built after {timeout}s")
         rescaler.apply()  # idle: the job is done once swapped
         return job.result()

@@ -21,6 +21,7 @@ from jaxmoe.janus.live_rescale import LiveRescaler, RescaleCancelledError, Resca
 from jaxmoe.server.serving_process import SERVING
 
 APPLY_POLL_S = 0.25  # across processes: how often a built rescale asks whether every process has built
+UNIT_POLL_S = 0.01  # across processes, idle: how soon the next call runs the next unit of a build
 
 
 @dataclasses.dataclass
@@ -83,16 +84,19 @@ def rescale(async_engine, payload, timeout_s: float = 600.0) -> dict:
     deadline = time.monotonic() + timeout_s
     try:
         job = async_engine.call(start, timeout=timeout_s, replicate=start)
-        if not job.wait_ready(timeout_s):
+        if not job.agreed and not job.wait_ready(timeout_s):
             raise TimeoutError(f"the {job.target} layout was not built in {timeout_s}s")
         # built here (not failed nor cancelled): swap now when idle, else at the next step; across
-        # processes only once every process has built (each call asks them all): ask again meanwhile
+        # processes only once every process has built (each call asks them all; while the engine is
+        # idle each call also runs the next unit of a build made between steps): ask again meanwhile
+        units = job.idle_units
         while not job.done() and not async_engine.call(_apply_rescale, replicate=_apply_rescale):
             if job.swapped or job.done():
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the {job.target} layout was not built on every process in {timeout_s}s")
-            time.sleep(APPLY_POLL_S)
+            time.sleep(UNIT_POLL_S if job.idle_units > units else APPLY_POLL_S)  # a unit ran: idle, go on
+            units = job.idle_units
         return job.result(max(1.0, deadline - time.monotonic())).as_dict()
     except RescaleCancelledError as e:
         raise AdminError(str(e), 503, grpc.StatusCode.UNAVAILABLE) from None

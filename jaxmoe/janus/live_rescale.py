@@ -34,12 +34,21 @@ the same point of the same request stream, and the build is split in two:
   expert replicas moved (``build_rescaled``: across processes that is ``slot_moves`` collectives,
   which must run at the same point everywhere);
 * the new layout's step programs compiled without running them (``ModelRunner.lower_step``: lowered
-  on the serving shapes, compiled on ``compile_workers()`` threads; a program that ran would launch
-  collectives): by default between the same two steps too (``paused_s`` includes it, ``build_s``
-  is its part) and the swap follows there at once; with ``background_across_processes`` in a
-  background thread while the old layout serves (``steps_during_build``). Off by default: with jax
-  0.10.2 on CPU / gloo, compiles running beside the steps' collectives stalled both processes of the
-  serving tests (compiled alone, with no step running, they work).
+  on the serving shapes; a program that ran would launch collectives), in one of three forms
+  (``LiveRescaler.across_processes``):
+
+  - ``"steps"`` (the default, cooperative): the compiles are cut into units (lowering one serving
+    shape's programs, then compiling them ``compile_workers()`` at a time) and every process runs
+    the next unit before each step (``apply`` runs one when the engine is idle), on the engine's
+    thread: the unit list is the same everywhere, so every process runs the same unit at the same
+    step, and the old layout keeps serving with at most one unit's pause per step
+    (``largest_pause_s``; ``steps_during_build``);
+  - ``"stop"``: all of them between the same two steps as the parameter moves (stop-the-world:
+    ``paused_s`` includes it, ``build_s`` is its part), and the swap follows there at once;
+  - ``"thread"``: compiled on ``compile_workers()`` threads of a background thread while the old
+    layout serves. With jax 0.10.2 on CPU / gloo, compiles running beside the steps' collectives
+    stalled both processes of the serving tests (compiled on the engine's thread, between steps,
+    they work).
 
 Then the processes agree on the swap step: before every step (and in ``apply``) while a build is
 in progress every process contributes its state (building, built, failed) to one all-gather
@@ -88,7 +97,10 @@ BUILD_NICE = 10  # the background build thread's niceness (Linux: per thread), b
 # build traces in Python, and a step that waits for the GIL waits up to one interval each time
 BUILD_SWITCH_INTERVAL_S: float | None = 0.0005
 BUILDING, BUILT, FAILED = 0, 1, 2  # a process's build state in the agreement (``LiveRescaler.gather``)
-BACKGROUND_ACROSS_PROCESSES = False  # ``LiveRescaler.background_across_processes``' default
+# ``LiveRescaler.across_processes``' default: how an agreed build compiles ("steps": one unit before
+# each step; "stop": all between two steps; "thread": in a background thread beside the steps)
+ACROSS_PROCESSES = "steps"
+BUILD_FORMS = ("steps", "stop", "thread")
 
 
 class RescaleError(ValueError):
@@ -115,7 +127,7 @@ class RescaleResult:
     # median of the recent steps before the rescale started with the first step's program calls (all
     # recent steps when fewer than MIN_LIKE_STEPS were alike; None: none ran)
     normal_step_s: float | None
-    stall_ratio: float | None  # (paused_s + swap_s + first_step_s) / normal_step_s
+    stall_ratio: float | None  # (largest_pause_s + swap_s + first_step_s) / normal_step_s
     kv_blocks_moved: int
     sequences_recomputed: int
     expert_slots_local: int  # new slots whose expert the instance (its devices) already held (no copy)
@@ -131,6 +143,13 @@ class RescaleResult:
     # (rows, tokens per row) of each program call of the first step on the new layout ([]: idle)
     first_step_calls: list = dataclasses.field(default_factory=list)
     shapes_compiled: int = 0  # step shapes the build compiled (the rest compile when first met)
+    # under jax.distributed: the longest single pause of the serving for the build (the parameter
+    # moves, or one build unit between two steps, or the whole build when it stops the world)
+    largest_pause_s: float = 0.0
+    build_units: int = 0  # "steps": the build units run between steps (lowerings and compiles)
+    # "steps": [unit, seconds] of each unit run, in order (unit: "lower RxT" or "compile RxT", the
+    # serving shape: rows per instance x tokens per row)
+    unit_pauses_s: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -160,6 +179,11 @@ class RescaleJob:
         self.thread: threading.Thread | None = None  # the background build
         self.cancelled = False  # Rescaler.cancel(): the build stops before its next compile
         self.shapes: list[tuple[int, int]] = []  # (rows per instance, tokens per row) the build compiles
+        self.units = None  # agreed "steps": the build's units not run yet (a generator; None: none left)
+        self.units_run = 0
+        self.unit_pauses: list[list] = []  # [unit, seconds] of each unit run
+        self.idle_units = 0  # of them, run by ``apply`` (the engine idle)
+        self.largest_pause_s = 0.0  # agreed: the longest single pause between two steps for the build
 
     @property
     def target(self) -> str:
@@ -216,10 +240,11 @@ class LiveRescaler:
         self.agreed = jax.process_count() > 1
         # every process's build state (BUILDING / BUILT / FAILED) from this process's; a collective
         self.gather: Callable[[int], list[int]] = _allgather
-        # agreed: compile in a background thread while the steps go on (True), or between two steps
-        # (False, the default: with jax 0.10.2 on CPU / gloo, compiles running beside the steps'
-        # collectives stalled both processes of the serving tests for good; compiled alone they work)
-        self.background_across_processes = BACKGROUND_ACROSS_PROCESSES
+        # agreed: how the programs compile (BUILD_FORMS): one unit before each step on every process
+        # ("steps", the default), all between two steps ("stop"), or in a background thread while the
+        # steps go on ("thread": with jax 0.10.2 on CPU / gloo, compiles running beside the steps'
+        # collectives stalled both processes of the serving tests for good)
+        self.across_processes = ACROSS_PROCESSES
 
     @classmethod
     def attach(cls, engine, executor_kwargs: dict | None = None) -> "LiveRescaler":
@@ -268,6 +293,8 @@ class LiveRescaler:
         ):
             raise RescaleError(f"the engine already runs {attention}a{experts}e with {C} slots per instance")
         self._check_fits(self._kv_layout(attention))
+        if self.agreed and self.across_processes not in BUILD_FORMS:
+            raise RescaleError(f"across_processes={self.across_processes!r}: one of {', '.join(BUILD_FORMS)}")
         with self._lock:
             if self.job is not None:
                 raise RescaleInProgressError(
@@ -285,10 +312,15 @@ class LiveRescaler:
         job.before = list(self._step_times)
         if self.agreed:
             # multi-controller: every process must launch the same collectives in the same order, so
-            # what moves data runs here, between steps; the compiles (no collective) in a thread
+            # what moves data runs here, between steps; the compiles (no collective) as the form says
             job.agreed = True
+            form = self.across_processes
             self._move_parameters(job, ex, spec)
-            if not self.background_across_processes:  # compiled here too, then swapped at once
+            job.largest_pause_s = job.paused_s
+            if form == "steps":  # one unit before each step (``_build_unit``), the same on every process
+                job.units = self._build_units(job)
+                return job
+            if form == "stop":  # compiled here too, then swapped at once
                 t0 = time.perf_counter()
                 try:
                     self._compile_ahead(job)
@@ -296,6 +328,7 @@ class LiveRescaler:
                     job.build_error = RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}")
                 job.build_s = time.perf_counter() - t0
                 job.paused_s += job.build_s
+                job.largest_pause_s = job.paused_s
                 job._ready.set()
                 self._settle(job)  # every process waits here for the slowest (a call, not a step)
                 if job.swap_s is not None and not self.engine.has_work():
@@ -322,6 +355,49 @@ class LiveRescaler:
             job._fail(error)
             raise error from None
         job.paused_s = time.perf_counter() - t0
+
+    @staticmethod
+    def _build_units(job: RescaleJob):
+        """(agreed, "steps") The compiles as units, one per ``next()``: lowering one serving shape's
+        step programs (``ModelRunner.lower_step``), then compiling them ``compile_workers()`` at a
+        time, one program per thread, the engine's thread waiting (nothing runs). The units depend
+        only on the layout, the shapes and the worker count, so processes with as many cores run
+        the same list (others only finish at another step: the agreement waits for the last)."""
+        workers = compile_workers()
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxmoe-rescale-compile")
+        try:
+            for rows, tokens in job.shapes:
+                programs = job.runner.lower_step(rows, tokens) or []  # None: compiles on first use
+                yield f"lower {rows}x{tokens}"
+                for i in range(0, len(programs), workers):  # each fills the cache the step looks in
+                    list(pool.map(lambda program: program.compile(), programs[i : i + workers]))
+                    yield f"compile {rows}x{tokens}"
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _build_unit(self, job: RescaleJob) -> bool:
+        """(agreed, "steps") Run the build's next unit here, between two steps (every process at the
+        same point); past the last one the job is built. A failure is this process's build state
+        (every process learns it at the agreement that follows). Returns whether a unit ran."""
+        if job.units is None or job.ready():
+            return False
+        t0 = time.perf_counter()
+        try:
+            unit = next(job.units)
+            job.units_run += 1
+            job.unit_pauses.append([unit, round(time.perf_counter() - t0, 4)])
+        except StopIteration:
+            job.units = None
+            job._ready.set()
+        except Exception as e:
+            job.units = None
+            job.build_error = RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}")
+            job._ready.set()
+        dt = time.perf_counter() - t0
+        job.build_s += dt
+        job.paused_s += dt
+        job.largest_pause_s = max(job.largest_pause_s, dt)
+        return True
 
     def _kv_layout(self, attention: int) -> KVLayout:
         cfg = self.engine.config
@@ -414,6 +490,7 @@ class LiveRescaler:
         job = self.job
         if job is not None and job.swap_s is None:
             if job.agreed:
+                self._build_unit(job)
                 self._settle(job)
             elif job.ready():
                 self._swap(job)
@@ -426,6 +503,7 @@ class LiveRescaler:
         states = [int(v) for v in np.ravel(self.gather(mine))]
         if FAILED in states:
             job.cancelled = True  # this process's build stops before its next shape
+            job.units = None  # ("steps") its units not run yet are dropped
             with self._lock:
                 self.job = None
             others = [p for p, v in enumerate(states) if v == FAILED]
@@ -468,11 +546,15 @@ class LiveRescaler:
     def apply(self) -> bool:
         """Swap in a built layout now (between steps); when the engine is idle the job is done at once.
         Returns whether a swap happened. Agreed (``jax.distributed``; every process calls it at the
-        same point): only once every process has built (``_settle``); False meanwhile."""
+        same point): only once every process has built (``_settle``); False meanwhile. With the
+        "steps" form an idle engine's build advances here: one unit per call (none while requests
+        run: the steps run them, one each)."""
         job = self.job
         if job is None or job.swap_s is not None:
             return False
         if job.agreed:
+            if not self.engine.has_work() and self._build_unit(job):
+                job.idle_units += 1
             if not self._settle(job):
                 return False
         elif not job.ready():
@@ -504,7 +586,8 @@ class LiveRescaler:
     def _finish(self, job: RescaleJob, first_step_s: float | None, calls: list | None = None) -> None:
         calls = calls or []
         normal = normal_step(job.before, calls)
-        paused = job.swap_s + job.paused_s  # the part of an agreed build run between steps stopped serving too
+        # the longest pause of an agreed build between two steps stopped serving too (0 in one process)
+        paused = job.swap_s + job.largest_pause_s
         stall = None if first_step_s is None or not normal else (paused + first_step_s) / normal
         s = job.stats
         compiles = None
@@ -530,6 +613,9 @@ class LiveRescaler:
             first_step_compiles=compiles,
             first_step_calls=[list(c) for c in calls],
             shapes_compiled=len(job.shapes),
+            largest_pause_s=job.largest_pause_s,
+            build_units=job.units_run,
+            unit_pauses_s=job.unit_pauses,
         )
         self.history.append(job._result)
         self._step_times.clear()  # the new layout's steps are the next baseline

@@ -408,11 +408,13 @@ def test_lower_step_compiles_what_a_step_runs(llm):
 
 
 @pytest.mark.slow
-def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm):
-    """The ``jax.distributed`` agreement (``agreed``, background build) in one process, with a stand-in
-    for the all-gather: while another process reports building, steps go on and ``apply`` does not
-    swap; when it reports that its build failed, the rescale fails here too (naming it) and the old
-    layout stays."""
+@pytest.mark.parametrize("form", ["steps", "thread"])
+def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm, form):
+    """The ``jax.distributed`` agreement (``agreed``) in one process, with a stand-in for the
+    all-gather: while another process reports building, steps go on and ``apply`` does not swap; when
+    it reports that its build failed, the rescale fails here too (naming it) and the old layout stays.
+    ``steps`` (the default): one build unit (a lowering or a few programs compiled) before each step, on
+    the engine's thread, none in ``apply`` while requests run; ``thread``: the compiles in a thread."""
     from jaxmoe.janus.live_rescale import BUILDING, FAILED
 
     engine = llm.engine
@@ -425,7 +427,8 @@ def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm):
 
     own_gather, before = rescaler.gather, _layout(llm)
     llm.generate([_prompt(300)], SamplingParams(max_tokens=2, ignore_eos=True))  # the steps' programs compiled
-    rescaler.agreed, rescaler.gather, rescaler.background_across_processes = True, gather, True
+    assert rescaler.across_processes == "steps"  # the default
+    rescaler.agreed, rescaler.gather, rescaler.across_processes = True, gather, form
     rid = engine.add_request(_prompt(300), SamplingParams(max_tokens=8, ignore_eos=True))
     try:
         job = rescaler.start(*((2, 6) if before[:2] == (4, 4) else (4, 4)))
@@ -433,14 +436,21 @@ def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm):
         for _ in range(3):
             engine.step()
         assert rescaler.apply() is False and not job.done() and len(agreements) == 4
+        if form == "steps":  # one unit before each step, the first a lowering; none in apply (busy)
+            assert job.thread is None and job.units_run == 3 and not job.ready(), job.units_run
+            assert 0 < job.largest_pause_s <= job.paused_s and job.build_s > 0
         other[0] = FAILED
         engine.step()
         assert job.done() and rescaler.job is None
         with pytest.raises(RescaleError, match=r"building the \da\de layout failed on process 1"):
             job.result(0)
-        job.thread.join(120)  # the build stops at its next program
-        assert not job.thread.is_alive() and _layout(llm) == before
+        if form == "thread":
+            job.thread.join(120)  # the build stops at its next program
+            assert not job.thread.is_alive()
+        else:  # the units not run are dropped
+            assert job.units is None and job.units_run == 4
+        assert _layout(llm) == before
         assert job.steps_during_build == 3  # the old layout served meanwhile
     finally:
         engine.abort(rid)
-        rescaler.agreed, rescaler.gather, rescaler.background_across_processes = False, own_gather, False
+        rescaler.agreed, rescaler.gather, rescaler.across_processes = False, own_gather, "steps"

@@ -43,7 +43,10 @@ SWAPPED_1A7E = [4, 5, 6, 7] * 3 + [0, 1, 2, 3] * 4
 # them all before the swap.
 RESCALES = [(4, 4), (1, 7)]
 RESCALE_ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=2, max_prefill_chunk=16, max_batch_tokens=32)
-RESCALE_REQUESTS = 6
+RESCALE_REQUESTS = 7
+# while a build runs the engine is kept full (RESCALE_ENGINE's 2 sequences) up to this many requests in
+# all, so that sequences live through the swap (their KV blocks move) and a first step follows it
+RESCALE_MAX_REQUESTS = 40
 
 
 def rescale_request(i: int):
@@ -89,6 +92,12 @@ def main(argv=None) -> int:
         help="live re-scaling under a bounded load: the layout changes RESCALES times while requests "
         "run (use with meshes/cpu-8-1a7e.yaml)",
     )
+    ap.add_argument(
+        "--rescale-form",
+        default="steps",
+        choices=["steps", "stop", "thread"],
+        help="with --rescale: how the build compiles (LiveRescaler.across_processes)",
+    )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -115,7 +124,7 @@ def main(argv=None) -> int:
         return 0
     if args.rescale:
         llm = LLM(args.model, dtype="float32", mesh=args.mesh, **RESCALE_ENGINE)
-        Path(args.out).write_text(json.dumps(rescale(jax, llm), indent=1))
+        Path(args.out).write_text(json.dumps(rescale(jax, llm, args.rescale_form), indent=1))
         jax.distributed.shutdown()
         return 0
     llm = LLM(args.model, dtype="float32", mesh=args.mesh, **ENGINE)
@@ -253,10 +262,10 @@ def relayout(jax, llm, args) -> dict:
     return out
 
 
-def rescale(jax, llm) -> dict:
+def rescale(jax, llm, form: str = "steps") -> dict:
     """The engine re-scaled RESCALES times while requests run (every process calls ``start`` at the
-    same step: parameters move and the programs compile there, and the processes swap once every one
-    has built). Returns the
+    same step: parameters move there, the programs compile one unit before each step or idle
+    ``apply``, and the processes swap once every one has built). Returns the
     final tokens per request, each change's ``RescaleResult``, the layouts and the free KV blocks."""
     from jaxmoe import SamplingParams
     from jaxmoe.runtime.slot_moves import mover_for
@@ -276,6 +285,7 @@ def rescale(jax, llm) -> dict:
     from jaxmoe.janus.live_rescale import LiveRescaler, RescaleError
 
     rescaler = LiveRescaler.of(engine)
+    rescaler.across_processes = form
 
     try:  # 5a3e: attention devices 0-4 would span both processes: refused, nothing changes
         rescaler.start(5, 3)
@@ -292,14 +302,23 @@ def rescale(jax, llm) -> dict:
         t = time.perf_counter()
         print(f"rescale to {attention}a{experts}e: building", flush=True)
         job = rescaler.start(attention, experts)
-        print(f"rescale to {attention}a{experts}e: built in {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"rescale to {attention}a{experts}e: started in {time.perf_counter() - t:.1f} s", flush=True)
         for _ in range(20000):  # bounded: the processes agree on the swap once every one has built
             if job.done():
                 break
+            live = len(engine.scheduler.sequences())
+            if not job.swapped and live < RESCALE_ENGINE["max_num_seqs"] and len(added) < RESCALE_MAX_REQUESTS:
+                add(len(added))  # the old layout serves a full engine during the build (the same on every process)
             if engine.has_work():
                 step()
-            elif not rescaler.apply():
-                time.sleep(0.02)  # idle: ask again (every process makes the same calls)
+            elif job.swapped and len(added) < RESCALE_MAX_REQUESTS:  # swapped while idle: a first step on it
+                add(len(added))
+            elif job.swapped:
+                rescaler.apply()  # nothing left to add: done, idle
+            else:
+                step()  # idle: no model step, but the hooks run (the next build unit, the agreement)
+                if job.units is None and not job.swapped:
+                    time.sleep(0.02)  # ("thread") ask again (every process makes the same calls)
         results.append(job.result(timeout=0).as_dict())
         print(f"rescale to {attention}a{experts}e: serving", flush=True)
         ex = llm.executor
@@ -307,8 +326,6 @@ def rescale(jax, llm) -> dict:
             [ex.num_attention, ex.num_expert_instances, sorted({d.process_index for d in ex.sub.experts.devices.flat})]
         )
         crossed.append(mover_for(ex.sub).rows_across_processes)
-        if len(added) < RESCALE_REQUESTS:
-            add(len(added))
     for _ in range(2000):  # bounded
         if not engine.has_work():
             break

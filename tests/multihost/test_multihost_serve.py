@@ -234,10 +234,11 @@ def test_mesh_that_does_not_match_the_cluster_is_refused(tmp_path, nodes, per_no
 @pytest.mark.timeout(900)
 def test_rescale_over_http_on_two_processes(tmp_path):
     """meshes/cpu-8-1a7e.yaml (attention on process 0, experts on both): ``POST /admin/rescale`` to
-    4a4e while a request runs reaches both processes: parameters moved and the step programs compiled
-    (not run) on each between two steps, swapped once both have built; the first step on the new
-    layout compiles nothing. The request in flight, those sent during the rescale and the ones after
-    keep the single-process monolithic greedy tokens. Then the follower hangs without dying (SIGUSR1: its steps stop, its heartbeats go
+    4a4e while a request runs reaches both processes: parameters moved between two steps, then the
+    step programs compiled (not run) one unit before each step on both while the old layout serves
+    (steps during the build, each pause one unit), swapped once both have built; the first step on
+    the new layout compiles nothing. The request in flight, those sent during the rescale and the
+    ones after keep the single-process monolithic greedy tokens. Then the follower hangs without dying (SIGUSR1: its steps stop, its heartbeats go
     on): process 0 gives up after ``--step-timeout``, fails the request in flight, answers 503 and
     exits 1."""
     from jaxmoe import LLM, SamplingParams
@@ -262,7 +263,7 @@ def test_rescale_over_http_on_two_processes(tmp_path):
         r = threading.Thread(target=rescale, daemon=True)
         r.start()
         during = []  # (answer, when) of requests sent while the rescale runs
-        while r.is_alive() and len(during) < 3:  # they wait for the build, then run on the new layout
+        while r.is_alive() and len(during) < 3:  # served by the old layout during the build, or the new
             during.append((_complete(cluster, PROMPTS[0], timeout=840), time.monotonic()))
         r.join(840)
         t.join(600)
@@ -290,15 +291,19 @@ def test_rescale_over_http_on_two_processes(tmp_path):
         cluster.kill()
     assert rescaled[0] == 200, (rescaled, report)
     assert rescaled[1]["attention"] == 4 and rescaled[1]["experts"] == 4, rescaled
-    print({k: rescaled[1][k] for k in ("paused_s", "build_s", "swap_s", "steps_during_build", "first_step_compiles")})
+    keys = ("paused_s", "build_s", "largest_pause_s", "build_units", "swap_s", "steps_during_build")
+    print({k: rescaled[1][k] for k in (*keys, "first_step_compiles")})
     print("hang:", health, round(unhealthy_s, 1), codes, round(exit_s, 1))
     assert health == 503 and unhealthy_s < step_timeout + 15, (health, unhealthy_s, report)
     assert refused[0] == 503 and "stopped stepping without dying" in refused[1]["error"]["message"], refused
     assert hung["r"][0] >= 500 and "error" in hung["r"][1], hung
     # the follower stays hung until jax terminates it once process 0 (the coordination service) is gone
     assert codes[0] == 1 and codes[1] != 0 and exit_s < step_timeout + 60, (codes, exit_s, report)
-    # built between two steps (compiled ahead, not by running: the first step on it compiles nothing)
-    assert rescaled[1]["paused_s"] > rescaled[1]["build_s"] > 0
+    # compiled ahead (not by running: the first step on it compiles nothing), one unit before each step
+    # while the old layout served: no pause as long as the whole build
+    assert rescaled[1]["paused_s"] > rescaled[1]["build_s"] > 0 and rescaled[1]["build_units"] > 1
+    assert rescaled[1]["steps_during_build"] > 0, rescaled
+    assert rescaled[1]["largest_pause_s"] < rescaled[1]["build_s"], rescaled
     assert rescaled[1]["first_step_compiles"] is None or rescaled[1]["first_step_compiles"] <= 2, rescaled
     assert during and all(a[0] == 200 for a, _ in during), (during, rescaled)
     ref = LLM("tiny-random", dtype="float32", **ENGINE)
