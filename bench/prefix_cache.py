@@ -166,6 +166,12 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workloads", default="shared,chat")
+    ap.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=512,
+        help="tokens per step (512: one prefill chunk, so a second prompt never starts beside the first)",
+    )
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--deterministic-impl", default="auto", help="auto (the CPU kernels where they run) or dense")
     ap.add_argument(
@@ -178,7 +184,9 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg, params, tok = load_model(args.model)
-    base = EngineConfig(block_size=16, num_blocks=1024, max_num_seqs=8, max_batch_tokens=512, max_prefill_chunk=512)
+    base = EngineConfig(
+        block_size=16, num_blocks=1024, max_num_seqs=8, max_batch_tokens=args.max_batch_tokens, max_prefill_chunk=512
+    )
     executor = build_executor(cfg, params, RuntimeConfig(engine=base))
     known = {
         "caching off": dict(prefix_caching=False),
