@@ -1,6 +1,7 @@
 """Deterministic (batch-invariant) mode: a request's greedy tokens and logprobs are bit-identical alone,
 beside other requests, with its prompt chunked differently, with its prefix read from the cache, and
-after a recompute preemption re-prefilled its prompt and generated tokens; in both of its forms (the
+after a recompute preemption re-prefilled its prompt and generated tokens, and when it waited for a
+prefix another request was computing (that one aborted or not); in both of its forms (the
 batch-invariant CPU kernels on the ordinary bucketed shapes, and one fixed shape with dense experts),
 and on the disaggregated executor; seeded top-k / top-p / min-p draws too."""
 

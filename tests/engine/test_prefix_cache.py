@@ -1,6 +1,7 @@
 """Automatic prefix caching: the block allocator's cache (LRU eviction, held blocks never evicted),
 the scheduler's use of it (cached prefix taken at admission, never the whole prompt, salts and KV
-keys), cache-aware dispatch, and a fake-model soak that checks every cached position a step reads
+keys, waiting for a prefix a running prefill computes -- never for an aborted or stalled one, and
+for a bounded number of steps), cache-aware dispatch, and a fake-model soak that checks every cached position a step reads
 holds the KV of exactly that sequence's tokens."""
 
 import random

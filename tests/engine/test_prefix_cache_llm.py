@@ -1,5 +1,6 @@
 """Prefix caching through ``LLM``: outputs with the cache equal those without it (greedy tokens, logprobs
-within 1e-3) for prompts that share 0-100 % of their blocks, run concurrently, on both executors and
+within 1e-3) for prompts that share 0-100 % of their blocks, run concurrently (and sharing a prefix
+nobody cached yet: the later ones wait for it and compute fewer prefill tokens), on both executors and
 several model families; across recompute preemptions, ``drop_all_kv`` and live re-scaling; prompt
 logprobs and brownout thresholds bypass it; and the disaggregated dispatcher sends a repeated prompt
 to the attention instance that cached it."""
