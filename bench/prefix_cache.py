@@ -18,6 +18,10 @@ Reported per workload and mode: TTFT P50 / P90, the prompt tokens read from the 
 tokens/s over the run, and the P50 TTFT ratio off / on. The same shared workload served over HTTP by
 ``jaxmoe serve`` and by vLLM, both with prefix caching: ``bench/prefix_cache_vs_vllm.py``.
 
+``--modes "caching on,no in-flight sharing"`` measures what sharing a prefix still being computed
+brings: the second mode lets no request wait for blocks a running prefill computes
+(``max_prefix_wait_steps = 0``), so requests arriving during the first prefill compute the prefix again.
+
 ``--deterministic`` also runs the ``shared`` workload in deterministic (batch-invariant) mode to
 measure its throughput cost (``EngineConfig.deterministic``; ``--deterministic-impl dense`` for its
 fixed-shape form).
@@ -143,6 +147,9 @@ def table(runs: list[Run]) -> str:
         if (w, "caching off") in by and (w, "caching on") in by:
             ratio = by[w, "caching off"].p(50) / by[w, "caching on"].p(50)
             lines.append(f"\n{w}: TTFT P50 caching off / on = **{ratio:.2f}x**")
+        if (w, "no in-flight sharing") in by and (w, "caching on") in by:
+            ratio = by[w, "no in-flight sharing"].p(50) / by[w, "caching on"].p(50)
+            lines.append(f"\n{w}: TTFT P50 without / with in-flight sharing = **{ratio:.2f}x**")
     if ("shared", "deterministic") in by:
         on, det = by["shared", "caching on"], by["shared", "deterministic"]
         cost = 1 - (det.out_tokens / det.seconds) / (on.out_tokens / on.seconds)
@@ -159,16 +166,33 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workloads", default="shared,chat")
+    ap.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=512,
+        help="tokens per step (512: one prefill chunk, so a second prompt never starts beside the first)",
+    )
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--deterministic-impl", default="auto", help="auto (the CPU kernels where they run) or dense")
-    ap.add_argument("--modes", default="caching off,caching on", help="comma-separated: caching off, caching on")
+    ap.add_argument(
+        "--modes",
+        default="caching off,caching on",
+        help="comma-separated: caching off, caching on, no in-flight sharing (caching on, but a request does "
+        "not wait for a prefix a running prefill is computing: computes it again)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     cfg, params, tok = load_model(args.model)
-    base = EngineConfig(block_size=16, num_blocks=1024, max_num_seqs=8, max_batch_tokens=512, max_prefill_chunk=512)
+    base = EngineConfig(
+        block_size=16, num_blocks=1024, max_num_seqs=8, max_batch_tokens=args.max_batch_tokens, max_prefill_chunk=512
+    )
     executor = build_executor(cfg, params, RuntimeConfig(engine=base))
-    known = {"caching off": dict(prefix_caching=False), "caching on": dict(prefix_caching=True)}
+    known = {
+        "caching off": dict(prefix_caching=False),
+        "caching on": dict(prefix_caching=True),
+        "no in-flight sharing": dict(prefix_caching=True),  # caching on, nobody waits for a prefix in flight
+    }
     modes = [(m, known[m]) for m in args.modes.split(",")]
     if args.deterministic:
         det = dict(prefix_caching=True, deterministic=True, expert_impl=args.deterministic_impl)
@@ -179,6 +203,8 @@ def main() -> None:
             if mode == "deterministic" and workload != "shared":
                 continue
             engine = make_engine(cfg, executor, tok, base, **over)
+            if mode == "no in-flight sharing":
+                engine.scheduler.max_prefix_wait_steps = 0
             r = run(engine, workload, mode, args, cfg.vocab_size)
             print(f"{workload:7s} {mode:13s} TTFT P50 {r.p(50):.3f}s P90 {r.p(90):.3f}s cached {r.cached}", flush=True)
             runs.append(r)

@@ -25,7 +25,16 @@ without KV is scheduled (new, or after a recompute preemption) it takes the long
 full blocks of its tokens -- never all of them: at least its last token is computed, for its
 logits -- and its prefill starts after them (on a partitioned cache in the partition
 ``dispatch.choose_cached_instance`` picks). After each step the blocks a sequence has completed
-are registered under their hash. The hash includes the sequence's ``cache_salt`` and the executor's
+are registered under their hash.
+
+A prefix still being computed is shared too (SGLang's rule for requests that share a prefix within a
+batch): a sequence without KV whose next uncached full block is one a running prefill is computing
+(allocated, hashed, not yet registered) waits -- it is not scheduled this step, other work is -- and
+takes the blocks from the cache once they are registered. A running prefill is one of this call's
+sequences that ran in the previous step or was scheduled earlier in this one; a keep-KV-preempted,
+recompute-preempted or aborted one is none, so nobody waits on blocks that are not being filled. A
+sequence waits at most ``max_prefix_wait_steps`` steps in all, then computes the prefix itself. The
+hash includes the sequence's ``cache_salt`` and the executor's
 KV key (``kv_key``: the engine sets it to its expert routing's state, e.g. the brownout threshold); a sequence whose KV was computed
 under more than one key (brownout changed while it ran) registers no more blocks until it is
 recomputed. KV of the exact model (``exact_kv_key``: brownout at threshold 1) is read under every
@@ -88,12 +97,16 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_waiting: int = 1024,
         max_prefill_chunk: int | None = None,
+        max_prefix_wait_steps: int = 32,
     ):
         if max_batch_tokens < 1 or max_num_seqs < 1 or max_waiting < 0:
             raise ValueError("max_batch_tokens and max_num_seqs must be >= 1, max_waiting >= 0")
         if max_prefill_chunk is not None and max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {max_prefill_chunk}")
         self.max_prefill_chunk = max_prefill_chunk or max_batch_tokens
+        if max_prefix_wait_steps < 0:
+            raise ValueError(f"max_prefix_wait_steps must be >= 0, got {max_prefix_wait_steps}")
+        self.max_prefix_wait_steps = max_prefix_wait_steps
         self.bm = block_manager
         self.policy = GuardedPolicy(policy if policy is not None else make_policy("qllm"))  # bad decisions: the default
         self.max_batch_tokens = max_batch_tokens
@@ -109,6 +122,8 @@ class Scheduler:
         self.kv_key = lambda: None  # what else the KV depends on (the engine: its expert routing's state)
         self.exact_kv_key = lambda: None  # the KV key every kv_key may also read (the exact model's; None: none)
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens looked up / found in the cache
+        self.prefix_cache_waits = 0  # steps sequences waited for a prefix a running prefill computed
+        self.num_prefill_tokens = 0  # prompt (and recompute) tokens scheduled in prefill chunks
 
     # -- admission ---------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -162,13 +177,20 @@ class Scheduler:
         scheduled: set[str] = set()
         evicted: set[str] = set()
         tokens_left = self.max_batch_tokens
+        pending: list[dict[bytes, str]] | None = None  # per partition: block hash -> the prefill computing it
         for seq in order:
             if len(scheduled) >= self.max_num_seqs or tokens_left == 0:
                 break
             if seq.request_id in evicted:
                 continue
             fresh = not seq.block_table and seq.num_computed == 0
-            cached = self._take_cached_prefix(seq) if fresh else 0
+            if fresh and pending is None and self.bm.prefix_caching:
+                pending = self._pending_blocks(live, evicted)
+            cached = self._take_cached_prefix(seq, pending) if fresh else 0
+            if cached is None:  # its prefix is being computed by a running prefill: it waits
+                seq.num_prefix_waits += 1
+                self.prefix_cache_waits += 1
+                continue
             prefill = seq.is_prefill
             want = min(seq.num_uncomputed, tokens_left, self.max_prefill_chunk) if prefill else 1
             n = self._reserve(seq, want, prefill, rank, scheduled, evicted, live, batch)
@@ -188,6 +210,9 @@ class Scheduler:
             tokens_left -= n
             if prefill:
                 batch.prefills.append((seq, seq.num_computed, seq.num_computed + n))
+                self.num_prefill_tokens += n
+                if pending is not None:
+                    self._add_pending(pending, seq)
             else:
                 batch.decodes.append(seq)
 
@@ -207,10 +232,45 @@ class Scheduler:
         waiting = [s for s in self._seqs.values() if s.request_id not in paused and s.priority is Priority.LS]
         return self.policy.pause_at_layer(running, Queues.from_seqs(waiting), layer)
 
-    def _take_cached_prefix(self, seq: Sequence) -> int:
+    def _pending_blocks(self, live: list[Sequence], evicted: set[str]) -> list[dict[bytes, str]]:
+        """Per partition, the hashes of the blocks the running prefills of ``live`` are computing
+        (a prefill that ran last step and still holds its KV) and have not registered yet."""
+        pending: list[dict[bytes, str]] = [{} for _ in range(self.bm.num_partitions)]
+        for seq in live:
+            if seq.status is SequenceStatus.RUNNING and seq.request_id not in evicted:
+                self._add_pending(pending, seq)
+        return pending
+
+    def _add_pending(self, pending: list[dict[bytes, str]], seq: Sequence) -> None:
+        """Add the blocks ``seq`` (a prefill) has hashed and not registered to ``pending``."""
+        if not (seq.has_kv and seq.is_prefill and seq.use_prefix_cache) or seq.cache_key is None:
+            return
+        if seq.cache_key != cache_key(seq.cache_salt, self.kv_key()):
+            return  # it will register nothing
+        index = pending[self.bm.partition_of(seq)]
+        for h in seq.block_hashes[seq.num_registered_blocks :]:
+            index.setdefault(h, seq.request_id)
+
+    def _waits_for(self, seq: Sequence, hits: list[list[int]], usable: int, pending) -> bool:
+        """Whether ``seq`` (no KV yet) waits: in some partition the blocks after its cached run there
+        are being computed by a running prefill, so that run would grow beyond the longest cached one."""
+        if pending is None or seq.num_prefix_waits >= self.max_prefix_wait_steps:
+            return False
+        best = max(map(len, hits))
+        for p, hit in enumerate(hits):
+            n = len(hit)
+            while n < usable and seq.block_hashes[n] in pending[p]:
+                n += 1
+            if n > best:
+                return True
+        return False
+
+    def _take_cached_prefix(self, seq: Sequence, pending: list[dict[bytes, str]] | None = None) -> int | None:
         """A sequence about to compute its KV from scratch: set its cache key and, with prefix
         caching, give it the longest run of cached blocks of its tokens but the last (in the
-        partition ``choose_cached_instance`` picks). Returns the tokens it took (its ``num_computed``)."""
+        partition ``choose_cached_instance`` picks). Returns the tokens it took (its ``num_computed``),
+        or None when it should wait for blocks a running prefill is computing (``pending``, see
+        ``_pending_blocks``): then it takes nothing."""
         bm = self.bm
         key = cache_key(seq.cache_salt, self.kv_key())
         if key != seq.cache_key:
@@ -231,6 +291,8 @@ class Scheduler:
                 other = bm.cached_prefix(hashes, p)
                 if len(other) > len(hits[p]):
                     hits[p], from_exact[p] = other, True
+        if self._waits_for(seq, hits, usable, pending):
+            return None
         if not any(hits):
             return 0
         chunk = min(self.max_prefill_chunk, self.max_batch_tokens)
@@ -458,6 +520,8 @@ class Scheduler:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_blocks": self.bm.num_cached_blocks,
+            "prefix_cache_waits": self.prefix_cache_waits,
+            "prefill_tokens": self.num_prefill_tokens,
         }
         out.update({f"queue_{k}": v for k, v in self.queue_lengths().items()})
         for kind, per in self.preemptions.items():

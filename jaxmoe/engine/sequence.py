@@ -95,6 +95,7 @@ class Sequence:
         self.cache_key: bytes | None = None  # the key its KV is computed under (None: holds none)
         self.block_hashes: list[bytes] = []  # of its full blocks, under cache_key
         self.num_registered_blocks = 0  # leading blocks already offered to the cache
+        self.num_prefix_waits = 0  # steps it waited for blocks a running prefill was computing
 
     # -- token views -------------------------------------------------------
     @property

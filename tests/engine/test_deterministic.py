@@ -1,6 +1,7 @@
 """Deterministic (batch-invariant) mode: a request's greedy tokens and logprobs are bit-identical alone,
 beside other requests, with its prompt chunked differently, with its prefix read from the cache, and
-after a recompute preemption re-prefilled its prompt and generated tokens; in both of its forms (the
+after a recompute preemption re-prefilled its prompt and generated tokens, and when it waited for a
+prefix another request was computing (that one aborted or not); in both of its forms (the
 batch-invariant CPU kernels on the ordinary bucketed shapes, and one fixed shape with dense experts),
 and on the disaggregated executor; seeded top-k / top-p / min-p draws too."""
 
@@ -18,6 +19,7 @@ from jaxmoe.engine.config import EngineConfig
 from jaxmoe.models.transformer import invariant_unsupported
 
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+SHORT = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
 def logprobs(out) -> np.ndarray:
@@ -61,6 +63,43 @@ def check(llm, target, others):
     assert eng.scheduler.get(rid).num_output_tokens >= 1
     eng.scheduler.drop_all_kv()  # recompute: prompt + generated tokens re-prefilled in chunks
     assert_identical(eng.run_until_done()[rid], alone)
+    check_shared_prefix_in_flight(llm)
+
+
+def check_shared_prefix_in_flight(llm):
+    """Three prompts sharing two full blocks, submitted together: the later two wait while the first
+    computes the prefix and then read it from the cache, computing fewer prefill tokens in all than
+    with caching off, with identical tokens and logprobs; with the first aborted while they wait, they
+    still finish identically."""
+    eng, bm = llm.engine, llm.engine.block_manager
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(6, 250, 2 * bm.block_size + 4).tolist()  # diverges inside the third block
+    prompts = [prefix + rng.integers(6, 250, 7).tolist() for _ in range(3)]
+
+    def run(caching):
+        bm.reset_prefix_cache()
+        bm.prefix_caching, before = caching, eng.scheduler.num_prefill_tokens
+        try:
+            return llm.generate(prompts, SHORT), eng.scheduler.num_prefill_tokens - before
+        finally:
+            bm.prefix_caching = True
+
+    plain, plain_tokens = run(False)
+    cached, cached_tokens = run(True)
+    assert [o.num_cached_tokens for o in cached] == [0, 32, 32] and plain_tokens == 3 * 43
+    assert cached_tokens == 43 + 2 * 11
+    for c, p in zip(cached, plain):
+        assert_identical(c, p)
+    bm.reset_prefix_cache()
+    waits = eng.scheduler.prefix_cache_waits
+    rids = [eng.add_request(p, SHORT) for p in prompts]
+    eng.step()  # the first prompt's first chunk; the others wait for it
+    assert eng.scheduler.prefix_cache_waits == waits + 2
+    eng.abort(rids[0])
+    out = eng.run_until_done()
+    assert rids[0] not in out and out[rids[2]].num_cached_tokens == 32
+    for rid, p in zip(rids[1:], plain[1:]):
+        assert_identical(out[rid], p)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Automatic prefix caching: the block allocator's cache (LRU eviction, held blocks never evicted),
 the scheduler's use of it (cached prefix taken at admission, never the whole prompt, salts and KV
-keys), cache-aware dispatch, and a fake-model soak that checks every cached position a step reads
+keys, waiting for a prefix a running prefill computes -- never for an aborted or stalled one, and
+for a bounded number of steps), cache-aware dispatch, and a fake-model soak that checks every cached position a step reads
 holds the KV of exactly that sequence's tokens."""
 
 import random
@@ -11,8 +12,9 @@ import pytest
 from jaxmoe.engine.block_manager import BlockManager
 from jaxmoe.engine.dispatch import choose_cached_instance
 from jaxmoe.engine.prefix_cache import block_hash, cache_key, extend_hashes
+from jaxmoe.engine.policies import FCFSPolicy
 from jaxmoe.engine.scheduler import Scheduler
-from jaxmoe.engine.sequence import Sequence
+from jaxmoe.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 
@@ -205,6 +207,74 @@ def test_cache_aware_dispatch_rule():
     assert choose_cached_instance(bm, [busy], 40, [0, 3], chunk=64) == 1
 
 
+def prefills(batch):
+    return [(s.request_id, st, e) for s, st, e in batch.prefills]
+
+
+def test_a_prefix_still_being_computed_is_waited_for_not_recomputed():
+    """``b`` and ``c`` arrive with ``a``, sharing its 3 full blocks (chunks of 4 tokens): they wait while
+    ``a`` computes them (other work runs), then take them from the cache and compute their own tails
+    only. Without the cache everyone computes everything."""
+    shared = list(range(12))
+
+    def run(prefix_caching):
+        sched = Scheduler(BlockManager(32, BS, prefix_caching=prefix_caching), max_prefill_chunk=4)
+        other = mk("other", range(100, 103), max_tokens=6)
+        sched.add(other)
+        run_step(sched)  # a decode that keeps running while b and c wait
+        seqs = [mk(r, shared + [50 + i, 60 + i]) for i, r in enumerate("abc")]
+        for s in seqs:
+            sched.add(s)
+        steps = [run_step(sched) for _ in range(3)]
+        assert all(b.decodes == [other] for b in steps)
+        steps = [prefills(b) for b in steps]
+        drain(sched)
+        return sched, seqs, steps
+
+    sched, (a, b, c), steps = run(True)
+    assert steps == [[("a", 0, 4)], [("a", 4, 8)], [("a", 8, 12)]]  # b, c wait; "other" decodes meanwhile
+    assert b.num_cached_tokens == c.num_cached_tokens == 12 and a.num_cached_tokens == 0
+    assert b.num_prefix_waits == c.num_prefix_waits == 3 and sched.stats()["prefix_cache_waits"] == 6
+    plain, _, plain_steps = run(False)
+    assert plain_steps[0] == [("a", 0, 4), ("b", 0, 4), ("c", 0, 4)]
+    assert sched.stats()["prefill_tokens"] == 3 + 14 + 2 + 2 < plain.stats()["prefill_tokens"] == 3 + 3 * 14
+
+
+def test_nobody_waits_on_an_aborted_or_stalled_prefill_and_the_wait_is_bounded():
+    shared = list(range(12))
+    sched = Scheduler(BlockManager(32, BS, prefix_caching=True), max_prefill_chunk=4)
+    a, b = mk("a", shared + [50]), mk("b", shared + [51])
+    sched.add(a)
+    sched.add(b)
+    assert prefills(run_step(sched)) == [("a", 0, 4)]
+    sched.abort("a")  # b was waiting for a's blocks: they are not pending any more
+    assert prefills(run_step(sched)) == [("b", 4, 8)] and b.num_cached_tokens == 4
+    drain(sched)
+    # a prefill the policy leaves out (keep-KV preempted) is not computing its blocks: no one waits on it
+    hold = set()
+    fcfs = FCFSPolicy()
+    policy = SimpleNamespace(order=lambda q, b: [s for s in fcfs.order(q, b) if s.request_id not in hold])
+    policy.victim, policy.pause_at_layer = fcfs.victim, fcfs.pause_at_layer
+    sched = Scheduler(BlockManager(32, BS, prefix_caching=True), policy=policy, max_prefill_chunk=4)
+    a, b = mk("a", shared + [50]), mk("b", shared + [51])
+    sched.add(a)
+    run_step(sched)
+    hold.add("a")
+    sched.add(b)
+    assert prefills(run_step(sched)) == []  # a ran last step: b waits for it once
+    assert a.status is SequenceStatus.PREEMPTED
+    assert prefills(run_step(sched)) == [("b", 4, 8)] and b.num_prefix_waits == 1
+    hold.clear()
+    drain(sched)
+    # the wait is bounded: after max_prefix_wait_steps steps it computes the prefix itself
+    sched = Scheduler(BlockManager(32, BS, prefix_caching=True), max_prefill_chunk=4, max_prefix_wait_steps=1)
+    a, b = mk("a", shared + [50]), mk("b", shared + [51])
+    sched.add(a)
+    sched.add(b)
+    assert prefills(run_step(sched)) == [("a", 0, 4)]
+    assert prefills(run_step(sched)) == [("a", 4, 8), ("b", 4, 8)] and b.num_prefix_waits == 1
+
+
 @pytest.mark.slow
 def test_soak_every_read_position_holds_its_own_tokens():
     """Random arrivals of prompts that share prefixes with each other, a cache small enough to evict and
@@ -249,4 +319,4 @@ def test_soak_every_read_position_holds_its_own_tokens():
         sched.postprocess(batch, new)
     assert not sched.has_work() and not pending
     assert sched.stats()["prefix_cache_hits"] > 0 and bm.num_evictions > 0
-    assert sum(sched.preemptions["recompute"].values()) > 0
+    assert sum(sched.preemptions["recompute"].values()) > 0 and sched.stats()["prefix_cache_waits"] > 0

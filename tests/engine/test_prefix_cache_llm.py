@@ -1,5 +1,6 @@
 """Prefix caching through ``LLM``: outputs with the cache equal those without it (greedy tokens, logprobs
-within 1e-3) for prompts that share 0-100 % of their blocks, run concurrently, on both executors and
+within 1e-3) for prompts that share 0-100 % of their blocks, run concurrently (and sharing a prefix
+nobody cached yet: the later ones wait for it and compute fewer prefill tokens), on both executors and
 several model families; across recompute preemptions, ``drop_all_kv`` and live re-scaling; prompt
 logprobs and brownout thresholds bypass it; and the disaggregated dispatcher sends a repeated prompt
 to the attention instance that cached it."""
@@ -49,7 +50,8 @@ def assert_same(cached, plain, tol=1e-3):
 def test_cached_and_uncached_outputs_agree_monolithic(checkpoint_dir, family):
     path = checkpoint_dir(family)
     prompts = shared_prompts()
-    plain = generate_twice(LLM(path, dtype="float32", prefix_caching=False, **ENGINE), prompts)
+    plain_llm = LLM(path, dtype="float32", prefix_caching=False, **ENGINE)
+    plain = generate_twice(plain_llm, prompts)
     llm = LLM(path, dtype="float32", **ENGINE)
     cached = generate_twice(llm, prompts)
     assert_same(cached, plain)
@@ -57,6 +59,20 @@ def test_cached_and_uncached_outputs_agree_monolithic(checkpoint_dir, family):
     assert all(o.num_cached_tokens == 0 for o in plain)
     st = llm.engine.scheduler.stats()
     assert st["prefix_cache_hits"] == 8 + 24 + 16 + 32 + 40 and st["prefix_cache_blocks"] > 0
+    # submitted together, sharing 6 full blocks (2 prefill chunks) nobody cached yet: the later two
+    # wait while the first computes them and read them from the cache
+    rng = np.random.default_rng(9)
+    prefix = rng.integers(6, 250, 6 * BLOCK + 4).tolist()
+    burst = [prefix + rng.integers(6, 250, 5).tolist() for _ in range(3)]
+    counts, outs = [], []
+    for engine in (plain_llm, llm):
+        before = engine.engine.scheduler.num_prefill_tokens
+        outs.append(engine.generate(burst, GREEDY))
+        counts.append(engine.engine.scheduler.num_prefill_tokens - before)
+    plain_outs, outs = outs
+    assert_same(outs, plain_outs)
+    assert [o.num_cached_tokens for o in outs] == [0, 48, 48] and llm.engine.scheduler.prefix_cache_waits > 0
+    assert counts == [3 * 57, 57 + 2 * 9]
 
 
 @pytest.mark.slow
