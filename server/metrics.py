@@ -154,6 +154,16 @@ class _EngineCollector:
             "Tokens whose KV came from the prefix cache (of jaxmoe_prefix_cache_queries_total)",
             value=snap.get("prefix_cache_hits", 0),
         )
+        yield CounterMetricFamily(
+            "jaxmoe_prefix_cache_waits",
+            "Steps a request without KV waited for a shared prefix a running prefill was computing",
+            value=snap.get("prefix_cache_waits", 0),
+        )
+        yield CounterMetricFamily(
+            "jaxmoe_prefill_tokens",
+            "Prompt (and recompute) tokens computed in prefill chunks (prefix-cache hits excluded)",
+            value=snap.get("prefill_tokens", 0),
+        )
         yield GaugeMetricFamily(
             "jaxmoe_prefix_cache_blocks",
             "KV blocks in the prefix cache (held by a request or kept until memory is needed)",

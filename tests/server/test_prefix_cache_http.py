@@ -100,10 +100,13 @@ def test_prefix_cache_metrics(server):
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     values = {
-        line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("jaxmoe_prefix_cache")
+        line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("jaxmoe_prefi")
     }
     assert values["jaxmoe_prefix_cache_hits_total"] >= 80
     assert values["jaxmoe_prefix_cache_queries_total"] > values["jaxmoe_prefix_cache_hits_total"]
+    # the cached tokens were not computed again: prefill computed what the cache did not hold
+    assert 0 < values["jaxmoe_prefill_tokens_total"] <= values["jaxmoe_prefix_cache_queries_total"] - 80
+    assert values["jaxmoe_prefix_cache_waits_total"] >= 0
     assert values["jaxmoe_prefix_cache_blocks"] >= 5
 
 
