@@ -99,9 +99,7 @@ def test_prefix_cache_metrics(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
-    values = {
-        line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("jaxmoe_prefi")
-    }
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("jaxmoe_prefi")}
     assert values["jaxmoe_prefix_cache_hits_total"] >= 80
     assert values["jaxmoe_prefix_cache_queries_total"] > values["jaxmoe_prefix_cache_hits_total"]
     # the cached tokens were not computed again: prefill computed what the cache did not hold
