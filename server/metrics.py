@@ -23,6 +23,31 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+# the prefix cache's counters: (metric, help, key of the engine's snapshot)
+PREFIX_CACHE_COUNTERS = (
+    (
+        "jaxmoe_prefix_cache_queries",
+        "Tokens of sequences looked up in the prefix cache when they started computing their KV",
+        "prefix_cache_queries",
+    ),
+    (
+        "jaxmoe_prefix_cache_hits",
+        "Tokens whose KV came from the prefix cache (of jaxmoe_prefix_cache_queries_total)",
+        "prefix_cache_hits",
+    ),
+    (
+        "jaxmoe_prefix_cache_waits",
+        "Steps a request without KV waited for a shared prefix a running prefill was computing",
+        "prefix_cache_waits",
+    ),
+    (
+        "jaxmoe_prefill_tokens",
+        "Prompt (and recompute) tokens computed in prefill chunks (prefix-cache hits excluded)",
+        "prefill_tokens",
+    ),
+)
+
+
 class ServerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -144,26 +169,8 @@ class _EngineCollector:
             rescaler = LiveRescaler.find(engine)
             if rescaler is not None:
                 yield CounterMetricFamily("jaxmoe_rescales", "Live rescales done", value=len(rescaler.history))
-        yield CounterMetricFamily(
-            "jaxmoe_prefix_cache_queries",
-            "Tokens of sequences looked up in the prefix cache when they started computing their KV",
-            value=snap.get("prefix_cache_queries", 0),
-        )
-        yield CounterMetricFamily(
-            "jaxmoe_prefix_cache_hits",
-            "Tokens whose KV came from the prefix cache (of jaxmoe_prefix_cache_queries_total)",
-            value=snap.get("prefix_cache_hits", 0),
-        )
-        yield CounterMetricFamily(
-            "jaxmoe_prefix_cache_waits",
-            "Steps a request without KV waited for a shared prefix a running prefill was computing",
-            value=snap.get("prefix_cache_waits", 0),
-        )
-        yield CounterMetricFamily(
-            "jaxmoe_prefill_tokens",
-            "Prompt (and recompute) tokens computed in prefill chunks (prefix-cache hits excluded)",
-            value=snap.get("prefill_tokens", 0),
-        )
+        for name, help_text, key in PREFIX_CACHE_COUNTERS:
+            yield CounterMetricFamily(name, help_text, value=snap.get(key, 0))
         yield GaugeMetricFamily(
             "jaxmoe_prefix_cache_blocks",
             "KV blocks in the prefix cache (held by a request or kept until memory is needed)",

@@ -226,8 +226,9 @@ class LLMEngine:
             hook.before_step(self)
         batch = self.scheduler.schedule()
         self.last_step_ran = not batch.is_empty
-        if self._ahead is not None or self._overlaps(batch):
-            outputs = self._step_ahead(batch)
+        overlaps = self._overlaps(batch)
+        if self._ahead is not None or overlaps:
+            outputs = self._step_ahead(batch, overlaps)
         else:
             outputs = self.run_batch(batch, self._pause_points(batch)) if self.last_step_ran else []
         outputs, self._delivered = self._delivered + outputs, []
@@ -252,13 +253,13 @@ class LLMEngine:
                 return False
         return self._pause_points(batch) is None
 
-    def _step_ahead(self, batch) -> list[RequestOutput]:
+    def _step_ahead(self, batch, overlaps: bool) -> list[RequestOutput]:
         """One step of async scheduling: dispatch ``batch`` (its decodes fed the tokens of the step
         still running), then read that step and finish its work; or, where ``batch`` cannot overlap,
         read that step first and run ``batch`` synchronously (without the sequences it stopped)."""
         ahead, self._ahead = self._ahead, None
         launched = None
-        if self._overlaps(batch):
+        if overlaps:  # ``_overlaps(batch)``
             rows, seqs = self._rows(batch)
             self.step_request_ids = [seq.request_id for seq in seqs]
             fed = None
