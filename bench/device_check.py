@@ -104,12 +104,14 @@ def main(argv=None) -> int:
         print(f"device_check: error: --platform {args.platform} but JAX's backend is {backend}", file=sys.stderr)
         return 2
     check = Check(args.tiny, args.budget_s)
-    report = check.run()
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+
+    def write(report: dict) -> None:  # after every section, so a run cut short still leaves its JSON
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(report, indent=1) + "\n")
+
+    report = check.run(write)
+    print(json.dumps(report, indent=1))
     return 0 if not report["errors"] else 1
 
 
@@ -124,7 +126,7 @@ class Check:
         self.errors: list[dict] = []
         self.copy_gbs = None
 
-    def run(self) -> dict:
+    def run(self, after_section=lambda report: None) -> dict:
         sections = {}
         for name, fn in (
             ("correctness", self.correctness),
@@ -146,6 +148,10 @@ class Check:
                 sections[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             if isinstance(sections[name], dict):
                 sections[name]["seconds"] = round(time.monotonic() - t, 2)
+            after_section(self._report(sections))
+        return self._report(sections)
+
+    def _report(self, sections: dict) -> dict:
         return {
             "platform": self.platform,
             "device": getattr(self.device, "device_kind", str(self.device)),
