@@ -25,12 +25,14 @@ Sections (each runs under its own try; a failure is recorded and the rest still 
   (a one-GPU machine has no second device for the other sub-mesh).
 
 ``--tiny``: every section at toy sizes (seconds on a CPU). ``--out FILE``: where the JSON goes
-(default: stdout only).
+(default: stdout only; rewritten after every section, so a run cut short keeps what it measured).
+``--sections a,b``: only these, in this order (default: all, in the order of ``SECTIONS``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -38,6 +40,9 @@ import sys
 import time
 import traceback
 
+# In the order they run: copy_bandwidth first (the roofline's denominator), decode (compiles a
+# 27-layer model per expert-FFN form) and the host-CPU disaggregated section last.
+SECTIONS = ("copy_bandwidth", "grouped_matmul", "aebs", "correctness", "decode", "decode_profile", "disaggregated")
 GOALS = {"grouped_matmul_pct_of_copy": 85.0, "aebs_us": 15.0, "disaggregated_host_us_per_layer": 100.0}
 V2_LITE = {
     "model_type": "deepseek_v2",
@@ -90,6 +95,11 @@ def main(argv=None) -> int:
     p.add_argument("--platform", default="gpu", choices=["gpu", "tpu", "cpu"], help="the platform to check")
     p.add_argument("--tiny", action="store_true", help="toy sizes (the CPU dry run)")
     p.add_argument("--out", default=None, help="write the JSON here too")
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated, run in this order (default: {','.join(SECTIONS)})",
+    )
     p.add_argument("--budget-s", type=float, default=450.0, help="skip what would start after this many seconds")
     args = p.parse_args(argv)
     flags = os.environ.get("XLA_FLAGS", "")
@@ -103,7 +113,11 @@ def main(argv=None) -> int:
     if backend != args.platform:
         print(f"device_check: error: --platform {args.platform} but JAX's backend is {backend}", file=sys.stderr)
         return 2
-    check = Check(args.tiny, args.budget_s)
+    sections = tuple(name.strip() for name in args.sections.split(",") if name.strip())
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        p.error(f"--sections: unknown {unknown}; choose from {','.join(SECTIONS)}")
+    check = Check(args.tiny, args.budget_s, sections)
 
     def write(report: dict) -> None:  # after every section, so a run cut short still leaves its JSON
         if args.out:
@@ -116,10 +130,10 @@ def main(argv=None) -> int:
 
 
 class Check:
-    def __init__(self, tiny: bool, budget_s: float):
+    def __init__(self, tiny: bool, budget_s: float, sections: tuple[str, ...] = SECTIONS):
         import jax
 
-        self.tiny, self.budget_s = tiny, budget_s
+        self.tiny, self.budget_s, self.sections = tiny, budget_s, sections
         self.t0 = time.monotonic()
         self.platform = {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(), jax.default_backend())
         self.device = jax.devices()[0]
@@ -128,14 +142,8 @@ class Check:
 
     def run(self, after_section=lambda report: None) -> dict:
         sections = {}
-        for name, fn in (
-            ("correctness", self.correctness),
-            ("copy_bandwidth", self.copy_bandwidth),
-            ("grouped_matmul", self.grouped_matmul),
-            ("aebs", self.aebs),
-            ("decode", self.decode),
-            ("disaggregated", self.disaggregated),
-        ):
+        for name in self.sections:
+            fn = getattr(self, name)
             if time.monotonic() - self.t0 > self.budget_s:
                 sections[name] = {"skipped": f"over the {self.budget_s:.0f} s budget"}
                 continue
@@ -166,21 +174,23 @@ class Check:
     # ------------------------------------------------------------------ correctness
 
     def correctness(self) -> dict:
-        results = []
+        results, seconds = [], {}
         for name, fn in (
             ("expert_ffn", self._expert_ffn_forms),
             ("grouped_matmul_pallas", self._grouped_pallas),
             ("aebs", self._aebs_kernel),
             ("paged_attention", self._paged_attention),
         ):
+            t = time.perf_counter()
             try:
                 results.extend(fn())
             except Exception as e:
                 results.append({"kernel": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+            seconds[name] = round(time.perf_counter() - t, 2)
         bad = [r for r in results if not r["ok"]]
         if bad:
             self.errors.append({"section": "correctness", "error": f"{len(bad)} kernel checks failed", "failed": bad})
-        return {"checks": results, "ok": not bad}
+        return {"checks": results, "ok": not bad, "seconds_per_kernel": seconds}
 
     def _expert_ffn_forms(self) -> list[dict]:
         import jax
@@ -201,12 +211,13 @@ class Check:
         ref = np.asarray(jax.jit(expert_ffn_reference)(x, ids, weights, w), np.float32)
         out = []
         for impl in IMPLS:
-            if impl == "reference" or (impl == "cpu_kernel" and not cpu_kernel.available()):
+            if impl == "reference" or (impl.startswith("cpu_kernel") and not cpu_kernel.available()):
                 continue
             if impl == "pallas" and self.platform == "gpu" and dtype == jnp.float32:
                 continue
+            t = time.perf_counter()
             got = np.asarray(jax.jit(lambda *a, impl=impl: expert_ffn(*a, impl=impl))(x, ids, weights, w), np.float32)
-            out.append(_close(f"expert_ffn[{impl}]", got, ref, dtype))
+            out.append(_close(f"expert_ffn[{impl}]", got, ref, dtype) | {"seconds": round(time.perf_counter() - t, 2)})
         return out
 
     def _grouped_pallas(self) -> list[dict]:
@@ -382,7 +393,9 @@ class Check:
             "note": "random bfloat16 weights",
         }
 
-    def _decode_one(self, cfg, impl: str, batches) -> list[dict]:
+    def _decode_one(
+        self, cfg, impl: str, batches, steps: int | None = None, trace_dir: str | None = None
+    ) -> list[dict]:
         import jax
         import jax.numpy as jnp
 
@@ -401,17 +414,21 @@ class Check:
         greedy = SamplingParams(max_tokens=1 << 20)
         out = []
         for B in batches:
-            steps = 3 if self.tiny else 20
+            steps = steps or (3 if self.tiny else 20)
             seqs = [
                 Row([7], context, list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), greedy) for b in range(B)
             ]
             runner.run(seqs)  # compile
-            t = time.perf_counter()
-            for s in range(steps):
-                for r in seqs:
-                    r.start = context + 1 + s
-                runner.run(seqs)
-            seconds = (time.perf_counter() - t) / steps
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = 0  # the device's ops only: no Python frames, and no tracing overhead
+            tracing = jax.profiler.trace(trace_dir, profiler_options=options) if trace_dir else contextlib.nullcontext()
+            with tracing:
+                t = time.perf_counter()
+                for s in range(steps):
+                    for r in seqs:
+                        r.start = context + 1 + s
+                    runner.run(seqs)
+                seconds = (time.perf_counter() - t) / steps
             _, step_bytes = _model_bytes(cfg, B)
             roofline = B * self.copy_gbs * 1e9 / step_bytes if self.copy_gbs else None
             tps = B / seconds
@@ -429,9 +446,64 @@ class Check:
         jax.effects_barrier()
         return out
 
+    # ------------------------------------------------------------------ decode profile
+
+    def decode_profile(self) -> dict:
+        """Where a decode step's time goes: a ``jax.profiler`` trace of a few steps (the decode
+        section's model and runner, the "pallas" form on a GPU, "auto" on a CPU), summed per
+        timeline of the device planes and per op name: the device's busy time per step against
+        the step's wall time says whether a step is bound by its kernels or by launches and host work."""
+        import glob
+        import tempfile
+
+        from jax.profiler import ProfileData
+
+        from jaxmoe.config import from_hf_config
+
+        cfg = from_hf_config(V2_LITE_TINY if self.tiny else V2_LITE)
+        impl, steps = ("auto", 3) if self.platform == "cpu" else ("pallas", 10)
+        out = {}
+        for batch in (1,) if self.tiny else (1, 32):
+            trace_dir = tempfile.mkdtemp(prefix="jaxmoe-trace-")
+            row = self._decode_one(cfg, impl, (batch,), steps=steps, trace_dir=trace_dir)[0]
+            data = ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+            device = "/host:CPU" if self.platform == "cpu" else f"/device:{self.platform.upper()}:0"
+            lines, ops = {}, {}
+            for plane in data.planes:
+                if not plane.name.startswith(device):
+                    continue
+                for line in plane.lines:
+                    for event in line.events:
+                        lines[line.name] = lines.get(line.name, 0.0) + event.duration_ns
+                        if "Stream" in line.name or self.platform == "cpu":  # GPU: the streams' kernels
+                            n, t = ops.get(event.name, (0, 0.0))
+                            ops[event.name] = (n + 1, t + event.duration_ns)
+            top = sorted(ops.items(), key=lambda kv: -kv[1][1])[:15]
+            out[f"batch_{batch}"] = {
+                "step_ms": row["step_ms"],
+                "ms_per_step_per_timeline": {k: round(v / steps / 1e6, 3) for k, v in sorted(lines.items())},
+                "ops_per_step": round(sum(n for n, _ in ops.values()) / steps, 1),
+                "top_ops": [
+                    {"name": k[:120], "per_step": round(n / steps, 1), "ms_per_step": round(t / steps / 1e6, 3)}
+                    for k, (n, t) in top
+                ],
+            }
+        return {"impl": impl, "steps_traced": steps, **out}
+
     # ------------------------------------------------------------------ disaggregated
 
     def disaggregated(self) -> dict:
+        import jax
+
+        from jaxmoe.pallas_kernels.platform import lowering_for
+
+        cpus = jax.devices("cpu")
+        if len(cpus) < 8:
+            return {"skipped": f"needs 8 host CPU devices, have {len(cpus)}"}
+        with lowering_for("cpu"):  # the programs run on host CPU devices, whatever the default backend
+            return self._disaggregated_on(cpus)
+
+    def _disaggregated_on(self, cpus) -> dict:
         import pathlib
 
         import jax
@@ -443,9 +515,6 @@ class Check:
         from jaxmoe.models.attention import AttentionBatch
         from jaxmoe.runtime.disaggregated import DisaggregatedExecutor
 
-        cpus = jax.devices("cpu")
-        if len(cpus) < 8:
-            return {"skipped": f"needs 8 host CPU devices, have {len(cpus)}"}
         spec = load_mesh(pathlib.Path(__file__).resolve().parents[1] / "meshes" / "cpu-8.yaml")
         sub = build_meshes(spec, devices=cpus[:8])
         cfg = demo_config()

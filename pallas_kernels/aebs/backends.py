@@ -54,9 +54,10 @@ def build(num_experts, num_instances, num_replicas, tkp, width, *, policy, max_m
             plgpu.SMEM((num_replicas, width), i32),
         )
         body = functools.partial(_gpu_body, **kw)
-        extra = (
-            dict(interpret=True) if backend == "mosaic_gpu_interpret" else dict(compiler_params=plgpu.CompilerParams())
-        )
+        # Lane semantics named, not left to the default: the body is written for it (scalar
+        # operands broadcast implicitly, boolean vectors), and newer jax defaults to Warpgroup.
+        lane = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+        extra = dict(interpret=True) if backend == "mosaic_gpu_interpret" else dict(compiler_params=lane)
         try:
             return plgpu.kernel(body, out_type=outs, scratch_types=scratch, **extra)
         except TypeError:  # jax versions that only know the *_shape spellings

@@ -27,7 +27,15 @@ def test_cpu_dry_run_writes_every_section(tmp_path):
     report = json.loads(out.read_text())
     assert report["platform"] == "cpu" and report["tiny"] is True and report["errors"] == []
     s = report["sections"]
-    assert set(s) == {"correctness", "copy_bandwidth", "grouped_matmul", "aebs", "decode", "disaggregated"}
+    assert list(s) == [
+        "copy_bandwidth",
+        "grouped_matmul",
+        "aebs",
+        "correctness",
+        "decode",
+        "decode_profile",
+        "disaggregated",
+    ]
     checks = {c["kernel"]: c["ok"] for c in s["correctness"]["checks"]}
     assert all(checks.values()) and s["correctness"]["ok"]
     assert {"expert_ffn[dense]", "grouped_matmul[pallas]", "aebs[aebs, kernel]", "paged_attention[xla form]"} <= set(
@@ -38,5 +46,7 @@ def test_cpu_dry_run_writes_every_section(tmp_path):
     assert [r["batch"] for r in s["aebs"]["rows"]] == [16, 64] and all(r["us"] > 0 for r in s["aebs"]["rows"])
     decode = s["decode"]["rows"]
     assert decode and all(r["tokens_per_s"] > 0 and r["roofline_tokens_per_s"] > 0 for r in decode)
+    profile = s["decode_profile"]["batch_1"]
+    assert profile["ops_per_step"] > 0 and profile["top_ops"] and profile["step_ms"] > 0
     assert s["disaggregated"]["host_us_per_layer"] > 0 and s["disaggregated"]["layers"] == 4
     assert json.loads(done.stdout) == report  # the same JSON on stdout
