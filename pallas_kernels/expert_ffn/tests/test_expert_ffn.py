@@ -72,6 +72,51 @@ def test_implementation_matches_reference(impl, case, dtype):
     np.testing.assert_allclose(_f32(got), want, err_msg=f"{impl} {case} seed={seed}", **_tolerance(dtype, want))
 
 
+class _LayerView:
+    """``ExpertWeights`` of layer ``index`` of weights stacked over layers [L, E, ...] (as the model's
+    ``LayerWeights``), bf16 kept as its uint16 bits (``models.common.pack16``)."""
+
+    def __init__(self, stacks, index, dtype):
+        self.stacks, self.index, self.dtype = stacks, index, dtype
+        self.num_experts = stacks[0].shape[1]
+
+    def _layer(self, w):
+        w = jax.lax.dynamic_index_in_dim(w, self.index, keepdims=False)
+        return jax.lax.bitcast_convert_type(w, self.dtype) if w.dtype == jnp.uint16 else w
+
+    def stacked(self, dtype):
+        return tuple(self._layer(w).astype(dtype) for w in self.stacks)
+
+    def expert(self, e, dtype):
+        return tuple(jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in self.stacked(dtype))
+
+    def layered(self):
+        return self.stacks, self.index
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_pallas_reads_one_layer_of_a_layer_stack_in_place(dtype):
+    """The Pallas form on a layer view reads the layer's experts out of the whole stack by group index
+    (``xla.layer_stack``): the same output as the reference on that layer's weights, and the program
+    slices no weight (a slice feeding a custom call is a copy of the layer's whole expert stack)."""
+    seed = int.from_bytes(os.urandom(3), "little")
+    layers = [_inputs("decode_b16", dtype, seed + i) for i in range(3)]
+    x, ids, weights, _ = layers[0]
+    pack = (lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)) if dtype == jnp.bfloat16 else (lambda a: a)
+    stacks = tuple(pack(jnp.stack([layer[3][j] for layer in layers])) for j in range(3))
+
+    def run(index, stacks):
+        return expert_ffn(x, ids, weights, _LayerView(stacks, index, dtype), impl="pallas")
+
+    for index in (1, 2):
+        want = _f32(expert_ffn_reference(x, ids, weights, layers[index][3]))
+        got = jax.jit(run)(jnp.int32(index), stacks)
+        np.testing.assert_allclose(_f32(got), want, err_msg=f"layer {index} seed={seed}", **_tolerance(dtype, want))
+    program = str(jax.make_jaxpr(run)(jnp.int32(1), stacks))
+    assert "dynamic_slice" not in program and "pallas_call" in program
+
+
 def test_reference_is_the_formula():
     seed = int.from_bytes(os.urandom(3), "little")
     x, ids, weights, experts = _inputs("unrouted_slots", jnp.float32, seed)
