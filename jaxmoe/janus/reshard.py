@@ -31,6 +31,7 @@ The engine side (background build and compile, the swap at a step boundary, the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -418,23 +419,43 @@ def _onto_collective(tree, old_sub: SubMeshes, new_sub: SubMeshes):
         copies.append(slot_moves.RowCopy(near[n % len(near)], 0, d, 0))
     plan = slot_moves.SlotPlan(tuple(sorted(set(old_idx) | set(new_idx))), 1, 1, keep, tuple(copies))
     leaves, treedef = jax.tree.flatten(tree)
-    old_rows = NamedSharding(old_sub.attention, P("attn"))
-    rows = {}
     for i, leaf in enumerate(leaves):
         if not leaf.sharding.is_fully_replicated:
             raise ValueError(f"attention parameter {i} is not replicated on the attention devices: {leaf.sharding}")
-        blocks = [s.data.reshape(1, -1) for s in leaf.addressable_shards]  # this process' copies, one row each
-        rows[f"{i:05d}"] = jax.make_array_from_single_device_arrays(
-            (old_sub.spec.attention.count, leaf.size), old_rows, blocks, dtype=leaf.dtype
-        )
+    rows = _as_rows(old_sub.attention)(leaves)  # each device's copy as its row of [instances, size]
     new_rows = NamedSharding(new_sub.attention, P("attn"))
-    out = slot_moves.mover_for(new_sub).run(plan, rows, new_rows, spec.attention.count)
-    attn = NamedSharding(new_sub.attention, P())
-    moved = []
-    for i, leaf in enumerate(leaves):
-        copies_here = [s.data.reshape(leaf.shape) for s in out[f"{i:05d}"].addressable_shards]
-        moved.append(jax.make_array_from_single_device_arrays(leaf.shape, attn, copies_here, dtype=leaf.dtype))
+    out = slot_moves.mover_for(new_sub).run(
+        plan, {f"{i:05d}": r for i, r in enumerate(rows)}, new_rows, spec.attention.count
+    )
+    shapes = tuple(leaf.shape for leaf in leaves)
+    moved = _from_rows(new_sub.attention, shapes)([out[f"{i:05d}"] for i in range(len(leaves))])
     return jax.tree.unflatten(treedef, moved)
+
+
+@functools.lru_cache(maxsize=16)
+def _as_rows(mesh):
+    """Replicated arrays on ``mesh`` -> [instances, size] arrays P("attn") whose row j is instance
+    j's copy (a local reshape on each device: no communication)."""
+    return jax.jit(
+        jax.shard_map(
+            lambda xs: [x.reshape(1, -1) for x in xs], mesh=mesh, in_specs=P(), out_specs=P("attn"), check_vma=False
+        )
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _from_rows(mesh, shapes: tuple):
+    """``_as_rows`` undone: [instances, size] P("attn") arrays whose rows are the same copy ->
+    arrays of ``shapes`` replicated on ``mesh`` (each device reshapes its own row)."""
+    return jax.jit(
+        jax.shard_map(
+            lambda xs: [x.reshape(shape) for x, shape in zip(xs, shapes)],
+            mesh=mesh,
+            in_specs=P("attn"),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
 
 
 def move_kv(
