@@ -55,8 +55,9 @@ in progress every process contributes its state (building, built, failed) to one
 (``multihost_utils.process_allgather``, a collective at the same point of every process's step
 sequence, so all see the same states); the swap happens on every process at the first step where
 all report built, and a build failed anywhere fails the rescale everywhere (the old layout stays).
-The expert side may span processes; the attention side must stay inside one
-(``runtime.rescale.check_processes``).
+Either side may span processes when its instances are one device each
+(``janus.reshard.check_processes``); the KV blocks of live sequences then move at the swap in a
+collective every process runs at that step (``janus.reshard.move_kv``).
 """
 
 from __future__ import annotations
@@ -150,6 +151,9 @@ class RescaleResult:
     # "steps": [unit, seconds] of each unit run, in order (unit: "lower RxT" or "compile RxT", the
     # serving shape: rows per instance x tokens per row)
     unit_pauses_s: list = dataclasses.field(default_factory=list)
+    # KV bytes of the moved blocks that changed device at the swap (every layer; across processes they
+    # travel in ``slot_moves`` ppermute rounds)
+    kv_bytes_moved: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -616,6 +620,7 @@ class LiveRescaler:
             largest_pause_s=job.largest_pause_s,
             build_units=job.units_run,
             unit_pauses_s=job.unit_pauses,
+            kv_bytes_moved=s.kv_bytes_moved,
         )
         self.history.append(job._result)
         self._step_times.clear()  # the new layout's steps are the next baseline

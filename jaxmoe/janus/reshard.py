@@ -15,11 +15,14 @@ another number of attention and expert instances on the same devices, built from
 * ``build_rescaled``: the new ``DisaggregatedExecutor`` from the running one's parameters (attention
   side: one ``device_put`` to the new attention mesh; expert side: ``reshard_experts``).
 * ``move_kv``: copies the KV blocks of live sequences from the old cache to their new blocks in the
-  new executor's cache (through host memory: the old cache is read, the moved blocks written).
+  new executor's cache (through host memory: the old cache is read, the moved blocks written; when
+  the old and new attention devices span processes, a ``slot_moves`` collective whose rows are
+  cache slots).
 
-Under ``jax.distributed`` (``check_processes``): the expert side may span processes (the re-shard
-then runs as ``slot_moves`` collectives: every process calls ``build_rescaled`` at the same point);
-the attention side, before and after, must be inside one process.
+Under ``jax.distributed`` (``check_processes``): either side may span processes when its instances
+are one device each. The expert re-shard, the attention parameters onto new attention devices and
+the KV move then run as ``slot_moves`` collectives: every process calls ``build_rescaled`` and
+``move_kv`` at the same point.
 
 The engine side (background build and compile, the swap at a step boundary, the stall) is
 ``jaxmoe.janus.live_rescale``.
@@ -28,6 +31,7 @@ The engine side (background build and compile, the swap at a step boundary, the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +136,7 @@ class MoveStats:
     expert_slots_copied: int = 0
     expert_bytes_copied: int = 0
     kv_blocks_moved: int = 0
+    kv_bytes_moved: int = 0  # KV of the moved blocks that changed device (every layer)
 
 
 def reshard_experts(
@@ -265,18 +270,19 @@ def _reshard_collective(placed, sources, old_idx, new_idx, C_old, C, new_sub) ->
 
 def check_processes(old_sub: SubMeshes, spec: ClusterSpec, extra_experts: bool) -> None:
     """Under ``jax.distributed``: what live re-scaling from ``old_sub`` to layout ``spec`` (same
-    devices) cannot do across processes yet raises ``MeshConfigError``. The expert side may span
-    processes (``slot_moves`` collectives); the attention side, old and new, must be inside one
-    process (its parameters are copied with ``jax.device_put`` and ``move_kv`` goes through that
-    process' host memory); the routing's extra logical experts (``extra_experts``: e.g. brownout's
-    united experts) are placed again from host weights, so not with an expert side spanning processes."""
+    devices) cannot do across processes yet raises ``MeshConfigError``. Either side may span
+    processes when its instances are one device each (``slot_moves`` collectives: expert slots,
+    attention parameters and KV blocks move as whole rows); the routing's extra logical experts
+    (``extra_experts``: e.g. brownout's united experts) are placed again from host weights, so not
+    with an expert side spanning processes."""
     devices = old_sub.devices
     old_attn = {d.process_index for d in old_sub.attention.devices.flat}
     attention = old_attn | {devices[d].process_index for d in spec.attention.flat}
-    if len(attention) > 1:
+    k = max(spec.attention.devices_per_instance, old_sub.spec.attention.devices_per_instance)
+    if k > 1 and len(attention) > 1:
         raise MeshConfigError(
-            f"{spec.source}: live re-scaling across processes needs the attention side, before and "
-            f"after, inside one process; these attention devices are on processes {sorted(attention)}"
+            f"{spec.source}: attention.devices_per_instance: {k} (heads split) with the attention side on "
+            f"processes {sorted(attention)}: collective KV moves carry whole slots only (not built)"
         )
     old_exp = {d.process_index for d in old_sub.experts.devices.flat}
     experts = old_exp | {devices[d].process_index for d in spec.experts.flat}
@@ -293,9 +299,17 @@ def check_processes(old_sub: SubMeshes, spec: ClusterSpec, extra_experts: bool) 
         )
 
 
-def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
+def _attention_spans_processes(old_sub: SubMeshes, new_sub: SubMeshes) -> bool:
+    """Whether the old and new attention devices together belong to more than one process."""
+    devs = list(old_sub.attention.devices.flat) + list(new_sub.attention.devices.flat)
+    return len({d.process_index for d in devs}) > 1
+
+
+def build_rescaled(old, spec: ClusterSpec, num_slots: int, collective: bool | None = None, **executor_kwargs):
     """A ``DisaggregatedExecutor`` on layout ``spec`` built from the running executor ``old`` (read
-    only: ``old`` keeps serving meanwhile). Returns (executor, MoveStats of the expert re-shard)."""
+    only: ``old`` keeps serving meanwhile). Returns (executor, MoveStats of the expert re-shard).
+    ``collective``: force the attention parameters' way to the new attention devices (None: collectives
+    when the old and new attention devices span processes, else ``jax.device_put``)."""
     from jaxmoe.runtime.disaggregated import DisaggregatedExecutor, _sub_meshes
 
     sub = _sub_meshes(spec)  # cached by spec: a layout seen before reuses its meshes and programs
@@ -314,13 +328,24 @@ def build_rescaled(old, spec: ClusterSpec, num_slots: int, **executor_kwargs):
     }
     stats = MoveStats()
     placed = {i: reshard_experts(layers[i], layouts[i], old.sub, new_layouts[i], sub, stats) for i in side.moe_layers}
-    attn = NamedSharding(sub.attention, P())  # the new attention side (inside one process: check_processes)
-    params = {k: (v if k == "layers" else _onto(v, attn)) for k, v in old.params.items()}
+    attn = NamedSharding(sub.attention, P())  # the new attention side
     tp = old.attention.tp  # the same devices per attention instance on the new layout: the same split
+    params = {k: v for k, v in old.params.items() if k != "layers"}
     params["layers"] = [
-        {k: (v if k == "moe" else _onto(_logical_kv(v, tp) if k == "attn" else v, attn)) for k, v in layer.items()}
-        for layer in params["layers"]
+        {k: (v if k == "moe" else _logical_kv(v, tp) if k == "attn" else v) for k, v in layer.items()}
+        for layer in old.params["layers"]
     ]
+    attention_side = {k: v for k, v in params.items() if k != "layers"}
+    attention_side["layers"] = [{k: v for k, v in layer.items() if k != "moe"} for layer in params["layers"]]
+    if collective is None:
+        collective = _attention_spans_processes(old.sub, sub)
+    if collective:  # one device per attention instance (check_processes)
+        moved = _onto_collective(attention_side, old.sub, sub)
+    else:
+        moved = _onto(attention_side, attn)
+    for layer, new_layer in zip(params["layers"], moved["layers"]):
+        layer.update(new_layer)
+    params.update({k: v for k, v in moved.items() if k != "layers"})
     ex = DisaggregatedExecutor(
         old.cfg,
         params,
@@ -374,16 +399,89 @@ def _onto(tree, sharding: NamedSharding):
     return jax.tree.map(one, tree)
 
 
-def move_kv(old, new, moves: list[tuple[list[int], list[int]]], stats: MoveStats) -> None:
+def _onto_collective(tree, old_sub: SubMeshes, new_sub: SubMeshes):
+    """Attention-side parameters (replicated on every attention device, one device per instance)
+    moved to the new attention mesh when the old and new attention devices span processes: one
+    ``slot_moves`` program for every leaf (each device's copy seen as one row ``[1, size]``); a new
+    attention device that was an old one keeps its copy, the others receive one from an old
+    attention device (the same process first). Every process calls it together."""
+    spec = new_sub.spec
+    old_idx = [inst[0] for inst in old_sub.spec.attention.devices]
+    new_idx = [inst[0] for inst in spec.attention.devices]
+    devices = new_sub.devices
+    keep, copies = {}, []
+    for n, d in enumerate(new_idx):
+        if d in old_idx:
+            keep[d] = (0,)
+            continue
+        near = [o for o in old_idx if devices[o].process_index == devices[d].process_index] or old_idx
+        keep[d] = (-1,)
+        copies.append(slot_moves.RowCopy(near[n % len(near)], 0, d, 0))
+    plan = slot_moves.SlotPlan(tuple(sorted(set(old_idx) | set(new_idx))), 1, 1, keep, tuple(copies))
+    leaves, treedef = jax.tree.flatten(tree)
+    for i, leaf in enumerate(leaves):
+        if not leaf.sharding.is_fully_replicated:
+            raise ValueError(f"attention parameter {i} is not replicated on the attention devices: {leaf.sharding}")
+    rows = _as_rows(old_sub.attention)(leaves)  # each device's copy as its row of [instances, size]
+    new_rows = NamedSharding(new_sub.attention, P("attn"))
+    out = slot_moves.mover_for(new_sub).run(
+        plan, {f"{i:05d}": r for i, r in enumerate(rows)}, new_rows, spec.attention.count
+    )
+    shapes = tuple(leaf.shape for leaf in leaves)
+    moved = _from_rows(new_sub.attention, shapes)([out[f"{i:05d}"] for i in range(len(leaves))])
+    return jax.tree.unflatten(treedef, moved)
+
+
+@functools.lru_cache(maxsize=16)
+def _as_rows(mesh):
+    """Replicated arrays on ``mesh`` -> [instances, size] arrays P("attn") whose row j is instance
+    j's copy (a local reshape on each device: no communication)."""
+    return jax.jit(
+        jax.shard_map(
+            lambda xs: [x.reshape(1, -1) for x in xs], mesh=mesh, in_specs=P(), out_specs=P("attn"), check_vma=False
+        )
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _from_rows(mesh, shapes: tuple):
+    """``_as_rows`` undone: [instances, size] P("attn") arrays whose rows are the same copy ->
+    arrays of ``shapes`` replicated on ``mesh`` (each device reshapes its own row)."""
+    return jax.jit(
+        jax.shard_map(
+            lambda xs: [x.reshape(shape) for x, shape in zip(xs, shapes)],
+            mesh=mesh,
+            in_specs=P("attn"),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+
+
+def move_kv(
+    old, new, moves: list[tuple[list[int], list[int]]], stats: MoveStats, collective: bool | None = None
+) -> None:
     """Copy the KV of blocks ``old_blocks`` of executor ``old``'s cache into blocks ``new_blocks`` of
     ``new``'s cache, for each (old_blocks, new_blocks) of ``moves``; the other blocks of the new cache
-    are zeros. Through host memory: every layer's old cache is read once."""
+    are zeros. In one process (or with the old and new attention side inside one) through host
+    memory: every layer's old cache is read once; across processes with ``slot_moves`` collectives
+    (``_move_kv_collective``: only the slots that change device travel, every process calls it).
+    ``collective``: force one way (None: collectives when the attention devices span processes)."""
+    if collective is None:
+        collective = _attention_spans_processes(old.sub, new.sub)
+    if collective:
+        _move_kv_collective(old, new, moves, stats)
+        return
     bs = old.block_size
     src = np.concatenate([np.asarray(o, np.int64) for o, _ in moves] or [np.zeros(0, np.int64)])
     dst = np.concatenate([np.asarray(n, np.int64) for _, n in moves] or [np.zeros(0, np.int64)])
     src_slots = (src[:, None] * bs + np.arange(bs)).reshape(-1)
     dst_slots = (dst[:, None] * bs + np.arange(bs)).reshape(-1)
     stats.kv_blocks_moved += len(src)
+    old_inst, new_inst = old.kv_layout.instance_of_block(src), new.kv_layout.instance_of_block(dst)
+    old_dev = np.array([inst[0] for inst in old.sub.spec.attention.devices])[old_inst]
+    new_dev = np.array([inst[0] for inst in new.sub.spec.attention.devices])[new_inst]
+    stats.kv_bytes_moved += int(np.sum(old_dev != new_dev)) * bs * _bytes_per_slot(new.cache)
     cache = []
     for old_layer, new_layer in zip(old.cache, new.cache):
         layer = {}
@@ -396,3 +494,51 @@ def move_kv(old, new, moves: list[tuple[list[int], list[int]]], stats: MoveStats
             layer[key] = jax.device_put(host, target.sharding)
         cache.append(layer)
     new.cache = cache
+
+
+def _bytes_per_slot(cache: list[dict]) -> int:
+    """KV bytes of one token slot over every layer of ``cache``."""
+    return sum(leaf.nbytes // leaf.shape[0] for layer in cache for leaf in layer.values())
+
+
+def _move_kv_collective(old, new, moves: list[tuple[list[int], list[int]]], stats: MoveStats) -> None:
+    """``move_kv`` when the old and new attention devices span processes (one device per attention
+    instance: ``check_processes``): one ``slot_moves.SlotPlan`` over the old and new attention
+    devices whose rows are cache slots (a block that stays on its device is kept, one ``RowCopy``
+    per slot of a block that changes device), run by one program over every layer's cache leaves."""
+    bs = old.block_size
+    old_layout, new_layout = old.kv_layout, new.kv_layout
+    old_idx = [inst[0] for inst in old.sub.spec.attention.devices]
+    new_idx = [inst[0] for inst in new.sub.spec.attention.devices]
+    old_rows, new_rows = old_layout.slots_per_instance, new_layout.slots_per_instance
+    keep = {d: [-1] * new_rows for d in new_idx}
+    copies = []
+    blocks = moved = 0
+    for old_blocks, new_blocks in moves:
+        for ob, nb in zip(old_blocks, new_blocks):
+            blocks += 1
+            src = old_idx[old_layout.instance_of_block(ob)]
+            dst = new_idx[new_layout.instance_of_block(nb)]
+            src_row = (ob - old_layout.first_block(old_layout.instance_of_block(ob))) * bs
+            dst_row = (nb - new_layout.first_block(new_layout.instance_of_block(nb))) * bs
+            if src == dst:
+                keep[dst][dst_row : dst_row + bs] = range(src_row, src_row + bs)
+            else:
+                moved += 1
+                copies += [slot_moves.RowCopy(src, src_row + i, dst, dst_row + i) for i in range(bs)]
+    plan = slot_moves.SlotPlan(
+        tuple(sorted(set(old_idx) | set(new_idx))),
+        old_rows,
+        new_rows,
+        {d: tuple(rows) for d, rows in keep.items()},
+        tuple(copies),
+    )
+    leaves = {f"{i:05d}/{k}": leaf for i, layer in enumerate(old.cache) for k, leaf in layer.items()}
+    sharding = {f"{i:05d}/{k}": leaf.sharding for i, layer in enumerate(new.cache) for k, leaf in layer.items()}
+    first = next(iter(sharding.values()))
+    if any(s != first for s in sharding.values()):
+        raise ValueError("move_kv: the new cache's layers are not sharded alike")
+    out = slot_moves.mover_for(new.sub).run(plan, leaves, first, new_layout.num_slots)
+    new.cache = [{k: out[f"{i:05d}/{k}"] for k in layer} for i, layer in enumerate(new.cache)]
+    stats.kv_blocks_moved += blocks
+    stats.kv_bytes_moved += moved * bs * _bytes_per_slot(new.cache)

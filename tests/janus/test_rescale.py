@@ -454,3 +454,49 @@ def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm, form):
     finally:
         engine.abort(rid)
         rescaler.agreed, rescaler.gather, rescaler.across_processes = False, own_gather, "steps"
+
+
+@pytest.mark.slow
+def test_collective_attention_moves_equal_the_host_path(llm):
+    """The attention side of a rescale across processes, in one process: the attention parameters
+    sent to the new attention devices by a ``slot_moves`` collective and the KV blocks moved by one
+    (rows: cache slots) equal the ``device_put`` / host-memory path, and the KV lands where the
+    moves say; only the blocks that change device count as bytes moved."""
+    import jax
+
+    from jaxmoe.janus.reshard import MoveStats, build_rescaled, move_kv, rescaled_spec
+
+    ex = llm.executor
+    slots = llm.engine.config.num_blocks * llm.engine.config.block_size
+    old, _ = build_rescaled(ex, rescaled_spec(ex.sub.spec, 2, 6), slots)
+    rng = np.random.default_rng(3)
+    old.cache = [
+        {k: jax.device_put(rng.standard_normal(v.shape).astype(v.dtype), v.sharding) for k, v in layer.items()}
+        for layer in old.cache
+    ]
+    spec = rescaled_spec(ex.sub.spec, 3, 5)  # attention devices 0, 1 -> 0, 1, 2
+    by_collective, _ = build_rescaled(old, spec, slots, collective=True)
+    by_device_put, _ = build_rescaled(old, spec, slots, collective=False)
+    a, b = jax.tree.leaves(by_collective.params), jax.tree.leaves(by_device_put.params)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.sharding == y.sharding
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # old blocks of both instances (32 each) -> new blocks of the three new ones (64 / 3 -> 22 each)
+    nbpi, bs = by_collective.kv_layout.blocks_per_instance, old.block_size
+    moves = [([0, 1, 33], [0, 2 * nbpi + 1, nbpi]), ([40, 5], [2 * nbpi + 3, 7])]
+    stats_c, stats_h = MoveStats(), MoveStats()
+    move_kv(old, by_collective, moves, stats_c, collective=True)
+    move_kv(old, by_device_put, moves, stats_h, collective=False)
+    assert stats_c == stats_h and stats_c.kv_blocks_moved == 5
+    per_slot = sum(v.nbytes // v.shape[0] for layer in old.cache for v in layer.values())
+    assert stats_c.kv_bytes_moved == 2 * bs * per_slot  # blocks 0, 5 stay on device 0, 33 on device 1
+    for lo, lc, lh in zip(old.cache, by_collective.cache, by_device_put.cache):
+        for k in lo:
+            want = np.zeros(lc[k].shape, lc[k].dtype)
+            for src, dst in moves:
+                for s, d in zip(src, dst):
+                    want[d * bs : (d + 1) * bs] = np.asarray(lo[k])[s * bs : (s + 1) * bs]
+            assert lc[k].sharding == lh[k].sharding
+            np.testing.assert_array_equal(np.asarray(lc[k]), want)
+            np.testing.assert_array_equal(np.asarray(lh[k]), want)
