@@ -4,13 +4,16 @@ signal handlers: ``jaxmoe serve`` owns SIGTERM / SIGINT and stops it through ``J
 Overload is answered by the application, as JSON: a request that arrives while more than
 ``max_connections`` connections are open (or requests in flight) gets a 429 with ``Retry-After``
 (``ConnectionLimit``; uvicorn's own ``limit_concurrency`` would answer a plain-text 503, to
-``/health`` too). ``/health`` has its own reserve: it is served whatever the load, answered by
-the connection as its request head arrives (``HttpServer(health=...)``: no ASGI task, so it does
-not queue behind the tasks of the requests that arrived before it), and ``health_reserve``
-connections past the limit stay open for it; past those, a new connection
-closes the longest-idle kept-alive one (or, if every connection has a request running, itself),
-so the process never runs out of file descriptors. New requests are taken up at most
-``starts_per_tick`` per event-loop iteration (``_Pacer``; connections accepted likewise), so that a
+``/health`` too). ``/health`` has its own reserve: it is served whatever the load, by the listening socket's own
+thread (``server/http_acceptor.py``: every connection is accepted there, a ``GET /health`` answered
+there without the event loop, every other connection handed to the loop, its bytes unread), or,
+on a connection the loop already serves, by the connection as its request head arrives
+(``HttpServer(health=...)``: no ASGI task, so it does not queue behind the tasks of the requests
+that arrived before it); and ``health_reserve`` connections past the limit stay open for it; past
+those, a new connection closes the longest-held one waiting for its first request in the
+acceptor, or on the loop the longest-idle kept-alive one (or, if every connection has a request
+running, itself), so the process never runs out of file descriptors. New requests are taken up at most
+``starts_per_tick`` per event-loop iteration (``_Pacer``; connections handed over likewise), so that a
 burst does not make one iteration everything else waits behind. uvicorn's options set the rest:
 ``timeout_keep_alive`` (an idle kept-alive connection is closed), ``h11_max_incomplete_event_size``
 (the largest request head), ``timeout_graceful_shutdown``. uvicorn has no timeout for a new

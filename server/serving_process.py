@@ -1,5 +1,5 @@
 """``SERVING``: the interpreter settings while a server of this process runs (the GIL switch
-interval; the long-lived objects out of the garbage collector's reach), shared by every server
+interval; the long-lived objects out of the garbage collector's reach; full collections rarer), shared by every server
 of the process and undone when the last one stops."""
 
 from __future__ import annotations
