@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import logging
 import selectors
 import socket
 import threading
@@ -29,6 +30,8 @@ import time
 import h11
 
 HEAD_LIMIT = 8192  # bytes peeked: a /health request head is far shorter
+ACCEPT_RETRY_S = 1.0  # out of file descriptors: accepting pauses this long (as asyncio's own server does)
+log = logging.getLogger(__name__)
 
 
 def health_head(data: bytes) -> dict[str, str] | None:
@@ -84,6 +87,7 @@ class Acceptor:
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stopping = False
+        self._accept_paused_until: float | None = None
         self._thread = threading.Thread(target=self._run, name="jaxmoe-http-accept", daemon=True)
 
     @property
@@ -110,13 +114,22 @@ class Acceptor:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                timeout = max(0.0, self._deadlines[0][0] - time.monotonic()) if self._deadlines else None
+                wake = [d for d in (self._deadlines[0][0] if self._deadlines else None, self._accept_paused_until) if d]
+                timeout = max(0.0, min(wake) - time.monotonic()) if wake else None
                 for key, _ in self._sel.select(timeout):
-                    if key.data == "listen":
-                        self._accept()
-                    elif key.data == "conn" and key.fileobj in self._held:
-                        self._readable(key.fileobj)
+                    try:
+                        if key.data == "listen":
+                            self._accept()
+                        elif key.data == "conn" and key.fileobj in self._held:
+                            self._readable(key.fileobj)
+                    except Exception:  # a bug here must not stop the server from accepting
+                        log.exception("HTTP acceptor")
+                        if key.data == "conn" and key.fileobj in self._held:
+                            self._close(key.fileobj)
                 now = time.monotonic()
+                if self._accept_paused_until is not None and now >= self._accept_paused_until:
+                    self._accept_paused_until = None
+                    self._sel.register(self.sock, selectors.EVENT_READ, "listen")
                 while self._deadlines and self._deadlines[0][0] <= now:
                     deadline, _, conn = heapq.heappop(self._deadlines)
                     held = self._held.get(conn)
@@ -136,7 +149,9 @@ class Acceptor:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # e.g. out of file descriptors: the connection stays queued
+            except OSError:  # e.g. out of file descriptors: the connection stays queued; retry later
+                self._sel.unregister(self.sock)
+                self._accept_paused_until = time.monotonic() + ACCEPT_RETRY_S
                 return
             conn.setblocking(False)
             self._held[conn] = _Held(0.0)

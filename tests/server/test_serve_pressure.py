@@ -244,6 +244,21 @@ def test_health_is_answered_while_the_loop_is_busy(server, monkeypatch):
     conn.close()
     assert len(answered) == 8  # the guard's checks ran on the listener's thread, then it let the app answer
 
+    def broken(headers):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(acceptor, "health", broken)  # a bug there ends that connection, not the listener
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    conn.request("GET", "/health")
+    with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError)):
+        conn.getresponse()
+    conn.close()
+    monkeypatch.undo()
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+    conn.close()
+
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_prompt_over_the_token_limit_after_tokenizing(server, route):
