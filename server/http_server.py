@@ -230,7 +230,7 @@ class _Server(uvicorn.Server):
     ``/health`` itself) instead of ``loop.create_server``; the loop takes up at most ``per_tick``
     handed-off connections per iteration."""
 
-    acceptor_of = None  # create_protocol -> Acceptor (HttpServer sets it)
+    acceptor_of = None  # hand_off -> Acceptor (HttpServer sets it)
     per_tick: int | None = None
 
     @contextlib.contextmanager
