@@ -15,7 +15,8 @@ And once warmed up, before it listens, the server moves every object then alive 
 garbage collector's reach (``gc.freeze``; given back when the process's last server stops): the model, JAX, the
 compiled programs and the libraries are hundreds of thousands of long-lived objects that each
 full collection would walk, holding the GIL, so the loop too (1.4 s at a time during a burst on a
-loaded 2-core machine; a collection now walks only what the requests made).
+loaded 2-core machine; a collection now walks only what the requests made), and a full collection
+comes after ``FULL_COLLECTION_EVERY`` young ones (Python's default: 10).
 
 Multi-host (``leader``): this is process 0 of a ``jax.distributed`` cluster; when another process is
 gone the engine loop ends every request with an error, health turns NOT_SERVING (HTTP ``/health``

@@ -4,13 +4,16 @@ signal handlers: ``jaxmoe serve`` owns SIGTERM / SIGINT and stops it through ``J
 Overload is answered by the application, as JSON: a request that arrives while more than
 ``max_connections`` connections are open (or requests in flight) gets a 429 with ``Retry-After``
 (``ConnectionLimit``; uvicorn's own ``limit_concurrency`` would answer a plain-text 503, to
-``/health`` too). ``/health`` has its own reserve: it is served whatever the load, answered by
-the connection as its request head arrives (``HttpServer(health=...)``: no ASGI task, so it does
-not queue behind the tasks of the requests that arrived before it), and ``health_reserve``
-connections past the limit stay open for it; past those, a new connection
-closes the longest-idle kept-alive one (or, if every connection has a request running, itself),
-so the process never runs out of file descriptors. New requests are taken up at most
-``starts_per_tick`` per event-loop iteration (``_Pacer``; connections accepted likewise), so that a
+``/health`` too). ``/health`` has its own reserve: it is served whatever the load, by the listening socket's own
+thread (``server/http_acceptor.py``: every connection is accepted there, a ``GET /health`` answered
+there without the event loop, every other connection handed to the loop, its bytes unread), or,
+on a connection the loop already serves, by the connection as its request head arrives
+(``HttpServer(health=...)``: no ASGI task, so it does not queue behind the tasks of the requests
+that arrived before it); and ``health_reserve`` connections past the limit stay open for it; past
+those, a new connection closes the longest-held one waiting for its first request in the
+acceptor, or on the loop the longest-idle kept-alive one (or, if every connection has a request
+running, itself), so the process never runs out of file descriptors. New requests are taken up at most
+``starts_per_tick`` per event-loop iteration (``_Pacer``; connections handed over likewise), so that a
 burst does not make one iteration everything else waits behind. uvicorn's options set the rest:
 ``timeout_keep_alive`` (an idle kept-alive connection is closed), ``h11_max_incomplete_event_size``
 (the largest request head), ``timeout_graceful_shutdown``. uvicorn has no timeout for a new
@@ -28,12 +31,14 @@ import contextlib
 import dataclasses
 import json
 import socket
+import threading
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
+from jaxmoe.server.http_acceptor import Acceptor, health_head
 from jaxmoe.server.http_errors import ApiError, send_error
 
 HEALTH_PATHS = ("/health",)  # served whatever the load
@@ -49,25 +54,6 @@ class HttpLimits:
     shutdown_timeout_s: int = 5  # uvicorn timeout_graceful_shutdown, after the engine drained
     starts_per_tick: int | None = 8  # requests (and connections) taken up per event-loop iteration (None: all)
     listen_backlog: int = 2048  # connections the kernel queues before they are accepted
-
-
-def _health_head(data: bytes) -> dict[str, str] | None:
-    """The headers of ``data`` when it is exactly one complete ``GET /health`` request head with no
-    body (lower-case names); None for anything else."""
-    if not data.startswith(b"GET /health HTTP/1.") or not data.endswith(b"\r\n\r\n") or len(data) > 8192:
-        return None
-    lines = data[:-4].split(b"\r\n")
-    if lines[0] not in (b"GET /health HTTP/1.1", b"GET /health HTTP/1.0"):
-        return None
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip():
-            return None
-        headers[name.decode("latin-1").lower()] = value.strip().decode("latin-1")
-    if "content-length" in headers or "transfer-encoding" in headers or "upgrade" in headers:
-        return None
-    return headers
 
 
 class _HeaderTimeoutH11(H11Protocol):
@@ -87,7 +73,7 @@ class _HeaderTimeoutH11(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._idle() and self.conn.their_state is h11.IDLE:  # the start of a request
             if self.health is not None:
-                headers = _health_head(data)
+                headers = health_head(data)
                 answer = headers is not None and self.health(headers)
                 if answer and self._answer_at_once(data, *answer):
                     return
@@ -114,7 +100,7 @@ class _HeaderTimeoutH11(H11Protocol):
             self.send_400_response(f"Invalid HTTP request received: {e}")
             return True
         if not isinstance(request, h11.Request) or not isinstance(end, h11.EndOfMessage):
-            self.transport.close()  # cannot happen for a head _health_head took
+            self.transport.close()  # cannot happen for a head health_head took
             return True
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
@@ -240,9 +226,74 @@ class ConnectionLimit:
 
 
 class _Server(uvicorn.Server):
+    """uvicorn's server, with connections accepted by an ``Acceptor`` thread (which answers
+    ``/health`` itself) instead of ``loop.create_server``; the loop takes up at most ``per_tick``
+    handed-off connections per iteration."""
+
+    acceptor_of = None  # hand_off -> Acceptor (HttpServer sets it)
+    per_tick: int | None = None
+
     @contextlib.contextmanager
     def capture_signals(self):
         yield  # the CLI owns SIGINT / SIGTERM
+
+    async def startup(self, sockets=None) -> None:
+        await self.lifespan.startup()
+        loop = asyncio.get_running_loop()
+        config = self.config
+
+        def create_protocol():
+            return config.http_protocol_class(
+                config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=loop
+            )
+
+        self.servers = []  # nothing for uvicorn's shutdown to close: the acceptor owns the socket
+        self._loop, self._create_protocol = loop, create_protocol
+        self._handed: collections.deque = collections.deque()
+        self._handed_lock = threading.Lock()
+        self._draining = False
+        self.acceptor = self.acceptor_of(self._hand_off)
+        self.acceptor.start()
+        self.started = True
+
+    def _hand_off(self, sock: socket.socket) -> None:
+        """(the acceptor's thread) A connection for the loop, its bytes unread."""
+        with self._handed_lock:
+            self._handed.append(sock)
+            if self._draining:
+                return
+            self._draining = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed
+            sock.close()
+
+    def _drain(self) -> None:
+        with self._handed_lock:
+            n = len(self._handed) if self.per_tick is None else min(self.per_tick, len(self._handed))
+            socks = [self._handed.popleft() for _ in range(n)]
+            more = bool(self._handed)
+            self._draining = more
+        for sock in socks:
+            if self.should_exit:
+                sock.close()
+            else:
+                asyncio.ensure_future(self._adopt(sock))
+        if more:
+            self._loop.call_soon(self._drain)  # the rest in the next iteration
+
+    async def _adopt(self, sock: socket.socket) -> None:
+        try:
+            await self._loop.connect_accepted_socket(self._create_protocol, sock)
+        except OSError:
+            sock.close()
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.acceptor.stop)
+        with self._handed_lock:
+            while self._handed:
+                self._handed.popleft().close()
+        await super().shutdown(sockets)
 
 
 class HttpServer:
@@ -272,9 +323,7 @@ class HttpServer:
             timeout_keep_alive=limits.keep_alive_timeout_s,
             h11_max_incomplete_event_size=limits.max_header_bytes,
             timeout_graceful_shutdown=limits.shutdown_timeout_s,
-            # asyncio accepts up to `backlog` connections per loop iteration and sets each up in the
-            # next one: the listening socket's own queue is raised to listen_backlog once it serves
-            backlog=limits.starts_per_tick or limits.listen_backlog,
+            backlog=limits.listen_backlog,
         )
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         self._sock = socket.socket(family, kind, proto)
@@ -286,20 +335,36 @@ class HttpServer:
             raise OSError(f"--http-port: cannot listen on {host}:{port}: {e.strerror}") from None
         self.port = self._sock.getsockname()[1]
         self._server = _Server(config)
+        self._server.per_tick = limits.starts_per_tick
+        self._server.acceptor_of = lambda hand_off: Acceptor(
+            self._sock,
+            health if health is not None else lambda headers: None,
+            hand_off,
+            lambda: len(self._server.server_state.connections),
+            limits.header_timeout_s,
+            limits.keep_alive_timeout_s,
+            limits.max_connections + limits.health_reserve,
+        )
         self._task: asyncio.Task | None = None
 
     def _load(self) -> int:
         state = self._server.server_state
-        return max(len(state.connections), len(state.tasks))
+        held = self._server.acceptor.holding if self._server.started else 0  # not yet handed to the loop
+        return max(len(state.connections) + held, len(state.tasks))
+
+    @property
+    def health_answered_apart(self) -> int:
+        """``/health`` requests answered by the acceptor thread (not on the event loop)."""
+        return self._server.acceptor.answered if self._server.started else 0
 
     async def start(self) -> None:
+        self._sock.listen(self._backlog)  # the kernel's queue of connections not yet accepted
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # startup failed: raise it
                 raise RuntimeError("the HTTP server stopped during startup")
             await asyncio.sleep(0.01)
-        self._sock.listen(self._backlog)  # the kernel's queue of connections not yet accepted
 
     async def stop(self) -> None:
         """Stop listening, let open responses finish (up to ``shutdown_timeout_s``), close."""

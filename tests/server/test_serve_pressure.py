@@ -188,32 +188,75 @@ def test_large_bodies_are_parsed_off_the_loop(server, monkeypatch):
     assert len(decoded) == 2 and "jaxmoe-server" not in decoded, decoded
 
 
-def test_health_is_answered_as_it_arrives(server, monkeypatch):
-    """GET /health is answered by the connection as its head arrives (no task behind the others'),
-    on a kept-alive connection too; a request the guard would refuse goes to the app as before."""
+def test_health_is_answered_while_the_loop_is_busy(server, monkeypatch):
+    """GET /health is answered by the HTTP listener's own thread, not the event loop: it answers at
+    once while the loop is held busy (a burst's long iteration), on a kept-alive connection too;
+    a connection that asks for anything else goes to the loop (the same connection after /health
+    too), and a /health the guard would refuse is the app's to answer."""
     from jaxmoe.server import serving_process
 
     # the loop waits for the GIL after each of its socket calls: at most this long while serving
     assert sys.getswitchinterval() <= serving_process.SWITCH_INTERVAL_S < 0.005
     # the objects alive once it had warmed up are out of the collector's reach: no full collection
-    # walks the model, JAX and the libraries while serving (it held the GIL for up to 1.4 s)
+    # walks the model, JAX and the libraries while serving (it held the GIL for up to 1.4 s), and
+    # full collections of what requests made are 10x rarer than Python's default
     assert gc.get_freeze_count() > 10_000
-    protocol = server._http._server.config.http
+    assert gc.get_threshold()[2] >= serving_process.FULL_COLLECTION_EVERY >= 100
+    acceptor = server._http._server.acceptor
     answered = []
-    monkeypatch.setattr(protocol, "health", staticmethod(_recording(answered, protocol.health)))
+    monkeypatch.setattr(acceptor, "health", _recording(answered, acceptor.health))
+    server_loop = server._loop
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-    for _ in range(2):
+    conn.request("GET", "/health")
+    assert conn.getresponse().read() == b'{"status":"ok"}'
+    held = threading.Event()
+    server_loop.call_soon_threadsafe(lambda: (held.set(), time.sleep(2.0)))  # the loop busy for 2 s
+    assert held.wait(30)
+    t0 = time.monotonic()
+    latencies = []
+    for _ in range(3):
+        t = time.monotonic()
         conn.request("GET", "/health")
         resp = conn.getresponse()
         assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
-    assert len(answered) == 2
+        latencies.append(time.monotonic() - t)
+        other = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+        other.request("GET", "/health")  # a new connection, while the loop cannot accept it
+        assert other.getresponse().status == 200
+        other.close()
+    assert time.monotonic() - t0 < 1.5, latencies  # the loop was still busy: answered without it
+    assert answered == ["jaxmoe-http-accept"] * 7, answered
     body = json.dumps({"prompt": "hi", "max_tokens": 1})
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()  # the same connection goes on to the app
     assert resp.status == 200 and json.loads(resp.read())["choices"]
+    conn.request("GET", "/health")  # now on the loop: answered as its head arrives there
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
     conn.request("GET", "/health", headers={"Origin": "http://elsewhere.example"})
     resp = conn.getresponse()
     assert resp.status == 403 and json.loads(resp.read())["error"]["code"] == "origin_not_allowed"
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    conn.request("GET", "/health", headers={"Origin": "http://elsewhere.example"})  # a new connection: the app's
+    resp = conn.getresponse()
+    assert resp.status == 403 and json.loads(resp.read())["error"]["code"] == "origin_not_allowed"
+    conn.close()
+    assert len(answered) == 8  # the guard's checks ran on the listener's thread, then it let the app answer
+
+    def broken(headers):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(acceptor, "health", broken)  # a bug there ends that connection, not the listener
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    conn.request("GET", "/health")
+    with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError)):
+        conn.getresponse()
+    conn.close()
+    monkeypatch.undo()
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
     conn.close()
 
 

@@ -123,6 +123,10 @@ def test_slow_body_is_refused_with_408():
         assert server.async_engine.call(lambda e: e.scheduler.stats()["admitted"]) == admitted  # nothing ran
         status, out, _ = _request(server, "POST", "/v1/completions", BODY)  # a normal request still works
         assert status == 200 and out["usage"]["completion_tokens"] == 2
+        # a connection that sends nothing is closed after the head timeout (held by the listener's thread)
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+            t0 = time.monotonic()
+            assert sock.recv(4096) == b"" and time.monotonic() - t0 < 5
         # a connection that never finishes its request head is closed (slowloris), with no answer
         with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
