@@ -17,7 +17,9 @@ caching is on by default. Model: the built-in ``demo`` checkpoint (``jaxmoe/asse
 
 Reported per server: TTFT P50 / P90, output tokens/s over the run (first send to last response),
 errors, the load average before and after; then jaxmoe / vLLM ratios of output tokens/s and of TTFT
-P50 (vLLM's over jaxmoe's: above 1 means jaxmoe's first tokens come sooner).
+P50 (vLLM's over jaxmoe's: above 1 means jaxmoe's first tokens come sooner). After the measured run,
+``--cold`` (5) cold prompts of the same length (fresh random tokens, so nothing is cached; one at a
+time, one new token each): the TTFT of a whole prompt's prefill alone, median (min-max).
 
 Run (from the repository root; vLLM's CPU build in /tmp/vllm-venv, see bench/serve_vs_vllm.py):
   .venv/bin/python bench/prefix_cache_vs_vllm.py --out /tmp/prefix-vs-vllm.md
@@ -74,9 +76,11 @@ def bench(a, name: str, model: pathlib.Path, log_dir: pathlib.Path, vocab: int) 
         s = sv.summarize(res, measured, span)
         s["load"] = (load0, os.getloadavg()[0])
         s["texts"] = [r.text for r in res]
+        s["cold"] = cold_ttft(a, server.url, name == "vllm", vocab)
         print(
             f"[{name}] TTFT P50 {s['ttft'][0]:.3f}s P90 {s['ttft'][1]:.3f}s, {s['tok_s']:.1f} tok/s, "
-            f"errors {s['errors']} {s['first_error'] or ''}, load {s['load'][0]:.1f}-{s['load'][1]:.1f}",
+            f"errors {s['errors']} {s['first_error'] or ''}, load {s['load'][0]:.1f}-{s['load'][1]:.1f}; "
+            f"cold-prompt TTFT {_cold(s['cold'])}",
             flush=True,
         )
         return s
@@ -84,18 +88,36 @@ def bench(a, name: str, model: pathlib.Path, log_dir: pathlib.Path, vocab: int) 
         server.stop(a.stop_timeout)
 
 
+def cold_ttft(a, url: str, vllm: bool, vocab: int) -> list[float]:
+    """TTFT (s) of ``--cold`` prompts of the workload's length that share nothing with anything
+    served before (fresh random tokens), each sent alone for one new token."""
+    rng = np.random.default_rng(a.seed + 1000)
+    out = []
+    for _ in range(a.cold):
+        prompt = rng.integers(10, vocab, a.system_tokens + a.question_tokens).tolist()
+        res, _ = asyncio.run(sv.drive(url, "bench", [sv.Req(0.0, prompt, 1)], vllm, a.request_timeout))
+        if res[0].error is None and res[0].first is not None:
+            out.append(res[0].first - res[0].send)
+    return out
+
+
+def _cold(ts: list[float]) -> str:
+    return f"{np.median(ts):.3f} ({min(ts):.3f}-{max(ts):.3f})" if ts else "-"
+
+
 def table(a, runs: dict) -> str:
     lines = [
         f"shared {a.system_tokens}-token system prompt + {a.question_tokens}-token questions, {a.max_tokens} new "
         f"tokens, {a.requests} requests {a.gap} s apart; {a.dtype}; max_num_seqs {a.max_num_seqs}",
         "",
-        "| server (prefix caching on) | TTFT P50 (s) | TTFT P90 (s) | output tok/s | errors | load average |",
-        "|---|---|---|---|---|---|",
+        "| server (prefix caching on) | TTFT P50 (s) | TTFT P90 (s) | output tok/s | errors | load average "
+        f"| cold {a.system_tokens + a.question_tokens}-token prompt TTFT (s), median (min-max) of {a.cold} |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, s in runs.items():
         lines.append(
             f"| {name} | {s['ttft'][0]:.3f} | {s['ttft'][1]:.3f} | {s['tok_s']:.1f} | {s['errors']} | "
-            f"{s['load'][0]:.1f}-{s['load'][1]:.1f} |"
+            f"{s['load'][0]:.1f}-{s['load'][1]:.1f} | {_cold(s['cold'])} |"
         )
     if {"jaxmoe", "vllm"} <= runs.keys():
         j, v = runs["jaxmoe"], runs["vllm"]
@@ -104,7 +126,12 @@ def table(a, runs: dict) -> str:
             "",
             f"jaxmoe / vLLM output tok/s: **{j['tok_s'] / v['tok_s']:.2f}x**; "
             f"TTFT P50 vLLM / jaxmoe: **{v['ttft'][0] / j['ttft'][0]:.2f}x** (above 1: jaxmoe's first token sooner); "
-            f"greedy texts equal in {same} of {len(j['texts'])} requests",
+            + (
+                f"cold-prompt TTFT median vLLM / jaxmoe: **{np.median(v['cold']) / np.median(j['cold']):.2f}x**; "
+                if j["cold"] and v["cold"]
+                else ""
+            )
+            + f"greedy texts equal in {same} of {len(j['texts'])} requests",
         ]
     return "\n".join(lines)
 
@@ -119,6 +146,7 @@ def main() -> None:
     p.add_argument("--question-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cold", type=int, default=5, help="cold prompts (nothing cached) timed alone after the run")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-batch-tokens", type=int, default=2048)

@@ -149,11 +149,20 @@ def gqa_attention(
     q = apply_rope(q, cos, sin, cfg.rope.interleaved)
     k = apply_rope(k, cos, sin, cfg.rope.interleaved)
     cache = {"k": _write(cache["k"], batch.slots, k, layer), "v": _write(cache["v"], batch.slots, v, layer)}
-    attend = (
-        gqa_kernel if in_place and layer is not None and attention_kernel.supports(q, cache["k"], k.dtype) else gqa_xla
-    )
+    attend = gqa_kernel if _kernel_attends(in_place, layer, q, cache["k"], k.dtype) else gqa_xla
     out = attend(q, cache, layer, batch, block_size, a.softmax_scale, k.dtype)  # [B, T, H, hd] fp32
     return _out_proj(p, out.reshape(B, T, a.num_heads * a.head_dim).astype(x.dtype), tp_axis), cache
+
+
+def _kernel_attends(in_place, layer, q, k_cache, dtype) -> bool:
+    """Whether the CPU paged-attention kernel runs (``attention_layer``'s ``in_place``): for decode
+    steps (one query token per row), and in deterministic mode (``INVARIANT``) for every step. A
+    prefill chunk runs the XLA form: the kernel computes each query token alone (a dot and a
+    horizontal sum per key) where XLA multiplies the chunk's queries by 128 keys at a time, and a
+    1,088-token prompt's prefill took 3.5-5x as long in the kernel (bench/results/2026-11-28-prefill.md)."""
+    if not in_place or layer is None or not (in_place == INVARIANT or q.shape[1] == 1):
+        return False
+    return attention_kernel.supports(q, k_cache, dtype)
 
 
 def gqa_xla(q, cache: dict, layer, batch: AttentionBatch, block_size: int, scale: float, dtype) -> jnp.ndarray:
@@ -242,8 +251,9 @@ def attention_layer(
 ):
     """Residual attention block.  Returns (h, xn, cache): h = x + attn(norm(x)), xn = post_norm(h).
     ``layer``: index into a cache stacked over layers (see ``_write``); None: a one-layer cache.
-    ``in_place``: GQA reads that stacked cache in place with the CPU paged-attention kernel where it
-    takes the shapes (``jaxmoe.pallas_kernels.paged_attention``), instead of gathering the keys.
+    ``in_place``: GQA decode steps read that stacked cache in place with the CPU paged-attention
+    kernel where it takes the shapes (``jaxmoe.pallas_kernels.paged_attention``), instead of gathering
+    the keys; ``INVARIANT`` (deterministic mode): every step does (``_kernel_attends``).
     ``tp_axis``: tensor parallelism inside a ``shard_map`` (``runtime.attention_tp``): ``cfg`` counts
     this device's heads, ``p`` holds their columns of q/k/v and rows of o, and the output projection
     is summed over that mesh axis."""

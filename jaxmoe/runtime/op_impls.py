@@ -8,7 +8,8 @@ line and return it from ``executor.op_impls()``; the server shows it in ModelInf
 * ``grouped_matmul``: where the expert FFN is a grouped matmul over expert-sorted rows, which one
   (XLA's ``ragged_dot``, a padded einsum, or the Pallas kernel and its backend);
 * ``aebs``: the replica scheduler's policy and form (disaggregated executor only);
-* ``paged_attention``: the C++ XLA:CPU kernel reading the KV cache in place, or the XLA form;
+* ``paged_attention``: the C++ XLA:CPU kernel reading the KV cache in place (decode steps, and every
+  step in deterministic mode; prefill chunks run the XLA form), or the XLA form;
 * ``layer_matmul``: attention projections read in place by the CPU kernel (decode-sized rows),
   or XLA's slice and matmul;
 * ``cpu_kernel_library``: where a CPU kernel runs, which library each loaded: a prebuilt x86-64

@@ -1,6 +1,7 @@
-"""With the CPU kernels (the CPU default), the monolithic step reads the stacked KV cache in place
-with the paged-attention kernel (``pallas_kernels/paged_attention``) instead of XLA's chunked
-gather: generation gives the tokens and logprobs of XLA's form, for decodes, prefill chunks and
+"""With the CPU kernels (the CPU default), the monolithic decode step reads the stacked KV cache in
+place with the paged-attention kernel (``pallas_kernels/paged_attention``) instead of XLA's chunked
+gather, and prefill chunks run XLA's form (faster there), except in deterministic mode, where every
+step runs the kernel: generation gives the tokens and logprobs of XLA's form, for decodes after
 prompts that span several chunks of keys (bfloat16: the first token and the prompt's logprobs)."""
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ def _llm(dtype):
     return LLM("tiny-random", dtype=dtype, num_blocks=96, block_size=8, expert_impl="cpu_kernel")
 
 
-def _step_hlo(llm) -> str:
+def _step_hlo(llm, tokens: int = 1) -> str:
+    """The step program of one row of ``tokens`` tokens (1: a decode step; more: a prefill chunk)."""
     runner = llm.engine.runner
-    rows = [Row([3], 5, [0], SamplingParams())]
+    rows = [Row([3] * tokens, 5, [0, 1, 2], SamplingParams())]
     tokens, batch, last, _ = runner.prepare(rows)
     (lowered,), _ = llm.executor.lower(tokens, batch, last)
     return lowered.as_text()
@@ -44,6 +46,7 @@ def _generate(llm, dtype):
 def test_in_place_attention_gives_the_tokens_of_xlas_form(monkeypatch, dtype):
     kernel = _llm(dtype)
     assert attention_kernel.TARGET in _step_hlo(kernel)
+    assert attention_kernel.TARGET not in _step_hlo(kernel, tokens=16)  # a prefill chunk: XLA's form
     tokens, logprobs = _generate(kernel, dtype)
     with monkeypatch.context() as m:  # the same engine, attention traced through XLA's chunked form
         m.setattr(attention_kernel, "supports", lambda *a: False)
@@ -66,3 +69,11 @@ def test_in_place_attention_gives_the_tokens_of_xlas_form(monkeypatch, dtype):
 def test_xla_form_where_the_kernels_are_not_the_implementation():
     llm = LLM("tiny-random", dtype="float32", num_blocks=32, block_size=8, expert_impl="bucketed_loop")
     assert attention_kernel.TARGET not in _step_hlo(llm)
+
+
+@pytest.mark.slow
+def test_deterministic_mode_runs_the_kernel_for_prefill_chunks_too():
+    """Batch invariance needs one summation order per token however its prompt is chunked: there
+    prefill chunks read the cache through the kernel as decodes do."""
+    llm = LLM("tiny-random", dtype="float32", num_blocks=32, block_size=8, deterministic=True)
+    assert attention_kernel.TARGET in _step_hlo(llm, tokens=16)
