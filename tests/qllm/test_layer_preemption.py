@@ -294,3 +294,43 @@ def test_a_merge_compiles_nothing_after_warm_up():
     assert engine.layer_hook.ls_merges == 1
     engine.run_until_done(timeout=60)
     assert compile_events()["programs"] == before
+
+
+@pytest.mark.slow
+def test_ls_work_merges_into_a_step_holding_ls_work_and_goes_out_with_its_call(tiny_llm):
+    """A step holding latency-sensitive work (an LS prefill beside a BE decode and a BE prefill) stays
+    pausable with the merge: an LS request that arrives at its first pause point (in the decode call,
+    after layer 1) joins that call, and its first token goes out (``emit``) as that call ends, before
+    the step's prefill call runs; every token equals the standalone ones."""
+    llm = tiny_llm(layer_preemption=True)
+    engine = llm.engine
+    be_prompts, ls_prompts = ["best effort one", "best effort number two"], ["urgent a", "urgent bb"]
+    alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in be_prompts}
+    alone.update({p: llm.generate([p], LS, priority="ls")[0].token_ids for p in ls_prompts})
+    ids = {be_prompts[0]: engine.add_request(be_prompts[0], BE, "be")}
+    engine.step()  # its prefill: a decode from now on
+    ids[ls_prompts[0]] = engine.add_request(ls_prompts[0], LS, "ls")
+    ids[be_prompts[1]] = engine.add_request(be_prompts[1], BE, "be")
+    emitted, arrivals = [], [ls_prompts[1]]
+
+    def poll():
+        if arrivals:
+            prompt = arrivals.pop()
+            ids[prompt] = engine.add_request(prompt, LS, "ls")
+
+    engine.poll = poll
+    engine.emit = lambda outs: emitted.extend((o, len(engine.runner.last_calls)) for o in outs)
+    merged_before = engine.layer_hook.ls_merges
+    outs = engine.step()  # BE decode call, then the prefill call (LS and BE prompts)
+    engine.poll = engine.emit = None
+    assert len(engine.runner.last_calls) == 2
+    assert engine.layer_hook.ls_merges - merged_before == 1 and engine.layer_hook.layer_pauses == 0
+    assert [(o.request_id, calls) for o, calls in emitted] == [(ids[ls_prompts[1]], 1)]
+    assert {o.request_id for o in outs} == {ids[p] for p in [*be_prompts, ls_prompts[0]]}
+    finished = {o.request_id: o.token_ids for o, _ in emitted if o.finished}
+    finished.update({o.request_id: o.token_ids for o in outs if o.finished})
+    for out in engine.run_until_done(timeout=60).values():
+        finished[out.request_id] = out.token_ids
+    for prompt, rid in ids.items():
+        assert finished[rid] == alone[prompt], prompt
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
