@@ -17,7 +17,7 @@ from jaxmoe.qllm.policy import QLLMPolicy
 BE = SamplingParams(max_tokens=16, ignore_eos=True)
 LS = SamplingParams(max_tokens=4, ignore_eos=True)
 # (engine step, pause point of that step) at which each LS request arrives; the pause points of the
-# 4-layer model come after layers 1, 2, 3. Step 0 pauses a BE prefill, the later ones decodes (a step is
+# 4-layer model come after layers 1, 2, 3 and 4 (before the head). Step 0 pauses a BE prefill, the later ones decodes (a step is
 # pausable only while every request in it is best-effort: the LS ones finish first)
 ARRIVALS = [(0, 0), (7, 2), (11, 1)]
 
@@ -116,7 +116,8 @@ def test_latency_sensitive_tokens_go_out_while_the_paused_step_waits(tiny_llm):
 def test_pause_points_wait_for_the_device():
     """A pause point runs the hook only once the program dispatched before the previous pause point
     is done (JAX dispatches asynchronously: without the wait, every pause decision of a step would be
-    taken before its first layer ran); with ``every``, only at multiples of it."""
+    taken before its first layer ran); with ``every``, only at multiples of it; the one after the last
+    layer once that layer is done."""
     from jaxmoe.runtime.pause_points import PausePoints
 
     events = []
@@ -138,12 +139,17 @@ def test_pause_points_wait_for_the_device():
     for n in (1, 2, 3, 4):
         every(n, Output(f"layer{n}"))
     assert events == ["hook 2", "wait layer2", "hook 4"]
+    events.clear()  # the point after the last layer waits for that layer itself: nothing is queued behind it
+    pause = PausePoints(lambda n: events.append(f"hook {n}"))
+    pause(1, Output("layer1"))
+    pause.last(2, Output("layer2"))
+    assert events == ["hook 1", "wait layer1", "wait layer2", "hook 2"]
 
 
 @pytest.mark.slow
 def test_pause_every_runs_layers_in_groups_with_the_same_tokens(tiny_llm):
-    """``pause_every=2`` on the 4-layer model: one pause point (after layer 2) and the same logits as
-    the fused program."""
+    """``pause_every=2`` on the 4-layer model: pause points after layers 2 and 4 (the last one, before
+    the head) and the same logits as the fused program."""
     llm = tiny_llm(layer_preemption=True, pause_every=2)
     ex = llm.executor
     calls = []
@@ -151,7 +157,7 @@ def test_pause_every_runs_layers_in_groups_with_the_same_tokens(tiny_llm):
     fused = np.asarray(ex.forward(tokens, batch, last))
     grouped = np.asarray(ex.forward(tokens, batch, last, between_layers=calls.append))
     np.testing.assert_allclose(grouped, fused, rtol=1e-5, atol=1e-5)
-    assert calls == [2]
+    assert calls == [2, 4]
     with pytest.raises(ValueError, match="pause_every"):
         LLM("tiny-random", layer_preemption=True, pause_every=0)
 
