@@ -375,8 +375,9 @@ class LLMEngine:
 
     def run_batch(self, batch, between_layers=None) -> list[RequestOutput]:
         """Run one scheduled batch through the model, sample and record its tokens; the outputs of
-        its requests (failed ones with ``error`` set), and of the batches merged into it at its pause
-        points (``merge_batch``). ``between_layers``: called at the step's pause points (a layer hook
+        its requests (failed ones with ``error`` set); those of the batches merged into it at its pause
+        points (``merge_batch``) go out as their program call ends (``deliver``), or with these where
+        that call failed. ``between_layers``: called at the step's pause points (a layer hook
         may run another batch there, or merge one into this)."""
         rows, seqs = self._rows(batch)
         self.step_request_ids = [seq.request_id for seq in seqs]
@@ -388,7 +389,7 @@ class LLMEngine:
             self.step_request_ids = [seq.request_id for seq in seqs]
             merged, self._merged = self._merged, outer
         outputs = []
-        for inner, inner_rows, inner_seqs, group in merged:
+        for inner, inner_rows, inner_seqs, group in merged:  # those whose call did not finish
             if group.sampled is None:  # the merged call failed: the inner batch runs again on its own
                 outputs += self.run_batch(inner)
             else:
@@ -398,7 +399,7 @@ class LLMEngine:
     def merge_batch(self, batch) -> bool:
         """QLLM's merge: join a scheduled batch to the step now paused (called at its pause point);
         its rows catch up to that point alone, then share the rest of the step with the step's rows,
-        and its outputs come with the step's. False: it cannot join here (the runner's
+        and its outputs go out (``deliver``) as soon as the program call it joined ends. False: it cannot join here (the runner's
         ``offer_merge``); the caller runs it another way."""
         if batch.is_empty:
             return False
@@ -406,9 +407,19 @@ class LLMEngine:
         group = self.runner.offer_merge(rows)
         if group is None:
             return False
-        self._merged.append((batch, rows, seqs, group))
+        entry = (batch, rows, seqs, group)
+        self._merged.append(entry)
+        group.on_sampled = lambda: self._merged_sampled(entry)
         self.step_request_ids = self.step_request_ids + [seq.request_id for seq in seqs]
         return True
+
+    def _merged_sampled(self, entry) -> None:
+        """A merged batch's program call has run: its tokens go out now (``deliver``), not after the
+        rest of the step it joined (the step's later program calls)."""
+        if any(e is entry for e in self._merged):
+            self._merged = [e for e in self._merged if e is not entry]
+            inner, rows, seqs, group = entry
+            self.deliver(self._finish(inner, rows, seqs, group.sampled, {}))
 
     def _rows(self, batch) -> tuple[list[Row], list[Sequence]]:
         rows, seqs = [], []

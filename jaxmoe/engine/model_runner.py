@@ -18,6 +18,7 @@ Results come back in the callers' row order.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,9 @@ class MergedRows:
 
     rows: list[Row]
     sampled: list | None = None
+    # called as soon as ``sampled`` is set: at the end of the program call they joined, not of the
+    # step (a step may run more calls after it: its prefill chunks after its decodes)
+    on_sampled: Callable[[], None] | None = None
 
 
 @dataclasses.dataclass
@@ -315,6 +319,9 @@ class ModelRunner:
         first = len(out) - sum(len(g.rows) for g in call.groups)
         for group in call.groups:
             group.sampled, first = out[first : first + len(group.rows)], first + len(group.rows)
+        for group in call.groups:
+            if group.on_sampled is not None:
+                group.on_sampled()
         return out[: len(out) - sum(len(g.rows) for g in call.groups)]
 
     def launch(self, rows: list[Row], fed: list[int | None] | None = None, feed: Launched | None = None) -> Launched:

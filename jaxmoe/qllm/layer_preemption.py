@@ -1,7 +1,8 @@
 """QLLM's preemption below the iteration level (arXiv:2503.09304, Sec. 3.3), as the engine's layer hook.
 
-A step whose batch is all best-effort runs layer by layer (``pausable``) where a request can arrive
-while it runs: the engine polls for arrivals (``engine.poll``: the serving loop, ``AsyncEngine``).
+A step runs layer by layer (``pausable``) where a request can arrive while it runs: the engine polls
+for arrivals (``engine.poll``: the serving loop, ``AsyncEngine``); a step holding latency-sensitive
+work only where new latency-sensitive work can merge into it (it is never stopped for a nested step).
 Without a poll (``LLM.generate`` adds every request before the first step) nothing can arrive
 mid-step and the step stays one fused program. At each pause point
 (``between_layers``: after every ``pause_every`` layers, and with per-expert queues inside each MoE
@@ -14,7 +15,8 @@ schedules the waiting latency-sensitive work and
   so far alone (the catch-up; inside a MoE layer also that layer's attention side and routing), then
   they and the step's rows share the rest in one batch (``LLMEngine.merge_batch``); inside a MoE
   layer their assignments enter the per-expert queues ahead of the waiting best-effort ones. Their
-  tokens come with the step's. Several arrivals may merge into one step, each at its own pause point;
+  tokens go out as the program call they joined ends (``engine.deliver``), before the step's later
+  calls (its prefill chunks run after its decodes). Several arrivals may merge into one step, each at its own pause point;
   counted in ``ls_merges`` (those inside a MoE layer also in ``queue_merges``).
 * else (``merge=False``, on an executor that cannot merge, or where the merged batch's shape is not
   one warm-up compiled) runs it as a batch of its own while the step waits (its tokens go out at
@@ -39,6 +41,7 @@ class LayerPreemption:
         self.merge = merge  # LS work joins the paused step (else it runs as a step of its own)
         self.ls_merges = 0  # latency-sensitive requests merged into a running step
         self.queue_merges = 0  # ... of them, merged inside a MoE layer (their tokens jumped the expert queues)
+        self.merges_refused = 0  # merges refused in a step holding latency-sensitive work (the work waited)
         self.layer_pauses = 0  # times a step was paused between layers for latency-sensitive work
         self.paused_state_bytes_max = 0  # the most device memory a paused step kept (hidden states)
         self.pauses_over_budget = 0  # pauses refused: the step's state exceeded max_paused_state_bytes
@@ -47,7 +50,14 @@ class LayerPreemption:
         )
 
     def pausable(self, engine, batch) -> bool:
-        return engine.poll is not None and all(s.priority is Priority.BE for s in batch.seqs)
+        """A step may pause where something can arrive during it (a poll); one that holds
+        latency-sensitive work only where that work can merge into it (``merge`` on an executor that
+        merges rows): new latency-sensitive work then joins it instead of waiting for its end."""
+        if engine.poll is None:
+            return False
+        if self.merge and getattr(engine.executor, "merge_ready", None) is not None:
+            return True
+        return all(s.priority is Priority.BE for s in batch.seqs)
 
     def between_layers(self, engine, layer: int) -> None:
         if engine.poll is not None:
@@ -78,6 +88,11 @@ class LayerPreemption:
             if stage != "layer":
                 self.queue_merges += merged
             return
+        if any(s is not None and s.priority is Priority.LS for s in map(scheduler.get, paused)):
+            # a step holding latency-sensitive work is not stopped for a nested step (that would delay
+            # its own latency-sensitive tokens): what cannot merge waits for its end
+            self.merges_refused += 1
+            return
         self.layer_pauses += 1
         self.paused_state_bytes_max = max(self.paused_state_bytes_max, state)
         for rid in paused:
@@ -95,6 +110,7 @@ class LayerPreemption:
             "layer_pauses": self.layer_pauses,
             "ls_merges": self.ls_merges,
             "queue_merges": self.queue_merges,
+            "merges_refused": self.merges_refused,
             "pauses_over_budget": self.pauses_over_budget,
             "paused_state_bytes_max": self.paused_state_bytes_max,
             "expert_queue_depth": self.expert_queue_depth,

@@ -356,8 +356,8 @@ class MonolithicExecutor:
         """Logits [B, V] at ``logits_index`` (or [B, T, V] when it is None); updates the KV cache.
 
         ``between_layers(n)``: run layer by layer (one program per ``pause_every`` layers of a layer
-        group, the first layer's index a traced value) and call it after each program but the
-        last (``n``: the layers done); what it runs on this
+        group, the first layer's index a traced value) and call it after each program, the last
+        layer's too, before the head (``n``: the layers done); what it runs on this
         executor meanwhile (another batch, on other KV slots) does not change this step's result.
         With ``expert_rounds``, ``between_layers(n)`` is also called inside each MoE layer (``n``: the
         layers done so far; ``pause_stage``): after its attention side ("attention"), after its
@@ -389,10 +389,11 @@ class MonolithicExecutor:
             else:
                 x = self._run_layers(g, j, n, False, x, batch, state)
             done += n
-            if done < total:
-                merge = self._pause_at(pause, done, "layer", (x,))
-                if merge is not None:  # QLLM's merge: new rows catch up to this layer, then join the batch
-                    x, batch, index = self._merge(merge, x, batch, done, state)
+            # a pause point at every boundary, also after the last layer (then the merged rows run every
+            # layer alone and join the batch for the head)
+            merge = self._pause_at(pause, done, "layer", (x,), last=done == total)
+            if merge is not None:  # QLLM's merge: new rows catch up to this layer, then join the batch
+                x, batch, index = self._merge(merge, x, batch, done, state)
         return self._head(self.stacked, x, index)
 
     def merge_ready(self) -> bool:
@@ -408,12 +409,13 @@ class MonolithicExecutor:
             scalar = self._scalars[n] = jax.device_put(np.int32(n))  # a transfer, no program (jnp.asarray compiles one)
         return scalar
 
-    def _pause_at(self, pause, done: int, stage: str, outputs, queued=None):
+    def _pause_at(self, pause, done: int, stage: str, outputs, queued=None, last: bool = False):
         """A pause point (``stage``) after the programs that produce ``outputs``; ``queued``: the
-        queues then (after a MoE layer's routing); what the hook returns (rows to merge, or None)."""
+        queues then (after a MoE layer's routing); ``last``: the one after the last layer (it waits for
+        ``outputs``); what the hook returns (rows to merge, or None)."""
         self.pause_stage, self._queued = stage, queued
         try:
-            return pause(done, *outputs)
+            return pause.last(done, *outputs) if last else pause(done, *outputs)
         finally:
             self.pause_stage, self._queued = None, None
 

@@ -38,3 +38,11 @@ class PausePoints:
             jax.block_until_ready(self._previous)
         self._previous = outputs
         return self.hook(layers_done)
+
+    def last(self, layers_done: int, *outputs):
+        """The pause point after the last layer (before the head): no program is queued behind it, so
+        it waits for ``outputs`` themselves, and the hook runs when every layer is done; an arrival
+        during the last layers is seen here, not at the step's end."""
+        jax.block_until_ready((self._previous, outputs))
+        self._previous = None
+        return self.hook(layers_done)

@@ -71,10 +71,9 @@ def test_expert_rounds_give_the_fused_logits(rounds):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     bounds = expert_bounds(cfg.moe.num_experts, rounds)
     R, L = len(bounds), cfg.num_layers
-    # per MoE layer: after attention, after routing, between rounds; then the layer boundaries
-    assert [stage for _, stage, _ in points] == (["attention", "routing"] + ["experts"] * (R - 1) + ["layer"]) * (
-        L - 1
-    ) + ["attention", "routing"] + ["experts"] * (R - 1)
+    # per MoE layer: after attention, after routing, between rounds; then the layer boundary (the last
+    # one before the head)
+    assert [stage for _, stage, _ in points] == (["attention", "routing"] + ["experts"] * (R - 1) + ["layer"]) * L
     assert all((d is None) == (stage in ("attention", "layer")) for _, stage, d in points)
     assert queued.expert_queue_depth() is None
     top_k, real = cfg.moe.top_k, 8 + 6

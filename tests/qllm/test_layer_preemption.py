@@ -17,7 +17,7 @@ from jaxmoe.qllm.policy import QLLMPolicy
 BE = SamplingParams(max_tokens=16, ignore_eos=True)
 LS = SamplingParams(max_tokens=4, ignore_eos=True)
 # (engine step, pause point of that step) at which each LS request arrives; the pause points of the
-# 4-layer model come after layers 1, 2, 3. Step 0 pauses a BE prefill, the later ones decodes (a step is
+# 4-layer model come after layers 1, 2, 3 and 4 (before the head). Step 0 pauses a BE prefill, the later ones decodes (a step is
 # pausable only while every request in it is best-effort: the LS ones finish first)
 ARRIVALS = [(0, 0), (7, 2), (11, 1)]
 
@@ -116,7 +116,8 @@ def test_latency_sensitive_tokens_go_out_while_the_paused_step_waits(tiny_llm):
 def test_pause_points_wait_for_the_device():
     """A pause point runs the hook only once the program dispatched before the previous pause point
     is done (JAX dispatches asynchronously: without the wait, every pause decision of a step would be
-    taken before its first layer ran); with ``every``, only at multiples of it."""
+    taken before its first layer ran); with ``every``, only at multiples of it; the one after the last
+    layer once that layer is done."""
     from jaxmoe.runtime.pause_points import PausePoints
 
     events = []
@@ -138,12 +139,17 @@ def test_pause_points_wait_for_the_device():
     for n in (1, 2, 3, 4):
         every(n, Output(f"layer{n}"))
     assert events == ["hook 2", "wait layer2", "hook 4"]
+    events.clear()  # the point after the last layer waits for that layer itself: nothing is queued behind it
+    pause = PausePoints(lambda n: events.append(f"hook {n}"))
+    pause(1, Output("layer1"))
+    pause.last(2, Output("layer2"))
+    assert events == ["hook 1", "wait layer1", "wait layer2", "hook 2"]
 
 
 @pytest.mark.slow
 def test_pause_every_runs_layers_in_groups_with_the_same_tokens(tiny_llm):
-    """``pause_every=2`` on the 4-layer model: one pause point (after layer 2) and the same logits as
-    the fused program."""
+    """``pause_every=2`` on the 4-layer model: pause points after layers 2 and 4 (the last one, before
+    the head) and the same logits as the fused program."""
     llm = tiny_llm(layer_preemption=True, pause_every=2)
     ex = llm.executor
     calls = []
@@ -151,7 +157,7 @@ def test_pause_every_runs_layers_in_groups_with_the_same_tokens(tiny_llm):
     fused = np.asarray(ex.forward(tokens, batch, last))
     grouped = np.asarray(ex.forward(tokens, batch, last, between_layers=calls.append))
     np.testing.assert_allclose(grouped, fused, rtol=1e-5, atol=1e-5)
-    assert calls == [2]
+    assert calls == [2, 4]
     with pytest.raises(ValueError, match="pause_every"):
         LLM("tiny-random", layer_preemption=True, pause_every=0)
 
@@ -294,3 +300,43 @@ def test_a_merge_compiles_nothing_after_warm_up():
     assert engine.layer_hook.ls_merges == 1
     engine.run_until_done(timeout=60)
     assert compile_events()["programs"] == before
+
+
+@pytest.mark.slow
+def test_ls_work_merges_into_a_step_holding_ls_work_and_goes_out_with_its_call(tiny_llm):
+    """A step holding latency-sensitive work (an LS prefill beside a BE decode and a BE prefill) stays
+    pausable with the merge: an LS request that arrives at its first pause point (in the decode call,
+    after layer 1) joins that call, and its first token goes out (``emit``) as that call ends, before
+    the step's prefill call runs; every token equals the standalone ones."""
+    llm = tiny_llm(layer_preemption=True)
+    engine = llm.engine
+    be_prompts, ls_prompts = ["best effort one", "best effort number two"], ["urgent a", "urgent bb"]
+    alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in be_prompts}
+    alone.update({p: llm.generate([p], LS, priority="ls")[0].token_ids for p in ls_prompts})
+    ids = {be_prompts[0]: engine.add_request(be_prompts[0], BE, "be")}
+    engine.step()  # its prefill: a decode from now on
+    ids[ls_prompts[0]] = engine.add_request(ls_prompts[0], LS, "ls")
+    ids[be_prompts[1]] = engine.add_request(be_prompts[1], BE, "be")
+    emitted, arrivals = [], [ls_prompts[1]]
+
+    def poll():
+        if arrivals:
+            prompt = arrivals.pop()
+            ids[prompt] = engine.add_request(prompt, LS, "ls")
+
+    engine.poll = poll
+    engine.emit = lambda outs: emitted.extend((o, len(engine.runner.last_calls)) for o in outs)
+    merged_before = engine.layer_hook.ls_merges
+    outs = engine.step()  # BE decode call, then the prefill call (LS and BE prompts)
+    engine.poll = engine.emit = None
+    assert len(engine.runner.last_calls) == 2
+    assert engine.layer_hook.ls_merges - merged_before == 1 and engine.layer_hook.layer_pauses == 0
+    assert [(o.request_id, calls) for o, calls in emitted] == [(ids[ls_prompts[1]], 1)]
+    assert {o.request_id for o in outs} == {ids[p] for p in [*be_prompts, ls_prompts[0]]}
+    finished = {o.request_id: o.token_ids for o, _ in emitted if o.finished}
+    finished.update({o.request_id: o.token_ids for o in outs if o.finished})
+    for out in engine.run_until_done(timeout=60).values():
+        finished[out.request_id] = out.token_ids
+    for prompt, rid in ids.items():
+        assert finished[rid] == alone[prompt], prompt
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
