@@ -81,16 +81,57 @@ def store_as_panels(stacked: dict) -> dict:
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=1)
 def _group_as_panels(group: dict, bf16_pairs: bool) -> dict:
-    def convert(path, a):
-        keys = [getattr(k, "key", None) for k in path]
-        width = width_for(*a.shape[-2:])  # gate [D, F] and down [F, D]: one width for both
-        if not (keys[0] == "moe" and keys[-1] in ROUTED and width):
-            return a
-        if is_quantized(a):  # int8 (``jaxmoe.quantization``): its values as panels, its scales as they are
-            return Quantized(to_panels(a.q, width), a.scale) if a.method == "int8" else a
-        return to_panels(a, width, bf16_pairs and a.dtype.itemsize == 2)  # pairs: bfloat16 (or its bits)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: _leaf_as_panels(path, a, bf16_pairs), group, is_leaf=is_quantized
+    )
 
-    return jax.tree_util.tree_map_with_path(convert, group, is_leaf=is_quantized)
+
+def _leaf_as_panels(path, a, bf16_pairs: bool):
+    keys = [getattr(k, "key", None) for k in path]
+    width = width_for(*a.shape[-2:])  # gate [D, F] and down [F, D]: one width for both
+    if not (keys[0] == "moe" and keys[-1] in ROUTED and width):
+        return a
+    if is_quantized(a):  # int8 (``jaxmoe.quantization``): its values as panels, its scales as they are
+        return Quantized(to_panels(a.q, width), a.scale) if a.method == "int8" else a
+    return to_panels(a, width, bf16_pairs and a.dtype.itemsize == 2)  # pairs: bfloat16 (or its bits)
+
+
+def stack_layer_by_layer(params: dict, as_panels: bool, release: tuple[list, ...] = ()) -> dict:
+    """``store_as_panels(stack_layers(params))`` (``as_panels``) or ``stack_layers(params)``, built one
+    layer at a time into the stacked arrays (donated, updated in place): the stacked model is never
+    held twice. ``release``: lists of per-layer parameters the caller gives up (``params["layers"]``,
+    the lists it was made from), whose entries are set to None once placed, so a big checkpoint's
+    start-up holds the stacked model plus one layer, not a second full copy. Quantized parameters take
+    the whole-group path (``stack_layers``)."""
+    layers = list(params["layers"])
+    if any(is_quantized(a) for a in jax.tree.leaves(layers, is_leaf=is_quantized)):
+        stacked = stack_layers(params)
+        return store_as_panels(stacked) if as_panels else stacked
+    pairs = as_panels and cpu_kernel.has_bf16_dot()
+    groups = []
+    for a, b in layer_groups(layers):
+        one = jax.eval_shape(functools.partial(_stored_layer, as_panels=as_panels, pairs=pairs), layers[a])
+        group = jax.tree.map(lambda s, n=b - a: jnp.zeros((n,) + s.shape, s.dtype), one)
+        for i in range(a, b):
+            group = _place_layer(group, layers[i], jnp.int32(i - a), as_panels, pairs)
+            for owner in (layers, *release):
+                owner[i] = None
+        groups.append(group)
+    return {**{k: v for k, v in params.items() if k != "layers"}, "groups": groups}
+
+
+def _stored_layer(layer: dict, as_panels: bool, pairs: bool) -> dict:
+    """One layer as the stacked arrays hold it: 16-bit floats packed, routed experts as panels."""
+    layer = jax.tree.map(pack16, layer)
+    if not as_panels:
+        return layer
+    return jax.tree_util.tree_map_with_path(lambda path, a: _leaf_as_panels(path, a, pairs), layer)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=(3, 4))
+def _place_layer(group, layer: dict, i, as_panels: bool, pairs: bool):
+    stored = _stored_layer(layer, as_panels, pairs)
+    return jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0), group, stored)
 
 
 def init_stacked_cache(cfg: ModelConfig, stacked: dict, num_slots: int, dtype) -> list[dict]:
