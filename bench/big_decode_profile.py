@@ -4,6 +4,8 @@ For each batch size: ``LLM(ckpt, dtype)`` (the monolithic executor, as ``jaxmoe 
 takes that many 16-token prompts, runs the prefill and one decode step, and the next decode step's
 ``executor.forward`` arguments are captured. Then:
 
+* start-up: ``LLM(...)``'s wall time and peak resident memory (VmHWM growth) / checkpoint bytes, and
+  the time to first token of one ``--ttft-len``-token prompt (after one compiling run);
 * ``step``: the mean wall time of whole engine steps (scheduler, model runner, forward, sampler,
   stop checks) over the rest of the generation;
 * ``forward``: the captured forward replayed ``--repeats`` times (best and median);
@@ -37,6 +39,14 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
+def status(key: str) -> int:
+    """This process's ``/proc/self/status`` entry in bytes (VmRSS, VmHWM: its peak)."""
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
 def copy_gbs() -> float:
     import jax
     import jax.numpy as jnp
@@ -53,14 +63,16 @@ def copy_gbs() -> float:
     return 2 * n / best / 1e9
 
 
-def profile_batch(llm, batch: int, repeats: int, trace: bool) -> dict:
+def profile_batch(llm, batch: int, repeats: int, trace: bool, new_tokens: int) -> dict:
     import jax
 
     from jaxmoe import SamplingParams
 
     e = llm.engine
     for b in range(batch):
-        e.add_request([(5 * i + b) % 200 + 3 for i in range(16)], SamplingParams(max_tokens=24, ignore_eos=True))
+        e.add_request(
+            [(5 * i + b) % 200 + 3 for i in range(16)], SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        )
     e.step(), e.step()
     captured = {}
     real = e.executor.forward
@@ -126,6 +138,8 @@ def main() -> int:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--trace", action="store_true")
+    p.add_argument("--ttft-len", type=int, default=128, help="time the first token of one prompt this long (0: no)")
+    p.add_argument("--new-tokens", type=int, default=24, help="tokens per request of the generation profiled")
     p.add_argument("--settings", default="{}", help='extra LLM settings as JSON (e.g. \'{"expert_impl": "xla"}\')')
     args = p.parse_args()
 
@@ -134,12 +148,28 @@ def main() -> int:
     from jaxmoe import LLM
     from jaxmoe.config import load_config
 
+    from jaxmoe import SamplingParams
+
     cfg = load_config(args.ckpt)
-    llm = LLM(args.ckpt, dtype=args.dtype, max_num_seqs=16, **json.loads(args.settings))
-    scale = {"bfloat16": 1, "float32": 2}[args.dtype]
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg(), "runs": []}
+    ckpt = sum(os.path.getsize(f) for f in glob.glob(os.path.join(args.ckpt, "*.safetensors")))
+    base = status("VmRSS")
+    t = time.perf_counter()
+    llm = LLM(args.ckpt, dtype=args.dtype, max_num_seqs=16, **json.loads(args.settings))
+    result["start_s"] = round(time.perf_counter() - t, 1)
+    result["start_peak_rss_x_ckpt"] = round((status("VmHWM") - base) / ckpt, 3)
+    result["serving_rss_x_ckpt"] = round((status("VmRSS") - base) / ckpt, 3)
+    print(json.dumps(result), file=sys.stderr, flush=True)
+    if args.ttft_len:
+        prompt, one = [(7 * i) % 200 + 3 for i in range(args.ttft_len)], SamplingParams(max_tokens=1)
+        llm.generate([prompt], one)  # compiles this prefill
+        t = time.perf_counter()
+        llm.generate([prompt], one)
+        result["ttft_s"] = round(time.perf_counter() - t, 3)
+        print(json.dumps({"ttft_s": result["ttft_s"]}), file=sys.stderr, flush=True)
+    scale = {"bfloat16": 1, "float32": 2}[args.dtype]
     for b in map(int, args.batches.split(",")):
-        r = profile_batch(llm, b, args.repeats, args.trace)
+        r = profile_batch(llm, b, args.repeats, args.trace, args.new_tokens)
         r["step_bytes_gb"] = round(scale * _model_bytes(cfg, b)[1] / 1e9, 3)
         result["runs"].append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)

@@ -318,6 +318,9 @@ def worker_result(cmd: list[str], env: dict, cwd, label: str, timeout: float) ->
     sampler.start()
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the worker would outlive the driver otherwise
+        raise SystemExit(f"{label}: no result within {timeout:.0f} s (--timeout)") from None
     finally:
         done.set()
         sampler.join()
