@@ -35,6 +35,16 @@ all non-embedding weights once), and each engine's "start": process start to the
     python bench/vs_vllm.py ... --dtypes float32 --batches 16 --rounds 1      # a quick look
     python bench/vs_vllm.py ... --benchmarks BENCHMARKS.md                    # write the table there
     python bench/vs_vllm.py ... --engines jaxmoe,baseline,vllm --baseline ../jaxmoe-old   # before/after
+    python bench/vs_vllm.py ... --ckpt-dir /tmp/mixtral-3b --engines jaxmoe,vllm --dtypes bfloat16 \
+        --new-tokens 32 --repeats 2 --ttft-len 128 --vocab 32000          # a big checkpoint (bench/big_checkpoint.py)
+
+Per engine process it also records: ``load_s`` (the engine constructor's wall time: weights, KV cache,
+and whatever the engine compiles there), the peak resident memory of the engine's whole process tree
+(sampled every 50 ms from the driver, so vLLM's engine-core process counts) against the checkpoint's
+bytes, the time to first token of one ``--ttft-len``-token prompt (``max_tokens=1``, best of 3) and a
+decode-only rate per batch (``batch x (new_tokens - 1)`` / (a whole generation - a ``max_tokens=1``
+generation of the same prompts), which takes the prefill out). For jaxmoe, the roofline is also given
+as ``bench/device_check.py`` defines it: bytes a step must read (``_model_bytes``) / its copy bandwidth.
 
 ``--baseline DIR`` adds the engine ``baseline``: jaxmoe from another checkout (an older commit, with its
 own ``.venv``), run by that checkout's interpreter and its own copy of this file, in the same rounds, so
@@ -54,6 +64,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 T0 = time.perf_counter()
@@ -69,8 +80,9 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def timed(run, batches, args) -> dict:
-    """Per batch: warm-up, then the median of ``args.repeats`` runs. ``run(ids) -> token lists``."""
+def timed(run, batches, args, run_first=None) -> dict:
+    """Per batch: warm-up, then the median of ``args.repeats`` runs. ``run(ids) -> token lists``;
+    ``run_first(ids)``: the same with one new token (decode-only rates and TTFT)."""
     out, start_s = {}, None
     for b in batches:
         ids = prompts(b, args.prompt_len, args.vocab)
@@ -85,18 +97,68 @@ def timed(run, batches, args) -> dict:
         if any(len(t) != args.new_tokens for t in tokens):
             raise SystemExit(f"an engine stopped early: lengths {[len(t) for t in tokens]}")
         out[str(b)] = {"tok_s": b * args.new_tokens / statistics.median(times), "times": times, "tokens": tokens}
-    return {"batches": out, "start_s": start_s}
+        if args.decode_only and run_first:  # the same prompts, one token: the prefill and the first token alone
+            first = min(_wall(run_first, ids) for _ in range(2))
+            out[str(b)]["first_s"] = first
+            out[str(b)]["decode_tok_s"] = b * (args.new_tokens - 1) / (statistics.median(times) - first)
+    result = {"batches": out, "start_s": start_s}
+    if args.ttft_len and run_first:
+        ids = prompts(1, args.ttft_len, args.vocab)
+        run_first(ids)
+        result["ttft_s"] = min(_wall(run_first, ids) for _ in range(3))
+    return result
+
+
+def _wall(fn, *a) -> float:
+    t = time.perf_counter()
+    fn(*a)
+    return time.perf_counter() - t
 
 
 def worker_jaxmoe(args) -> dict:
     sys.path.insert(0, str(ROOT))
     from jaxmoe import LLM, SamplingParams
 
+    t = time.perf_counter()
     llm = LLM(args.ckpt, dtype=args.dtype)
+    load_s = time.perf_counter() - t
     sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-    result = timed(lambda ids: [list(o.token_ids) for o in llm.generate(ids, sp)], args.batches, args)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    result = timed(
+        lambda ids: [list(o.token_ids) for o in llm.generate(ids, sp)],
+        args.batches,
+        args,
+        lambda ids: llm.generate(ids, one),
+    )
+    result["load_s"] = load_s
+    llm = None  # free the weights before the bandwidth arrays
     result["bandwidth_gbs"] = read_bandwidth()
+    result.update(copy_roofline(args))
     return result
+
+
+def copy_roofline(args) -> dict:
+    """``bench/device_check.py``'s roofline terms: its copy bandwidth (GB/s, read + write of a 1 GiB bf16
+    array) and the bytes a decode step of each batch size must read (``_model_bytes``, bf16)."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from device_check import _model_bytes
+
+    from jaxmoe.config import load_config
+
+    n = 1 << 30
+    x = jnp.ones((n // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a + jnp.bfloat16(1))
+    f(x).block_until_ready()
+    best = min(_wall(lambda: f(x).block_until_ready()) for _ in range(10))
+    cfg = load_config(args.ckpt)
+    scale = {"float32": 2, "bfloat16": 1}[args.dtype]
+    return {
+        "copy_gbs": 2 * n / best / 1e9,
+        "step_bytes": {str(b): scale * _model_bytes(cfg, b)[1] for b in args.batches},
+    }
 
 
 def read_bandwidth() -> float:
@@ -118,6 +180,7 @@ def read_bandwidth() -> float:
 def worker_vllm(args) -> dict:
     from vllm import LLM, SamplingParams
 
+    t = time.perf_counter()
     llm = LLM(
         args.ckpt,
         dtype=args.dtype,
@@ -127,6 +190,7 @@ def worker_vllm(args) -> dict:
         max_model_len=512,
         seed=0,
     )
+    load_s = time.perf_counter() - t
     sp = SamplingParams(
         max_tokens=args.new_tokens, min_tokens=args.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False
     )
@@ -135,7 +199,12 @@ def worker_vllm(args) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    return timed(run, args.batches, args)
+    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0, detokenize=False)
+    result = timed(
+        run, args.batches, args, lambda ids: llm.generate([{"prompt_token_ids": p} for p in ids], one, use_tqdm=False)
+    )
+    result["load_s"] = load_s
+    return result
 
 
 def worker_transformers(args) -> dict:
@@ -216,6 +285,7 @@ def run_engine(engine: str, dtype: str, args) -> dict:
     cmd += ["--worker", "jaxmoe" if engine == "baseline" else engine, "--dtype", dtype, "--ckpt", str(args.ckpt_dir)]
     cmd += ["--batches", ",".join(map(str, args.batches)), "--repeats", str(args.repeats)]
     cmd += ["--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--vocab", str(args.vocab)]
+    cmd += ["--ttft-len", str(args.ttft_len)] + (["--decode-only"] if args.decode_only else [])
     env = dict(os.environ)
     if engine == "vllm":
         cores = sorted(os.sched_getaffinity(0))
@@ -236,11 +306,53 @@ def run_engine(engine: str, dtype: str, args) -> dict:
 def worker_result(cmd: list[str], env: dict, cwd, label: str, timeout: float) -> dict:
     """Run a bench worker subprocess; its last ``RESULT {json}`` line, or exit naming ``label``."""
     print(f"  {label} (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+    done = threading.Event()
+
+    def sample():  # the whole process tree's resident bytes, every 50 ms
+        while not done.wait(0.05):
+            peak[0] = max(peak[0], tree_rss(proc.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the worker would outlive the driver otherwise
+        raise SystemExit(f"{label}: no result within {timeout:.0f} s (--timeout)") from None
+    finally:
+        done.set()
+        sampler.join()
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{label} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+        raise SystemExit(f"{label} failed (exit {proc.returncode}):\n{stderr[-4000:]}")
+    result = json.loads(lines[-1][len("RESULT ") :])
+    result["peak_rss"] = peak[0]
+    return result
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants (from /proc; 0 once it has exited)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(d))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in open(f"/proc/{p}/status"):
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
 
 
 def agree(a: list, b: list) -> str:
@@ -310,7 +422,54 @@ def table(results: dict, args) -> str:
         if hf
         else []
     )
-    return "\n".join(rows + before_after(results, args) + roof + starts + notes) + "\n"
+    return "\n".join(rows + before_after(results, args) + roof + starts + notes + per_process(results, args)) + "\n"
+
+
+def per_process(results: dict, args) -> list[str]:
+    """Load time, peak memory of the process tree / checkpoint bytes, TTFT and decode-only rates per engine
+    process, and jaxmoe's share of ``bench/device_check.py``'s roofline (copy bandwidth)."""
+    ckpt = sum(f.stat().st_size for f in args.ckpt_dir.glob("*.safetensors"))
+    bs = list(map(str, args.batches))
+    rows = [
+        "",
+        f"Per engine process (checkpoint: {ckpt / 1e9:.2f} GB of safetensors):",
+        "",
+        "| dtype | engine | round | load avg at start | constructor (s) | start (s) | peak RSS of the process tree (GB)"
+        " | peak RSS / checkpoint | TTFT, "
+        + f"{args.ttft_len}-token prompt (s) | "
+        + " | ".join(f"decode-only tok/s b{b}" for b in bs)
+        + " |",
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(bs),
+    ]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for dtype in args.dtypes:
+        for e in args.engines:
+            for rnd in range(args.rounds):
+                r = results[(rnd, dtype, e)]
+                dec = " | ".join(fmt(r["batches"][b].get("decode_tok_s"), ".1f") for b in bs)
+                rows.append(
+                    f"| {dtype} | {e} | {rnd + 1} | {r['load'][0]:.1f} | {fmt(r.get('load_s'), '.1f')} | {r['start_s']:.1f}"
+                    f" | {r['peak_rss'] / 1e9:.2f} | {r['peak_rss'] / ckpt:.2f}x | {fmt(r.get('ttft_s'), '.3f')} | {dec} |"
+                )
+    roof = [r for r in results.items() if "copy_gbs" in r[1]]
+    if roof:
+        rows += [
+            "",
+            "jaxmoe against `bench/device_check.py`'s roofline (bytes a decode step must read, `_model_bytes`"
+            " / copy bandwidth of a 1 GiB bf16 array, read + write):",
+            "",
+            "| dtype | round | batch | copy GB/s | bytes per step | floor (ms/step) | decode-only ms/step | share |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for (rnd, dtype, _), r in sorted((k, v) for k, v in roof if k[2] == "jaxmoe"):
+            for b in bs:
+                rate = r["batches"][b].get("decode_tok_s") or r["batches"][b]["tok_s"]
+                step, floor = int(b) / rate * 1e3, r["step_bytes"][b] / (r["copy_gbs"] * 1e9) * 1e3
+                rows.append(
+                    f"| {dtype} | {rnd + 1} | {b} | {r['copy_gbs']:.1f} | {r['step_bytes'][b] / 1e9:.2f} GB"
+                    f" | {floor:.1f} | {step:.1f} | {floor / step:.0%} |"
+                )
+    return rows
 
 
 def before_after(results: dict, args) -> list[str]:
@@ -369,6 +528,10 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--ttft-len", type=int, default=0, help="also time the first token of one prompt this long")
+    p.add_argument(
+        "--decode-only", action="store_true", help="also time max_tokens=1 per batch: decode rates without prefill"
+    )
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--baseline", type=pathlib.Path, help="a jaxmoe checkout with its own .venv: the engine 'baseline'")

@@ -174,11 +174,18 @@ def deterministic_expert_impl(cfg: ModelConfig, params: dict, ec, brownout=None)
     return ec.expert_impl
 
 
-def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, brownout: BrownoutConfig | None = None):
+def build_executor(
+    cfg: ModelConfig,
+    params: dict,
+    config: RuntimeConfig,
+    brownout: BrownoutConfig | None = None,
+    release_params: bool = False,
+):
     """Monolithic executor by default; with a mesh file, the disaggregated one. The expert routing is
     the router's top-k, or BrownoutServe's Algorithm 1 with ``brownout``; QLLM's per-expert queues
     give the executor its expert rounds; FinDEP's pipeline chooser picks the disaggregated
-    step's schedule when ``config.findep`` names one."""
+    step's schedule when ``config.findep`` names one. ``release_params``: the caller gives ``params``
+    up, the monolithic executor drops its per-layer arrays as it stacks them (start-up memory)."""
     ec, findep = config.engine, config.findep
     num_slots = ec.num_blocks * ec.block_size
     if config.mesh is None and findep.pipeline not in (None, "sequential"):
@@ -207,6 +214,7 @@ def build_executor(cfg: ModelConfig, params: dict, config: RuntimeConfig, browno
             expert_impl=deterministic_expert_impl(cfg, params, ec, brownout),
             expert_rounds=rounds,
             pause_every=ec.pause_every,
+            release_params=release_params,
         )
     if is_quantized_tree(params):
         raise ValueError("quantization (int8 / fp8 weights) runs on the monolithic executor only (no mesh file)")
@@ -267,7 +275,8 @@ def build_engine(config: RuntimeConfig) -> LLMEngine:
         from jaxmoe.brownout.united import attach
 
         params = attach(params, cfg, model_dir(config.model))
-    engine = LLMEngine(cfg, build_executor(cfg, params, config, brownout), tokenizer, config.engine)
+    executor = build_executor(cfg, params, config, brownout, release_params=True)
+    engine = LLMEngine(cfg, executor, tokenizer, config.engine)
     engine.sampling_defaults = generation_config(config.model)  # what requests leave unset (else greedy)
     return attach_features(engine, config, salc)
 

@@ -81,16 +81,66 @@ def store_as_panels(stacked: dict) -> dict:
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=1)
 def _group_as_panels(group: dict, bf16_pairs: bool) -> dict:
-    def convert(path, a):
-        keys = [getattr(k, "key", None) for k in path]
-        width = width_for(*a.shape[-2:])  # gate [D, F] and down [F, D]: one width for both
-        if not (keys[0] == "moe" and keys[-1] in ROUTED and width):
-            return a
-        if is_quantized(a):  # int8 (``jaxmoe.quantization``): its values as panels, its scales as they are
-            return Quantized(to_panels(a.q, width), a.scale) if a.method == "int8" else a
-        return to_panels(a, width, bf16_pairs and a.dtype.itemsize == 2)  # pairs: bfloat16 (or its bits)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: _leaf_as_panels(path, a, bf16_pairs), group, is_leaf=is_quantized
+    )
 
-    return jax.tree_util.tree_map_with_path(convert, group, is_leaf=is_quantized)
+
+def _leaf_as_panels(path, a, bf16_pairs: bool):
+    keys = [getattr(k, "key", None) for k in path]
+    width = width_for(*a.shape[-2:])  # gate [D, F] and down [F, D]: one width for both
+    if not (keys[0] == "moe" and keys[-1] in ROUTED and width):
+        return a
+    if is_quantized(a):  # int8 (``jaxmoe.quantization``): its values as panels, its scales as they are
+        return Quantized(to_panels(a.q, width), a.scale) if a.method == "int8" else a
+    return to_panels(a, width, bf16_pairs and a.dtype.itemsize == 2)  # pairs: bfloat16 (or its bits)
+
+
+def stack_layer_by_layer(params: dict, as_panels: bool, release: tuple[list, ...] = ()) -> dict:
+    """``store_as_panels(stack_layers(params))`` (``as_panels``) or ``stack_layers(params)``, built one
+    parameter at a time: each parameter's stacked array is filled layer by layer (donated, updated in
+    place) and each layer's array let go once placed, so start-up holds the model once plus one stacked
+    parameter, not a second copy. ``release``: lists holding the per-layer parameters the caller gives
+    up (``params["layers"]``, the lists it was made from); their entries are set to None first, so the
+    per-layer arrays live only here. Quantized parameters take the whole-group path (``stack_layers``)."""
+    layers = list(params["layers"])
+    if any(is_quantized(a) for a in jax.tree.leaves(layers, is_leaf=is_quantized)):
+        stacked = stack_layers(params)
+        return store_as_panels(stacked) if as_panels else stacked
+    pairs = as_panels and cpu_kernel.has_bf16_dot()
+    spans = layer_groups(layers)
+    treedefs = {a: jax.tree_util.tree_structure(layers[a]) for a, _ in spans}
+    paths = {a: [p for p, _ in jax.tree_util.tree_flatten_with_path(layers[a])[0]] for a, _ in spans}
+    leaves = [jax.tree.leaves(layer) for layer in layers]  # from here on the only references
+    for owner in (*release, layers):
+        for i in range(len(owner)):
+            owner[i] = None
+    groups = []
+    for a, b in spans:
+        stacked = []
+        for j, path in enumerate(paths[a]):
+            first = leaves[a][j]
+            one = jax.eval_shape(lambda x, path=path: _stored_leaf(path, x, as_panels, pairs), first)
+            buf = jax.tree.map(lambda s, n=b - a: jnp.zeros((n,) + s.shape, s.dtype), one)
+            for i in range(a, b):
+                buf = _place_leaf(buf, leaves[i][j], jnp.int32(i - a), tuple(path), as_panels, pairs)
+                leaves[i][j] = None
+            stacked.append(buf)
+        groups.append(jax.tree_util.tree_unflatten(treedefs[a], stacked))
+    return {**{k: v for k, v in params.items() if k != "layers"}, "groups": groups}
+
+
+def _stored_leaf(path, a, as_panels: bool, pairs: bool):
+    """One layer's parameter as the stacked arrays hold it: 16-bit floats packed, routed experts as
+    panels."""
+    a = pack16(a)
+    return _leaf_as_panels(path, a, pairs) if as_panels else a
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=(3, 4, 5))
+def _place_leaf(buf, a, i, path, as_panels: bool, pairs: bool):
+    stored = _stored_leaf(path, a, as_panels, pairs)
+    return jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x, i, 0), buf, stored)
 
 
 def init_stacked_cache(cfg: ModelConfig, stacked: dict, num_slots: int, dtype) -> list[dict]:

@@ -40,8 +40,7 @@ from jaxmoe.models.transformer import (
     layer_step,
     layer_view,
     lm_head,
-    stack_layers,
-    store_as_panels,
+    stack_layer_by_layer,
     unstack_layers,
 )
 from jaxmoe.pallas_kernels.expert_ffn import resolve
@@ -166,6 +165,7 @@ class MonolithicExecutor:
         expert_impl: str = "auto",
         expert_rounds=None,
         pause_every: int = 1,
+        release_params: bool = False,
     ):
         """``expert_impl``: the expert-FFN implementation (``jaxmoe.pallas_kernels.expert_ffn``; "auto":
         ``models.experts.AUTO_EXPERT_IMPL``). ``routing``: how the MoE layers choose their logical
@@ -176,7 +176,9 @@ class MonolithicExecutor:
         [lo, hi) with a pause point between them (QLLM per-expert queues; None: one expert program
         per layer).
         ``pause_every``: in the layer-by-layer mode, layers per program (pause points every that many
-        layers: fewer dispatches and host checks, a longer wait for latency-sensitive work)."""
+        layers: fewer dispatches and host checks, a longer wait for latency-sensitive work).
+        ``release_params``: ``params["layers"]`` is the caller's to give up: its entries are set to None
+        as they are stacked (``stack_layer_by_layer``), so start-up never holds the model twice."""
         self.cfg, self.block_size = cfg, block_size
         self.kv_layout = KVLayout.for_slots(num_slots, block_size)
         self.num_attention, self.num_cache_slots = 1, self.kv_layout.num_slots
@@ -184,7 +186,7 @@ class MonolithicExecutor:
         self.routing, self.routing_state = routing, routing_state
         self.params_version = 0  # bumped by ``set_params`` (the prefix cache keys KV by it)
         in_place = in_place_mode(impl)  # weights read in place by the CPU kernel (``cpu_kernel*``)
-        self.num_logical_experts, self.stacked = self._stack(params, in_place)
+        self.num_logical_experts, self.stacked = self._stack(params, in_place, release_params)
         self._op_impls = op_impls.build(
             requested_expert_impl=expert_impl,
             expert_impl=impl,
@@ -241,12 +243,14 @@ class MonolithicExecutor:
         self._route = jit(route)
         self._expert_round = jit(expert_round)
 
-    def _stack(self, params: dict, in_place: bool):
+    def _stack(self, params: dict, in_place: bool, release: bool = False):
         """(E + U logical experts, the stacked parameters: E + U logical experts per MoE layer, the expert
-        weights as panels where the CPU kernel reads them in place)."""
+        weights as panels where the CPU kernel reads them in place), placed layer by layer
+        (``release``: ``params["layers"]``' entries are dropped as they are placed)."""
         n = self.cfg.moe.num_experts + extra_experts(self.routing, params)
-        stacked = stack_layers(logical_params(self.routing, params))
-        return n, store_as_panels(stacked) if in_place else stacked
+        logical = logical_params(self.routing, params)
+        owners = (logical["layers"], params["layers"]) if release else (logical["layers"],)
+        return n, stack_layer_by_layer(logical, bool(in_place), owners)
 
     def set_params(self, params: dict) -> None:
         """Serve ``params`` (a per-layer tree of the same model, with what the routing needs) from the

@@ -67,3 +67,31 @@ def test_bfloat16_panels_in_pairs_where_the_cpu_has_a_bf16_dot(monkeypatch, bf16
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     got, want = kernel.generate(prompts, sp), xla.generate(prompts, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+@pytest.mark.parametrize("as_panels,bf16_dot", [(True, True), (True, False), (False, False)])
+def test_stacked_layer_by_layer_as_whole_groups_and_the_loaded_layers_let_go(monkeypatch, as_panels, bf16_dot):
+    """Start-up stacks one parameter at a time (a big checkpoint is never held twice): the stacked
+    arrays are bit for bit those of stacking whole groups, and every per-layer array given up is freed."""
+    import gc
+    import weakref
+
+    from jaxmoe.checkpoint.model import load_model
+    from jaxmoe.models.transformer import stack_layer_by_layer, stack_layers, store_as_panels
+
+    monkeypatch.setattr(cpu_kernel, "has_bf16_dot", lambda: bf16_dot)
+    _, params, _ = load_model("tiny-random", "bfloat16")
+    want = stack_layers(params)
+    want = store_as_panels(want) if as_panels else want
+    refs = [weakref.ref(a) for a in jax.tree.leaves(params["layers"])]
+    got = stack_layer_by_layer(params, as_panels, release=(params["layers"],))
+    gc.collect()
+    assert refs and all(r() is None for r in refs) and params["layers"] == [None] * len(params["layers"])
+    assert jax.tree.structure(got, is_leaf=is_panels) == jax.tree.structure(want, is_leaf=is_panels)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if as_panels:
+        assert all(
+            isinstance(g["moe"][k], Panels) and g["moe"][k].pairs == bf16_dot for g in got["groups"] for k in ROUTED
+        )
