@@ -3,7 +3,7 @@ beside other requests, with its prompt chunked differently, with its prefix read
 after a recompute preemption re-prefilled its prompt and generated tokens, and when it waited for a
 prefix another request was computing (that one aborted or not); in both of its forms (the
 batch-invariant CPU kernels on the ordinary bucketed shapes, and one fixed shape with dense experts),
-and on the disaggregated executor; seeded top-k / top-p / min-p draws too."""
+and on the disaggregated executor, across a live re-scale too; seeded top-k / top-p / min-p draws too."""
 
 from __future__ import annotations
 
@@ -140,11 +140,12 @@ def check_sampling(llm, target, others):
 
 
 @pytest.mark.slow
-def test_disaggregated_deterministic_mode_is_batch_chunk_cache_preemption_and_sampling_invariant():
+def test_disaggregated_deterministic_mode_is_batch_chunk_cache_preemption_sampling_and_rescale_invariant():
     """The disaggregated executor on the smallest test mesh (2 attention, 6 expert instances of 4 slots:
     the 8 experts have replicas, so AEBS places a token's experts by the batch's load): the attention
     program, the gate, the expert FFN over AEBS's replicas and the transfers give each token's results
-    whatever it is batched with; and the sampler's top-k / top-p / min-p draws too."""
+    whatever it is batched with; the sampler's top-k / top-p / min-p draws too; and a live re-scale
+    changes no token or logprob."""
     if invariant_unsupported(demo_config()) is not None:
         pytest.skip(f"the batch-invariant CPU kernels cannot run here: {invariant_unsupported(demo_config())}")
     llm = LLM(
@@ -160,6 +161,26 @@ def test_disaggregated_deterministic_mode_is_batch_chunk_cache_preemption_and_sa
     target, others = workload()
     check(llm, target, others)
     check_sampling(llm, target, others)
+    check_across_a_rescale(llm, target, others)
+
+
+def check_across_a_rescale(llm, target, others):
+    """Across a live re-scale (2a6e -> 4a4e: the attention instances, the experts' devices and AEBS's
+    replicas change): the request's tokens and logprobs are those it had before, read from the cache
+    and computed anew, alone and in a batch."""
+    eng = llm.engine
+    eng.block_manager.reset_prefix_cache()
+    before = llm.generate([target], SP)[0]
+    llm.rescale(4, 4)
+    assert (llm.executor.num_attention, llm.executor.num_expert_instances) == (4, 4)
+    assert_identical(llm.generate([target], SP)[0], before)  # from the cache, if the re-scale kept it
+    eng.block_manager.reset_prefix_cache()
+    fresh = llm.generate(others[:2] + [target], SP)[2]
+    assert fresh.num_cached_tokens == 0
+    assert_identical(fresh, before)
+    cached = llm.generate([target], SP)[0]
+    assert cached.num_cached_tokens == 32
+    assert_identical(cached, before)
 
 
 def test_deterministic_mode_on_a_mesh_needs_the_invariant_kernels():
