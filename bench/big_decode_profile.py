@@ -47,22 +47,6 @@ def status(key: str) -> int:
     raise KeyError(key)
 
 
-def copy_gbs() -> float:
-    import jax
-    import jax.numpy as jnp
-
-    n = 1 << 30
-    x = jnp.ones((n // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: a + jnp.bfloat16(1))
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n / best / 1e9
-
-
 def profile_batch(llm, batch: int, repeats: int, trace: bool, new_tokens: int) -> dict:
     import jax
 
@@ -143,7 +127,7 @@ def main() -> int:
     p.add_argument("--settings", default="{}", help='extra LLM settings as JSON (e.g. \'{"expert_impl": "xla"}\')')
     args = p.parse_args()
 
-    from device_check import _model_bytes
+    from device_check import _model_bytes, copy_gbs
 
     from jaxmoe import LLM
     from jaxmoe.config import load_config

@@ -140,23 +140,15 @@ def worker_jaxmoe(args) -> dict:
 def copy_roofline(args) -> dict:
     """``bench/device_check.py``'s roofline terms: its copy bandwidth (GB/s, read + write of a 1 GiB bf16
     array) and the bytes a decode step of each batch size must read (``_model_bytes``, bf16)."""
-    import jax
-    import jax.numpy as jnp
-
     sys.path.insert(0, str(ROOT / "bench"))
-    from device_check import _model_bytes
+    from device_check import _model_bytes, copy_gbs
 
     from jaxmoe.config import load_config
 
-    n = 1 << 30
-    x = jnp.ones((n // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: a + jnp.bfloat16(1))
-    f(x).block_until_ready()
-    best = min(_wall(lambda: f(x).block_until_ready()) for _ in range(10))
     cfg = load_config(args.ckpt)
     scale = {"float32": 2, "bfloat16": 1}[args.dtype]
     return {
-        "copy_gbs": 2 * n / best / 1e9,
+        "copy_gbs": copy_gbs(),
         "step_bytes": {str(b): scale * _model_bytes(cfg, b)[1] for b in args.batches},
     }
 
