@@ -4,11 +4,15 @@
    stream runs and ``/health`` is probed every 20 ms: the refusal times, the largest ``/health``
    latency, the stream's largest gap between tokens against its median gap (and, as the noise
    floor of the machine, the same stream's gaps run alone just before);
-2. a burst of N simultaneous HTTP requests (every connection opened before any request is sent,
+2. with ``--gap-pairs N``, the stream's pace fairly: N pairs of the same stream, alone and while
+   huge prompts are refused one after another for the whole stream (HTTP completions, chat, gRPC
+   in turn), in alternating order in the same window: each stream's largest gap over its median
+   gap, the distribution of both;
+3. a burst of N simultaneous HTTP requests (every connection opened before any request is sent,
    from a child process, so that its event loop does not hold this process's GIL while the
    ``/health`` probe here waits to read its answer): how many got 200, JSON 429, anything else.
 
-    python bench/serve_pressure.py --model demo --burst 1200 [--out bench/results/DATE-serving-pressure.md]
+    python bench/serve_pressure.py --model demo --burst 1200 [--gap-pairs 20] [--out bench/results/DATE-serving-pressure.md]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -145,6 +150,105 @@ def huge_prompts(http_port: int, grpc_port: int, max_tokens: int) -> dict:
     }
 
 
+def huge_bodies() -> tuple[list, bytes]:
+    """The huge prompts, encoded once: (HTTP path and body) x 2, the gRPC request's bytes."""
+    huge = "x" * HUGE
+    bodies = [
+        ("/v1/completions", json.dumps({"prompt": huge, "max_tokens": 4}).encode()),
+        (
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": huge}], "max_tokens": 4}).encode(),
+        ),
+    ]
+    return bodies, make_request(huge, max_tokens=4).SerializeToString()
+
+
+def refuse_until(
+    http_port: int, grpc_port: int, encoded, stop: threading.Event, answers: list, sink=None, start=None, once=False
+) -> None:
+    """Huge prompts refused one after another (HTTP completions, chat, gRPC in turn) until ``stop``
+    (``once``: the three, then stop), from when ``start()`` is true; with ``sink`` (a port), the same
+    bytes go over HTTP to that sink process instead."""
+    bodies, rpc = encoded
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        generate = ch.unary_stream("/jaxmoe.v1.Jaxmoe/Generate")
+        while start is not None and not start() and not stop.is_set():
+            time.sleep(0.001)
+        i = 0
+        while not stop.is_set() and not (once and i == 3):
+            if sink is not None:
+                status, _, took = post(sink, "/", bodies[i % 2][1] if i % 3 < 2 else rpc)
+                answers.append((f"sink {status}", took))
+            elif i % 3 < 2:
+                status, _, took = post(http_port, *bodies[i % 3])
+                answers.append((status, took))
+            else:
+                t0 = time.monotonic()
+                try:
+                    list(generate(rpc, timeout=300))
+                    answers.append(("OK", time.monotonic() - t0))
+                except grpc.RpcError as e:
+                    answers.append((e.code().name, time.monotonic() - t0))
+            i += 1
+
+
+def _sink(port_out) -> None:
+    """A loopback HTTP sink (another process): reads each request's body, answers 400 ``{}``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_out.put(listener.getsockname()[1])
+    while True:
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rb") as f:
+            length = 0
+            for line in iter(f.readline, b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            f.read(length)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+
+
+def gap_pairs(http_port: int, grpc_port: int, pairs: int, max_tokens: int, once: bool = False) -> dict:
+    """Largest gap / median gap of the same stream: alone, while huge prompts are refused, and while
+    the same bytes go to a sink process instead (the client's and the kernel's share of the CPU),
+    in rotating order. ``once``: the three huge prompts once, after the stream's 10th token; else one
+    after another for the whole stream."""
+    runs: dict = {"alone": [], "refusing": [], "sink": []}
+    medians: dict = {k: [] for k in runs}
+    answers: list = []
+    encoded = huge_bodies()  # before any stream: this process's json.dumps of 2 MB holds its GIL
+    ctx = multiprocessing.get_context("spawn")
+    port_q = ctx.Queue()
+    sink = ctx.Process(target=_sink, args=(port_q,), daemon=True)
+    sink.start()
+    sink_port = port_q.get(timeout=60)
+    order = list(runs)
+    try:
+        for i in range(pairs):
+            for kind in order[i % 3 :] + order[: i % 3]:
+                times: list = []
+                stop = threading.Event()
+                args = (http_port, grpc_port, encoded, stop, answers, sink_port if kind == "sink" else None)
+                args += ((lambda t=times: len(t) >= 10) if once else None, once)
+                refuser = threading.Thread(target=refuse_until, args=args)
+                if kind != "alone":
+                    refuser.start()
+                stream(http_port, max_tokens, times)
+                stop.set()
+                if kind != "alone":
+                    refuser.join(300)
+                gaps = gaps_of(times)
+                runs[kind].append(gaps[-1] / statistics.median(gaps))
+                medians[kind].append(statistics.median(gaps))
+    finally:
+        sink.kill()
+    return {"ratios": {k: sorted(v) for k, v in runs.items()}, "medians": medians, "answers": answers}
+
+
+def _dist(ratios: list) -> str:
+    q = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 9
+    return f"median {statistics.median(ratios):.2f}x, p10 {q[0]:.2f}x, p90 {q[-1]:.2f}x, max {max(ratios):.2f}x"
+
+
 def burst(http_port: int, n: int, max_tokens: int) -> dict:
     stop, health = threading.Event(), []
     prober = threading.Thread(target=probe_health, args=(http_port, stop, health))
@@ -189,13 +293,26 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=1200)
     ap.add_argument("--burst-max-tokens", type=int, default=1)
     ap.add_argument("--stream-tokens", type=int, default=64)
+    ap.add_argument("--gap-pairs", type=int, default=0, help="rounds of streams alone / refusing / sink (0: none)")
+    ap.add_argument(
+        "--refusals",
+        choices=["once", "continuous"],
+        default="once",
+        help="--gap-pairs: the three huge prompts once per stream (after its 10th token) or one after another",
+    )
+    ap.add_argument("--skip-burst", action="store_true", help="no burst (with --gap-pairs: the pace alone)")
     ap.add_argument("--out", default=None, help="append a markdown section here")
     ap.add_argument("serve_args", nargs="*", help="more `jaxmoe serve` flags (after --)")
     args = ap.parse_args()
     proc, http_port, grpc_port = start_server(args.model, args.serve_args)
     try:
+        load_start = os.getloadavg()[0]
         huge = huge_prompts(http_port, grpc_port, args.stream_tokens)
-        b = burst(http_port, args.burst, args.burst_max_tokens)
+        pace = None
+        if args.gap_pairs:
+            pace = gap_pairs(http_port, grpc_port, args.gap_pairs, args.stream_tokens, args.refusals == "once")
+        load_pace = os.getloadavg()[0]
+        b = None if args.skip_burst else burst(http_port, args.burst, args.burst_max_tokens)
         rejected = metrics_rejected(http_port)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -225,16 +342,40 @@ def main() -> int:
         f"- load average at the end: {os.getloadavg()[0]:.1f}",
         f"- message: {next(iter(huge['refusals'].values()))[2]}",
         "",
-        f"Burst of {b['n']:,} simultaneous HTTP requests (max_tokens {args.burst_max_tokens}):",
-        "",
-        f"- 200: {b['served_200']:,}; JSON 429 with Retry-After: {b['json_429']:,}; anything else: {b['other']:,}"
-        f" (all answered in {b['seconds']:.1f} s)",
-        f"- /health during the burst: {b['health_probes']} probes, largest latency {b['health_max_s'] * 1e3:.1f} ms, "
-        f"{b['health_non_200']} not 200",
-        f"- jaxmoe_requests_rejected_total afterwards: {rejected}",
-        f"- SIGTERM to exit (idle): {exit_s:.2f} s",
-        "",
     ]
+    if pace is not None:
+        refusals = [(code, t) for code, t in pace["answers"] if not str(code).startswith("sink")]
+        codes = sorted({str(code) for code, _ in refusals})
+        what = {
+            "alone": "alone",
+            "refusing": "while the huge prompts are refused",
+            "sink": "while the same bytes go to a sink process",
+        }
+        lines += [
+            f"The stream's pace, {args.gap_pairs} rounds of {args.stream_tokens}-token streams alone / refusing / "
+            f"sink in rotating order, the huge prompts {args.refusals} (load {load_start:.1f} at the start, {load_pace:.1f} at the end); largest gap / "
+            "median gap of each stream:",
+            "",
+            *[
+                f"- {what[k]}: {_dist(v)}; median gap {statistics.median(pace['medians'][k]) * 1e3:.1f} ms"
+                for k, v in pace["ratios"].items()
+            ],
+            f"- {len(refusals)} refusals, answers {codes}, slowest {max(t for _, t in refusals):.3f} s; "
+            f"{len(pace['answers']) - len(refusals)} sends to the sink",
+            *[f"- every ratio, {k}: {' '.join(f'{r:.2f}' for r in v)}" for k, v in pace["ratios"].items()],
+            "",
+        ]
+    if b is not None:
+        lines += [
+            f"Burst of {b['n']:,} simultaneous HTTP requests (max_tokens {args.burst_max_tokens}):",
+            "",
+            f"- 200: {b['served_200']:,}; JSON 429 with Retry-After: {b['json_429']:,}; anything else: {b['other']:,}"
+            f" (all answered in {b['seconds']:.1f} s)",
+            f"- /health during the burst: {b['health_probes']} probes, largest latency "
+            f"{b['health_max_s'] * 1e3:.1f} ms, {b['health_non_200']} not 200",
+            f"- jaxmoe_requests_rejected_total afterwards: {rejected}",
+        ]
+    lines += [f"- SIGTERM to exit (idle): {exit_s:.2f} s", ""]
     text = "\n".join(lines)
     print(text)
     if args.out:

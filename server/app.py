@@ -200,10 +200,15 @@ class JaxmoeServer:
             await set_serving(self._health, False)
         # new RPCs are refused at once; open streams end when the engine finishes or aborts them
         grpc_done = asyncio.ensure_future(self._grpc.stop(grace + 5.0)) if self._grpc is not None else None
+        # aborting: HTTP stops listening now too, its open responses end as the engine aborts them
+        # (a drain lets them finish first: HTTP stops after it)
+        http_done = asyncio.ensure_future(self._http.stop()) if self._http is not None and abort_inflight else None
         await loop.run_in_executor(None, lambda: self.async_engine.shutdown(abort_inflight, grace))
         if grpc_done is not None:
             await grpc_done
-        if self._http is not None:
+        if http_done is not None:
+            await http_done
+        elif self._http is not None:
             await self._http.stop()
         self.prompts.close()
         if self._serving:

@@ -5,8 +5,9 @@
     jaxmoe: grpc listening on 127.0.0.1:50151
     jaxmoe: http listening on 127.0.0.1:8100
 
-and serves until SIGTERM / SIGINT: it then stops taking requests, lets in-flight streams finish
-for ``--shutdown-grace`` seconds (aborting what is left, ``finish_reason="abort"``) and exits 0.
+and serves until SIGTERM / SIGINT: it then stops taking requests, aborts the requests in flight
+(their streams end with ``finish_reason="abort"``, as vLLM's do; ``--shutdown-grace N`` lets them
+run up to N seconds first), cancels a live-rescale build in flight and exits 0.
 """
 
 from __future__ import annotations
@@ -152,7 +153,11 @@ def register(sub, add_model_args) -> None:
         "compiling aside, before it fails every request and exits (a hung process; 0: no limit)",
     )
     serve.add_argument(
-        "--shutdown-grace", type=float, default=10.0, help="seconds in-flight requests may take to finish on SIGTERM"
+        "--shutdown-grace",
+        type=float,
+        default=0.0,
+        help="seconds in-flight requests may go on after SIGTERM / SIGINT before they are aborted "
+        '(default 0: aborted at once, their streams end with finish_reason "abort", as vLLM does)',
     )
     serve.add_argument(
         "--request-timeout",
@@ -227,7 +232,12 @@ def register(sub, add_model_args) -> None:
         default=None,
         help="comma-separated Host header values accepted ('*': any; default: the bound address)",
     )
-    serve.add_argument("--abort-on-shutdown", action="store_true", help="abort in-flight requests at once")
+    serve.add_argument(
+        "--abort-on-shutdown",
+        action="store_true",
+        help="abort in-flight requests at once on SIGTERM / SIGINT, whatever --shutdown-grace says (the default "
+        "with --shutdown-grace 0)",
+    )
     multi = serve.add_argument_group(
         "multi-host (jax.distributed; process 0 serves HTTP and gRPC, the others follow its steps: docs/multi_host.md)"
     )
@@ -507,7 +517,7 @@ async def _serve(
         return await cluster_failed(server.failure)
     watching.set()  # the followers leave after the drain: not a failure
     print("jaxmoe: shutting down", flush=True)
-    await server.stop(abort_inflight=abort_on_shutdown, grace=grace)
+    await server.stop(abort_inflight=abort_on_shutdown or grace == 0, grace=0.0 if abort_on_shutdown else grace)
     print("jaxmoe: stopped", flush=True)
     return 0
 

@@ -8,17 +8,26 @@ stream, ends the call with INVALID_ARGUMENT naming the decoding error.
 
 It also keeps large messages off the event loop both front ends share: grpcio decodes a request on
 that loop, so a message of ``OFF_LOOP_BYTES`` or more is only marked there (``_Deferred``) and
-decoded in a worker thread before the method sees it.
+decoded in a worker thread before the method sees it; ``large_request()`` tells the method so (it
+then reads the message's large fields off the loop too: the message keeps its bytes and makes a
+new Python string at each access, 2 MB of text at a time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 
 import grpc
 
 OFF_LOOP_BYTES = 64 << 10  # a request message this large is decoded in a worker thread
+_LARGE = contextvars.ContextVar("jaxmoe_large_grpc_request", default=False)
+
+
+def large_request() -> bool:
+    """Whether the request of the method running now (its task) was ``OFF_LOOP_BYTES`` or more."""
+    return _LARGE.get()
 
 
 class _Undecodable:
@@ -50,6 +59,7 @@ def _lenient(deserialize):
 
 
 async def _decoded(request):
+    _LARGE.set(isinstance(request, _Deferred))
     if isinstance(request, _Deferred):
         return await asyncio.to_thread(_parse, request.deserialize, request.data)
     return request

@@ -30,7 +30,7 @@ from jaxmoe.server import admin
 from jaxmoe.server.proto import jaxmoe_pb2 as pb
 from jaxmoe.server.proto import jaxmoe_pb2_grpc as pb_grpc
 from jaxmoe.server.request_log import log_request
-from jaxmoe.server.grpc_junk import UndecodableInterceptor
+from jaxmoe.server.grpc_junk import UndecodableInterceptor, large_request
 from jaxmoe.server.prompts import PromptPreparer
 from jaxmoe.server.security import ApiKeyInterceptor, SecurityOptions
 
@@ -170,7 +170,11 @@ class JaxmoeServicer(pb_grpc.JaxmoeServicer):
                 f"the request is not a GenerateRequest ({request.error})",
             )
         try:
-            prompt, sampling, priority = request_from_proto(request, self.engine.engine.sampling_defaults)
+            defaults = self.engine.engine.sampling_defaults
+            if large_request():  # its prompt's text is made (2 MB: a millisecond and more) off the loop
+                prompt, sampling, priority = await asyncio.to_thread(request_from_proto, request, defaults)
+            else:
+                prompt, sampling, priority = request_from_proto(request, defaults)
             prompt = await self.prompts.prompt_ids(prompt)  # refused by length first, then tokenized off the loop
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(e))

@@ -44,6 +44,8 @@ MAX_MESSAGES = 1024
 
 
 def _utf8(text: str) -> str:
+    if text.isascii():  # constant time (CPython keeps the flag): no surrogate, and no 2 MB copy for a huge prompt
+        return text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

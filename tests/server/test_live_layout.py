@@ -1,14 +1,20 @@
 """After a live rescale, gRPC ``ModelInfo``, ``/v1/models`` and ``/metrics`` report the layout serving
 now; stopping the server with a rescale build in flight cancels the build (its caller gets
-503 ``unavailable``), ends the streams in flight with ``finish_reason="abort"`` and returns within 3 s."""
+503 ``unavailable``), ends the streams in flight with ``finish_reason="abort"`` and returns within 3 s;
+``jaxmoe serve`` exits within 3 s of SIGTERM with a build in flight."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -103,3 +109,48 @@ def test_layout_reported_after_rescale_and_shutdown_cancels_a_build(checkpoint_d
     finally:
         if not stopped:
             st.stop(abort_inflight=True)
+
+
+@pytest.mark.slow
+def test_cli_sigterm_cancels_a_build_and_exits_within_3s(checkpoint_dir):
+    """``jaxmoe serve`` with a mesh, SIGTERM while a live rescale builds: the caller gets 503
+    ``unavailable`` (cancelled) and the process exits 0 within 3 s."""
+    cmd = [sys.executable, "-m", "jaxmoe.cli", "serve", "--model", str(checkpoint_dir("mixtral"))]
+    cmd += ["--mesh", "meshes/cpu-8.yaml", "--no-warmup", "--http-port", "0", "--grpc-port", "0"]
+    cmd += ["--dtype", "float32", "--num-blocks", "64", "--block-size", "8", "--max-num-seqs", "4"]
+    # no persistent compilation cache: the build compiles, so it is still in flight at the signal
+    env = dict(os.environ, PYTHONUNBUFFERED="1", JAXMOE_COMPILATION_CACHE="off")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port, seen, deadline = None, "", time.monotonic() + 180
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            seen += line
+            m = re.search(r"http listening on [^:]+:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port is not None, seen
+        srv = types.SimpleNamespace(http_port=port)
+        answer: dict = {}
+        change = {"attention": 4, "experts": 4}
+        caller = threading.Thread(target=lambda: answer.update(r=_request(srv, "POST", "/admin/rescale", change)))
+        caller.start()
+        building, deadline = False, time.monotonic() + 60
+        while not building and caller.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)  # a second rescale is refused (409) while the first one builds
+            status, body = _request(srv, "POST", "/admin/rescale", change)
+            building = status == 409 and body["error"]["code"] == "rescale_in_progress"
+        assert building, answer
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - t0
+        caller.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert code == 0 and took < 3.0, (code, took)
+    status, body = answer["r"]
+    assert status == 503 and body["error"]["code"] == "unavailable" and "cancelled" in body["error"]["message"]

@@ -149,15 +149,16 @@ def _recording(calls: list, fn):
 def test_large_bodies_are_parsed_off_the_loop(server, monkeypatch):
     """HTTP bodies (and gRPC messages) of OFF_LOOP_BYTES or more are parsed and validated in a worker
     thread, not on the event loop (the thread "jaxmoe-server"), with the same answers; small ones are
-    parsed as before. Large bodies are parsed by jiter, not by ``json.loads`` (which holds the GIL,
+    parsed as before; a large gRPC request's fields are read off the loop too. Large bodies are parsed by jiter, not by ``json.loads`` (which holds the GIL,
     so the loop too, for tens of milliseconds over megabytes); what jiter refuses gets
     ``json.loads``'s answer."""
-    from jaxmoe.server import grpc_junk, http_parse
+    from jaxmoe.server import grpc_junk, grpc_service, http_parse
 
-    calls, decoded, stdlib = [], [], []
+    calls, decoded, stdlib, read = [], [], [], []
     monkeypatch.setattr(http_parse, "parse_body", _recording(calls, http_parse.parse_body))
     monkeypatch.setattr(http_parse, "_stdlib_loads", _recording(stdlib, http_parse._stdlib_loads))
     monkeypatch.setattr(grpc_junk, "_parse", _recording(decoded, grpc_junk._parse))
+    monkeypatch.setattr(grpc_service, "request_from_proto", _recording(read, grpc_service.request_from_proto))
     pad = "p" * http_parse.OFF_LOOP_BYTES  # an unknown field: ignored, as the OpenAI API does
     status, body = _post(server.http_port, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "padding": pad})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
@@ -185,7 +186,10 @@ def test_large_bodies_are_parsed_off_the_loop(server, monkeypatch):
         with pytest.raises(grpc.RpcError) as err:
             ch.unary_stream("/jaxmoe.v1.Jaxmoe/Generate")(b"\xff" * (64 << 10), timeout=60).next()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert len(decoded) == 2 and "jaxmoe-server" not in decoded, decoded
+        list(pb_grpc.JaxmoeStub(ch).Generate(make_request("small", max_tokens=1), timeout=60))
+    assert len(decoded) == 3 and "jaxmoe-server" not in decoded[:2] and decoded[2] == "jaxmoe-server", decoded
+    # the large request's fields (its prompt's text) were read off the loop too, a small one's on it
+    assert len(read) == 2 and read[0] != "jaxmoe-server" and read[1] == "jaxmoe-server", read
 
 
 def test_health_is_answered_while_the_loop_is_busy(server, monkeypatch):

@@ -1,9 +1,12 @@
 """The gRPC server, live on ephemeral loopback ports: streaming vs the standalone LLM, mixed
 priorities, cancel, invalid arguments, overload, health/reflection; and one `jaxmoe serve`
-subprocess that must exit cleanly on SIGTERM."""
+subprocess that must exit cleanly within 3 s of SIGTERM, its gRPC and HTTP streams in flight ended
+with ``finish_reason="abort"``."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import shutil
@@ -231,14 +234,25 @@ def test_jaxmoe_serve_subprocess_exits_cleanly_on_sigterm():
                 assert m.group(2) == "127.0.0.1"
                 ports[m.group(1)] = int(m.group(3))
         assert len(ports) == 2, "".join(lines)
+        sse = http.client.HTTPConnection("127.0.0.1", ports["http"], timeout=60)
+        body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "stream": True, "logprobs": 0}
+        sse.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        events = sse.getresponse()
+        assert events.status == 200 and events.readline().startswith(b"data: {")  # the SSE stream runs
         with JaxmoeClient(f"127.0.0.1:{ports['grpc']}") as c:
             assert c.health() == "SERVING"
-            call = c.generate("Hello there", max_tokens=24, ignore_eos=True, timeout=60)
+            call = c.generate("Hello there", max_tokens=200, ignore_eos=True, timeout=60)
             first = next(call)
-            proc.send_signal(signal.SIGTERM)  # in-flight stream must end with a finish reason
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)  # both streams in flight are aborted at once (vLLM's way)
             chunks = [first] + list(call)
-        assert chunks[-1].finish_reason in ("length", "abort")
+        reasons = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in events if line[:7] == b"data: {"]
+        sse.close()
         assert proc.wait(timeout=60) == 0
+        took = time.monotonic() - t0
+        assert chunks[-1].finish_reason == "abort" and len(chunks) < 200, chunks[-1]
+        assert reasons and reasons[-1] == "abort" and len(reasons) < 200, reasons[-3:]
+        assert took < 3.0, took
         out = proc.stdout.read()
         assert "jaxmoe: stopped" in out, "".join(lines) + out
     finally:
