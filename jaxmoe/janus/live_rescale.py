@@ -150,8 +150,9 @@ class RescaleResult:
     # moves, or one build unit between two steps, or the whole build when it stops the world)
     largest_pause_s: float = 0.0
     build_units: int = 0  # "steps": the build units run between steps (lowerings and compiles)
-    # "steps": [unit, seconds] of each unit run, in order (unit: "lower RxT" or "compile RxT", the
-    # serving shape: rows per instance x tokens per row)
+    # "steps": [unit, seconds] of each unit run, in order (unit: "lower RxT" or "compile RxT: programs",
+    # the serving shape: rows per instance x tokens per row; "lower kv move" / "compile kv move: ...":
+    # the swap's KV-move programs)
     unit_pauses_s: list = dataclasses.field(default_factory=list)
     # KV bytes of the moved blocks that changed device at the swap (every layer; across processes they
     # travel in ``slot_moves`` ppermute rounds)
@@ -387,8 +388,9 @@ class LiveRescaler:
                 programs = lower() or []  # None: compiles on first use
                 yield f"lower {name}"
                 for i in range(0, len(programs), workers):  # each fills the cache the step looks in
-                    list(pool.map(lambda program: program.compile(), programs[i : i + workers]))
-                    yield f"compile {name}"
+                    chunk = programs[i : i + workers]
+                    list(pool.map(lambda program: program.compile(), chunk))
+                    yield f"compile {name}: {', '.join(_program_name(p) for p in chunk)}"
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -643,6 +645,15 @@ class LiveRescaler:
         with self._lock:
             self.job = None
         job._done.set()
+
+
+def _program_name(program) -> str:
+    """A lowered program's name (its module's, e.g. ``jit_layer_step``), for ``unit_pauses_s``."""
+    lowered = getattr(program, "lowered", program)  # slot_moves.AheadProgram wraps one
+    try:
+        return str(lowered.compiler_ir().operation.attributes["sym_name"]).strip('"')
+    except Exception:  # no MLIR module to read: the unit keeps its shape's name only
+        return "program"
 
 
 def _lower_kv_move(job: RescaleJob) -> list:

@@ -156,7 +156,12 @@ class SlotMover:
             round_tables = [_round_tables(r, pos, D, plan.new_rows, fixed.k) for r in rounds]
         tables = [_keep_table(plan, D)] + [t for pair in round_tables for t in pair]
         table_sharding = NamedSharding(mesh, P(XFER))
-        tables = [jax.device_put(t.reshape((-1,) + t.shape[2:]), table_sharding) for t in tables]
+        # each process fills its own devices' rows (``jax.device_put`` of a host array onto devices of
+        # several processes first checks with a collective, compiled per shape, that all passed the same)
+        tables = [
+            jax.make_array_from_callback((t.size,), table_sharding, lambda i, t=t.reshape(-1): t[i], dtype=t.dtype)
+            for t in tables
+        ]
         names = sorted(old)
         olds = [self._to_global(old[k], plan, mesh) for k in names]
         pairs = tuple(r.pairs for r in rounds)
