@@ -8,7 +8,7 @@ each, the attention side going from both processes to process 0 (KV blocks moved
 processes by a collective), and a follower that hangs without dying is given up after
 ``--step-timeout``.
 Each cluster test takes 2-4 minutes on 2 busy cores (the step programs compile on first use); the rescale
-one 5-8 minutes (7.1 at load 10-15)."""
+one 5-9 minutes (7.1 at load 10-15, 9.2 at load 13-16)."""
 
 from __future__ import annotations
 
