@@ -466,6 +466,7 @@ def test_collective_attention_moves_equal_the_host_path(llm):
 
     from jaxmoe.compilation import compile_events
     from jaxmoe.janus.reshard import MoveStats, build_rescaled, lower_kv_move, move_kv, rescaled_spec
+    from jaxmoe.runtime import slot_moves
 
     ex = llm.executor
     slots = llm.engine.config.num_blocks * llm.engine.config.block_size
@@ -497,8 +498,13 @@ def test_collective_attention_moves_equal_the_host_path(llm):
     compiled += 4
     stats_c, stats_h = MoveStats(), MoveStats()
     move_kv(old, by_collective, [([33], [nbpi + 2])], MoveStats(), collective=True)  # another plan first
+    mover = slot_moves.mover_for(by_collective.sub)
+    sent, moved = mover.rows_sent, mover.rows_moved
     move_kv(old, by_collective, moves, stats_c, collective=True)
     assert compile_events()["programs"] == compiled
+    # blocks 1 and 40 change device (0 -> 2, 1 -> 2): 16 slots; the 4 pairs of devices {0, 1} -> {0, 1, 2}
+    # each carry the 8-slot bucket
+    assert (mover.rows_moved - moved, mover.rows_sent - sent) == (2 * bs, 4 * 8)
     move_kv(old, by_device_put, moves, stats_h, collective=False)
     assert stats_c == stats_h and stats_c.kv_blocks_moved == 5
     per_slot = sum(v.nbytes // v.shape[0] for layer in old.cache for v in layer.values())
