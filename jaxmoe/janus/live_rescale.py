@@ -65,6 +65,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -88,6 +89,7 @@ from jaxmoe.janus.reshard import (
     MoveStats,
     build_rescaled,
     check_processes,
+    lower_kv_move,
     move_kv,
     rescaled_spec,
 )
@@ -148,12 +150,16 @@ class RescaleResult:
     # moves, or one build unit between two steps, or the whole build when it stops the world)
     largest_pause_s: float = 0.0
     build_units: int = 0  # "steps": the build units run between steps (lowerings and compiles)
-    # "steps": [unit, seconds] of each unit run, in order (unit: "lower RxT" or "compile RxT", the
-    # serving shape: rows per instance x tokens per row)
+    # "steps": [unit, seconds] of each unit run, in order (unit: "lower RxT" or "compile RxT: programs",
+    # the serving shape: rows per instance x tokens per row; "lower kv move" / "compile kv move: ...":
+    # the swap's KV-move programs)
     unit_pauses_s: list = dataclasses.field(default_factory=list)
     # KV bytes of the moved blocks that changed device at the swap (every layer; across processes they
     # travel in ``slot_moves`` ppermute rounds)
     kv_bytes_moved: int = 0
+    # programs compiled (or loaded from the persistent cache) by this process during the swap (the KV
+    # move's are compiled ahead with the step programs; None: not counted)
+    swap_compiles: int | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -180,6 +186,8 @@ class RescaleJob:
         self.steps_during_build = 0
         self.build_error: RescaleError | None = None  # agreed: this process's build failed (not yet agreed)
         self.compiles_at_swap: int | None = None
+        self.swap_compiles: int | None = None  # programs compiled during the swap
+        self.old_executor = None  # agreed: the executor the KV moves from at the swap (its programs compile ahead)
         self.thread: threading.Thread | None = None  # the background build
         self.cancelled = False  # Rescaler.cancel(): the build stops before its next compile
         self.shapes: list[tuple[int, int]] = []  # (rows per instance, tokens per row) the build compiles
@@ -318,6 +326,7 @@ class LiveRescaler:
             # multi-controller: every process must launch the same collectives in the same order, so
             # what moves data runs here, between steps; the compiles (no collective) as the form says
             job.agreed = True
+            job.old_executor = ex
             form = self.across_processes
             self._move_parameters(job, ex, spec)
             job.largest_pause_s = job.paused_s
@@ -370,12 +379,18 @@ class LiveRescaler:
         workers = compile_workers()
         pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxmoe-rescale-compile")
         try:
-            for rows, tokens in job.shapes:
-                programs = job.runner.lower_step(rows, tokens) or []  # None: compiles on first use
-                yield f"lower {rows}x{tokens}"
+            lowerings = [
+                (f"{rows}x{tokens}", functools.partial(job.runner.lower_step, rows, tokens))
+                for rows, tokens in job.shapes
+            ]
+            lowerings.append(("kv move", lambda: _lower_kv_move(job)))  # the swap's KV move (fixed rounds)
+            for name, lower in lowerings:
+                programs = lower() or []  # None: compiles on first use
+                yield f"lower {name}"
                 for i in range(0, len(programs), workers):  # each fills the cache the step looks in
-                    list(pool.map(lambda program: program.compile(), programs[i : i + workers]))
-                    yield f"compile {rows}x{tokens}"
+                    chunk = programs[i : i + workers]
+                    list(pool.map(lambda program: program.compile(), chunk))
+                    yield f"compile {name}: {', '.join(_program_name(p) for p in chunk)}"
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -473,11 +488,11 @@ class LiveRescaler:
         pool = concurrent.futures.ThreadPoolExecutor(compile_workers(), thread_name_prefix="jaxmoe-rescale-compile")
         futures = []
         try:
-            for rows, tokens in job.shapes:
-                for program in job.runner.lower_step(rows, tokens) or []:  # None: compiles on first use
-                    if job.cancelled:
-                        return False
-                    futures.append(pool.submit(program.compile))
+            lowered = [job.runner.lower_step(rows, tokens) or [] for rows, tokens in job.shapes]
+            for program in [p for programs in lowered for p in programs] + _lower_kv_move(job):
+                if job.cancelled:  # (lower_step None: compiles on first use)
+                    return False
+                futures.append(pool.submit(program.compile))
             for future in futures:
                 while not future.done():
                     if job.cancelled:
@@ -579,13 +594,15 @@ class LiveRescaler:
                 self.job = None
             job._fail(e)
             return
+        before = compile_events()["programs"]
         recomputed = engine.swap_executor(job.runner, lambda old, new, moves: move_kv(old, new, moves, job.stats))
         jax.block_until_ready(new.cache)
+        job.swap_compiles = compile_events()["programs"] - before
         forget_cached_programs()  # the old layout's programs go with the old executor
         job.compiles_at_swap = compile_events()["programs"]
         job.swap_s = time.perf_counter() - t0
         job.recomputed = len(recomputed)
-        job.executor = job.runner = None
+        job.executor = job.runner = job.old_executor = None
 
     def _finish(self, job: RescaleJob, first_step_s: float | None, calls: list | None = None) -> None:
         calls = calls or []
@@ -621,12 +638,29 @@ class LiveRescaler:
             build_units=job.units_run,
             unit_pauses_s=job.unit_pauses,
             kv_bytes_moved=s.kv_bytes_moved,
+            swap_compiles=job.swap_compiles,
         )
         self.history.append(job._result)
         self._step_times.clear()  # the new layout's steps are the next baseline
         with self._lock:
             self.job = None
         job._done.set()
+
+
+def _program_name(program) -> str:
+    """A lowered program's name (its module's, e.g. ``jit_layer_step``), for ``unit_pauses_s``."""
+    lowered = getattr(program, "lowered", program)  # slot_moves.AheadProgram wraps one
+    try:
+        return str(lowered.compiler_ir().operation.attributes["sym_name"]).strip('"')
+    except Exception:  # no MLIR module to read: the unit keeps its shape's name only
+        return "program"
+
+
+def _lower_kv_move(job: RescaleJob) -> list:
+    """(agreed) The KV-move programs of the swap from the serving executor to the new one, lowered
+    (``janus.reshard.lower_kv_move``: empty when the KV moves through host memory)."""
+    old = job.old_executor
+    return [] if old is None else lower_kv_move(old, job.executor)
 
 
 def normal_step(before: list[tuple[float, tuple]], calls: list) -> float | None:

@@ -17,7 +17,8 @@ another number of attention and expert instances on the same devices, built from
 * ``move_kv``: copies the KV blocks of live sequences from the old cache to their new blocks in the
   new executor's cache (through host memory: the old cache is read, the moved blocks written; when
   the old and new attention devices span processes, a ``slot_moves`` collective whose rows are
-  cache slots).
+  cache slots, in a round structure fixed by the two layouts so that ``lower_kv_move`` compiles it
+  before the swap).
 
 Under ``jax.distributed`` (``check_processes``): either side may span processes when its instances
 are one device each. The expert re-shard, the attention parameters onto new attention devices and
@@ -501,11 +502,35 @@ def _bytes_per_slot(cache: list[dict]) -> int:
     return sum(leaf.nbytes // leaf.shape[0] for layer in cache for leaf in layer.values())
 
 
+def _kv_rounds(old, new) -> slot_moves.FixedRounds:
+    """The KV move's round structure, known before the moves are: every old attention device to
+    every other new one, a pair's slots padded to a bucket (``block_size`` x 4^i slots, up to an
+    instance's)."""
+    old_idx = [inst[0] for inst in old.sub.spec.attention.devices]
+    new_idx = [inst[0] for inst in new.sub.spec.attention.devices]
+    old_rows, new_rows = old.kv_layout.slots_per_instance, new.kv_layout.slots_per_instance
+    return slot_moves.FixedRounds.between(old_idx, new_idx, old_rows, new_rows, old.block_size)
+
+
+def lower_kv_move(old, new, collective: bool | None = None) -> list:
+    """The programs ``move_kv(old, new, ...)`` runs when the attention devices span processes (one
+    per bucket of ``_kv_rounds``), lowered but not compiled (nothing runs, no collective); compiling
+    them (``.compile()``) before the swap leaves the swap nothing to compile. Empty when ``move_kv``
+    goes through host memory. ``collective``: as ``move_kv``'s."""
+    if not (_attention_spans_processes(old.sub, new.sub) if collective is None else collective):
+        return []
+    leaves = {
+        f"{i:05d}/{k}": (leaf.shape, leaf.dtype) for i, layer in enumerate(old.cache) for k, leaf in layer.items()
+    }
+    return slot_moves.mover_for(new.sub).lower(_kv_rounds(old, new), leaves)
+
+
 def _move_kv_collective(old, new, moves: list[tuple[list[int], list[int]]], stats: MoveStats) -> None:
     """``move_kv`` when the old and new attention devices span processes (one device per attention
     instance: ``check_processes``): one ``slot_moves.SlotPlan`` over the old and new attention
     devices whose rows are cache slots (a block that stays on its device is kept, one ``RowCopy``
-    per slot of a block that changes device), run by one program over every layer's cache leaves."""
+    per slot of a block that changes device), run by one program over every layer's cache leaves,
+    in the fixed rounds of ``_kv_rounds`` (so ``lower_kv_move`` can compile it ahead)."""
     bs = old.block_size
     old_layout, new_layout = old.kv_layout, new.kv_layout
     old_idx = [inst[0] for inst in old.sub.spec.attention.devices]
@@ -538,7 +563,7 @@ def _move_kv_collective(old, new, moves: list[tuple[list[int], list[int]]], stat
     first = next(iter(sharding.values()))
     if any(s != first for s in sharding.values()):
         raise ValueError("move_kv: the new cache's layers are not sharded alike")
-    out = slot_moves.mover_for(new.sub).run(plan, leaves, first, new_layout.num_slots)
+    out = slot_moves.mover_for(new.sub).run(plan, leaves, first, new_layout.num_slots, fixed=_kv_rounds(old, new))
     new.cache = [{k: out[f"{i:05d}/{k}"] for k in layer} for i, layer in enumerate(new.cache)]
     stats.kv_blocks_moved += blocks
     stats.kv_bytes_moved += moved * bs * _bytes_per_slot(new.cache)

@@ -464,7 +464,9 @@ def test_collective_attention_moves_equal_the_host_path(llm):
     moves say; only the blocks that change device count as bytes moved."""
     import jax
 
-    from jaxmoe.janus.reshard import MoveStats, build_rescaled, move_kv, rescaled_spec
+    from jaxmoe.compilation import compile_events
+    from jaxmoe.janus.reshard import MoveStats, build_rescaled, lower_kv_move, move_kv, rescaled_spec
+    from jaxmoe.runtime import slot_moves
 
     ex = llm.executor
     slots = llm.engine.config.num_blocks * llm.engine.config.block_size
@@ -485,8 +487,24 @@ def test_collective_attention_moves_equal_the_host_path(llm):
     # old blocks of both instances (32 each) -> new blocks of the three new ones (64 / 3 -> 22 each)
     nbpi, bs = by_collective.kv_layout.blocks_per_instance, old.block_size
     moves = [([0, 1, 33], [0, 2 * nbpi + 1, nbpi]), ([40, 5], [2 * nbpi + 3, 7])]
+    # the KV-move programs compiled ahead (fixed rounds, one per bucket of slots per device pair):
+    # moves that differ from call to call then compile nothing
+    compiled = compile_events()["programs"]
+    ahead = lower_kv_move(old, by_collective, collective=True)
+    assert len(ahead) == 4  # slots per device pair padded to 8, 32, 128 or a new instance's (21 blocks)
+    for program in ahead:
+        program.compile()
+    assert compile_events()["programs"] == compiled + 4
+    compiled += 4
     stats_c, stats_h = MoveStats(), MoveStats()
+    move_kv(old, by_collective, [([33], [nbpi + 2])], MoveStats(), collective=True)  # another plan first
+    mover = slot_moves.mover_for(by_collective.sub)
+    sent, moved = mover.rows_sent, mover.rows_moved
     move_kv(old, by_collective, moves, stats_c, collective=True)
+    assert compile_events()["programs"] == compiled
+    # blocks 1 and 40 change device (0 -> 2, 1 -> 2): 16 slots; the 4 pairs of devices {0, 1} -> {0, 1, 2}
+    # each carry the 8-slot bucket
+    assert (mover.rows_moved - moved, mover.rows_sent - sent) == (2 * bs, 4 * 8)
     move_kv(old, by_device_put, moves, stats_h, collective=False)
     assert stats_c == stats_h and stats_c.kv_blocks_moved == 5
     per_slot = sum(v.nbytes // v.shape[0] for layer in old.cache for v in layer.values())

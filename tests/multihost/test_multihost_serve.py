@@ -8,7 +8,7 @@ each, the attention side going from both processes to process 0 (KV blocks moved
 processes by a collective), and a follower that hangs without dying is given up after
 ``--step-timeout``.
 Each cluster test takes 2-4 minutes on 2 busy cores (the step programs compile on first use); the rescale
-one 5-8 minutes (7.1 at load 10-15)."""
+one 5-9 minutes (7.1 at load 10-15, 9.2 at load 13-16)."""
 
 from __future__ import annotations
 
@@ -307,7 +307,9 @@ def test_rescale_over_http_on_two_processes(tmp_path):
     assert rescaled[1]["attention"] == 4 and rescaled[1]["experts"] == 4, rescaled
     keys = ("paused_s", "build_s", "largest_pause_s", "build_units", "swap_s", "steps_during_build")
     keys += ("kv_blocks_moved", "kv_bytes_moved", "sequences_recomputed", "expert_slots_copied", "first_step_compiles")
+    keys += ("swap_compiles",)
     print({k: rescaled[1][k] for k in keys})
+    print("unit pauses:", sorted((round(t, 2), u) for u, t in rescaled[1]["unit_pauses_s"])[::-1])
     print("hang:", health, round(unhealthy_s, 1), codes, round(exit_s, 1))
     assert health == 503 and unhealthy_s < step_timeout + 15, (health, unhealthy_s, report)
     assert refused[0] == 503 and "stopped stepping without dying" in refused[1]["error"]["message"], refused
@@ -320,6 +322,10 @@ def test_rescale_over_http_on_two_processes(tmp_path):
     assert rescaled[1]["steps_during_build"] > 0, rescaled
     assert rescaled[1]["largest_pause_s"] < rescaled[1]["build_s"], rescaled
     assert rescaled[1]["first_step_compiles"] is None or rescaled[1]["first_step_compiles"] <= 2, rescaled
+    # the swap compiles nothing: the KV move's programs (fixed rounds) were compiled with the build's units
+    assert rescaled[1]["swap_compiles"] == 0 and any(
+        u.startswith("compile kv move") for u, _ in rescaled[1]["unit_pauses_s"]
+    )
     assert during and all(a[0] == 200 for a, _ in during), (during, rescaled)
     # both requests were live at the swap (nothing recomputed): their KV moved, the blocks of the one
     # on attention instance 1 (process 1) to process 0 (the new attention side has no device there)

@@ -11,6 +11,8 @@ The two-process run is in tests/multihost/test_multiprocess.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -112,6 +114,33 @@ def test_rounds_pack_the_copies():
     assert [r.k for r in rounds] == [2, 1, 1]
     with pytest.raises(ValueError, match="writes a row twice"):
         slot_moves.SlotPlan((0, 1), 4, 4, {1: (0, -1, -1, -1)}, (slot_moves.RowCopy(0, 0, 1, 0),)).check()
+
+
+def test_fixed_rounds_pair_every_device_and_pad_to_a_bucket():
+    """The KV move's rounds, fixed before the copies are known: every (old, other new) device pair,
+    distinct sources and destinations per round; a plan's copies fall in them, padded to the
+    smallest bucket holding its busiest pair; copies outside the pairs or past the rows are refused."""
+    fixed = slot_moves.FixedRounds.between([0, 4], [0, 1, 2, 3], 256, 128, 8)
+    pairs = [p for r in fixed.rounds for p in r]
+    assert sorted(pairs) == [(0, 1), (0, 2), (0, 3), (4, 0), (4, 1), (4, 2), (4, 3)]
+    for r in fixed.rounds:
+        assert len({s for s, _ in r}) == len(r) == len({d for _, d in r})
+    assert len(fixed.rounds) == 4 and fixed.buckets == (8, 32, 128) and fixed.devices == (0, 1, 2, 3, 4)
+    copies = tuple(slot_moves.RowCopy(4, 16 + i, 1, 40 + i) for i in range(9))  # 9 rows: the bucket of 32
+    plan = slot_moves.SlotPlan(fixed.devices, 256, 128, {0: tuple(range(128))}, copies)
+    run = fixed.for_plan(plan)
+    assert run.k == 32
+    rounds = run.rounds_for(plan)
+    got = {p: rows for r in rounds for p, rows in zip(r.pairs, r.rows)}
+    assert got[4, 1] == (tuple(range(16, 25)), tuple(range(40, 49))) and got[0, 1] == ((), ())
+    tables = slot_moves._round_tables(
+        next(r for r in rounds if (4, 1) in r.pairs), {d: d for d in range(5)}, 5, 128, 32
+    )
+    assert list(tables[1][1]) == list(range(40, 49)) + [128] * 23  # padding rows are written nowhere
+    with pytest.raises(ValueError, match="do not pair"):
+        run.rounds_for(dataclasses.replace(plan, copies=(slot_moves.RowCopy(1, 0, 2, 0),)))
+    with pytest.raises(ValueError, match="devices or rows differ"):
+        fixed.for_plan(dataclasses.replace(plan, old_rows=128))
 
 
 @pytest.mark.slow
