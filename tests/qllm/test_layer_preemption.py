@@ -182,7 +182,12 @@ def test_random_mixed_traces_keep_every_token(mesh, seed, queues, tiny_llm):
     (after attention, after routing, between expert rounds): arrivals there merge into the queues
     (monolithic), or run as nested steps while the queues wait (disaggregated, ``cpu-8.yaml``)."""
     rng = np.random.default_rng(seed)
-    llm = tiny_llm(layer_preemption=True, expert_queues=queues, **({"mesh": mesh} if mesh else {}))
+    # monolithic-0 with the merge's cost model (default ``ls_merge_tokens``): prompts that would pad the
+    # call they join run nested, decodes merge; the others merge whatever they pad
+    merge_tokens = 16 if (mesh, queues) == (None, 0) else None
+    llm = tiny_llm(
+        layer_preemption=True, expert_queues=queues, ls_merge_tokens=merge_tokens, **({"mesh": mesh} if mesh else {})
+    )
     engine = llm.engine
     trace = []
     for i in range(8):  # two BE requests start the trace; then LS / BE at random steps and pause points
@@ -221,6 +226,8 @@ def test_random_mixed_traces_keep_every_token(mesh, seed, queues, tiny_llm):
     assert hook.layer_pauses + hook.ls_merges > 0  # the trace did preempt between layers
     if mesh is None:
         assert hook.ls_merges > 0  # and merged LS work into running BE steps
+    if merge_tokens:
+        assert hook.merges_declined > 0 and hook.layer_pauses > 0  # and ran padding prompts nested
     if queues and mesh is None:
         assert hook.queue_merges > 0  # some of it inside a MoE layer, into the expert queues
     elif queues:  # nested steps inside MoE layers while the BE queues waited
