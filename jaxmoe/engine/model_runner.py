@@ -290,10 +290,11 @@ class ModelRunner:
         if self.row_tokens and max(len(r.token_ids) for r in merged) > self.row_tokens:
             return None
         _, merged_batch, merged_last, _ = self.prepare(merged)
-        if tuple(merged_batch.slots.shape) not in self.plan.shapes():
-            return None
         tokens, batch, _, _ = self.prepare(rows)
+        # the caller's say first: a merge it declines is declined whether or not its shape is compiled
         if accept is not None and not accept(tuple(merged_batch.slots.shape), tuple(batch.slots.shape)):
+            return None
+        if tuple(merged_batch.slots.shape) not in self.plan.shapes():
             return None
         call.pending = RowMerge(tokens, batch, len(rows), len(call.rows), merged_batch, merged_last)
         call.rows = merged
