@@ -350,12 +350,13 @@ def test_ls_work_merges_into_a_step_holding_ls_work_and_goes_out_with_its_call(t
 
 
 @pytest.mark.slow
-def test_the_cost_model_runs_a_padding_prompt_nested_and_merges_its_decodes():
+def test_the_cost_model_runs_a_padding_prompt_nested_and_merges_its_decodes(metric_families):
     """The merge's cost model (default ``ls_merge_tokens=16``): an LS prompt arriving during a BE
     decode step of two rows would pad both decode rows to its token bucket ([4, 16] token slots
     instead of [1, 16] alone), so it runs nested, alone, and its first token goes out at once; at the
     next pause point of the same step its decode (one token) merges into the decode call ([4, 1]).
-    Every token equals the standalone ones; ``ls_merge_tokens=None`` merges the prompt instead."""
+    Every token equals the standalone ones. Declined merges are counted in
+    ``jaxmoe_ls_merges_declined_total``."""
     # no prefix caching: the standalone runs would leave the prompt's KV cached (a one-token "prompt")
     llm = LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8, prefix_caching=False)
     engine, hook = llm.engine, llm.engine.layer_hook
@@ -376,6 +377,8 @@ def test_the_cost_model_runs_a_padding_prompt_nested_and_merges_its_decodes():
     engine.poll = engine.emit = None
     assert (hook.merges_declined, hook.layer_pauses, hook.ls_merges) == (1, 1, 1)  # prompt nested, decode merged
     assert [len(o.token_ids) for o in emitted if o.request_id == ids[prompt]] == [1, 2]  # out as each ran
+    declined = metric_families(engine)["jaxmoe_ls_merges_declined"].samples[0]
+    assert (declined.name, declined.value) == ("jaxmoe_ls_merges_declined_total", 1)
     assert {o.request_id for o in outs} == {ids[p] for p in be_prompts}
     finished = {o.request_id: o.token_ids for o in [*emitted, *outs] if o.finished}
     for out in engine.run_until_done(timeout=60).values():
