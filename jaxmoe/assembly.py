@@ -61,7 +61,8 @@ class QLLMConfig:
     def preempts(self, config: RuntimeConfig) -> bool:
         """Whether the engine gets layer-level preemption: as asked, else (None) on with expert queues
         (their rounds are its pause points) and on the monolithic executor (no mesh file: where its
-        cost when nothing preempts measured within 2 % of the fused step, ``bench/qllm.py``,
+        cost when nothing preempts measured within 2 % of the fused step before the pause point after
+        the last layer, over it since: ``bench/results/2026-11-28-qllm3.md``; ``bench/qllm.py``,
         BENCHMARKS.md), except in deterministic mode (one fixed-shape call per step) and with async
         scheduling (a step that may pause runs synchronously). Off by default
         on a mesh file: the disaggregated executor's cost is not measured, and across processes it
