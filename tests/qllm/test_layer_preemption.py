@@ -182,9 +182,9 @@ def test_random_mixed_traces_keep_every_token(mesh, seed, queues, tiny_llm):
     (after attention, after routing, between expert rounds): arrivals there merge into the queues
     (monolithic), or run as nested steps while the queues wait (disaggregated, ``cpu-8.yaml``)."""
     rng = np.random.default_rng(seed)
-    # monolithic-0 with the merge's cost model (default ``ls_merge_tokens``): prompts that would pad the
-    # call they join run nested, decodes merge; the others merge whatever they pad
-    merge_tokens = 16 if (mesh, queues) == (None, 0) else None
+    # monolithic: with the merge's cost model (default ``ls_merge_tokens``): prompts that would pad the
+    # call they join run nested, decodes merge (with queues also inside MoE layers)
+    merge_tokens = 16 if mesh is None else None
     llm = tiny_llm(
         layer_preemption=True, expert_queues=queues, ls_merge_tokens=merge_tokens, **({"mesh": mesh} if mesh else {})
     )
