@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -41,7 +42,7 @@ from jaxmoe.tokenizer import ByteTokenizer
 MODES = {  # name: (policy, layer_preemption, expert_queues, pause_every, ls_merge)
     "fcfs": ("fcfs", False, 0),
     "step-level": ("qllm", False, 0),
-    "layer-level": ("qllm", True, 0),  # pause points after every layer; LS work merges into the BE step
+    "layer-level": ("qllm", True, 0),  # pause points after every layer; LS work merges into the BE step (cost model)
     "layer-nested": ("qllm", True, 0, 1, False),  # the same pause points; LS work runs as a nested step
     "every-4-layers": ("qllm", True, 0, 4),  # pause points after every 4 layers
     "expert-queues": ("qllm", True, 4),  # every layer + per-expert queues served in 4 rounds per MoE layer
@@ -134,6 +135,7 @@ def counters(engine: LLMEngine) -> dict:
         "preemptions_layer": sum(pre["pause"].values()) + sum(pre["expert_pause"].values()),
         "layer_pauses": engine.layer_hook.layer_pauses if engine.layer_hook else 0,
         "ls_merges": engine.layer_hook.ls_merges if engine.layer_hook else 0,
+        "merges_declined": engine.layer_hook.merges_declined if engine.layer_hook else 0,
     }
 
 
@@ -273,21 +275,21 @@ def main(argv=None) -> int:
     results = {"capacity_req_s": cap, "layers": args.layers, "rows": []}
     print(
         "| load | rate req/s | mode | LS TTFT P50 ms | LS TTFT P90 ms | BE tok/s | BE turnaround s | "
-        "preempt step | preempt layer | LS merges | max saved state KiB |"
+        "preempt step | preempt layer | LS merges | merges declined | max saved state KiB | machine load |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for load in loads:
         rate = load * cap
         trace = make_trace(args.requests, rate, args.ls_share, args.seed)
         for mode, engine in engines.items():
-            row = dict(load=load, rate=rate, mode=mode, **run_trace(engine, trace))
+            row = dict(load=load, rate=rate, mode=mode, **run_trace(engine, trace), machine_load=os.getloadavg()[0])
             results["rows"].append(row)
             print(
                 f"| {load:.1f} | {rate:.2f} | {mode} | {_ms(row['ls_ttft_p50_s'])} | "
                 f"{_ms(row['ls_ttft_p90_s'])} | {row['be_throughput_tok_s']:.1f} | "
                 f"{row['be_turnaround_mean_s']:.2f} | {row['preemptions_step']} | {row['preemptions_layer']} | "
-                f"{row['ls_merges']} | "
-                f"{row['saved_state_bytes_max'] / 1024:.0f} |",
+                f"{row['ls_merges']} | {row['merges_declined']} | "
+                f"{row['saved_state_bytes_max'] / 1024:.0f} | {row['machine_load']:.1f} |",
                 flush=True,
             )
 

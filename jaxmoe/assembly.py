@@ -42,6 +42,9 @@ class QLLMConfig:
     expert_queues: int = 0  # serve each MoE layer's experts in this many rounds (needs layer_preemption; 0: off)
     max_paused_state_bytes: int | None = None  # a step whose paused state is bigger is not paused (None: any)
     ls_merge: bool = True  # LS work joins a paused BE step at a layer boundary (False: runs as a step of its own)
+    # the merge's cost model: a merged call may hold at most max(this, the LS work's own call's) token
+    # slots (rows x token bucket), else the LS work runs nested (``qllm.layer_preemption``); None: no limit
+    ls_merge_tokens: int | None = 16
 
     def __post_init__(self):
         q = self.expert_queues
@@ -49,13 +52,17 @@ class QLLMConfig:
             raise ValueError(f"expert_queues must be a non-negative integer, got {q!r}")
         if q and self.layer_preemption is False:
             raise ValueError("expert_queues needs layer_preemption (its rounds are pause points of a BE step)")
+        m = self.ls_merge_tokens
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"ls_merge_tokens must be a positive integer or None, got {m!r}")
         if self.layer_preemption not in (None, True, False):
             raise ValueError(f"layer_preemption must be True, False or None (auto), got {self.layer_preemption!r}")
 
     def preempts(self, config: RuntimeConfig) -> bool:
         """Whether the engine gets layer-level preemption: as asked, else (None) on with expert queues
         (their rounds are its pause points) and on the monolithic executor (no mesh file: where its
-        cost when nothing preempts measured within 2 % of the fused step, ``bench/qllm.py``,
+        cost when nothing preempts measured within 2 % of the fused step before the pause point after
+        the last layer, over it since: ``bench/results/2026-11-28-qllm3.md``; ``bench/qllm.py``,
         BENCHMARKS.md), except in deterministic mode (one fixed-shape call per step) and with async
         scheduling (a step that may pause runs synchronously). Off by default
         on a mesh file: the disaggregated executor's cost is not measured, and across processes it
@@ -286,7 +293,9 @@ def attach_features(engine: LLMEngine, config: RuntimeConfig, salc: SALCConfig |
     if config.qllm.preempts(config):
         from jaxmoe.qllm.layer_preemption import LayerPreemption
 
-        engine.layer_hook = LayerPreemption(config.qllm.max_paused_state_bytes, config.qllm.ls_merge)
+        engine.layer_hook = LayerPreemption(
+            config.qllm.max_paused_state_bytes, config.qllm.ls_merge, config.qllm.ls_merge_tokens
+        )
         if isinstance(engine.executor, MonolithicExecutor):  # steps that do not pause run the same programs
             engine.executor.split_step = True
     if config.mesh is not None:

@@ -146,6 +146,12 @@ class _EngineCollector:
             "with per-expert queues their assignments were served ahead of the waiting ones)",
             value=layer_preemption.get("ls_merges", 0),
         )
+        yield CounterMetricFamily(
+            "jaxmoe_ls_merges_declined",
+            "Merges of latency-sensitive work that QLLM's cost model declined because the merged call would "
+            "pad it (a prompt joining a decode call); that work ran as a nested step, alone",
+            value=layer_preemption.get("merges_declined", 0),
+        )
         yield GaugeMetricFamily(
             "jaxmoe_paused_state_bytes_max",
             "The most device memory a paused step kept (hidden states, expert-queue state)",

@@ -396,15 +396,15 @@ class LLMEngine:
                 outputs += self._finish(inner, inner_rows, inner_seqs, group.sampled, {})
         return outputs + self._finish(batch, rows, seqs, sampled, errors)
 
-    def merge_batch(self, batch) -> bool:
+    def merge_batch(self, batch, accept=None) -> bool:
         """QLLM's merge: join a scheduled batch to the step now paused (called at its pause point);
         its rows catch up to that point alone, then share the rest of the step with the step's rows,
         and its outputs go out (``deliver``) as soon as the program call it joined ends. False: it cannot join here (the runner's
-        ``offer_merge``); the caller runs it another way."""
+        ``offer_merge``; ``accept``: its say on the merged call's shape); the caller runs it another way."""
         if batch.is_empty:
             return False
         rows, seqs = self._rows(batch)
-        group = self.runner.offer_merge(rows)
+        group = self.runner.offer_merge(rows, accept)
         if group is None:
             return False
         entry = (batch, rows, seqs, group)

@@ -44,8 +44,9 @@ class EngineView(Protocol):
         """Run a scheduled batch through the model (another batch may be paused meanwhile)."""
         ...
 
-    def merge_batch(self, batch) -> bool:
-        """Join a scheduled batch to the step paused at a layer boundary (False: it cannot join there)."""
+    def merge_batch(self, batch, accept=None) -> bool:
+        """Join a scheduled batch to the step paused at a layer boundary (False: it cannot join there;
+        ``accept(merged shape, own shape)``: the caller's say on the merged call's padded [rows, tokens])."""
         ...
 
     def deliver(self, outputs: list[RequestOutput]) -> None:

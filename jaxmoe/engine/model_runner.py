@@ -274,12 +274,13 @@ class ModelRunner:
             per_instance = {j: idx[k:] for j, idx in per_instance.items()}
         return calls
 
-    def offer_merge(self, rows: list[Row]) -> MergedRows | None:
+    def offer_merge(self, rows: list[Row], accept: Callable[[tuple, tuple], bool] | None = None) -> MergedRows | None:
         """QLLM's merge: ``rows`` join the program call now paused (called from its pause point: a
         layer boundary, or inside a MoE layer with per-expert queues); they catch up to that point
         alone, then share the rest of the step with the call's rows. None (nothing merged) where the executor cannot merge there (``MergesRows``), with
-        several attention instances, or where the merged batch's shape is not one warm-up compiles
-        (``plan.shapes()``): the caller runs the rows another way."""
+        several attention instances, where the merged batch's shape is not one warm-up compiles
+        (``plan.shapes()``), or where ``accept(merged shape, the rows' own shape)`` (padded [rows,
+        tokens] of the merged call and of ``rows`` alone) says no: the caller runs the rows another way."""
         call, ex = self._call, self.executor
         if call is None or call.pending is not None or not rows or self.num_instances != 1:
             return None
@@ -289,9 +290,12 @@ class ModelRunner:
         if self.row_tokens and max(len(r.token_ids) for r in merged) > self.row_tokens:
             return None
         _, merged_batch, merged_last, _ = self.prepare(merged)
+        tokens, batch, _, _ = self.prepare(rows)
+        # the caller's say first: a merge it declines is declined whether or not its shape is compiled
+        if accept is not None and not accept(tuple(merged_batch.slots.shape), tuple(batch.slots.shape)):
+            return None
         if tuple(merged_batch.slots.shape) not in self.plan.shapes():
             return None
-        tokens, batch, _, _ = self.prepare(rows)
         call.pending = RowMerge(tokens, batch, len(rows), len(call.rows), merged_batch, merged_last)
         call.rows = merged
         group = MergedRows(list(rows))

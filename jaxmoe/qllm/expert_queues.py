@@ -11,7 +11,8 @@ experts are done. The queues persist across the layer's pause points (after the 
 after the routing, between rounds): a paused step keeps them, the partial outputs and its residual
 stream on the device, and nothing is recomputed.
 
-Latency-sensitive work that arrives at one of those pause points is merged into the step (the
+Latency-sensitive work that arrives at one of those pause points is merged into the step where the
+merge's cost model takes it (``layer_preemption``; else it runs nested while the queues wait) (the
 paper's Fig. 1b): its rows run the layers before alone, then this layer's attention side and
 routing, and their assignments enter the queues ahead of the waiting best-effort ones: the next
 round serves them at every expert (also at the experts whose round is done), then the best-effort

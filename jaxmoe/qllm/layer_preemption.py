@@ -2,7 +2,8 @@
 
 A step runs layer by layer (``pausable``) where a request can arrive while it runs: the engine polls
 for arrivals (``engine.poll``: the serving loop, ``AsyncEngine``); a step holding latency-sensitive
-work only where new latency-sensitive work can merge into it (it is never stopped for a nested step).
+work only where new latency-sensitive work can merge into it (it is stopped for a nested step only
+where the cost model declines the merge).
 Without a poll (``LLM.generate`` adds every request before the first step) nothing can arrive
 mid-step and the step stays one fused program. At each pause point
 (``between_layers``: after every ``pause_every`` layers, and with per-expert queues inside each MoE
@@ -18,10 +19,22 @@ schedules the waiting latency-sensitive work and
   tokens go out as the program call they joined ends (``engine.deliver``), before the step's later
   calls (its prefill chunks run after its decodes). Several arrivals may merge into one step, each at its own pause point;
   counted in ``ls_merges`` (those inside a MoE layer also in ``queue_merges``).
-* else (``merge=False``, on an executor that cannot merge, or where the merged batch's shape is not
-  one warm-up compiled) runs it as a batch of its own while the step waits (its tokens go out at
+* else (``merge=False``, on an executor that cannot merge, where the merged batch's shape is not
+  one warm-up compiled, or where the merge would cost the LS work more than running alone: the cost
+  model below) runs it as a batch of its own while the step waits (its tokens go out at
   once, ``engine.deliver``), then the paused step goes on from where it stopped with its state (kept
   on the device) and the KV it wrote.
+
+The cost model (``merge_tokens``): our batches are padded [rows, tokens] (no flat token lists), so a
+prompt merged into a call pads every row of it to the prompt's token bucket, and the LS rows' first
+token waits for the remaining layers of that padded call: on a compute-bound device a layer's time
+grows with its token slots (rows x tokens) once they pass what a layer costs anyway (its weights,
+its dispatch). A merge is taken only where the merged call has at most ``max(merge_tokens, the LS
+work's own call's)`` token slots: LS decodes joining a decode call, or a prompt joining a call no
+bigger than its own; else the LS work runs nested (alone), counted in ``merges_declined``.
+``merge_tokens=None``: every merge the executor can take. The default (16) is where a call stopped
+costing about one token's time on the loaded 2-core CPU (``bench/results/2026-11-28-qllm3.md``: an
+8-layer step of 16 decode rows 1.5x one row, a [2, 64] prefill 1.6x a [1, 64] one, [4, 256] 36x).
 
 A step whose paused state (hidden states) would exceed ``max_paused_state_bytes`` is not paused: its
 latency-sensitive work waits for the step boundary.
@@ -36,9 +49,12 @@ from jaxmoe.engine.sequence import Priority
 class LayerPreemption:
     stats_key = "layer_preemption"
 
-    def __init__(self, max_paused_state_bytes: int | None = None, merge: bool = True):
+    def __init__(self, max_paused_state_bytes: int | None = None, merge: bool = True, merge_tokens: int | None = 16):
         self.max_paused_state_bytes = max_paused_state_bytes
         self.merge = merge  # LS work joins the paused step (else it runs as a step of its own)
+        self.merge_tokens = merge_tokens  # the cost model: token slots a merged call may have (None: any)
+        self.merges_declined = 0  # merges the cost model declined (the LS work ran nested, alone)
+        self._declined = False
         self.ls_merges = 0  # latency-sensitive requests merged into a running step
         self.queue_merges = 0  # ... of them, merged inside a MoE layer (their tokens jumped the expert queues)
         self.merges_refused = 0  # merges refused in a step holding latency-sensitive work (the work waited)
@@ -52,7 +68,8 @@ class LayerPreemption:
     def pausable(self, engine, batch) -> bool:
         """A step may pause where something can arrive during it (a poll); one that holds
         latency-sensitive work only where that work can merge into it (``merge`` on an executor that
-        merges rows): new latency-sensitive work then joins it instead of waiting for its end."""
+        merges rows): new latency-sensitive work then joins it (or, where the cost model declines the
+        merge, runs nested) instead of waiting for its end."""
         if engine.poll is None:
             return False
         if self.merge and getattr(engine.executor, "merge_ready", None) is not None:
@@ -82,15 +99,18 @@ class LayerPreemption:
             return
         if point.queue_depth is not None:  # what waits at each expert as the step pauses there
             self.expert_queue_depth = point.queue_depth
-        if self.merge and engine.merge_batch(inner):
+        self._declined = False
+        if self.merge and engine.merge_batch(inner, self._cheap):
             merged = len(inner.prefills) + len(inner.decodes)
             self.ls_merges += merged
             if stage != "layer":
                 self.queue_merges += merged
             return
-        if any(s is not None and s.priority is Priority.LS for s in map(scheduler.get, paused)):
-            # a step holding latency-sensitive work is not stopped for a nested step (that would delay
-            # its own latency-sensitive tokens): what cannot merge waits for its end
+        if self._declined:  # the merge would cost the LS work more than running alone: nested
+            self.merges_declined += 1
+        elif any(s is not None and s.priority is Priority.LS for s in map(scheduler.get, paused)):
+            # a step holding latency-sensitive work is not stopped for a nested step where the merge
+            # was refused for its shape (not compiled): that work waits for its end
             self.merges_refused += 1
             return
         self.layer_pauses += 1
@@ -105,8 +125,17 @@ class LayerPreemption:
             engine.step_request_ids = sorted(paused)
         engine.deliver(outputs)  # the latency-sensitive tokens go out now, not after the paused step
 
+    def _cheap(self, merged: tuple, alone: tuple) -> bool:
+        """The cost model: whether a merged call of ``merged`` [rows, tokens] costs the LS rows (whose
+        own call is ``alone``) about what running alone would (see the module docstring)."""
+        limit = self.merge_tokens
+        ok = limit is None or merged[0] * merged[1] <= max(limit, alone[0] * alone[1])
+        self._declined = not ok
+        return ok
+
     def stats(self) -> dict:
         return {
+            "merges_declined": self.merges_declined,
             "layer_pauses": self.layer_pauses,
             "ls_merges": self.ls_merges,
             "queue_merges": self.queue_merges,

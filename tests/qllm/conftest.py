@@ -13,6 +13,9 @@ LS_PROMPTS = ["urgent a", "urgent bb", "urgent ccc"]
 
 
 def _tiny_llm(**kw) -> LLM:
+    # these tests drive the merge itself: every merge the executor can take (the cost model would run
+    # the tiny model's prompts nested: a prompt pads the call it joins; ``test_the_cost_model...``)
+    kw.setdefault("ls_merge_tokens", None)
     return LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8, **kw)
 
 

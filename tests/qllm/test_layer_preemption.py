@@ -182,7 +182,12 @@ def test_random_mixed_traces_keep_every_token(mesh, seed, queues, tiny_llm):
     (after attention, after routing, between expert rounds): arrivals there merge into the queues
     (monolithic), or run as nested steps while the queues wait (disaggregated, ``cpu-8.yaml``)."""
     rng = np.random.default_rng(seed)
-    llm = tiny_llm(layer_preemption=True, expert_queues=queues, **({"mesh": mesh} if mesh else {}))
+    # monolithic: with the merge's cost model (default ``ls_merge_tokens``): prompts that would pad the
+    # call they join run nested, decodes merge (with queues also inside MoE layers)
+    merge_tokens = 16 if mesh is None else None
+    llm = tiny_llm(
+        layer_preemption=True, expert_queues=queues, ls_merge_tokens=merge_tokens, **({"mesh": mesh} if mesh else {})
+    )
     engine = llm.engine
     trace = []
     for i in range(8):  # two BE requests start the trace; then LS / BE at random steps and pause points
@@ -221,6 +226,8 @@ def test_random_mixed_traces_keep_every_token(mesh, seed, queues, tiny_llm):
     assert hook.layer_pauses + hook.ls_merges > 0  # the trace did preempt between layers
     if mesh is None:
         assert hook.ls_merges > 0  # and merged LS work into running BE steps
+    if merge_tokens:
+        assert hook.merges_declined > 0 and hook.layer_pauses > 0  # and ran padding prompts nested
     if queues and mesh is None:
         assert hook.queue_merges > 0  # some of it inside a MoE layer, into the expert queues
     elif queues:  # nested steps inside MoE layers while the BE queues waited
@@ -283,7 +290,7 @@ def test_a_merge_compiles_nothing_after_warm_up():
     cfg = from_hf_config(dict(tiny, num_hidden_layers=2))
     config = RuntimeConfig(
         engine=EngineConfig(max_num_seqs=2, max_prefill_chunk=16, max_model_len=64, num_blocks=16),
-        qllm=QLLMConfig(layer_preemption=True),
+        qllm=QLLMConfig(layer_preemption=True, ls_merge_tokens=None),
     )
     engine = attach_features(
         LLMEngine(cfg, build_executor(cfg, demo_params(cfg, seed=3), config), ByteTokenizer(), config.engine), config
@@ -339,4 +346,43 @@ def test_ls_work_merges_into_a_step_holding_ls_work_and_goes_out_with_its_call(t
         finished[out.request_id] = out.token_ids
     for prompt, rid in ids.items():
         assert finished[rid] == alone[prompt], prompt
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+@pytest.mark.slow
+def test_the_cost_model_runs_a_padding_prompt_nested_and_merges_its_decodes(metric_families):
+    """The merge's cost model (default ``ls_merge_tokens=16``): an LS prompt arriving during a BE
+    decode step of two rows would pad both decode rows to its token bucket ([4, 16] token slots
+    instead of [1, 16] alone), so it runs nested, alone, and its first token goes out at once; at the
+    next pause point of the same step its decode (one token) merges into the decode call ([4, 1]).
+    Every token equals the standalone ones. Declined merges are counted in
+    ``jaxmoe_ls_merges_declined_total``."""
+    # no prefix caching: the standalone runs would leave the prompt's KV cached (a one-token "prompt")
+    llm = LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8, prefix_caching=False)
+    engine, hook = llm.engine, llm.engine.layer_hook
+    be_prompts, prompt = ["best effort one", "three"], "urgent a"
+    alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in be_prompts}
+    alone[prompt] = llm.generate([prompt], LS, priority="ls")[0].token_ids
+    ids = {p: engine.add_request(p, BE, "be") for p in be_prompts}
+    engine.step()  # the BE prefills: decodes from now on
+    arrivals, emitted = [prompt], []
+
+    def poll():  # the LS prompt arrives at the first pause point (after layer 1 of 4)
+        if arrivals:
+            ids[prompt] = engine.add_request(arrivals.pop(), LS, "ls")
+
+    engine.poll = poll
+    engine.emit = emitted.extend
+    outs = engine.step()  # a BE decode step of two rows
+    engine.poll = engine.emit = None
+    assert (hook.merges_declined, hook.layer_pauses, hook.ls_merges) == (1, 1, 1)  # prompt nested, decode merged
+    assert [len(o.token_ids) for o in emitted if o.request_id == ids[prompt]] == [1, 2]  # out as each ran
+    declined = metric_families(engine)["jaxmoe_ls_merges_declined"].samples[0]
+    assert (declined.name, declined.value) == ("jaxmoe_ls_merges_declined_total", 1)
+    assert {o.request_id for o in outs} == {ids[p] for p in be_prompts}
+    finished = {o.request_id: o.token_ids for o in [*emitted, *outs] if o.finished}
+    for out in engine.run_until_done(timeout=60).values():
+        finished[out.request_id] = out.token_ids
+    for p, rid in ids.items():
+        assert finished[rid] == alone[p], p
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
