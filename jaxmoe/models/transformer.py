@@ -99,9 +99,11 @@ def _leaf_as_panels(path, a, bf16_pairs: bool):
 
 def stack_layer_by_layer(params: dict, as_panels: bool, release: tuple[list, ...] = ()) -> dict:
     """``store_as_panels(stack_layers(params))`` (``as_panels``) or ``stack_layers(params)``, built one
-    parameter at a time: each parameter's stacked array is filled layer by layer (donated, updated in
-    place) and each layer's array let go once placed, so start-up holds the model once plus one stacked
-    parameter, not a second copy. ``release``: lists holding the per-layer parameters the caller gives
+    parameter at a time: each parameter's stacked array is filled layer by layer and each layer's array
+    let go once placed. On one CPU device the stacked array is host memory that becomes resident only
+    as each slice is written (``_stack_on_host``), so start-up holds the model once plus a layer's
+    slice; elsewhere it is a device buffer allocated up front and updated in place (donated), so one
+    stacked parameter more. ``release``: lists holding the per-layer parameters the caller gives
     up (``params["layers"]``, the lists it was made from); their entries are set to None first, so the
     per-layer arrays live only here. Quantized parameters take the whole-group path (``stack_layers``)."""
     layers = list(params["layers"])
