@@ -551,6 +551,8 @@ def main(argv=None) -> int:
                 results[(rnd, dtype, engine)] = run_engine(engine, dtype, args)
                 tok = {b: round(r["tok_s"], 1) for b, r in results[(rnd, dtype, engine)]["batches"].items()}
                 print(f"round {rnd + 1} {dtype} {engine}: tok/s {tok}", file=sys.stderr, flush=True)
+                # the whole record as it comes, so a run cut short keeps the engines it finished
+                print(f"  {json.dumps(results[(rnd, dtype, engine)])}", file=sys.stderr, flush=True)
     md = header(args) + table(results, args)
     print(md)
     if args.out:

@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.models.attention import AttentionBatch, attention_layer, init_layer_cache
@@ -98,9 +99,11 @@ def _leaf_as_panels(path, a, bf16_pairs: bool):
 
 def stack_layer_by_layer(params: dict, as_panels: bool, release: tuple[list, ...] = ()) -> dict:
     """``store_as_panels(stack_layers(params))`` (``as_panels``) or ``stack_layers(params)``, built one
-    parameter at a time: each parameter's stacked array is filled layer by layer (donated, updated in
-    place) and each layer's array let go once placed, so start-up holds the model once plus one stacked
-    parameter, not a second copy. ``release``: lists holding the per-layer parameters the caller gives
+    parameter at a time: each parameter's stacked array is filled layer by layer and each layer's array
+    let go once placed. On one CPU device the stacked array is host memory that becomes resident only
+    as each slice is written (``_stack_on_host``), so start-up holds the model once plus a layer's
+    slice; elsewhere it is a device buffer allocated up front and updated in place (donated), so one
+    stacked parameter more. ``release``: lists holding the per-layer parameters the caller gives
     up (``params["layers"]``, the lists it was made from); their entries are set to None first, so the
     per-layer arrays live only here. Quantized parameters take the whole-group path (``stack_layers``)."""
     layers = list(params["layers"])
@@ -119,8 +122,10 @@ def stack_layer_by_layer(params: dict, as_panels: bool, release: tuple[list, ...
     for a, b in spans:
         stacked = []
         for j, path in enumerate(paths[a]):
-            first = leaves[a][j]
-            one = jax.eval_shape(lambda x, path=path: _stored_leaf(path, x, as_panels, pairs), first)
+            one = jax.eval_shape(lambda x, path=path: _stored_leaf(path, x, as_panels, pairs), leaves[a][j])
+            if _on_one_cpu(leaves[a][j]):
+                stacked.append(_stack_on_host(leaves, a, b, j, one, tuple(path), as_panels, pairs))
+                continue
             buf = jax.tree.map(lambda s, n=b - a: jnp.zeros((n,) + s.shape, s.dtype), one)
             for i in range(a, b):
                 buf = _place_leaf(buf, leaves[i][j], jnp.int32(i - a), tuple(path), as_panels, pairs)
@@ -128,6 +133,39 @@ def stack_layer_by_layer(params: dict, as_panels: bool, release: tuple[list, ...
             stacked.append(buf)
         groups.append(jax.tree_util.tree_unflatten(treedefs[a], stacked))
     return {**{k: v for k, v in params.items() if k != "layers"}, "groups": groups}
+
+
+def _on_one_cpu(a) -> bool:
+    devices = getattr(getattr(a, "sharding", None), "device_set", ())
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def _stack_on_host(leaves: list[list], a: int, b: int, j: int, one, path: tuple, as_panels: bool, pairs: bool):
+    """Parameter ``j`` of layers [a, b) stacked, on a CPU device: written layer by layer into fresh
+    (untouched, so not yet resident) 64-byte-aligned host memory, each layer's array let go once
+    copied, and the filled memory handed to jax without a copy. Resident memory grows by one layer's
+    slice at a time, not by the whole stacked parameter as a zero-filled device buffer would."""
+    n = b - a
+    hosts = jax.tree.map(lambda s: _aligned_empty((n,) + s.shape, s.dtype), one)
+    for i in range(a, b):
+        stored = _stored_one(leaves[i][j], path, as_panels, pairs)
+        leaves[i][j] = None
+        jax.tree.map(lambda h, x, k=i - a: np.copyto(h[k], np.asarray(x)), hosts, stored)
+        del stored
+    return jax.tree.map(jax.device_put, hosts)  # aligned host memory: the CPU device takes it as it is
+
+
+def _aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _stored_one(a, path, as_panels: bool, pairs: bool):
+    return _stored_leaf(path, a, as_panels, pairs)
 
 
 def _stored_leaf(path, a, as_panels: bool, pairs: bool):
