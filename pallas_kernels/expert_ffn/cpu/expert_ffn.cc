@@ -164,50 +164,27 @@ void panel_tile(const float* const* x, const W* w, int64_t K, float* const* out)
     for (int s = 0; s < S; ++s) store(out[r] + s * V, acc[r][s]);
 }
 
-// ---- int8 panels on AVX2 (no AVX-512) -----------------------------------------------------------
-// The generic tile above, on 64-byte vectors that AVX2 holds in two registers, compiled (GCC 12) to a
-// scalar sign extension of every int8 weight and to accumulators kept on the stack. This one widens 8
-// weights at a time with vpmovsxbd + vcvtdq2ps and keeps the accumulators in registers (ymm: 8 floats);
-// the products and their order are the generic tile's (one FMA per weight, k ascending), so the
-// results are the same. Measured in bench/results/2026-11-28-int8.md.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define JAXMOE_INT8_AVX2 1
-template <int R, int S>
-void int8_tile_avx2(const float* const* x, const int8_t* w, int64_t K, float* const* out) {
-  constexpr int P = S * V, H = 2 * S;  // H registers of 8 columns per row
-  __m256 acc[R][H];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const int8_t* row = w + k * P;
-    for (int b = 0; b < P; b += 64) __builtin_prefetch(row + AHEAD + b, 0, 0);
-    __m256 wv[H];
-    for (int h = 0; h < H; ++h)
-      wv[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * h))));
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x[r] + k);
-      for (int h = 0; h < H; ++h) acc[r][h] = _mm256_fmadd_ps(xv, wv[h], acc[r][h]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) _mm256_storeu_ps(out[r] + 8 * h, acc[r][h]);
-}
-#endif
-
-// ---- float32 / bfloat16 panels on AVX2 (no AVX-512), more than one row ------------------------
-// AVX2 has 16 vector registers of 8 floats: the generic tile's R x P accumulators (R x 8 registers
-// at P = 64) spill to the stack from 2 rows on, and a prefill-sized item (many rows per expert) ran
-// at about a tenth of XLA's matmul speed. Here the R rows x P columns are cut into sub-tiles of at
-// most 4 rows x 8 accumulator registers, each a pass over the panel's K rows (the first pass streams
-// the panel from memory with the prefetch, the later ones find it in cache). Each output element is
-// the same sum as the generic tile's (acc + x * w, k ascending, the same expression), so the results
-// are the same.
+// ---- Panels on AVX2 (no AVX-512): float32, bfloat16 and int8 weights, every row count ----------
+// AVX2 has 16 vector registers of 8 floats. The generic tile above, on 64-byte vectors that AVX2
+// holds in two registers, compiled (GCC 12) to accumulators kept on the stack, each x value stored 16
+// times to build its broadcast, and, for int8, a scalar sign extension of every weight: one row of
+// bfloat16 weights read at 6.6 GB/s where int8 (already on a tile of its own) read 24 (D 2048, F 5632,
+// bench/int8_expert_kernel.py, 2026-11-28), and R x P accumulators (R x 8 registers at P = 64)
+// spilled from 2 rows on (a prefill-sized item ran at about a tenth of XLA's matmul speed). Here the
+// R rows x P columns are cut into sub-tiles of at most 4 rows x 8 accumulator registers, each a pass
+// over the panel's K rows (the first pass streams the panel from memory with the prefetch, the later
+// ones find it in cache); the weights are widened to float32 in registers, 8 at a time (bfloat16: a
+// 16-bit shift of vpmovzxwd; int8: vpmovsxbd + vcvtdq2ps). Each output element is the same sum as the
+// generic tile's (acc + x * w, k ascending, the same expression), so the results are the same.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define JAXMOE_PANEL_AVX2 1
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 bits -> float32
   const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+inline __m256 load8(const int8_t* p) {  // 8 int8 -> float32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // out[r][c0 + 0 : c0 + 8 HB] for RB rows over one panel of P columns (w at the panel's start).
@@ -427,16 +404,13 @@ template <int R, int S, bool PAIRS, bool SPLIT = false, typename X, typename W>
 inline void tile(const X* const* x, const W* w, int64_t K, float* const* out, const X* const* lo = nullptr) {
   if constexpr (PAIRS)
     pair_tile<R, S, SPLIT>(x, w, K / 2, out, lo);
-#ifdef JAXMOE_INT8_AVX2
-  else if constexpr (std::is_same_v<W, int8_t>)
-    int8_tile_avx2<R, S>(x, w, K, out);
-#endif
 #ifdef JAXMOE_PANEL_AVX2
-  else if constexpr (R > 1)
+  else
     panel_tile_avx2<R, S>(x, w, K, out);
-#endif
+#else
   else
     panel_tile<R, S>(x, w, K, out);
+#endif
 }
 
 // ``run_item`` for weights stored as panels of P = 16 * S columns: gate / up [F / P][D][P], down
