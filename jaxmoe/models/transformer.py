@@ -206,13 +206,25 @@ def attention_side_ffn(layer: dict, xn: jnp.ndarray) -> jnp.ndarray | None:
     return None
 
 
-def lm_head(params: dict, cfg: ModelConfig, x: jnp.ndarray, invariant: bool = False) -> jnp.ndarray:
+def lm_head(
+    params: dict, cfg: ModelConfig, x: jnp.ndarray, invariant: bool = False, in_place: bool = False
+) -> jnp.ndarray:
     """Logits (fp32, also for 16-bit weights) of the final-normed x; ``invariant``: by the CPU kernel, a row's logits whatever
-    the other rows (``in_place_mode``)."""
+    the other rows (``in_place_mode``); ``in_place`` (beside the CPU expert kernel): a 16-bit untied head
+    at decode sizes is read in place by the CPU kernel's matmul, widened in registers, summed in fp32
+    (XLA:CPU converts the whole matrix to fp32 before its dot, every step: a quarter of a batch-1 step
+    of the 3 B model, bench/results/2026-11-28-bf16-kernel.md)."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, invariant)
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     if invariant:
         return cpu_kernel.invariant_matmul(x, w[None], 0).astype(jnp.float32)
+    if (
+        in_place
+        and not cfg.tie_embeddings  # the transposed embedding would be copied
+        and w.dtype.itemsize == 2
+        and cpu_kernel.matmul_supports(x, w[None])
+    ):
+        return cpu_kernel.layer_matmul(x.astype(jnp.float32), w[None], 0)
     # the logits summed and kept in fp32: rounded to bf16 they would move a logprob by up to 2^-8 of a logit
     return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
@@ -353,4 +365,4 @@ def forward(
         new_cache.append(group_cache)
     if logits_index is not None:
         x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-    return lm_head(params, cfg, x, invariant=in_place == INVARIANT), new_cache
+    return lm_head(params, cfg, x, invariant=in_place == INVARIANT, in_place=in_place is True), new_cache

@@ -137,7 +137,7 @@ def layer_programs(cfg: ModelConfig, block_size: int, impl: str, routing, dtype,
     def head(params, x, logits_index):
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-        return lm_head(params, cfg, x, invariant=in_place == INVARIANT)
+        return lm_head(params, cfg, x, invariant=in_place == INVARIANT, in_place=in_place is True)
 
     jit = program_jit(in_place == INVARIANT)
     return jit(embed), jit(some_layers, donate_argnums=(3,)), jit(head)

@@ -1,7 +1,7 @@
 """The ``cpu_kernel`` implementation of the expert FFN: ``cpu/expert_ffn.cc`` as an XLA:CPU custom
 call (``jax.ffi``), prebuilt at install time or built on first use with the machine's C++ compiler;
 and ``layer_matmul``, its tile as a matmul by one layer's matrix of a stacked weight (the model's
-attention projections).
+attention projections; a 16-bit LM head, read in place instead of converted to fp32 by XLA).
 
 Found or built, and registered, by ``pallas_kernels.cpu_build`` (prebuilt, else cached per source and
 machine; ``JAXMOE_CPU_KERNEL=0`` turns it off); with no prebuilt library and no compiler (or a failed

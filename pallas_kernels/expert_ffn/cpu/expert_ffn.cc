@@ -164,50 +164,27 @@ void panel_tile(const float* const* x, const W* w, int64_t K, float* const* out)
     for (int s = 0; s < S; ++s) store(out[r] + s * V, acc[r][s]);
 }
 
-// ---- int8 panels on AVX2 (no AVX-512) -----------------------------------------------------------
-// The generic tile above, on 64-byte vectors that AVX2 holds in two registers, compiled (GCC 12) to a
-// scalar sign extension of every int8 weight and to accumulators kept on the stack. This one widens 8
-// weights at a time with vpmovsxbd + vcvtdq2ps and keeps the accumulators in registers (ymm: 8 floats);
-// the products and their order are the generic tile's (one FMA per weight, k ascending), so the
-// results are the same. Measured in bench/results/2026-11-28-int8.md.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define JAXMOE_INT8_AVX2 1
-template <int R, int S>
-void int8_tile_avx2(const float* const* x, const int8_t* w, int64_t K, float* const* out) {
-  constexpr int P = S * V, H = 2 * S;  // H registers of 8 columns per row
-  __m256 acc[R][H];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const int8_t* row = w + k * P;
-    for (int b = 0; b < P; b += 64) __builtin_prefetch(row + AHEAD + b, 0, 0);
-    __m256 wv[H];
-    for (int h = 0; h < H; ++h)
-      wv[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * h))));
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x[r] + k);
-      for (int h = 0; h < H; ++h) acc[r][h] = _mm256_fmadd_ps(xv, wv[h], acc[r][h]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) _mm256_storeu_ps(out[r] + 8 * h, acc[r][h]);
-}
-#endif
-
-// ---- float32 / bfloat16 panels on AVX2 (no AVX-512), more than one row ------------------------
-// AVX2 has 16 vector registers of 8 floats: the generic tile's R x P accumulators (R x 8 registers
-// at P = 64) spill to the stack from 2 rows on, and a prefill-sized item (many rows per expert) ran
-// at about a tenth of XLA's matmul speed. Here the R rows x P columns are cut into sub-tiles of at
-// most 4 rows x 8 accumulator registers, each a pass over the panel's K rows (the first pass streams
-// the panel from memory with the prefetch, the later ones find it in cache). Each output element is
-// the same sum as the generic tile's (acc + x * w, k ascending, the same expression), so the results
-// are the same.
+// ---- Panels on AVX2 (no AVX-512): float32, bfloat16 and int8 weights, every row count ----------
+// AVX2 has 16 vector registers of 8 floats. The generic tile above, on 64-byte vectors that AVX2
+// holds in two registers, compiled (GCC 12) to accumulators kept on the stack, each x value stored 16
+// times to build its broadcast, and, for int8, a scalar sign extension of every weight: one row of
+// bfloat16 weights read at 6.6 GB/s where int8 (already on a tile of its own) read 24 (D 2048, F 5632,
+// bench/int8_expert_kernel.py, 2026-11-28), and R x P accumulators (R x 8 registers at P = 64)
+// spilled from 2 rows on (a prefill-sized item ran at about a tenth of XLA's matmul speed). Here the
+// R rows x P columns are cut into sub-tiles of at most 4 rows x 8 accumulator registers, each a pass
+// over the panel's K rows (the first pass streams the panel from memory with the prefetch, the later
+// ones find it in cache); the weights are widened to float32 in registers, 8 at a time (bfloat16: a
+// 16-bit shift of vpmovzxwd; int8: vpmovsxbd + vcvtdq2ps). Each output element is the same sum as the
+// generic tile's (acc + x * w, k ascending, the same expression), so the results are the same.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define JAXMOE_PANEL_AVX2 1
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 bits -> float32
   const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+inline __m256 load8(const int8_t* p) {  // 8 int8 -> float32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // out[r][c0 + 0 : c0 + 8 HB] for RB rows over one panel of P columns (w at the panel's start).
@@ -427,16 +404,13 @@ template <int R, int S, bool PAIRS, bool SPLIT = false, typename X, typename W>
 inline void tile(const X* const* x, const W* w, int64_t K, float* const* out, const X* const* lo = nullptr) {
   if constexpr (PAIRS)
     pair_tile<R, S, SPLIT>(x, w, K / 2, out, lo);
-#ifdef JAXMOE_INT8_AVX2
-  else if constexpr (std::is_same_v<W, int8_t>)
-    int8_tile_avx2<R, S>(x, w, K, out);
-#endif
 #ifdef JAXMOE_PANEL_AVX2
-  else if constexpr (R > 1)
+  else
     panel_tile_avx2<R, S>(x, w, K, out);
-#endif
+#else
   else
     panel_tile<R, S>(x, w, K, out);
+#endif
 }
 
 // ``run_item`` for weights stored as panels of P = 16 * S columns: gate / up [F / P][D][P], down
@@ -696,16 +670,36 @@ ffi::Error ExpertFfnInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 // The down projection's tile; items are contiguous blocks of K rows (one per thread), each into its
 // own [M, N] partial, summed in item order (same inputs, same bits). The items depend on K and the
 // thread count only, so a row's result does not depend on M or on the other rows (batch-invariant).
+// More rows than a group: the rows pass over the matrix in blocks of NB columns x KB2 rows (256 KB, in L2)
+// instead of each group of MR rows streaming the whole matrix from memory (16 rows of a 32000 x 2048
+// bf16 LM head: two reads of 131 MB). Each output element is the same sum in the same order (k
+// ascending), blocked or not.
+// On AVX2 the rows go 4 at a time (8 accumulator registers; 8 rows spilled them).
+constexpr int64_t NB = 1024;
+#ifdef JAXMOE_PANEL_AVX2
+constexpr int MATMUL_ROWS = 4;
+#else
+constexpr int MATMUL_ROWS = MR;
+#endif
+
 template <typename W>
 void matmul_item(const float* x, const W* w, int64_t M, int64_t K, int64_t N, int64_t c0, int64_t kc, float* y) {
   std::fill(y, y + M * N, 0.0f);
-  for (int64_t r0 = 0; r0 < M; r0 += MR) {
-    const int R = static_cast<int>(std::min<int64_t>(MR, M - r0));
-    float* yr[MR];
-    for (int r = 0; r < R; ++r) yr[r] = y + (r0 + r) * N;
-#define JAXMOE_MATMUL(n) down_rows<n>(x + r0 * K + c0, K, w + c0 * N, N, kc, N, yr)
-    JAXMOE_BY_ROWS(R, JAXMOE_MATMUL)
+  constexpr int G = MATMUL_ROWS;
+  const int64_t nb = M > G ? NB : N, kb2 = M > G ? static_cast<int64_t>(256 * 1024 / (NB * sizeof(W))) : kc;
+  for (int64_t n0 = 0; n0 < N; n0 += nb) {
+    const int64_t nc = std::min(nb, N - n0);
+    for (int64_t k0 = 0; k0 < kc; k0 += kb2) {
+      const int64_t kr = std::min(kb2, kc - k0);
+      for (int64_t r0 = 0; r0 < M; r0 += G) {
+        const int R = static_cast<int>(std::min<int64_t>(G, M - r0));
+        float* yr[MR];
+        for (int r = 0; r < R; ++r) yr[r] = y + (r0 + r) * N + n0;
+#define JAXMOE_MATMUL(n) down_rows<n>(x + r0 * K + c0 + k0, K, w + (c0 + k0) * N + n0, N, kr, nc, yr)
+        JAXMOE_BY_ROWS(R, JAXMOE_MATMUL)
 #undef JAXMOE_MATMUL
+      }
+    }
   }
 }
 
