@@ -42,7 +42,7 @@ from jaxmoe.engine.block_manager import BlockManager
 from jaxmoe.engine.buckets import ShapePlan, bucket
 from jaxmoe.engine.config import DETERMINISTIC_ROW_TOKENS, EngineConfig
 from jaxmoe.engine.hooks import LayerHook, StepHook
-from jaxmoe.engine.model_runner import Launched, ModelRunner, Row
+from jaxmoe.engine.model_runner import Launched, Merge, MergedRows, ModelRunner, Row
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
 from jaxmoe.engine.policies import make_policy
 from jaxmoe.engine.prompt_limits import check_prompt_chars, check_prompt_tokens
@@ -396,22 +396,25 @@ class LLMEngine:
                 outputs += self._finish(inner, inner_rows, inner_seqs, group.sampled, {})
         return outputs + self._finish(batch, rows, seqs, sampled, errors)
 
-    def merge_batch(self, batch, accept=None) -> bool:
+    def merge_batch(self, batch, accept=None) -> Merge:
         """QLLM's merge: join a scheduled batch to the step now paused (called at its pause point);
         its rows catch up to that point alone, then share the rest of the step with the step's rows,
-        and its outputs go out (``deliver``) as soon as the program call it joined ends. False: it cannot join here (the runner's
-        ``offer_merge``; ``accept``: its say on the merged call's shape); the caller runs it another way."""
+        and its outputs go out (``deliver``) as soon as the program call it joined ends
+        (``Merge.MERGED``). Else why not (the runner's ``offer_merge``): ``Merge.DECLINED`` where
+        ``accept`` (the caller's say on the merged call's shape) said no, ``Merge.UNAVAILABLE`` where
+        it cannot join here; the caller runs it another way."""
         if batch.is_empty:
-            return False
+            return Merge.UNAVAILABLE
         rows, seqs = self._rows(batch)
-        group = self.runner.offer_merge(rows, accept)
-        if group is None:
-            return False
+        group = MergedRows(rows)
+        outcome = self.runner.offer_merge(group, accept)
+        if outcome is not Merge.MERGED:
+            return outcome
         entry = (batch, rows, seqs, group)
         self._merged.append(entry)
         group.on_sampled = lambda: self._merged_sampled(entry)
         self.step_request_ids = self.step_request_ids + [seq.request_id for seq in seqs]
-        return True
+        return outcome
 
     def _merged_sampled(self, entry) -> None:
         """A merged batch's program call has run: its tokens go out now (``deliver``), not after the
