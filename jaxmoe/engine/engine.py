@@ -117,9 +117,9 @@ class LLMEngine:
         self._counter = 0
         self._seeds = _unseeded_seeds()
         self.hooks: list[StepHook] = []  # run before and after every step (``add_hook``)
-        self.layer_hook: LayerHook | None = None  # may pause a step between its layers (QLLM)
+        self._layer_hook: LayerHook | None = None  # ``layer_hook``
         self.step_request_ids: list[str] = []  # the requests of the last step (set before it runs)
-        self.poll = None  # poll(): admit requests that arrived meanwhile (AsyncEngine; between layers)
+        self._poll = None  # ``poll``
         self.emit = None  # emit(outputs): deliver outputs made inside a step at once (else step() returns them)
         self._delivered: list[RequestOutput] = []
         self._merged: list = []  # (batch, rows, seqs, MergedRows) merged into the step now running
@@ -216,6 +216,34 @@ class LLMEngine:
         async scheduling that includes one the scheduler finished at dispatch, its step not read yet."""
         state = self._requests.get(request_id)
         return state.seq if state is not None else self.scheduler.get(request_id)
+
+    @property
+    def layer_hook(self) -> LayerHook | None:
+        """May pause a step between its layers (QLLM's layer-level preemption); None: no step pauses."""
+        return self._layer_hook
+
+    @layer_hook.setter
+    def layer_hook(self, hook: LayerHook | None) -> None:
+        self._layer_hook = hook
+        self._share_step_programs()
+
+    @property
+    def poll(self):
+        """``poll()``: admit the requests that arrived meanwhile (``AsyncEngine``; at pause points);
+        None: nothing can arrive during a step, so none pauses (``LLM.generate``)."""
+        return self._poll
+
+    @poll.setter
+    def poll(self, poll) -> None:
+        self._poll = poll
+        self._share_step_programs()
+
+    def _share_step_programs(self) -> None:
+        """Where steps may pause (a layer hook and a poll), an executor that can (``split_step``: the
+        monolithic one) runs the steps that do not pause on the pausable steps' programs, so a shape
+        compiles one set; elsewhere they run its fused step program, which costs nothing extra."""
+        if hasattr(self.executor, "split_step"):
+            self.executor.split_step = self._layer_hook is not None and self._poll is not None
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._ahead is not None
