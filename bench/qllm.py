@@ -8,8 +8,9 @@ The engine runs in this process as the serving loop runs it (``AsyncEngine``: ad
 between steps and, with layer-level preemption, between layers; deliver the tokens of a step run
 inside a paused one at once). Requests follow one Poisson trace per rate (same seed for every
 mode), 20 % latency-sensitive. TTFT is measured from the trace's arrival time to the moment the
-first token is handed out. The model is a random Mixtral-shaped MoE (hidden 256, 8 experts top-2,
-byte vocabulary) with ``--layers`` layers, so one step is long enough for the difference to show.
+first token is handed out. The model is a random Mixtral-shaped MoE (hidden 256 or ``--hidden``, intermediate
+twice it, 8 experts top-2, byte vocabulary) with ``--layers`` layers, so one step is long enough
+for the difference to show.
 
 Rates are multiples of the measured capacity (best-effort requests per second when all arrive at
 once). Also measured: the cost of pausable steps when nothing preempts, as a same-engine A/B
@@ -18,6 +19,7 @@ alternating round by round; the median per-round ratio).
 
     python bench/qllm.py [--layers 16] [--requests 60] [--loads 0.4,0.7,0.9] [--modes ...] [--json out.json]
     python bench/qllm.py --layers 8 --loads "" --modes layer-level,expert-queues --rounds 20   # the cost only
+    python bench/qllm.py --layers 8 --hidden 1024 --loads "" --modes layer-level --rounds 12   # ... bigger layers
 """
 
 from __future__ import annotations
@@ -59,8 +61,10 @@ def build_engine(
     pause_every: int = 1,
     ls_merge: bool = True,
     warm: bool = True,
+    hidden: int = DEMO_HF_CONFIG["hidden_size"],
 ) -> LLMEngine:
-    cfg = from_hf_config({**DEMO_HF_CONFIG, "num_hidden_layers": layers})
+    sizes = {"hidden_size": hidden, "intermediate_size": 2 * hidden}  # the demo's ratio
+    cfg = from_hf_config({**DEMO_HF_CONFIG, "num_hidden_layers": layers, **sizes})
     config = RuntimeConfig(
         engine=EngineConfig(
             num_blocks=512,
@@ -171,7 +175,9 @@ def _ms(seconds: float | None) -> str:
 # how a step runs when nothing preempts: (layer by layer, layers per program, per-expert queues)
 VARIANTS = {  # name: (pausable, pause_every, per-expert queues, split_step)
     "fused": (False, 1, False, False),  # one program per step: layer preemption off
-    "unpaused": (False, 1, False, True),  # a step that does not pause, layer preemption on: its programs per group
+    # a serving engine's step that does not pause (layer preemption on): its programs per group (``split_step``;
+    # ``LLM.generate``, without a poll, runs the fused program)
+    "unpaused": (False, 1, False, True),
     "layer-level": (True, 1, False, True),
     "every-4-layers": (True, 4, False, True),
     "expert-queues": (True, 1, True, True),
@@ -181,19 +187,20 @@ COST_OF = {"layer-level": "layer-level", "layer-nested": "layer-level"} | {
 }  # a trace mode -> the variant it runs when nothing preempts (the merge and the nested step: the same)
 
 
-def paired_cost(layers: int, variants, rounds: int, steps: int = 4, expert_queues: int = 4) -> dict:
+def paired_cost(layers: int, variants, rounds: int, steps: int = 4, expert_queues: int = 4, hidden: int = 256) -> dict:
     """The cost of pausable steps when nothing preempts, as a same-engine A/B: one engine (layer
     preemption on, ``expert_queues`` rounds) decodes the same 16 best-effort sequences, and each
     round runs ``steps`` steps of every variant in turn (order rotated per round): "fused" without a
-    poll (one program per step, as with layer preemption off), "unpaused" without a poll as with
-    layer preemption on (embed, each layer group in one call, head: ``split_step``), the others with a serving loop's
+    poll (one program per step, as with layer preemption off or in ``LLM.generate``), "unpaused" a
+    step that does not pause in a serving engine (embed, each layer group in one call, head:
+    ``split_step``), the others with a serving loop's
     poll that admits nothing (pause points checked, no arrival), the per-expert queues and
     ``pause_every`` switched on the executor between rounds. Every variant runs the same programs
     it runs in its own mode, on the same weights, KV cache and sequences, in the same slices of
     time: per round the ratio to the fused steps of that round. Returns per variant the median ms
     per step and the median ratio over rounds (tokens/s ratio = 1 / it), in wall time and in this
     process's CPU time (on a machine shared with other jobs the CPU time is the steadier one)."""
-    engine = build_engine(layers, "qllm", True, expert_queues, warm=False)
+    engine = build_engine(layers, "qllm", True, expert_queues, warm=False, hidden=hidden)
     ex = engine.executor
     queues = ex.expert_rounds
     rng = np.random.default_rng(7)
@@ -248,6 +255,7 @@ def capacity(engine: LLMEngine, n: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size (intermediate: twice it; the demo's 256)")
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--loads", default="0.4,0.7,0.9", help="arrival rates as fractions of the measured capacity")
     ap.add_argument("--ls-share", type=float, default=0.2)
@@ -266,11 +274,11 @@ def main(argv=None) -> int:
     loads = [float(x) for x in args.loads.split(",") if x.strip()]  # --loads "": the cost only
     if loads and not {"fcfs", "step-level"} & set(modes):
         ap.error("--modes: fcfs or step-level (the capacity's engine) must be one")
-    engines = {mode: build_engine(args.layers, *MODES[mode]) for mode in modes} if loads else {}
+    engines = {mode: build_engine(args.layers, *MODES[mode], hidden=args.hidden) for mode in modes} if loads else {}
     cap = capacity(engines["fcfs" if "fcfs" in modes else "step-level"], 16) if loads else 0.0
     print(
         f"# {platform.node()} {platform.processor() or platform.machine()}, jax {jax.__version__}, "
-        f"{args.layers} layers, capacity {cap:.2f} BE req/s (16 at once)"
+        f"{args.layers} layers, hidden {args.hidden}, capacity {cap:.2f} BE req/s (16 at once)"
     )
     results = {"capacity_req_s": cap, "layers": args.layers, "rows": []}
     print(
@@ -296,7 +304,7 @@ def main(argv=None) -> int:
     # the price of pausable steps when nothing preempts: the same 16 decodes on one engine, A/B per round
     variants = ["fused", "unpaused", *dict.fromkeys(COST_OF[m] for m in modes if m in COST_OF)]
     if args.rounds and len(variants) > 1:
-        cost = paired_cost(args.layers, variants, args.rounds, args.cost_steps, args.cost_expert_queues)
+        cost = paired_cost(args.layers, variants, args.rounds, args.cost_steps, args.cost_expert_queues, args.hidden)
         results["no_preemption_cost"] = cost
         print(
             f"\nNothing preempts: 16 BE decodes on one engine, {args.rounds} rounds of {args.cost_steps} steps per "

@@ -293,11 +293,10 @@ def attach_features(engine: LLMEngine, config: RuntimeConfig, salc: SALCConfig |
     if config.qllm.preempts(config):
         from jaxmoe.qllm.layer_preemption import LayerPreemption
 
+        # with a serving loop's poll, steps that do not pause run the same programs (``LLMEngine.poll``)
         engine.layer_hook = LayerPreemption(
             config.qllm.max_paused_state_bytes, config.qllm.ls_merge, config.qllm.ls_merge_tokens
         )
-        if isinstance(engine.executor, MonolithicExecutor):  # steps that do not pause run the same programs
-            engine.executor.split_step = True
     if config.mesh is not None:
         from jaxmoe.janus.live_rescale import LiveRescaler
 

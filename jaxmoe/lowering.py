@@ -176,8 +176,8 @@ def monolithic_programs(
     """The programs of ``MonolithicExecutor`` + ``ModelRunner`` for each (rows, tokens) shape
     (``devices``: on the first of these, e.g. a TPU topology's, to compile ahead; None: unplaced);
     ``layer_by_layer``: those of layer-level preemption instead of the fused step (``embed``, one
-    ``layers`` program per layer group whatever ``pause_every``, ``head``: what every step runs
-    then, ``MonolithicExecutor.split_step``)."""
+    ``layers`` program per layer group whatever ``pause_every``, ``head``: what every step of a
+    serving loop runs then, ``MonolithicExecutor.split_step``)."""
     import jax
 
     from jaxmoe.kv_layout import KVLayout

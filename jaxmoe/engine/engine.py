@@ -42,7 +42,7 @@ from jaxmoe.engine.block_manager import BlockManager
 from jaxmoe.engine.buckets import ShapePlan, bucket
 from jaxmoe.engine.config import DETERMINISTIC_ROW_TOKENS, EngineConfig
 from jaxmoe.engine.hooks import LayerHook, StepHook
-from jaxmoe.engine.model_runner import Launched, ModelRunner, Row
+from jaxmoe.engine.model_runner import Launched, Merge, MergedRows, ModelRunner, Row
 from jaxmoe.engine.outputs import RequestOutput, StepFailedError, TokenLogprob
 from jaxmoe.engine.policies import make_policy
 from jaxmoe.engine.prompt_limits import check_prompt_chars, check_prompt_tokens
@@ -117,9 +117,9 @@ class LLMEngine:
         self._counter = 0
         self._seeds = _unseeded_seeds()
         self.hooks: list[StepHook] = []  # run before and after every step (``add_hook``)
-        self.layer_hook: LayerHook | None = None  # may pause a step between its layers (QLLM)
+        self._layer_hook: LayerHook | None = None  # ``layer_hook``
         self.step_request_ids: list[str] = []  # the requests of the last step (set before it runs)
-        self.poll = None  # poll(): admit requests that arrived meanwhile (AsyncEngine; between layers)
+        self._poll = None  # ``poll``
         self.emit = None  # emit(outputs): deliver outputs made inside a step at once (else step() returns them)
         self._delivered: list[RequestOutput] = []
         self._merged: list = []  # (batch, rows, seqs, MergedRows) merged into the step now running
@@ -216,6 +216,34 @@ class LLMEngine:
         async scheduling that includes one the scheduler finished at dispatch, its step not read yet."""
         state = self._requests.get(request_id)
         return state.seq if state is not None else self.scheduler.get(request_id)
+
+    @property
+    def layer_hook(self) -> LayerHook | None:
+        """May pause a step between its layers (QLLM's layer-level preemption); None: no step pauses."""
+        return self._layer_hook
+
+    @layer_hook.setter
+    def layer_hook(self, hook: LayerHook | None) -> None:
+        self._layer_hook = hook
+        self._share_step_programs()
+
+    @property
+    def poll(self):
+        """``poll()``: admit the requests that arrived meanwhile (``AsyncEngine``; at pause points);
+        None: nothing can arrive during a step, so none pauses (``LLM.generate``)."""
+        return self._poll
+
+    @poll.setter
+    def poll(self, poll) -> None:
+        self._poll = poll
+        self._share_step_programs()
+
+    def _share_step_programs(self) -> None:
+        """Where steps may pause (a layer hook and a poll), an executor that can (``split_step``: the
+        monolithic one) runs the steps that do not pause on the pausable steps' programs, so a shape
+        compiles one set; elsewhere they run its fused step program, which costs nothing extra."""
+        if hasattr(self.executor, "split_step"):
+            self.executor.split_step = self._layer_hook is not None and self._poll is not None
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._ahead is not None
@@ -396,22 +424,25 @@ class LLMEngine:
                 outputs += self._finish(inner, inner_rows, inner_seqs, group.sampled, {})
         return outputs + self._finish(batch, rows, seqs, sampled, errors)
 
-    def merge_batch(self, batch, accept=None) -> bool:
+    def merge_batch(self, batch, accept=None) -> Merge:
         """QLLM's merge: join a scheduled batch to the step now paused (called at its pause point);
         its rows catch up to that point alone, then share the rest of the step with the step's rows,
-        and its outputs go out (``deliver``) as soon as the program call it joined ends. False: it cannot join here (the runner's
-        ``offer_merge``; ``accept``: its say on the merged call's shape); the caller runs it another way."""
+        and its outputs go out (``deliver``) as soon as the program call it joined ends
+        (``Merge.MERGED``). Else why not (the runner's ``offer_merge``): ``Merge.DECLINED`` where
+        ``accept`` (the caller's say on the merged call's shape) said no, ``Merge.UNAVAILABLE`` where
+        it cannot join here; the caller runs it another way."""
         if batch.is_empty:
-            return False
+            return Merge.UNAVAILABLE
         rows, seqs = self._rows(batch)
-        group = self.runner.offer_merge(rows, accept)
-        if group is None:
-            return False
+        group = MergedRows(rows)
+        outcome = self.runner.offer_merge(group, accept)
+        if outcome is not Merge.MERGED:
+            return outcome
         entry = (batch, rows, seqs, group)
         self._merged.append(entry)
         group.on_sampled = lambda: self._merged_sampled(entry)
         self.step_request_ids = self.step_request_ids + [seq.request_id for seq in seqs]
-        return True
+        return outcome
 
     def _merged_sampled(self, entry) -> None:
         """A merged batch's program call has run: its tokens go out now (``deliver``), not after the

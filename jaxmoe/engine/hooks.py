@@ -44,9 +44,10 @@ class EngineView(Protocol):
         """Run a scheduled batch through the model (another batch may be paused meanwhile)."""
         ...
 
-    def merge_batch(self, batch, accept=None) -> bool:
-        """Join a scheduled batch to the step paused at a layer boundary (False: it cannot join there;
-        ``accept(merged shape, own shape)``: the caller's say on the merged call's padded [rows, tokens])."""
+    def merge_batch(self, batch, accept=None) -> Any:
+        """Join a scheduled batch to the step paused at a pause point: a ``model_runner.Merge``, MERGED,
+        DECLINED (``accept(merged shape, own shape)``, the caller's say on the merged call's padded
+        [rows, tokens], said no) or UNAVAILABLE (it cannot join there)."""
         ...
 
     def deliver(self, outputs: list[RequestOutput]) -> None:

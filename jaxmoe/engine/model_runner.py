@@ -18,6 +18,7 @@ Results come back in the callers' row order.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 
 import jax
@@ -51,6 +52,14 @@ class Row:
     history: list[int] | None = None  # prompt + output ids, for penalties (``SamplingParams.adjusts_logits``)
     num_prompt: int = 0  # how many of ``history`` are the prompt
     allowed: np.ndarray | None = None  # structured output: the tokens allowed next (packed bits, ``mask_logits``)
+
+
+class Merge(enum.Enum):
+    """What became of rows offered to the program call paused at a pause point (``offer_merge``)."""
+
+    MERGED = "merged"  # they joined it
+    DECLINED = "declined"  # the caller's ``accept`` said no (QLLM's cost model): they may run alone
+    UNAVAILABLE = "unavailable"  # they cannot join here (the executor, the instances, the shape)
 
 
 @dataclasses.dataclass
@@ -125,12 +134,10 @@ class ModelRunner:
     def prepare(self, rows: list[Row]):
         """Padded (tokens [B, T], AttentionBatch, logits_index [B]) for the rows, and each row's
         padded row ``where`` [len(rows)] (see ``placement``)."""
-        longest = max(len(r.token_ids) for r in rows)
-        T = 1 if longest == 1 else bucket(longest, MIN_PREFILL_TOKENS)
-        if self.row_tokens:
-            if longest > self.row_tokens:
-                raise ValueError(f"deterministic mode: a row of {longest} tokens exceeds {self.row_tokens}")
-            T = self.row_tokens
+        T = self._row_tokens(rows)
+        if T is None:
+            longest = max(len(r.token_ids) for r in rows)
+            raise ValueError(f"deterministic mode: a row of {longest} tokens exceeds {self.row_tokens}")
         where, B = self.placement(rows, self.fixed_rows)
         tokens, batch, last = self._empty(B, T)
         positions, slots, tables = batch
@@ -144,6 +151,14 @@ class ModelRunner:
             tables[i, : len(table)] = table
             last[i] = n - 1
         return tokens, batch, last, where
+
+    def _row_tokens(self, rows: list[Row]) -> int | None:
+        """Tokens per padded row of a call of ``rows`` (``prepare``'s T); None: a row is longer than
+        deterministic mode's fixed row."""
+        longest = max(len(r.token_ids) for r in rows)
+        if self.row_tokens:
+            return self.row_tokens if longest <= self.row_tokens else None
+        return 1 if longest == 1 else bucket(longest, MIN_PREFILL_TOKENS)
 
     def warm(self, rows_per_instance: int, tokens: int, layer_by_layer: bool = False) -> None:
         """Compile (by running) the step program for one bucket shape, on padding rows: no KV is
@@ -274,33 +289,38 @@ class ModelRunner:
             per_instance = {j: idx[k:] for j, idx in per_instance.items()}
         return calls
 
-    def offer_merge(self, rows: list[Row], accept: Callable[[tuple, tuple], bool] | None = None) -> MergedRows | None:
-        """QLLM's merge: ``rows`` join the program call now paused (called from its pause point: a
-        layer boundary, or inside a MoE layer with per-expert queues); they catch up to that point
-        alone, then share the rest of the step with the call's rows. None (nothing merged) where the executor cannot merge there (``MergesRows``), with
-        several attention instances, where the merged batch's shape is not one warm-up compiles
-        (``plan.shapes()``), or where ``accept(merged shape, the rows' own shape)`` (padded [rows,
-        tokens] of the merged call and of ``rows`` alone) says no: the caller runs the rows another way."""
-        call, ex = self._call, self.executor
+    def offer_merge(self, group: MergedRows, accept: Callable[[tuple, tuple], bool] | None = None) -> Merge:
+        """QLLM's merge: ``group.rows`` join the program call now paused (called from its pause point:
+        a layer boundary, or inside a MoE layer with per-expert queues); they catch up to that point
+        alone, then share the rest of the step with the call's rows, and their results go to
+        ``group`` (``Merge.MERGED``). ``accept(merged shape, the rows' own shape)`` (padded [rows,
+        tokens] of the merged call and of the rows alone) has the first say (``Merge.DECLINED``: the
+        caller may run them alone); else ``Merge.UNAVAILABLE`` where the executor cannot merge there
+        (``MergesRows``), with several attention instances, or where the merged shape is not one
+        warm-up compiles (``plan.shapes()``). The padded arrays are built only for a merge that is
+        taken."""
+        call, ex, rows = self._call, self.executor, group.rows
         if call is None or call.pending is not None or not rows or self.num_instances != 1:
-            return None
+            return Merge.UNAVAILABLE
         if not (isinstance(ex, MergesRows) and ex.merge_ready()):
-            return None
+            return Merge.UNAVAILABLE
         merged = call.rows + rows
-        if self.row_tokens and max(len(r.token_ids) for r in merged) > self.row_tokens:
-            return None
+        merged_tokens = self._row_tokens(merged)
+        if merged_tokens is None:
+            return Merge.UNAVAILABLE
+        merged_shape = (self.placement(merged, self.fixed_rows)[1], merged_tokens)
+        own_shape = (self.placement(rows, self.fixed_rows)[1], self._row_tokens(rows))
+        # the caller's say first: a merge it declines is declined whether or not its shape is compiled
+        if accept is not None and not accept(merged_shape, own_shape):
+            return Merge.DECLINED
+        if merged_shape not in self.plan.shapes():
+            return Merge.UNAVAILABLE
         _, merged_batch, merged_last, _ = self.prepare(merged)
         tokens, batch, _, _ = self.prepare(rows)
-        # the caller's say first: a merge it declines is declined whether or not its shape is compiled
-        if accept is not None and not accept(tuple(merged_batch.slots.shape), tuple(batch.slots.shape)):
-            return None
-        if tuple(merged_batch.slots.shape) not in self.plan.shapes():
-            return None
         call.pending = RowMerge(tokens, batch, len(rows), len(call.rows), merged_batch, merged_last)
         call.rows = merged
-        group = MergedRows(list(rows))
         call.groups.append(group)
-        return group
+        return Merge.MERGED
 
     def _run(self, rows: list[Row], between_layers=None) -> list[Sampled | None]:
         """Forward + sample one padded batch; only the sampled tokens (and logprobs) come back. Rows

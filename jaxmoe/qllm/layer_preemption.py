@@ -42,6 +42,7 @@ latency-sensitive work waits for the step boundary.
 
 from __future__ import annotations
 
+from jaxmoe.engine.model_runner import Merge
 from jaxmoe.engine.policies import PausePoint
 from jaxmoe.engine.sequence import Priority
 
@@ -54,7 +55,6 @@ class LayerPreemption:
         self.merge = merge  # LS work joins the paused step (else it runs as a step of its own)
         self.merge_tokens = merge_tokens  # the cost model: token slots a merged call may have (None: any)
         self.merges_declined = 0  # merges the cost model declined (the LS work ran nested, alone)
-        self._declined = False
         self.ls_merges = 0  # latency-sensitive requests merged into a running step
         self.queue_merges = 0  # ... of them, merged inside a MoE layer (their tokens jumped the expert queues)
         self.merges_refused = 0  # merges refused in a step holding latency-sensitive work (the work waited)
@@ -99,14 +99,14 @@ class LayerPreemption:
             return
         if point.queue_depth is not None:  # what waits at each expert as the step pauses there
             self.expert_queue_depth = point.queue_depth
-        self._declined = False
-        if self.merge and engine.merge_batch(inner, self._cheap):
+        outcome = engine.merge_batch(inner, self._cheap) if self.merge else Merge.UNAVAILABLE
+        if outcome is Merge.MERGED:
             merged = len(inner.prefills) + len(inner.decodes)
             self.ls_merges += merged
             if stage != "layer":
                 self.queue_merges += merged
             return
-        if self._declined:  # the merge would cost the LS work more than running alone: nested
+        if outcome is Merge.DECLINED:  # the merge would cost the LS work more than running alone: nested
             self.merges_declined += 1
         elif any(s is not None and s.priority is Priority.LS for s in map(scheduler.get, paused)):
             # a step holding latency-sensitive work is not stopped for a nested step where the merge
@@ -129,9 +129,7 @@ class LayerPreemption:
         """The cost model: whether a merged call of ``merged`` [rows, tokens] costs the LS rows (whose
         own call is ``alone``) about what running alone would (see the module docstring)."""
         limit = self.merge_tokens
-        ok = limit is None or merged[0] * merged[1] <= max(limit, alone[0] * alone[1])
-        self._declined = not ok
-        return ok
+        return limit is None or merged[0] * merged[1] <= max(limit, alone[0] * alone[1])
 
     def stats(self) -> dict:
         return {

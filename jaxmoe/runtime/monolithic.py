@@ -209,7 +209,8 @@ class MonolithicExecutor:
         self.pause_stage = None  # "layer" or "experts" while a layer-by-layer step waits at a pause point
         # a step that does not pause runs the layer-by-layer programs too (embed, each layer group's
         # ``layers`` over the whole group, head) instead of the fused program, so a pausable step
-        # compiles nothing more (set where layer-level preemption is on: ``assembly.attach_features``)
+        # compiles nothing more (set where steps may pause, a layer hook and a serving loop's poll:
+        # ``LLMEngine.poll``; elsewhere the fused program)
         self.split_step = False
         dtype = self.stacked["embed"].dtype
 

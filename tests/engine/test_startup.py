@@ -142,8 +142,9 @@ def test_compile_workers_setting(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("expert_queues", [0, 2])
 def test_warmup_with_layer_preemption_covers_both_paths(expert_queues):
-    """With layer preemption every step runs the layer-by-layer programs (a step that does not pause
-    too: one ``layers`` call per layer group), never the fused one; they (with per-expert queues also
+    """With layer preemption in a serving loop (a poll: steps may pause) every step runs the
+    layer-by-layer programs (a step that does not pause too: one ``layers`` call per layer group),
+    never the fused one; they (with per-expert queues also
     a MoE layer's attention side, routing and expert round) compile ahead on the pool, nothing runs:
     afterwards neither a pausable nor an unpaused step compiles."""
     from jaxmoe.engine.warmup import warm_up
@@ -155,6 +156,7 @@ def test_warmup_with_layer_preemption_covers_both_paths(expert_queues):
     )
     executor = build_executor(cfg, demo_params(cfg, seed=3), config)
     engine = attach_features(LLMEngine(cfg, executor, ByteTokenizer(), config.engine), config)
+    engine.poll = lambda: None  # what ``AsyncEngine`` sets before its warm-up
     shapes = [(1, 1), (1, 16)]
     executor._step = None  # the fused program: neither lowered nor run
     ran = []

@@ -386,3 +386,57 @@ def test_the_cost_model_runs_a_padding_prompt_nested_and_merges_its_decodes(metr
     for p, rid in ids.items():
         assert finished[rid] == alone[p], p
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+@pytest.mark.slow
+def test_a_merge_says_why_not_and_builds_no_arrays_for_a_shape_it_cannot_run(tiny_llm):
+    """``merge_batch`` says what became of the offered LS work (``Merge``). An LS prompt arriving during
+    a BE decode step of 5 rows would make an [8, 16] prefill call, not a shape warm-up compiles
+    (prefill calls hold at most 4 rows): UNAVAILABLE, found before any padded array is built (no
+    ``prepare`` inside the offer), so the prompt runs nested; its decode then merges into the [8, 1]
+    decode call at the next pause point (MERGED). Every token equals the standalone ones."""
+    from jaxmoe.engine.model_runner import Merge
+
+    # no prefix caching: the standalone runs would leave the prompt's KV cached (a one-token "prompt")
+    llm = tiny_llm(layer_preemption=True, prefix_caching=False)
+    engine, runner, hook = llm.engine, llm.engine.runner, llm.engine.layer_hook
+    be_prompts, prompt = [f"best effort {i}" for i in range(5)], "urgent a"
+    alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in be_prompts}
+    alone[prompt] = llm.generate([prompt], LS, priority="ls")[0].token_ids
+    ids = {p: engine.add_request(p, BE, "be") for p in be_prompts}
+    engine.step()  # the BE prefills: decodes from now on
+    outcomes, prepared, inside = [], [], []
+    merge_batch, prepare = engine.merge_batch, runner.prepare
+
+    def offered(batch, accept=None):
+        inside.append(True)
+        try:
+            outcome = merge_batch(batch, accept)
+        finally:
+            inside.pop()
+        outcomes.append(outcome)
+        return outcome
+
+    def counted(rows):
+        if inside:
+            prepared.append(len(outcomes))
+        return prepare(rows)
+
+    engine.merge_batch, runner.prepare = offered, counted
+    arrivals = [prompt]
+
+    def poll():  # the LS prompt arrives at the first pause point
+        if arrivals:
+            ids[prompt] = engine.add_request(arrivals.pop(), LS, "ls")
+
+    engine.poll = poll
+    engine.step()  # a BE decode step of 5 rows
+    engine.poll = None
+    assert outcomes == [Merge.UNAVAILABLE, Merge.MERGED]
+    assert prepared == [1, 1]  # the merged call's and the LS rows' own arrays, for the taken merge only
+    assert (hook.layer_pauses, hook.ls_merges, hook.merges_declined) == (1, 1, 0)
+    finished = {}
+    for out in engine.run_until_done(timeout=60).values():
+        finished[out.request_id] = out.token_ids
+    for p, rid in ids.items():
+        assert finished[rid] == alone[p], p

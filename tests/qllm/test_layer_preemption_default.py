@@ -1,5 +1,5 @@
-"""Layer-level preemption is on by default where its cost when nothing preempts measured within 2 %
-of the fused step (the monolithic executor; ``bench/qllm.py``, BENCHMARKS.md): ``LLM(...)`` and
+"""Layer-level preemption is on by default on the monolithic executor (its cost when nothing preempts,
+``bench/qllm.py``: over 2 % for the serving loop's pausable steps, BENCHMARKS.md): ``LLM(...)`` and
 ``jaxmoe serve`` attach it unless ``layer_preemption=False`` / ``--no-layer-preemption``; it stays off
 by default on a mesh file (the disaggregated executor) and in deterministic mode, where
 ``layer_preemption=True`` / ``--layer-preemption`` still turns it on (``--expert-queues`` implies
@@ -25,14 +25,20 @@ def test_llm_has_layer_preemption_by_default_and_offline_steps_never_pause():
     assert LLM("tiny-random", layer_preemption=False, **TINY).engine.layer_hook is None
     llm = LLM("tiny-random", **TINY)
     assert isinstance(llm.engine.layer_hook, LayerPreemption)
-    # offline generation: nothing can arrive mid-step, so no step is pausable (each runs the layer
-    # programs without pause points: one call per layer group, ``split_step``)
-    assert llm.executor.split_step
-    calls = []
-    forward = llm.executor.forward
+    # offline generation: nothing can arrive mid-step, so no step is pausable, and each runs the fused
+    # step program, as with layer preemption off (no ``split_step``: it would cost 6-18 % CPU time)
+    assert not llm.executor.split_step
+    calls, fused = [], []
+    forward, step = llm.executor.forward, llm.executor._step
     llm.executor.forward = lambda *a, **kw: calls.append(kw.get("between_layers")) or forward(*a, **kw)
+    llm.executor._step = lambda *a: fused.append(1) or step(*a)
     llm.generate(["hello", "there"], SamplingParams(max_tokens=3, ignore_eos=True), priority="be")
-    assert calls and all(c is None for c in calls)
+    assert calls and all(c is None for c in calls) and len(fused) == len(calls)
+    # a serving loop's poll: steps may pause, and those that do not run the same programs as those that do
+    llm.engine.poll = lambda: None
+    assert llm.executor.split_step
+    llm.engine.poll = None
+    assert not llm.executor.split_step
 
 
 def test_the_setting():
