@@ -224,13 +224,13 @@ inline void panel_tile_avx2(const float* const* x, const W* w, int64_t K, float*
 // ---- Panels on AVX-512: float32, bfloat16 (widened) and int8 weights, every row count ----------
 // The generic tile above, compiled (GCC 12, -march=x86-64-v4) for int8 weights, read one row at
 // 1-2 GB/s against 26 for bfloat16 (a scalar sign extension per weight; D 2048, F 5632,
-// bench/int8_expert_kernel.py, 2026-12-07), and 8 rows x 4 vectors of accumulators fill all 32
-// registers before the weights are loaded. Here, as on AVX2 below, the rows go in groups of at most
-// 6 (6 x 4 accumulators, 4 weight vectors and a broadcast: 29 of the 32 registers), each a pass over
-// the panel's K rows (the first streams it from memory with the prefetch, the second finds it in
-// cache), and the weights are widened to float32 in registers, 16 at a time (bfloat16: a 16-bit
-// shift of vpmovzxwd; int8: vpmovsxbd + vcvtdq2ps). Each output element is the same sum as the
-// generic tile's (acc + x * w, k ascending), so the results are the same.
+// bench/int8_expert_kernel.py, 2026-12-07). Here the weights are widened to float32 in registers,
+// 16 at a time (int8: vpmovsxbd + vcvtdq2ps; bfloat16: vpmovzxwd + shift), and all R rows (up to MR)
+// go in one pass over the panel, R x S accumulators (8 x 4 = 32 zmm at most, a few spilled to L1).
+// Rows in groups of at most 6 (no spill, a second pass over the panel for 7-8 rows) were 0.6-0.9x as
+// fast at 32 tokens (2026-12-07; likely because the stream's non-temporal prefetch does not leave the
+// panel in cache for the second pass). Each output element is the same sum as the generic tile's (acc + x * w,
+// k ascending), so the results are the same.
 #if defined(__AVX512F__)
 #define JAXMOE_PANEL_AVX512 1
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -242,37 +242,26 @@ inline __m512 load16(const int8_t* p) {  // 16 int8 -> float32
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// out[r][0:P] for RB rows over one panel of P = 16 S columns (w at the panel's start).
-template <int RB, int S, bool PREFETCH, typename W>
-inline void panel_subtile_avx512(const float* const* x, const W* w, int64_t K, float* const* out) {
+// out[r][0:P] = sum_k x[r][k] * w[k][0:P] for R rows over one panel of P = 16 S columns.
+template <int R, int S, typename W>
+inline void panel_tile_avx512(const float* const* x, const W* w, int64_t K, float* const* out) {
   constexpr int P = S * V;
-  __m512 acc[RB][S];
-  for (int r = 0; r < RB; ++r)
+  __m512 acc[R][S];
+  for (int r = 0; r < R; ++r)
     for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const W* row = w + k * P;
-    if constexpr (PREFETCH)
-      for (int b = 0; b < P * static_cast<int>(sizeof(W)); b += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(row) + AHEAD + b, 0, 0);
+    for (int b = 0; b < P * static_cast<int>(sizeof(W)); b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + AHEAD + b, 0, 0);
     __m512 wv[S];
     for (int s = 0; s < S; ++s) wv[s] = load16(row + s * V);
-    for (int r = 0; r < RB; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r][k]);
       for (int s = 0; s < S; ++s) acc[r][s] = acc[r][s] + xv * wv[s];
     }
   }
-  for (int r = 0; r < RB; ++r)
+  for (int r = 0; r < R; ++r)
     for (int s = 0; s < S; ++s) _mm512_storeu_ps(out[r] + s * V, acc[r][s]);
-}
-
-// Rows R0 .. R of the tile in groups: all of them up to 6, else halves (8 rows: 4 + 4).
-template <int R, int S, int R0 = 0, typename W>
-inline void panel_tile_avx512(const float* const* x, const W* w, int64_t K, float* const* out) {
-  if constexpr (R0 < R) {
-    constexpr int RB = R - R0 <= 6 ? R - R0 : (R - R0 + 1) / 2;
-    panel_subtile_avx512<RB, S, R0 == 0>(x + R0, w, K, out + R0);
-    panel_tile_avx512<R, S, R0 + RB>(x, w, K, out);
-  }
 }
 #endif
 
@@ -311,23 +300,22 @@ inline void to_split_pairs(const float* x, int64_t K, uint32_t* hi, uint32_t* lo
   }
 }
 
-#ifdef __AVX512BF16__
-// out[r][0:P] for RB rows of K2 pairs over one panel (``pair_tile``); the first group of a tile
-// streams the panel with the prefetch, the next one finds it in cache.
-template <int RB, int S, bool SPLIT, bool PREFETCH>
-inline void pair_subtile_bf16(const uint32_t* const* x, const uint16_t* w, int64_t K2, float* const* out,
-                              const uint32_t* const* xlo) {
+// out[r][0:P] = sum_kp x[r][kp] . w[kp][0:P] for R rows of K2 pairs (pointers already at their start);
+// ``SPLIT``: x[r][kp] + xlo[r][kp] instead of x[r][kp] (``to_split_pairs``).
+template <int R, int S, bool SPLIT = false>
+void pair_tile(const uint32_t* const* x, const uint16_t* w, int64_t K2, float* const* out,
+               const uint32_t* const* xlo = nullptr) {
   constexpr int P = S * V;
-  __m512 acc[RB][S];
-  for (int r = 0; r < RB; ++r)
+#ifdef __AVX512BF16__
+  __m512 acc[R][S];
+  for (int r = 0; r < R; ++r)
     for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K2; ++kp) {
     const uint16_t* row = w + kp * 2 * P;
-    if constexpr (PREFETCH)
-      for (int b = 0; b < 2 * P * 2; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + AHEAD + b, 0, 0);
+    for (int b = 0; b < 2 * P * 2; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + AHEAD + b, 0, 0);
     __m512bh wv[S];
     for (int s = 0; s < S; ++s) wv[s] = (__m512bh)_mm512_loadu_si512(row + s * 2 * V);
-    for (int r = 0; r < RB; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r][kp]));
       for (int s = 0; s < S; ++s) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], xv, wv[s]);
       if constexpr (SPLIT) {
@@ -336,25 +324,9 @@ inline void pair_subtile_bf16(const uint32_t* const* x, const uint16_t* w, int64
       }
     }
   }
-  for (int r = 0; r < RB; ++r)
+  for (int r = 0; r < R; ++r)
     for (int s = 0; s < S; ++s) _mm512_storeu_ps(out[r] + s * V, acc[r][s]);
-}
-#endif
-
-// out[r][0:P] = sum_kp x[r][kp] . w[kp][0:P] for R rows of K2 pairs (pointers already at their start);
-// ``SPLIT``: x[r][kp] + xlo[r][kp] instead of x[r][kp] (``to_split_pairs``). With AVX512-BF16 the rows
-// go in groups as in ``panel_tile_avx512`` (8 rows x 4 accumulators in one pass spilled them).
-template <int R, int S, bool SPLIT = false, int R0 = 0>
-void pair_tile(const uint32_t* const* x, const uint16_t* w, int64_t K2, float* const* out,
-               const uint32_t* const* xlo = nullptr) {
-#ifdef __AVX512BF16__
-  if constexpr (R0 < R) {
-    constexpr int RB = R - R0 <= 6 ? R - R0 : (R - R0 + 1) / 2;
-    pair_subtile_bf16<RB, S, SPLIT, R0 == 0>(x + R0, w, K2, out + R0, SPLIT ? xlo + R0 : xlo);
-    pair_tile<R, S, SPLIT, R0 + RB>(x, w, K2, out, xlo);
-  }
 #else
-  constexpr int P = S * V;
   vf acc[R][S];
   for (int r = 0; r < R; ++r)
     for (int s = 0; s < S; ++s) acc[r][s] = vf{};

@@ -299,8 +299,8 @@ def test_reads_int8_weights_with_column_scales_in_place(dtype, T, width):
         np.testing.assert_allclose(loop, want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=f"seed={seed}")
 
 
-# rows per expert: every register tile of 1 to 8 rows (one group of rows, or two: 7 = 4 + 3, 8 = 4 + 4)
-# and more than a tile (13 = 8 + 5)
+# rows per expert: every register tile of 1 to 8 rows (on AVX2 in groups of up to 4: 7 = 4 + 3) and more
+# than a tile (13 = 8 + 5)
 ROWS_PER_EXPERT = (1, 2, 3, 4, 5, 6, 7, 8, 13)
 
 
@@ -309,9 +309,9 @@ ROWS_PER_EXPERT = (1, 2, 3, 4, 5, 6, 7, 8, 13)
 @pytest.mark.parametrize("width", [16, 64])
 def test_every_row_count_of_a_panel_tile(form, width):
     """Each expert gets a different number of rows (``ROWS_PER_EXPERT``), so every row count of the
-    panel tiles runs, with the groups of rows they split into (``panel_tile_avx512`` /
-    ``panel_tile_avx2`` / ``pair_tile``): float32, bfloat16 (widened or in pairs) and int8 panels
-    against the reference on the same values in float32."""
+    panel tiles runs (``panel_tile_avx512``, ``panel_tile_avx2`` and its groups of rows, ``pair_tile``,
+    whichever this CPU builds): float32, bfloat16 (widened or in pairs) and int8 panels against the
+    reference on the same values in float32."""
     from jaxmoe.quantization import Quantized, quantize_int8
 
     seed = int.from_bytes(os.urandom(3), "little")
