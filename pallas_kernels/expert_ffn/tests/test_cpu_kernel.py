@@ -297,3 +297,44 @@ def test_reads_int8_weights_with_column_scales_in_place(dtype, T, width):
         )
         loop = np.asarray(run(x, ids, weights, jnp.int32(layer), "bucketed_loop"), np.float32)
         np.testing.assert_allclose(loop, want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=f"seed={seed}")
+
+
+# rows per expert: every register tile of 1 to 8 rows (on AVX2 in groups of up to 4: 7 = 4 + 3) and more
+# than a tile (13 = 8 + 5)
+ROWS_PER_EXPERT = (1, 2, 3, 4, 5, 6, 7, 8, 13)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["f32", "bf16", "pairs", "int8"])
+@pytest.mark.parametrize("width", [16, 64])
+def test_every_row_count_of_a_panel_tile(form, width):
+    """Each expert gets a different number of rows (``ROWS_PER_EXPERT``), so every row count of the
+    panel tiles runs (``panel_tile_avx512``, ``panel_tile_avx2`` and its groups of rows, ``pair_tile``,
+    whichever this CPU builds): float32, bfloat16 (widened or in pairs) and int8 panels against the
+    reference on the same values in float32."""
+    from jaxmoe.quantization import Quantized, quantize_int8
+
+    seed = int.from_bytes(os.urandom(3), "little")
+    E, D, F = len(ROWS_PER_EXPERT), 128, 192
+    p = _layers(1, E, D, F, jnp.float32, seed)
+    ids = jnp.asarray(
+        np.repeat(np.arange(E), ROWS_PER_EXPERT)[np.random.default_rng(seed).permutation(sum(ROWS_PER_EXPERT))]
+    )
+    ids = ids.astype(jnp.int32)[:, None]
+    T = ids.shape[0]
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed + 1))
+    weights = jax.random.uniform(kw, (T, 1), minval=0.5, maxval=1.5)
+    x = jax.random.normal(kx, (T, D)).astype(jnp.bfloat16).astype(jnp.float32)  # exact in bfloat16 pairs
+    if form == "int8":
+        q = {k: quantize_int8(v) for k, v in p.items()}
+        stored = {k: Quantized(to_panels(v.q, width), v.scale) for k, v in q.items()}
+        values = {k: v.at(0).dequantize(jnp.float32) for k, v in q.items()}
+    else:
+        dtype = jnp.float32 if form == "f32" else jnp.bfloat16
+        stored = {k: to_panels(v.astype(dtype), width, pairs=form == "pairs") for k, v in p.items()}
+        values = {k: v[0].astype(dtype).astype(jnp.float32) for k, v in p.items()}
+    got = np.asarray(expert_ffn(x, ids, weights, LayerWeights(stored, jnp.int32(0)), impl="cpu_kernel"))
+    want = np.asarray(
+        expert_ffn_reference(x, ids, weights, Stacked(*(values[k] for k in ("w_gate", "w_up", "w_down"))))
+    )
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=f"seed={seed}")
