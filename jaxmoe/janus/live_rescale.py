@@ -531,7 +531,7 @@ class LiveRescaler:
         states = [int(v) for v in gathered[:, 0]]
         if gathered[:, 1].any():  # a unit ran before this step somewhere: the step waited for the slowest
             slowest = float(gathered[:, 1].max()) / 1e6
-            job.step_pauses.append(round(slowest, 4))
+            job.step_pauses.append(slowest)
             job.largest_pause_s = max(job.largest_pause_s, slowest)
         job.last_unit_s = 0.0
         if FAILED in states:
