@@ -147,13 +147,17 @@ class RescaleResult:
     first_step_calls: list = dataclasses.field(default_factory=list)
     shapes_compiled: int = 0  # step shapes the build compiled (the rest compile when first met)
     # under jax.distributed: the longest single pause of the serving for the build (the parameter
-    # moves, or one build unit between two steps, or the whole build when it stops the world)
+    # moves, or one build unit between two steps: the longest unit any process ran there, as the
+    # step waits for the slowest; or the whole build when it stops the world)
     largest_pause_s: float = 0.0
     build_units: int = 0  # "steps": the build units run between steps (lowerings and compiles)
     # "steps": [unit, seconds] of each unit run, in order (unit: "lower RxT" or "compile RxT: programs",
     # the serving shape: rows per instance x tokens per row; "lower kv move" / "compile kv move: ...":
     # the swap's KV-move programs)
     unit_pauses_s: list = dataclasses.field(default_factory=list)
+    # "steps": per step during the build, the longest unit any process ran before it (s; every process
+    # reports its unit in the agreement): the pause the serving saw there
+    step_pauses_s: list = dataclasses.field(default_factory=list)
     # KV bytes of the moved blocks that changed device at the swap (every layer; across processes they
     # travel in ``slot_moves`` ppermute rounds)
     kv_bytes_moved: int = 0
@@ -196,6 +200,8 @@ class RescaleJob:
         self.unit_pauses: list[list] = []  # [unit, seconds] of each unit run
         self.idle_units = 0  # of them, run by ``apply`` (the engine idle)
         self.largest_pause_s = 0.0  # agreed: the longest single pause between two steps for the build
+        self.last_unit_s = 0.0  # agreed "steps": this process's unit since the last agreement (s)
+        self.step_pauses: list[float] = []  # per agreement with a unit run: the slowest process's unit (s)
 
     @property
     def target(self) -> str:
@@ -250,8 +256,9 @@ class LiveRescaler:
         self._t0 = 0.0
         # several processes (jax.distributed): build on each, swap at the step all agree on
         self.agreed = jax.process_count() > 1
-        # every process's build state (BUILDING / BUILT / FAILED) from this process's; a collective
-        self.gather: Callable[[int], list[int]] = _allgather
+        # every process's (build state: BUILDING / BUILT / FAILED, its unit's microseconds) from this
+        # process's, rows in process order; a collective
+        self.gather: Callable[[np.ndarray], np.ndarray] = _allgather
         # agreed: how the programs compile (BUILD_FORMS): one unit before each step on every process
         # ("steps", the default), all between two steps ("stop"), or in a background thread while the
         # steps go on ("thread": with jax 0.10.2 on CPU / gloo, compiles running beside the steps'
@@ -415,6 +422,7 @@ class LiveRescaler:
         dt = time.perf_counter() - t0
         job.build_s += dt
         job.paused_s += dt
+        job.last_unit_s = dt
         job.largest_pause_s = max(job.largest_pause_s, dt)
         return True
 
@@ -519,7 +527,13 @@ class LiveRescaler:
         """(agreed; every process at the same point) Gather every process's build state: all built,
         swap now (True); one failed, the job fails on every process (the old layout stays); else wait."""
         mine = BUILDING if not job.ready() else FAILED if job.build_error is not None else BUILT
-        states = [int(v) for v in np.ravel(self.gather(mine))]
+        gathered = np.reshape(self.gather(np.array([mine, round(job.last_unit_s * 1e6)], np.int32)), (-1, 2))
+        states = [int(v) for v in gathered[:, 0]]
+        if gathered[:, 1].any():  # a unit ran before this step somewhere: the step waited for the slowest
+            slowest = float(gathered[:, 1].max()) / 1e6
+            job.step_pauses.append(slowest)
+            job.largest_pause_s = max(job.largest_pause_s, slowest)
+        job.last_unit_s = 0.0
         if FAILED in states:
             job.cancelled = True  # this process's build stops before its next shape
             job.units = None  # ("steps") its units not run yet are dropped
@@ -637,6 +651,7 @@ class LiveRescaler:
             largest_pause_s=job.largest_pause_s,
             build_units=job.units_run,
             unit_pauses_s=job.unit_pauses,
+            step_pauses_s=job.step_pauses,
             kv_bytes_moved=s.kv_bytes_moved,
             swap_compiles=job.swap_compiles,
         )
@@ -674,12 +689,12 @@ def normal_step(before: list[tuple[float, tuple]], calls: list) -> float | None:
     return statistics.median(alike) if alike else None
 
 
-def _allgather(state: int) -> list[int]:
-    """Every process's ``state``, in process order (``multihost_utils.process_allgather``: every
-    process must call it at the same point)."""
+def _allgather(mine: np.ndarray) -> np.ndarray:
+    """Every process's ``mine`` (an int32 vector), one row per process in process order
+    (``multihost_utils.process_allgather``: every process must call it at the same point)."""
     from jax.experimental import multihost_utils
 
-    return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(state)))]
+    return np.asarray(multihost_utils.process_allgather(mine))
 
 
 def _lower_thread_priority() -> None:

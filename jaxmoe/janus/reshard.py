@@ -44,6 +44,7 @@ from jaxmoe.models.routing import slots_with_extra
 from jaxmoe.runtime import expert_program, slot_moves
 from jaxmoe.runtime.attention_tp import AttentionTP
 from jaxmoe.runtime.replicas import ReplicaLayout
+from jaxmoe.runtime.process_local import ProcessLocal
 
 RESCALED = " rescaled to "  # what rescaled_spec appends to a spec's source
 
@@ -437,10 +438,14 @@ def _onto_collective(tree, old_sub: SubMeshes, new_sub: SubMeshes):
 def _as_rows(mesh):
     """Replicated arrays on ``mesh`` -> [instances, size] arrays P("attn") whose row j is instance
     j's copy (a local reshape on each device: no communication)."""
-    return jax.jit(
-        jax.shard_map(
-            lambda xs: [x.reshape(1, -1) for x in xs], mesh=mesh, in_specs=P(), out_specs=P("attn"), check_vma=False
-        )
+    return ProcessLocal(
+        jax.jit(
+            jax.shard_map(
+                lambda xs: [x.reshape(1, -1) for x in xs], mesh=mesh, in_specs=P(), out_specs=P("attn"), check_vma=False
+            )
+        ),
+        mesh,
+        NamedSharding(mesh, P("attn")),
     )
 
 
@@ -448,14 +453,18 @@ def _as_rows(mesh):
 def _from_rows(mesh, shapes: tuple):
     """``_as_rows`` undone: [instances, size] P("attn") arrays whose rows are the same copy ->
     arrays of ``shapes`` replicated on ``mesh`` (each device reshapes its own row)."""
-    return jax.jit(
-        jax.shard_map(
-            lambda xs: [x.reshape(shape) for x, shape in zip(xs, shapes)],
-            mesh=mesh,
-            in_specs=P("attn"),
-            out_specs=P(),
-            check_vma=False,
-        )
+    return ProcessLocal(
+        jax.jit(
+            jax.shard_map(
+                lambda xs: [x.reshape(shape) for x, shape in zip(xs, shapes)],
+                mesh=mesh,
+                in_specs=P("attn"),
+                out_specs=P(),
+                check_vma=False,
+            )
+        ),
+        mesh,
+        NamedSharding(mesh, P()),
     )
 
 

@@ -60,6 +60,7 @@ from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.transformer import attention_side_ffn, embed, lm_head
 from jaxmoe.runtime import attention_tp
 from jaxmoe.runtime.attention_tp import AttentionTP, expand_kv
+from jaxmoe.runtime.process_local import ProcessLocal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,10 +175,14 @@ def make_attention_programs(
 
     jit = program_jit(invariant)
     return AttentionPrograms(
-        embed=jit(embed_step, out_shardings=(rows, rows)),
-        layer=jit(layer_step, out_shardings=(rows, rows, cache), donate_argnums=(4,), static_argnums=(5,)),
-        shared=jit(shared_step, out_shardings=rows),
-        head=jit(head_step, out_shardings=rows),
+        # each runs only on the processes that hold attention devices (``process_local``)
+        embed=ProcessLocal(jit(embed_step, out_shardings=(rows, rows)), sub.attention),
+        layer=ProcessLocal(
+            jit(layer_step, out_shardings=(rows, rows, cache), donate_argnums=(4,), static_argnums=(5,)),
+            sub.attention,
+        ),
+        shared=ProcessLocal(jit(shared_step, out_shardings=rows), sub.attention),
+        head=ProcessLocal(jit(head_step, out_shardings=rows), sub.attention),
         rows=rows,
         replicated=replicated,
         cache=cache,

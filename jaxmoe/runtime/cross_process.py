@@ -61,6 +61,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe.mesh import ClusterSpec, SubMeshes
+from jaxmoe.runtime.process_local import ProcessLocal
 from jaxmoe.runtime.transfer import Transfer, TransferCounts, TransferPlan, check_input, plan_transfers
 from jaxmoe.runtime.transfer_rounds import (
     XFER,
@@ -190,7 +191,8 @@ class CrossProcessTransfer:
         lowered; and the shape of what it returns here (one device of this process)."""
         side = self._side_of(x)
         mesh = self.sub.attention if side == "attention" else self.sub.experts
-        programs = [_replicate(mesh).lower(x)]
+        replicate = _replicate(mesh)
+        programs = [replicate.lower(x)] if replicate.runs_here else []  # none: no device of that side here
         hops = self._fetch_hops(side)
         if hops:
             fn, _ = self._program("fetch", (side, hops))
@@ -339,5 +341,5 @@ _REPLICATE: dict = {}
 
 def _replicate(mesh: Mesh):
     if mesh not in _REPLICATE:
-        _REPLICATE[mesh] = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))
+        _REPLICATE[mesh] = ProcessLocal(jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P())), mesh)
     return _REPLICATE[mesh]

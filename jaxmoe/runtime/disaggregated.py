@@ -77,6 +77,7 @@ from jaxmoe.runtime.pipeline import Pipeline, PipelineChooser, expected_tasks, p
 from jaxmoe.runtime.monolithic import check_rounds, queue_depth
 from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
+from jaxmoe.runtime.process_local import ProcessLocal, runs_here
 from jaxmoe.runtime.transfer import LocalTransfer, TransferBackend, plan_transfers
 
 
@@ -222,9 +223,12 @@ class DisaggregatedExecutor:
         self.kv_layout = KVLayout.for_slots(num_slots, block_size, self.num_attention)
         self.num_cache_slots = self.kv_layout.num_slots
         dtype = cache_dtype or params["embed"].dtype
-        self._new_layer_cache = jax.jit(
-            lambda: init_layer_cache(self.attention.tp.cfg, self.num_cache_slots, dtype),
-            out_shardings=self.attention.cache,
+        self._new_layer_cache = ProcessLocal(
+            jax.jit(
+                lambda: init_layer_cache(self.attention.tp.cfg, self.num_cache_slots, dtype),
+                out_shardings=self.attention.cache,
+            ),
+            self.sub.attention,
         )  # each instance: only its slots (and heads: tensor parallel)
         self.reset_cache()
 
@@ -333,6 +337,8 @@ class DisaggregatedExecutor:
             leaves = jax.tree.leaves(args)
             key = (name, str(jax.tree.structure(args)))
             key += tuple((a.shape, str(a.dtype), str(a.sharding)) if hasattr(a, "shape") else a for a in leaves)
+            if not runs_here(fn):  # its devices all belong to other processes: neither compiled nor run here
+                return fn.out_info(*args)
             low = fn.lower(*args)
             if key not in seen:
                 seen.add(key)

@@ -57,6 +57,7 @@ from jaxmoe.models.layer_matrix import invariant_matrices
 from jaxmoe.models.experts import TOP_K
 from jaxmoe.models.routing import WEIGHTS, ExpertRouting
 from jaxmoe.runtime import slot_moves
+from jaxmoe.runtime.process_local import ProcessLocal
 from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import POLICIES, resolve_impl, schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, fallback_above, resolve
@@ -278,12 +279,15 @@ def make_expert_program(
         return mapped(p, tables, x, queued, weights, step, lo, hi)
 
     replicated = NamedSharding(sub.experts, P())
+    partials = NamedSharding(sub.experts, P(EXP))
     jit = program_jit(invariant)
+    # each runs only on the processes that hold expert devices (``process_local``: the placeholders
+    # elsewhere take the shard_maps' output shardings)
     return ExpertProgram(
-        run=jit(run, donate_argnums=(5,)),
+        run=ProcessLocal(jit(run, donate_argnums=(5,)), sub.experts, (partials, replicated, replicated, replicated)),
         replicated=replicated,
-        route=jit(route, donate_argnums=(3,)),
-        serve=jit(serve),
+        route=ProcessLocal(jit(route, donate_argnums=(3,)), sub.experts, (replicated,) * 4),
+        serve=ProcessLocal(jit(serve), sub.experts, (partials, replicated, replicated)),
         fallback_above=fallback_above(ffn_impl, C, cfg.moe.top_k),
         aebs_impl=aebs_impl,
     )

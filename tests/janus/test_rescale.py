@@ -421,9 +421,9 @@ def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm, form):
     rescaler = LiveRescaler.of(engine)
     other, agreements = [BUILDING], []
 
-    def gather(mine: int) -> list[int]:
-        agreements.append(mine)
-        return [mine, other[0]]
+    def gather(mine):  # [state, unit microseconds] of this process; the other one's units take 1 s
+        agreements.append(int(mine[0]))
+        return [list(mine), [other[0], 1_000_000 if mine[1] else 0]]
 
     own_gather, before = rescaler.gather, _layout(llm)
     llm.generate([_prompt(300)], SamplingParams(max_tokens=2, ignore_eos=True))  # the steps' programs compiled
@@ -438,7 +438,10 @@ def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm, form):
         assert rescaler.apply() is False and not job.done() and len(agreements) == 4
         if form == "steps":  # one unit before each step, the first a lowering; none in apply (busy)
             assert job.thread is None and job.units_run == 3 and not job.ready(), job.units_run
-            assert 0 < job.largest_pause_s <= job.paused_s and job.build_s > 0
+            assert 0 < job.largest_pause_s and job.build_s > 0
+            # each step waited for the slower process's unit (the other one's: 1 s)
+            assert len(job.step_pauses) == 3 and min(job.step_pauses) >= 1.0, job.step_pauses
+            assert job.largest_pause_s == max(job.largest_pause_s, *job.step_pauses)
         other[0] = FAILED
         engine.step()
         assert job.done() and rescaler.job is None

@@ -310,6 +310,9 @@ def test_rescale_over_http_on_two_processes(tmp_path):
     keys += ("swap_compiles",)
     print({k: rescaled[1][k] for k in keys})
     print("unit pauses:", sorted((round(t, 2), u) for u, t in rescaled[1]["unit_pauses_s"])[::-1])
+    steps = sorted(rescaled[1]["step_pauses_s"])
+    if steps:  # per step during the build: the slower process's unit
+        print("step pauses:", len(steps), "median", steps[len(steps) // 2], "max", steps[-1], steps[::-1])
     print("hang:", health, round(unhealthy_s, 1), codes, round(exit_s, 1))
     assert health == 503 and unhealthy_s < step_timeout + 15, (health, unhealthy_s, report)
     assert refused[0] == 503 and "stopped stepping without dying" in refused[1]["error"]["message"], refused
@@ -321,6 +324,10 @@ def test_rescale_over_http_on_two_processes(tmp_path):
     assert rescaled[1]["paused_s"] > rescaled[1]["build_s"] > 0 and rescaled[1]["build_units"] > 1
     assert rescaled[1]["steps_during_build"] > 0, rescaled
     assert rescaled[1]["largest_pause_s"] < rescaled[1]["build_s"], rescaled
+    assert rescaled[1]["largest_pause_s"] >= max(rescaled[1]["step_pauses_s"]), rescaled
+    # 4a4e: process 0 holds no expert device, so it compiles no expert program (``process_local``)
+    compiled = {name for unit, _ in rescaled[1]["unit_pauses_s"] for name in unit.split(": ")[-1].split(", ")}
+    assert "jit_layer_step" in compiled and "jit_run" not in compiled, compiled
     assert rescaled[1]["first_step_compiles"] is None or rescaled[1]["first_step_compiles"] <= 2, rescaled
     # the swap compiles nothing: the KV move's programs (fixed rounds) were compiled with the build's units
     assert rescaled[1]["swap_compiles"] == 0 and any(
