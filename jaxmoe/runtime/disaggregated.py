@@ -63,7 +63,7 @@ import numpy as np
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
-from jaxmoe.mesh import ClusterSpec, SubMeshes, build_meshes, load_mesh
+from jaxmoe.mesh import ClusterSpec, MeshConfigError, SubMeshes, build_meshes, load_mesh
 from jaxmoe.models.attention import AttentionBatch, init_layer_cache
 from jaxmoe.models.experts import TOP_K
 from jaxmoe.models.routing import ExpertRouting, extra_experts, for_call, slots_with_extra
@@ -78,6 +78,7 @@ from jaxmoe.runtime.monolithic import check_rounds, queue_depth
 from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
 from jaxmoe.runtime.transfer import LocalTransfer, TransferBackend, plan_transfers
+from jaxmoe.quantization import is_quantized_tree
 
 
 class _MicroBatch(NamedTuple):
@@ -152,6 +153,7 @@ class DisaggregatedExecutor:
         self.num_expert_instances = spec.experts.count
         self.slots_per_instance = spec.experts.slots_per_instance
         self.shared_on_experts = spec.shared_experts == "experts"
+        _check_quantized_instances(spec, params)
 
         if transfer is None:
             transfer = CrossProcessTransfer(self.sub) if spans_processes(self.sub) else LocalTransfer()
@@ -594,6 +596,18 @@ def _check_dependencies(seq, moe: tuple[bool, ...], r2: int) -> None:
         if missing:
             raise ValueError(f"pipeline dispatch sequence: {(task, i, k, c)} comes before {missing[0]}, which it reads")
         seen.add((task, i, k, c))
+
+
+def _check_quantized_instances(spec: ClusterSpec, params: dict) -> None:
+    """int8 / fp8 weights (``jaxmoe.quantization``) run on instances of one device: tensor-parallel
+    instances split the weights' columns or heads, and their scales are not split with them."""
+    for side, what, part in (("experts", "expert weights", "moe"), ("attention", "attention projections", "attn")):
+        k = getattr(spec, side).devices_per_instance
+        if k > 1 and is_quantized_tree([layer.get(part, {}) for layer in params["layers"]]):
+            raise MeshConfigError(
+                f"{spec.source}: {side}.devices_per_instance: {k}: quantized {what} (int8 / fp8) run on "
+                f"{side} instances of one device (their scales are not split)"
+            )
 
 
 @functools.lru_cache(maxsize=16)

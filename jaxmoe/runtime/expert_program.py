@@ -61,6 +61,7 @@ from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import POLICIES, resolve_impl, schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, fallback_above, resolve
 from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import program_jit
+from jaxmoe.quantization import Quantized, is_quantized
 
 EXP, ETP = EXPERT_AXES
 _SLOT_SPEC = P(EXP)
@@ -321,17 +322,21 @@ def place_layer(
         )
     idx, used = layout.gather_index(), layout.used()
     tp = sub.spec.experts.devices_per_instance > 1
-    for k in ("w_gate", "w_up", "w_down"):
-        host = np.asarray(weights[k])
+
+    def place(host, name):
+        host = np.asarray(host)
         shape = (layout.num_slots,) + host.shape[1:]
 
-        def shard(index, host=host):
+        def shard(index):
             rows = np.arange(layout.num_slots)[index[0]]
             part = host[(idx[rows],) + tuple(index[1:])]  # this device's slots (and columns: expert_tp)
             return np.where(used[rows].reshape((-1,) + (1,) * (host.ndim - 1)), part, 0).astype(host.dtype)
 
-        sharding = NamedSharding(sub.experts, slot_spec(k, tp))
-        out[k] = jax.make_array_from_callback(shape, sharding, shard, dtype=host.dtype)
+        sharding = NamedSharding(sub.experts, slot_spec(name, tp))
+        return jax.make_array_from_callback(shape, sharding, shard, dtype=host.dtype)
+
+    for k in ("w_gate", "w_up", "w_down"):  # a quantized weight: its values and scales alike, slot by slot
+        out[k] = jax.tree.map(lambda host, k=k: place(host, k), weights[k])
     if shared_on_experts and "shared" in layer:
         n = sub.spec.experts.count
         shared = dict(layer["shared"])
@@ -379,7 +384,6 @@ def relayout_layer(
             " carry whole slots only (not built)"
         )
     sharding = NamedSharding(sub.experts, _SLOT_SPEC)
-    out = dict(placed)
     if collective:
         keep, copies = {}, []
         for j, inst in enumerate(insts):
@@ -392,12 +396,11 @@ def relayout_layer(
                         copies.append(slot_moves.RowCopy(src_dev, src % C, d, c))
                 keep[d] = tuple(rows)
         moves = slot_moves.SlotPlan(tuple(sorted(spec.experts.flat)), C, C, keep, tuple(copies))
-        names = ("w_gate", "w_up", "w_down")
-        out.update(slot_moves.mover_for(sub).run(moves, {k: placed[k] for k in names}, sharding, new.num_slots))
-        return out, moved
-    for k in ("w_gate", "w_up", "w_down"):
-        arr = placed[k]
-        sharding = NamedSharding(sub.experts, slot_spec(k, tp))
+        arrays = slot_moves.mover_for(sub).run(moves, slot_arrays(placed), sharding, new.num_slots)
+        return with_slot_arrays(placed, arrays), moved
+    arrays = {}
+    for name, arr in slot_arrays(placed).items():
+        sharding = NamedSharding(sub.experts, slot_spec(weight_name(name), tp))
         shards = {sh.device: sh.data for sh in arr.addressable_shards}
         local_shape = arr.sharding.shard_shape(arr.shape)[1:]  # one slot on one device
         per_device = []
@@ -416,8 +419,38 @@ def relayout_layer(
                     piece = shards[src_dev][src % C : src % C + 1]
                     pieces.append(piece if src_dev == dev else jax.device_put(piece, dev))
                 per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
-        out[k] = jax.make_array_from_single_device_arrays(arr.shape, sharding, per_device, dtype=arr.dtype)
-    return out, moved
+        arrays[name] = jax.make_array_from_single_device_arrays(arr.shape, sharding, per_device, dtype=arr.dtype)
+    return with_slot_arrays(placed, arrays), moved
+
+
+SLOT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def slot_arrays(placed: dict) -> dict[str, jax.Array]:
+    """A placed layer's routed-expert slot arrays [S, ...] by name: ``w_gate``, ``w_up``, ``w_down``, or
+    for an int8 / fp8 weight (``jaxmoe.quantization.Quantized``) its values and scales, ``w_gate.q`` and
+    ``w_gate.scale``: what moves slot by slot (re-placement, re-scaling), so scales move with their weights."""
+    out = {}
+    for k in SLOT_WEIGHTS:
+        if is_quantized(placed[k]):
+            out[f"{k}.q"], out[f"{k}.scale"] = placed[k].q, placed[k].scale
+        else:
+            out[k] = placed[k]
+    return out
+
+
+def with_slot_arrays(placed: dict, arrays: dict[str, jax.Array]) -> dict:
+    """``placed`` with its slot arrays replaced by ``arrays`` (named as ``slot_arrays`` names them)."""
+    out = dict(placed)
+    for k in SLOT_WEIGHTS:
+        w = placed[k]
+        out[k] = Quantized(arrays[f"{k}.q"], arrays[f"{k}.scale"], w.block) if is_quantized(w) else arrays[k]
+    return out
+
+
+def weight_name(slot_array: str) -> str:
+    """The weight a ``slot_arrays`` name belongs to (``w_gate.scale`` -> ``w_gate``)."""
+    return slot_array.split(".")[0]
 
 
 def _source_slots(old: ReplicaLayout, new: ReplicaLayout, spec) -> list[int]:
