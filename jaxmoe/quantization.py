@@ -22,7 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.pallas_kernels.expert_ffn.panels import at
+from jaxmoe.pallas_kernels.expert_ffn.panels import Panels, at
 
 METHODS = ("int8", "fp8")
 FP8_BLOCK = (128, 128)
@@ -77,7 +77,8 @@ class Quantized:
 
     def expand(self) -> "Quantized":
         """With a new leading axis of size 1 (as ``w[None]``)."""
-        return Quantized(self.q[None], self.scale[None], self.block)
+        q = Panels(self.q.data[None], self.q.width, self.q.pairs) if isinstance(self.q, Panels) else self.q[None]
+        return Quantized(q, self.scale[None], self.block)
 
     def dequantize(self, dtype) -> jax.Array:
         """The matrix in ``dtype`` (computed in float32)."""

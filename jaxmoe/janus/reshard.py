@@ -205,7 +205,7 @@ def reshard_experts(
     out = {k: jax.device_put(v, rep) for k, v in placed.items() if k not in _SLOT_KEYS}
     arrays = {}
     for name, arr in expert_program.slot_arrays(placed).items():  # a quantized weight's scales move with it
-        sharding = NamedSharding(new_sub.experts, expert_program.slot_spec(expert_program.weight_name(name), tp))
+        sharding = NamedSharding(new_sub.experts, expert_program.slot_spec(name, tp, arr.shape))
         shards = {sh.device: sh.data for sh in arr.addressable_shards}
         local = arr.sharding.shard_shape(arr.shape)[1:]  # one slot on one device (its columns: expert_tp)
         per_device = []

@@ -599,14 +599,24 @@ def _check_dependencies(seq, moe: tuple[bool, ...], r2: int) -> None:
 
 
 def _check_quantized_instances(spec: ClusterSpec, params: dict) -> None:
-    """int8 / fp8 weights (``jaxmoe.quantization``) run on instances of one device: tensor-parallel
-    instances split the weights' columns or heads, and their scales are not split with them."""
-    for side, what, part in (("experts", "expert weights", "moe"), ("attention", "attention projections", "attn")):
-        k = getattr(spec, side).devices_per_instance
-        if k > 1 and is_quantized_tree([layer.get(part, {}) for layer in params["layers"]]):
+    """Where int8 / fp8 weights (``jaxmoe.quantization``) meet instances of several devices: an expert
+    instance splits each slot's FFN columns, and an int8 weight's per-column scales split with them,
+    but an fp8 weight's 128 x 128 blocks only where each device gets whole blocks; attention instances
+    split heads, which quantized projections do not take."""
+    k = spec.attention.devices_per_instance
+    if k > 1 and is_quantized_tree([layer.get("attn", {}) for layer in params["layers"]]):
+        raise MeshConfigError(
+            f"{spec.source}: attention.devices_per_instance: {k}: quantized attention projections "
+            "(quantize_attention) run on attention instances of one device (their scales are not split by heads)"
+        )
+    k = spec.experts.devices_per_instance
+    for layer in params["layers"]:
+        w = layer.get("moe", {}).get("w_gate")
+        if k > 1 and getattr(w, "block", None) is not None and w.shape[-1] % (k * max(w.block)):
             raise MeshConfigError(
-                f"{spec.source}: {side}.devices_per_instance: {k}: quantized {what} (int8 / fp8) run on "
-                f"{side} instances of one device (their scales are not split)"
+                f"{spec.source}: experts.devices_per_instance: {k}: quantized fp8 expert weights split over "
+                f"{k} devices need an intermediate size divisible by {k} x {max(w.block)} (whole scale blocks per "
+                f"device), got {w.shape[-1]}; use quantization='int8' or instances of one device"
             )
 
 
