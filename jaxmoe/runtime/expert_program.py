@@ -371,8 +371,9 @@ def place_layer(
 
 def _int8_as_panels(w, sub: SubMeshes):
     """An int8 slot weight's values as column ``Panels`` (each device its own slots), the layout the CPU
-    expert kernel reads fastest (on plain int8 it measured 2-4x slower at decode sizes); other weights,
-    and shapes no panel width divides, as they are."""
+    expert kernel reads fastest (plain int8 slots took 1.3-1.4x its time at 1 and 16 tokens, D 2048,
+    F 5632, 4 slots: bench/results/2026-12-07-quantdisagg.md); other weights, and shapes no panel width
+    divides, as they are."""
     width = width_for(*w.shape[-2:])
     if getattr(w, "method", None) != "int8" or isinstance(w.q, Panels) or width is None:
         return w
