@@ -34,7 +34,8 @@ ATTENTION = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b")  # GQA and MLA pr
 @jax.tree_util.register_pytree_with_keys_class
 class Quantized:
     """A matrix [..., K, N] stored as ``q`` (int8 or float8_e4m3fn; int8 routed experts may be column
-    ``Panels`` for the CPU kernel, ``models.transformer.store_as_panels``) and float32 ``scale``: [..., 1, N]
+    ``Panels`` for the CPU kernel, ``models.transformer.store_as_panels`` and the disaggregated executor's
+    replica slots, ``runtime.expert_program``) and float32 ``scale``: [..., 1, N]
     (int8, per output channel) or [..., ceil(K / bk), ceil(N / bn)] (fp8, ``block`` = (bk, bn))."""
 
     def __init__(self, q, scale, block: tuple[int, int] | None = None):

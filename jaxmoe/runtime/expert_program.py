@@ -36,7 +36,10 @@ in their order; instance 0 returns the result, the others zeros (``assignments_c
 Weights: the logical experts (``ExpertRouting.logical_params``) as slot arrays [S, D, F] / [S, F, D]
 sharded P("expert") (S = N x C, see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias,
 and what else the routing reads) replicated; shared experts (expert side only) sharded on their
-hidden axis.
+hidden axis. int8 / fp8 weights (``jaxmoe.quantization``) stay quantized in their slots, values and
+scales side by side (``slot_arrays``: they move together), int8 values as column panels where the
+instance is one device; the expert FFN dequantizes one expert at a time (the CPU kernel reads int8
+in place).
 """
 
 from __future__ import annotations
