@@ -4,9 +4,11 @@
     python bench/quantized_decode.py                       # the demo model
     python bench/quantized_decode.py --model /tmp/mixtral  # any checkpoint (bench/big_checkpoint.py --keep)
     python bench/quantized_decode.py --forms none,int8,none,int8  # alternating: the first row is the base
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/quantized_decode.py --mesh meshes/cpu-8.yaml
 
 int8 weights go through the CPU expert kernel's int8 path (read as int8, scaled in the tile); fp8 ones
-through ``bucketed_loop``, one expert dequantized at a time. Prints one JSON line per form.
+through ``bucketed_loop``, one expert dequantized at a time; with ``--mesh`` on the disaggregated executor
+(the expert sub-mesh holds the quantized replica slots). Prints one JSON line per form.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batches", default="1,16", help="batch sizes, comma-separated")
+    p.add_argument("--mesh", default=None, help="a mesh file: the disaggregated executor (default: monolithic)")
     args = p.parse_args()
 
     import jax
@@ -50,10 +53,15 @@ def main() -> None:
     base = None
     for form in args.forms.split(","):
         q = None if form == "none" else form
-        llm = LLM(args.model, dtype="bfloat16", quantization=q, num_blocks=256, block_size=16, max_num_seqs=16)
-        groups = llm.executor.stacked["groups"]
+        llm = LLM(
+            args.model, dtype="bfloat16", quantization=q, mesh=args.mesh, num_blocks=256, block_size=16, max_num_seqs=16
+        )
+        if args.mesh is None:
+            groups = llm.executor.stacked["groups"]
+        else:  # the replica slots [S, ...] of every MoE layer on the expert sub-mesh
+            groups = llm.executor.params["layers"]
         nbytes = sum(a.nbytes for g in groups if "moe" in g for k in ROUTED for a in jax.tree.leaves(g["moe"][k]))
-        row = {"model": args.model, "weights": form if q else "bf16", "expert_bytes": nbytes}
+        row = {"model": args.model, "mesh": args.mesh, "weights": form if q else "bf16", "expert_bytes": nbytes}
         for batch in map(int, args.batches.split(",")):
             row[f"decode_tok_s_b{batch}"] = round(decode_rate(llm, batch, args.tokens, args.repeats), 1)
         if base is None:

@@ -223,8 +223,6 @@ def build_executor(
             pause_every=ec.pause_every,
             release_params=release_params,
         )
-    if is_quantized_tree(params):
-        raise ValueError("quantization (int8 / fp8 weights) runs on the monolithic executor only (no mesh file)")
     expert_impl = deterministic_expert_impl(cfg, params, ec, brownout)
     if ec.deterministic and expert_impl != "cpu_kernel_invariant":  # the fixed-shape dense form: monolithic only
         from jaxmoe.models.transformer import invariant_unsupported

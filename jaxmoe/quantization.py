@@ -22,7 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.pallas_kernels.expert_ffn.panels import at
+from jaxmoe.pallas_kernels.expert_ffn.panels import Panels, at
 
 METHODS = ("int8", "fp8")
 FP8_BLOCK = (128, 128)
@@ -34,7 +34,8 @@ ATTENTION = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b")  # GQA and MLA pr
 @jax.tree_util.register_pytree_with_keys_class
 class Quantized:
     """A matrix [..., K, N] stored as ``q`` (int8 or float8_e4m3fn; int8 routed experts may be column
-    ``Panels`` for the CPU kernel, ``models.transformer.store_as_panels``) and float32 ``scale``: [..., 1, N]
+    ``Panels`` for the CPU kernel, ``models.transformer.store_as_panels`` and the disaggregated executor's
+    replica slots, ``runtime.expert_program``) and float32 ``scale``: [..., 1, N]
     (int8, per output channel) or [..., ceil(K / bk), ceil(N / bn)] (fp8, ``block`` = (bk, bn))."""
 
     def __init__(self, q, scale, block: tuple[int, int] | None = None):
@@ -77,7 +78,8 @@ class Quantized:
 
     def expand(self) -> "Quantized":
         """With a new leading axis of size 1 (as ``w[None]``)."""
-        return Quantized(self.q[None], self.scale[None], self.block)
+        q = Panels(self.q.data[None], self.q.width, self.q.pairs) if isinstance(self.q, Panels) else self.q[None]
+        return Quantized(q, self.scale[None], self.block)
 
     def dequantize(self, dtype) -> jax.Array:
         """The matrix in ``dtype`` (computed in float32)."""

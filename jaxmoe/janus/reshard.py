@@ -204,9 +204,9 @@ def reshard_experts(
         return _reshard_collective(placed, sources, old_idx, new_idx, C_old, C, new_sub)
     rep = NamedSharding(new_sub.experts, P())
     out = {k: jax.device_put(v, rep) for k, v in placed.items() if k not in _SLOT_KEYS}
-    for k in _SLOT_KEYS:
-        arr = placed[k]
-        sharding = NamedSharding(new_sub.experts, expert_program.slot_spec(k, tp))
+    arrays = {}
+    for name, arr in expert_program.slot_arrays(placed).items():  # a quantized weight's scales move with it
+        sharding = NamedSharding(new_sub.experts, expert_program.slot_spec(name, tp, arr.shape))
         shards = {sh.device: sh.data for sh in arr.addressable_shards}
         local = arr.sharding.shard_shape(arr.shape)[1:]  # one slot on one device (its columns: expert_tp)
         per_device = []
@@ -224,8 +224,8 @@ def reshard_experts(
                     pieces.append(piece if src_dev == dev else jax.device_put(piece, dev))
                 per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         shape = (new.num_slots,) + arr.shape[1:]
-        out[k] = jax.make_array_from_single_device_arrays(shape, sharding, per_device, dtype=arr.dtype)
-    return out
+        arrays[name] = jax.make_array_from_single_device_arrays(shape, sharding, per_device, dtype=arr.dtype)
+    return expert_program.with_slot_arrays({**placed, **out}, arrays)
 
 
 def _reshard_collective(placed, sources, old_idx, new_idx, C_old, C, new_sub) -> dict:
@@ -245,7 +245,9 @@ def _reshard_collective(placed, sources, old_idx, new_idx, C_old, C, new_sub) ->
         keep[d] = tuple(rows)
     plan = slot_moves.SlotPlan(involved, C_old, C, keep, tuple(copies))
     sharding = NamedSharding(new_sub.experts, P("expert"))
-    out = mover.run(plan, {k: placed[k] for k in _SLOT_KEYS}, sharding, len(new_idx) * C)
+    out = expert_program.with_slot_arrays(
+        placed, mover.run(plan, expert_program.slot_arrays(placed), sharding, len(new_idx) * C)
+    )
     # replicated arrays (router, score bias): kept where an old expert device is a new one, else
     # all rows from an old expert device (the same node first, round robin)
     rep = NamedSharding(new_sub.experts, P())

@@ -58,6 +58,7 @@ from jaxmoe.models.layer_matrix import invariant_matrices
 from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import program_jit
 from jaxmoe.models.experts import shared_experts
 from jaxmoe.models.transformer import attention_side_ffn, embed, lm_head
+from jaxmoe.quantization import dequantize_params
 from jaxmoe.runtime import attention_tp
 from jaxmoe.runtime.attention_tp import AttentionTP, expand_kv
 from jaxmoe.runtime.process_local import ProcessLocal
@@ -155,6 +156,7 @@ def make_attention_programs(
 
     def layer_step(layer, x, y_prev, batch: AttentionBatch, layer_cache, local: bool = False):
         x = x + y_prev
+        layer = dequantize_params(layer, x.dtype)  # int8 / fp8 projections (quantize_attention): this layer's
         if split:
             h, xn, layer_cache = attend_split(layer["attn"], x, batch, layer_cache, local)
         else:

@@ -63,7 +63,7 @@ import numpy as np
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.kv_layout import KVLayout
-from jaxmoe.mesh import ClusterSpec, SubMeshes, build_meshes, load_mesh
+from jaxmoe.mesh import ClusterSpec, MeshConfigError, SubMeshes, build_meshes, load_mesh
 from jaxmoe.models.attention import AttentionBatch, init_layer_cache
 from jaxmoe.models.experts import TOP_K
 from jaxmoe.models.routing import ExpertRouting, extra_experts, for_call, slots_with_extra
@@ -79,6 +79,7 @@ from jaxmoe.runtime.pause_points import PausePoints
 from jaxmoe.runtime.step_stats import LayerTransferStats, Phases
 from jaxmoe.runtime.process_local import ProcessLocal, runs_here
 from jaxmoe.runtime.transfer import LocalTransfer, TransferBackend, plan_transfers
+from jaxmoe.quantization import is_quantized_tree
 
 
 class _MicroBatch(NamedTuple):
@@ -153,6 +154,7 @@ class DisaggregatedExecutor:
         self.num_expert_instances = spec.experts.count
         self.slots_per_instance = spec.experts.slots_per_instance
         self.shared_on_experts = spec.shared_experts == "experts"
+        _check_quantized_instances(spec, params)
 
         if transfer is None:
             transfer = CrossProcessTransfer(self.sub) if spans_processes(self.sub) else LocalTransfer()
@@ -600,6 +602,28 @@ def _check_dependencies(seq, moe: tuple[bool, ...], r2: int) -> None:
         if missing:
             raise ValueError(f"pipeline dispatch sequence: {(task, i, k, c)} comes before {missing[0]}, which it reads")
         seen.add((task, i, k, c))
+
+
+def _check_quantized_instances(spec: ClusterSpec, params: dict) -> None:
+    """Where int8 / fp8 weights (``jaxmoe.quantization``) meet instances of several devices: an expert
+    instance splits each slot's FFN columns, and an int8 weight's per-column scales split with them,
+    but an fp8 weight's 128 x 128 blocks only where each device gets whole blocks; attention instances
+    split heads, which quantized projections do not take."""
+    k = spec.attention.devices_per_instance
+    if k > 1 and is_quantized_tree([layer.get("attn", {}) for layer in params["layers"]]):
+        raise MeshConfigError(
+            f"{spec.source}: attention.devices_per_instance: {k}: quantized attention projections "
+            "(quantize_attention) run on attention instances of one device (their scales are not split by heads)"
+        )
+    k = spec.experts.devices_per_instance
+    for layer in params["layers"]:
+        w = layer.get("moe", {}).get("w_gate")
+        if k > 1 and getattr(w, "block", None) is not None and w.shape[-1] % (k * max(w.block)):
+            raise MeshConfigError(
+                f"{spec.source}: experts.devices_per_instance: {k}: quantized fp8 expert weights split over "
+                f"{k} devices need an intermediate size divisible by {k} x {max(w.block)} (whole scale blocks per "
+                f"device), got {w.shape[-1]}; use quantization='int8' or instances of one device"
+            )
 
 
 @functools.lru_cache(maxsize=16)

@@ -36,7 +36,10 @@ in their order; instance 0 returns the result, the others zeros (``assignments_c
 Weights: the logical experts (``ExpertRouting.logical_params``) as slot arrays [S, D, F] / [S, F, D]
 sharded P("expert") (S = N x C, see ``jaxmoe.runtime.replicas``); router (and DeepSeek-V3 score bias,
 and what else the routing reads) replicated; shared experts (expert side only) sharded on their
-hidden axis.
+hidden axis. int8 / fp8 weights (``jaxmoe.quantization``) stay quantized in their slots, values and
+scales side by side (``slot_arrays``: they move together), int8 values as column panels where the
+instance is one device; the expert FFN dequantizes one expert at a time (the CPU kernel reads int8
+in place).
 """
 
 from __future__ import annotations
@@ -62,9 +65,12 @@ from jaxmoe.runtime.replicas import ReplicaLayout
 from jaxmoe.pallas_kernels.aebs.api import POLICIES, resolve_impl, schedule
 from jaxmoe.pallas_kernels.expert_ffn import Stacked, expert_ffn, fallback_above, resolve
 from jaxmoe.pallas_kernels.expert_ffn.cpu_kernel import program_jit
+from jaxmoe.pallas_kernels.expert_ffn.panels import Panels, to_panels, width_for
+from jaxmoe.quantization import Quantized, is_quantized
 
 EXP, ETP = EXPERT_AXES
 _SLOT_SPEC = P(EXP)
+SLOT_WEIGHTS = ("w_gate", "w_up", "w_down")
 # expert_tp > 1 (experts.devices_per_instance): each device of an instance holds a slice of every
 # slot's FFN columns (w_gate / w_up: hidden columns, w_down: the matching rows); the partial outputs
 # are summed over the instance's devices.
@@ -78,9 +84,14 @@ _SHARED_SPECS = {"w_gate": P(None, EXP), "w_up": P(None, EXP), "w_down": P(EXP, 
 AUTO_EXPERT_IMPL = {"cpu": "cpu_kernel", "other": "ragged_dot"}
 
 
-def slot_spec(name: str, tp: bool = False) -> P:
-    """PartitionSpec of a routed-expert slot array (``w_gate`` / ``w_up`` / ``w_down``)."""
-    return _TP_SLOT_SPECS[name] if tp else _SLOT_SPEC
+def slot_spec(name: str, tp: bool = False, shape: tuple = ()) -> P:
+    """PartitionSpec of a routed-expert slot array (``w_gate`` / ``w_up`` / ``w_down``, or a quantized
+    weight's ``.q`` / ``.scale``, ``slot_arrays``). A scale is split as its weight, but for its axes of
+    size 1 (``shape``: int8's one row of per-column scales), which every device holds whole."""
+    spec = _TP_SLOT_SPECS[weight_name(name)] if tp else _SLOT_SPEC
+    if name == f"{weight_name(name)}.scale":
+        spec = P(*(None if i and n == 1 else axis for i, (axis, n) in enumerate(zip(spec, shape))))
+    return spec
 
 
 def check_tp(cfg: ModelConfig, spec) -> bool:
@@ -98,7 +109,14 @@ def check_tp(cfg: ModelConfig, spec) -> bool:
 def param_specs(moe: dict, tp: bool = False) -> dict:
     """PartitionSpecs of one layer's expert-side parameters (as laid out by ``place_layer``);
     ``tp``: FFN columns split over each instance's devices (``expert_tp``)."""
-    specs = {k: (slot_spec(k, tp) if k in ("w_gate", "w_up", "w_down") else P()) for k in moe if k != "shared"}
+    specs = {k: P() for k in moe if k not in ("shared", *SLOT_WEIGHTS)}
+    for k in SLOT_WEIGHTS:
+        w = moe[k]
+        specs[k] = (
+            Quantized(slot_spec(f"{k}.q", tp), slot_spec(f"{k}.scale", tp, w.scale.shape), w.block)
+            if is_quantized(w)
+            else slot_spec(k, tp)
+        )
     if "shared" in moe:
         specs["shared"] = {k: _SHARED_SPECS.get(k, P()) for k in moe["shared"]}
     return specs
@@ -325,17 +343,23 @@ def place_layer(
         )
     idx, used = layout.gather_index(), layout.used()
     tp = sub.spec.experts.devices_per_instance > 1
-    for k in ("w_gate", "w_up", "w_down"):
-        host = np.asarray(weights[k])
+
+    def place(host, name):
+        host = np.asarray(host)
         shape = (layout.num_slots,) + host.shape[1:]
 
-        def shard(index, host=host):
+        def shard(index):
             rows = np.arange(layout.num_slots)[index[0]]
             part = host[(idx[rows],) + tuple(index[1:])]  # this device's slots (and columns: expert_tp)
             return np.where(used[rows].reshape((-1,) + (1,) * (host.ndim - 1)), part, 0).astype(host.dtype)
 
-        sharding = NamedSharding(sub.experts, slot_spec(k, tp))
-        out[k] = jax.make_array_from_callback(shape, sharding, shard, dtype=host.dtype)
+        sharding = NamedSharding(sub.experts, slot_spec(name, tp, shape))
+        return jax.make_array_from_callback(shape, sharding, shard, dtype=host.dtype)
+
+    # a quantized weight: its values and scales alike, slot by slot
+    out.update(with_slot_arrays(weights, {name: place(a, name) for name, a in slot_arrays(weights).items()}))
+    if not tp:
+        out.update({k: _int8_as_panels(out[k], sub) for k in SLOT_WEIGHTS})
     if shared_on_experts and "shared" in layer:
         n = sub.spec.experts.count
         shared = dict(layer["shared"])
@@ -350,6 +374,19 @@ def place_layer(
         k: (v if k in ("w_gate", "w_up", "w_down") else jax.device_put(v, _shardings(sub.experts, specs[k])))
         for k, v in out.items()
     }
+
+
+def _int8_as_panels(w, sub: SubMeshes):
+    """An int8 slot weight's values as column ``Panels`` (each device its own slots), the layout the CPU
+    expert kernel reads fastest (plain int8 slots took 1.3-1.4x its time at 1 and 16 tokens, D 2048,
+    F 5632, 4 slots: bench/results/2026-12-07-quantdisagg.md); other weights, and shapes no panel width
+    divides, as they are."""
+    width = width_for(*w.shape[-2:])
+    if getattr(w, "method", None) != "int8" or isinstance(w.q, Panels) or width is None:
+        return w
+    sharding = NamedSharding(sub.experts, _SLOT_SPEC)
+    q = jax.jit(lambda a: to_panels(a, width), out_shardings=Panels(sharding, width))(w.q)
+    return Quantized(q, w.scale, w.block)
 
 
 def relayout_layer(
@@ -383,7 +420,6 @@ def relayout_layer(
             " carry whole slots only (not built)"
         )
     sharding = NamedSharding(sub.experts, _SLOT_SPEC)
-    out = dict(placed)
     if collective:
         keep, copies = {}, []
         for j, inst in enumerate(insts):
@@ -396,12 +432,11 @@ def relayout_layer(
                         copies.append(slot_moves.RowCopy(src_dev, src % C, d, c))
                 keep[d] = tuple(rows)
         moves = slot_moves.SlotPlan(tuple(sorted(spec.experts.flat)), C, C, keep, tuple(copies))
-        names = ("w_gate", "w_up", "w_down")
-        out.update(slot_moves.mover_for(sub).run(moves, {k: placed[k] for k in names}, sharding, new.num_slots))
-        return out, moved
-    for k in ("w_gate", "w_up", "w_down"):
-        arr = placed[k]
-        sharding = NamedSharding(sub.experts, slot_spec(k, tp))
+        arrays = slot_moves.mover_for(sub).run(moves, slot_arrays(placed), sharding, new.num_slots)
+        return with_slot_arrays(placed, arrays), moved
+    arrays = {}
+    for name, arr in slot_arrays(placed).items():
+        sharding = NamedSharding(sub.experts, slot_spec(name, tp, arr.shape))
         shards = {sh.device: sh.data for sh in arr.addressable_shards}
         local_shape = arr.sharding.shard_shape(arr.shape)[1:]  # one slot on one device
         per_device = []
@@ -420,8 +455,34 @@ def relayout_layer(
                     piece = shards[src_dev][src % C : src % C + 1]
                     pieces.append(piece if src_dev == dev else jax.device_put(piece, dev))
                 per_device.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
-        out[k] = jax.make_array_from_single_device_arrays(arr.shape, sharding, per_device, dtype=arr.dtype)
-    return out, moved
+        arrays[name] = jax.make_array_from_single_device_arrays(arr.shape, sharding, per_device, dtype=arr.dtype)
+    return with_slot_arrays(placed, arrays), moved
+
+
+def slot_arrays(placed: dict) -> dict[str, jax.Array]:
+    """A placed layer's routed-expert slot arrays [S, ...] by name: ``w_gate``, ``w_up``, ``w_down``, or
+    for an int8 / fp8 weight (``jaxmoe.quantization.Quantized``) its values and scales, ``w_gate.q`` (as
+    column panels: ``w_gate.q[0]``) and ``w_gate.scale``: what moves slot by slot (re-placement,
+    re-scaling), so scales move with their weights."""
+    out = {}
+    for k in SLOT_WEIGHTS:
+        for path, a in jax.tree_util.tree_flatten_with_path(placed[k])[0]:
+            out[k + jax.tree_util.keystr(path)] = a
+    return out
+
+
+def with_slot_arrays(placed: dict, arrays: dict[str, jax.Array]) -> dict:
+    """``placed`` with its slot arrays replaced by ``arrays`` (named as ``slot_arrays`` names them)."""
+    out = dict(placed)
+    for k in SLOT_WEIGHTS:
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(placed[k])
+        out[k] = treedef.unflatten([arrays[k + jax.tree_util.keystr(path)] for path, _ in leaves])
+    return out
+
+
+def weight_name(slot_array: str) -> str:
+    """The weight a ``slot_arrays`` name belongs to (``w_gate.scale`` -> ``w_gate``)."""
+    return slot_array.split(".")[0]
 
 
 def _source_slots(old: ReplicaLayout, new: ReplicaLayout, spec) -> list[int]:

@@ -105,14 +105,12 @@ def test_quantized_serving_equals_the_dequantized_model(checkpoint_dir, family, 
     assert np.abs(np.asarray(logprobs) - np.asarray(plain_logprobs)).mean() < 0.25
 
 
-def test_quantization_is_refused_on_a_mesh_and_for_bad_names(checkpoint_dir):
+def test_quantization_is_refused_for_bad_names(checkpoint_dir):
     path = checkpoint_dir("mixtral")
     with pytest.raises(ValueError, match="quantization must be one of int8, fp8"):
         LLM(path, quantization="int4")
     with pytest.raises(ValueError, match="quantize_attention needs quantization"):
         LLM(path, quantize_attention=True)
-    with pytest.raises(ValueError, match="runs on the monolithic executor only"):
-        LLM(path, dtype="float32", quantization="int8", mesh="meshes/cpu-8.yaml", num_blocks=16, block_size=4)
 
 
 def test_cli_flags(capsys):
