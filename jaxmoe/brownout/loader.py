@@ -18,6 +18,14 @@ from pathlib import Path
 from jaxmoe.brownout.config import BrownoutError
 from jaxmoe.brownout.routing import is_brownout
 from jaxmoe.brownout.united import META_FILE, NAMES, attach
+from jaxmoe.quantization import Quantized
+
+
+def first_experts(w, E: int):
+    """The first ``E`` experts of a stacked expert weight (a ``Quantized`` one value and scale alike)."""
+    if isinstance(w, Quantized):
+        return Quantized(w.q[:E], w.scale[:E], w.block)
+    return w[:E]
 
 
 def originals(params: dict, cfg) -> dict:
@@ -28,7 +36,7 @@ def originals(params: dict, cfg) -> dict:
     for layer in params["layers"]:
         if "moe" in layer:
             moe = {k: v for k, v in layer["moe"].items() if k not in ("united", "united_groups")}
-            moe.update({k: moe[k][:E] for k in NAMES})
+            moe.update({k: first_experts(moe[k], E) for k in NAMES})
             layer = dict(layer, moe=moe)
         layers.append(layer)
     return dict(params, layers=layers)

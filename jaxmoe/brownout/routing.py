@@ -42,6 +42,7 @@ from jaxmoe.brownout.config import BrownoutConfig, BrownoutError, check_threshol
 from jaxmoe.config import MoEConfig
 from jaxmoe.models.router import route as top_k
 from jaxmoe.models.routing import WEIGHTS, PhaseStates, mask_padding
+from jaxmoe.quantization import Quantized
 
 PHASES = ("prefill", "decode")
 
@@ -162,7 +163,7 @@ class BrownoutRouting:
             return dict(moe)
         out = {k: v for k, v in moe.items() if k != "united"}
         for k in WEIGHTS:
-            out[k] = jnp.concatenate([jnp.asarray(moe[k]), jnp.asarray(moe["united"][k], moe[k].dtype)])
+            out[k] = _stack_experts(moe[k], moe["united"][k])
         return out
 
     def route(self, moe: dict, cfg: MoEConfig, x, valid=None, state=None):
@@ -175,6 +176,15 @@ class BrownoutRouting:
         """Threshold 1 (zero brownout) in every phase: the original model."""
         values = (state.prefill, state.decode) if isinstance(state, PhaseStates) else (state,)
         return all(v is None or float(v) >= 1.0 for v in values)
+
+
+def _stack_experts(originals, united):
+    """[E, ...] and [U, ...] expert weights as one [E + U, ...] table (quantized ones value by value and
+    scale by scale: ``united.like`` quantized the united experts by the originals' method)."""
+    if isinstance(originals, Quantized):
+        q = jnp.concatenate([originals.q, united.q])
+        return Quantized(q, jnp.concatenate([originals.scale, united.scale]), originals.block)
+    return jnp.concatenate([jnp.asarray(originals), jnp.asarray(united, originals.dtype)])
 
 
 def _check_united(moe: dict) -> None:

@@ -266,6 +266,16 @@ def _write(model_dir: Path, out_dir: Path, work: Path, moe_layers, ways, groupin
     shutil.rmtree(work)
 
 
+def like(original, w: np.ndarray):
+    """United weights ``w`` stored as ``original`` (the routed experts' weight) is: its dtype, or quantized
+    by the same method when the model was quantized on load (``jaxmoe.quantization``)."""
+    from jaxmoe.quantization import Quantized, quantize_fp8, quantize_int8
+
+    if isinstance(original, Quantized):
+        return (quantize_int8 if original.method == "int8" else quantize_fp8)(jnp.asarray(w, jnp.float32))
+    return jnp.asarray(w, original.dtype)
+
+
 def attach(params: dict, cfg, directory) -> dict:
     """``params`` with each MoE layer's united experts (``moe["united"]``) and expert -> united
     expert map (``moe["united_groups"]``) from ``directory``."""
@@ -286,10 +296,11 @@ def attach(params: dict, cfg, directory) -> dict:
         entry = meta["layers"].get(str(i))
         if entry is None:
             raise BrownoutError(f"{directory / META_FILE}: no united experts for MoE layer {i}")
-        dtype = layers[i]["moe"]["w_gate"].dtype
         U = max(entry["groups"]) + 1
         united = {
-            k: jnp.asarray(np.stack([tensors[f"model.layers.{i}.united_experts.{j}.{k}"] for j in range(U)]), dtype)
+            k: like(
+                layers[i]["moe"][k], np.stack([tensors[f"model.layers.{i}.united_experts.{j}.{k}"] for j in range(U)])
+            )
             for k in NAMES
         }
         moe = dict(layers[i]["moe"], united=united, united_groups=jnp.asarray(entry["groups"], jnp.int32))

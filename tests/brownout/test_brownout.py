@@ -303,6 +303,32 @@ def test_ways_that_do_not_divide_the_experts_give_a_short_last_group(checkpoint_
 
 
 @pytest.mark.slow
+def test_brownout_on_quantized_weights(united_dir):
+    """United experts on a model quantized on load: they are quantized by the same method, threshold 1
+    is the quantized model's tokens (int8 and fp8), threshold 0 gives the same tokens on the
+    disaggregated executor as on the monolithic one, and the Experts Loader swaps quantized united
+    experts (this raised a TypeError before: united experts were cast to the int8 dtype)."""
+    from jaxmoe.quantization import Quantized
+
+    out, _ = united_dir
+    for method in ("int8", "fp8"):
+        plain = [o.token_ids for o in LLM(out, dtype="float32", quantization=method).generate(PROMPTS, GREEDY)]
+        llm = LLM(out, dtype="float32", quantization=method, brownout=BrownoutConfig(threshold=1.0))
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain, method
+    set_threshold(llm.executor, 0.0)
+    low = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert low != plain  # the united experts serve
+    layer = next(layer for layer in llm.executor.params["layers"] if "moe" in layer)
+    assert isinstance(layer["moe"]["w_up"], Quantized) and layer["moe"]["w_up"].shape[0] == 8 + 4
+    mesh = LLM(
+        out, dtype="float32", quantization="fp8", mesh="meshes/cpu-8.yaml", brownout=BrownoutConfig(threshold=0.0)
+    )
+    assert [o.token_ids for o in mesh.generate(PROMPTS, GREEDY)] == low
+    assert llm.load_united_experts(out)["logical_experts"] == 12  # the loader takes quantized united experts
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == low
+
+
+@pytest.mark.slow
 def test_eval_with_brownout(united_dir, capsys, tmp_path):
     import json
 
