@@ -192,6 +192,28 @@ def test_large_bodies_are_parsed_off_the_loop(server, monkeypatch):
     assert len(read) == 2 and read[0] != "jaxmoe-server" and read[1] == "jaxmoe-server", read
 
 
+def test_large_bodies_reuse_the_parse_threads(server, monkeypatch):
+    """Large bodies one after another are parsed by the same long-lived worker thread(s): no new
+    thread per request (starting one makes the loop wait until the new thread runs, milliseconds
+    on a loaded machine; anyio's ``to_thread`` starts a worker that ends with the request's task)."""
+    from jaxmoe.server import http_parse
+
+    threads = []
+
+    def record(*args):
+        threads.append(threading.current_thread())  # kept alive here: no object identity is reused
+        return parse(*args)
+
+    parse = http_parse.parse_body
+    monkeypatch.setattr(http_parse, "parse_body", record)
+    pad = "p" * http_parse.OFF_LOOP_BYTES
+    for _ in range(6):
+        status, body = _post(server.http_port, "/v1/completions", {"prompt": "x" * HUGE, "padding": pad})
+        assert status == 400 and body["error"]["param"] == "prompt", body
+    assert len(threads) == 6 and len(set(threads)) <= 2, [t.name for t in threads]
+    assert all(t.is_alive() for t in threads)
+
+
 def test_health_is_answered_while_the_loop_is_busy(server, monkeypatch):
     """GET /health is answered by the HTTP listener's own thread, not the event loop: it answers at
     once while the loop is held busy (a burst's long iteration), on a kept-alive connection too;
