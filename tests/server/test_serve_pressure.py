@@ -8,6 +8,7 @@ import asyncio
 import gc
 import http.client
 import json
+import os
 import re
 import socket
 import sys
@@ -284,6 +285,27 @@ def test_health_is_answered_while_the_loop_is_busy(server, monkeypatch):
     conn.request("GET", "/health")
     assert conn.getresponse().status == 200
     conn.close()
+
+
+def test_health_listener_runs_ahead_of_the_other_threads(server):
+    """The listener thread (the one that answers /health) runs LISTENER_NICE below the process's
+    niceness where the process may raise its priority (it then gets a core sooner than the loop, the
+    engine and the tokenizer threads); elsewhere its niceness is left as it was."""
+    from jaxmoe.server.http_acceptor import LISTENER_NICE
+
+    acceptor = server._http._server.acceptor
+    tid = acceptor._thread.native_id
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert acceptor.niceness == os.getpriority(os.PRIO_PROCESS, tid)
+    loop_tid = next(t.native_id for t in threading.enumerate() if t.name == "jaxmoe-server")
+    assert os.getpriority(os.PRIO_PROCESS, loop_tid) == mine  # the rest of the server: as it was
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), mine + LISTENER_NICE)  # may this process?
+    except PermissionError:
+        assert acceptor.niceness == mine
+    else:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), mine)
+        assert acceptor.niceness == mine + LISTENER_NICE
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
