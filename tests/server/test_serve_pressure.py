@@ -8,6 +8,7 @@ import asyncio
 import gc
 import http.client
 import json
+import os
 import re
 import socket
 import sys
@@ -192,6 +193,28 @@ def test_large_bodies_are_parsed_off_the_loop(server, monkeypatch):
     assert len(read) == 2 and read[0] != "jaxmoe-server" and read[1] == "jaxmoe-server", read
 
 
+def test_large_bodies_reuse_the_parse_threads(server, monkeypatch):
+    """Large bodies one after another are parsed by the same long-lived worker thread(s): no new
+    thread per request (starting one makes the loop wait until the new thread runs, milliseconds
+    on a loaded machine; anyio's ``to_thread`` starts a worker that ends with the request's task)."""
+    from jaxmoe.server import http_parse
+
+    threads = []
+
+    def record(*args):
+        threads.append(threading.current_thread())  # kept alive here: no object identity is reused
+        return parse(*args)
+
+    parse = http_parse.parse_body
+    monkeypatch.setattr(http_parse, "parse_body", record)
+    pad = "p" * http_parse.OFF_LOOP_BYTES
+    for _ in range(6):
+        status, body = _post(server.http_port, "/v1/completions", {"prompt": "x" * HUGE, "padding": pad})
+        assert status == 400 and body["error"]["param"] == "prompt", body
+    assert len(threads) == 6 and len(set(threads)) <= 2, [t.name for t in threads]
+    assert all(t.is_alive() for t in threads)
+
+
 def test_health_is_answered_while_the_loop_is_busy(server, monkeypatch):
     """GET /health is answered by the HTTP listener's own thread, not the event loop: it answers at
     once while the loop is held busy (a burst's long iteration), on a kept-alive connection too;
@@ -262,6 +285,27 @@ def test_health_is_answered_while_the_loop_is_busy(server, monkeypatch):
     conn.request("GET", "/health")
     assert conn.getresponse().status == 200
     conn.close()
+
+
+def test_health_listener_runs_ahead_of_the_other_threads(server):
+    """The listener thread (the one that answers /health) runs LISTENER_NICE below the process's
+    niceness where the process may raise its priority (it then gets a core sooner than the loop, the
+    engine and the tokenizer threads); elsewhere its niceness is left as it was."""
+    from jaxmoe.server.http_acceptor import LISTENER_NICE
+
+    acceptor = server._http._server.acceptor
+    tid = acceptor._thread.native_id
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert acceptor.niceness == os.getpriority(os.PRIO_PROCESS, tid)
+    loop_tid = next(t.native_id for t in threading.enumerate() if t.name == "jaxmoe-server")
+    assert os.getpriority(os.PRIO_PROCESS, loop_tid) == mine  # the rest of the server: as it was
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), mine + LISTENER_NICE)  # may this process?
+    except PermissionError:
+        assert acceptor.niceness == mine
+    else:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), mine)
+        assert acceptor.niceness == mine + LISTENER_NICE
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
