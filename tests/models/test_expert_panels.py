@@ -52,8 +52,13 @@ def test_plain_executor_when_the_kernel_is_not_the_implementation():
 @pytest.mark.parametrize("bf16_dot", [True, False], ids=["bf16-dot", "no-bf16-dot"])
 def test_bfloat16_panels_in_pairs_where_the_cpu_has_a_bf16_dot(monkeypatch, bf16_dot):
     """bfloat16 experts are stored in pairs of rows exactly where the CPU has AVX512-BF16 (the layout
-    of its dot instruction; float32 never); either way the plain weights read back bit for bit and
-    the first greedy token of a prompt (decode and a prefill-sized chunk) is the XLA form's."""
+    of its dot instruction; float32 never); either way the plain weights read back bit for bit, the
+    first greedy token of a prompt (decode and a prefill-sized chunk) is the float32 model's, and its
+    logprob is the XLA form's within 0.05 nats.
+
+    The oracle for the token is float32, not XLA's bf16 form: on a CPU with AVX512-BF16, XLA's bf16
+    experts pick another token for the 37-token prompt (64 at -3.80 against 146 at -3.86), while the
+    kernel (float32 accumulation) keeps float32's 146."""
     monkeypatch.setattr(cpu_kernel, "has_bf16_dot", lambda: bf16_dot)
     kw = dict(dtype="bfloat16", num_blocks=64, block_size=8)
     kernel = LLM("tiny-random", expert_impl="cpu_kernel", **kw)
@@ -64,9 +69,14 @@ def test_bfloat16_panels_in_pairs_where_the_cpu_has_a_bf16_dot(monkeypatch, bf16
         for k in ROUTED:
             np.testing.assert_array_equal(np.asarray(mine["moe"][k]), np.asarray(theirs["moe"][k]))
     prompts = [[5, 9, 2, 7, 11, 3], list(range(3, 40))]
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
-    got, want = kernel.generate(prompts, sp), xla.generate(prompts, sp)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=4)
+    exact = LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8)
+    got, theirs, want = kernel.generate(prompts, sp), xla.generate(prompts, sp), exact.generate(prompts, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for mine, other in zip(got, theirs):
+        token = mine.outputs[0].token_ids[0]
+        logprobs = other.outputs[0].logprobs[0]
+        assert token in logprobs and abs(mine.outputs[0].logprobs[0][token].logprob - logprobs[token].logprob) < 0.05
 
 
 @pytest.mark.parametrize("as_panels,bf16_dot", [(True, True), (True, False), (False, False)])
