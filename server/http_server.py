@@ -236,8 +236,9 @@ class ConnectionLimit:
 
 class _Server(uvicorn.Server):
     """uvicorn's server, with connections accepted by an ``Acceptor`` thread (which answers
-    ``/health`` itself) instead of ``loop.create_server``; the loop takes up at most ``per_tick``
-    handed-off connections per iteration."""
+    ``/health`` itself) instead of ``loop.create_server`` (its own, or, for the second loop's server,
+    the first one's: ``_hand_off``); the loop takes up at most ``per_tick`` handed-off connections
+    per iteration."""
 
     acceptor_of = None  # hand_off -> Acceptor (HttpServer sets it); None: connections come from another's
     per_tick: int | None = None

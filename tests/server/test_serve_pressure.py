@@ -228,7 +228,8 @@ def test_large_bodies_are_read_apart_from_the_loop(server, monkeypatch):
     by the second loop's thread ("jaxmoe-http-large"): the event loop that runs the other streams
     ("jaxmoe-server") receives none of its bytes. A huge prompt there gets the same 400 naming the
     limit (counted in /metrics), a large body that is accepted streams the same greedy text as the
-    same request sent small to the loop, and the connection serves its later requests there."""
+    same request sent small to the loop, the connection serves its later requests there, and the
+    body guard answers there as on the loop (413 before reading a body declared too large)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     large = HttpLimits().large_body_bytes
@@ -258,7 +259,15 @@ def test_large_bodies_are_read_apart_from_the_loop(server, monkeypatch):
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
     assert _stream_text(conn, dict(request, padding="p" * large)) == on_the_loop  # accepted, streamed apart
     conn.close()
-    assert server._http.large_bodies_apart == apart + 2
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(5 * server.opts.max_body_bytes))  # past the drain bound: refused unread
+    conn.endheaders(b"{" + b" " * large)
+    resp = conn.getresponse()
+    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"  # the body guard's
+    conn.close()
+    assert server._http.large_bodies_apart == apart + 3
     assert _rejected(server).get("invalid", 0) == invalid + 1
     assert {name for name, _ in received} == {"jaxmoe-http-large"}, received  # none on the loop
     assert sum(n for _, n in received) > HUGE + large
