@@ -61,6 +61,25 @@ def health_head(data: bytes) -> dict[str, str] | None:
     return headers
 
 
+def large_body(data: bytes, threshold: int) -> bool:
+    """Whether ``data`` starts with a complete request head (within ``HEAD_LIMIT``) whose body is
+    ``threshold`` bytes or more by its ``Content-Length``, or of a length it does not declare (a
+    ``Transfer-Encoding``). A head that is not complete, or not readable, is not large: the event
+    loop answers it as it would."""
+    end = data.find(b"\r\n\r\n", 0, HEAD_LIMIT)
+    if end < 0:
+        return False
+    for line in data[:end].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
+            return True
+        if name == b"content-length":
+            value = value.strip()
+            return value.isdigit() and int(value) >= threshold
+    return False
+
+
 def _raise_priority() -> int | None:
     """This thread ``LISTENER_NICE`` below the niceness it started with, if the process may raise its
     priority; returns the thread's niceness (None where niceness is not per thread or not known)."""
@@ -90,17 +109,24 @@ class Acceptor:
         header_timeout_s: float,
         keep_alive_timeout_s: float,
         max_open: int,
+        hand_off_large=None,
+        large_body_bytes: int | None = None,
     ):
         """``sock``: the listening socket. ``health(headers)``: (status, JSON body bytes) or None (the
         loop answers it). ``hand_off(sock)``: give a connection to the event loop (called on this
-        thread). ``loop_connections()``: how many connections the loop has open."""
+        thread); ``hand_off_large(sock)``: likewise, a connection whose first request has a body of
+        ``large_body_bytes`` or more (None: every connection to ``hand_off``).
+        ``loop_connections()``: how many connections the loops have open."""
         self.sock, self.health, self.hand_off, self.loop_connections = sock, health, hand_off, loop_connections
+        self.hand_off_large = hand_off_large if large_body_bytes is not None else None
+        self.large_body_bytes = large_body_bytes
         self.header_timeout_s, self.keep_alive_timeout_s, self.max_open = (
             header_timeout_s,
             keep_alive_timeout_s,
             max_open,
         )
         self.answered = 0  # /health requests answered here
+        self.large = 0  # connections given to hand_off_large
         self.niceness: int | None = None  # this thread's, once it runs (None: not known on this system)
         self._held: collections.OrderedDict[socket.socket, _Held] = collections.OrderedDict()  # oldest first
         self._deadlines: list = []  # heap of (deadline, n, connection); stale entries skipped
@@ -191,8 +217,9 @@ class Acceptor:
             return self._close(conn)
         headers = health_head(data)
         answer = self.health(headers) if headers is not None else None
-        if not answer:  # not /health, or not answered here: the loop reads it
-            return self._give(conn)
+        if not answer:  # not /health, or not answered here: a loop reads it
+            large = self.hand_off_large is not None and large_body(data, self.large_body_bytes)
+            return self._give(conn, large)
         parser = h11.Connection(h11.SERVER)  # one request; whether the connection stays open follows from it
         try:
             parser.receive_data(data)
@@ -219,10 +246,14 @@ class Acceptor:
         self._held[conn].deadline = deadline
         heapq.heappush(self._deadlines, (deadline, next(self._n), conn))
 
-    def _give(self, conn: socket.socket) -> None:
+    def _give(self, conn: socket.socket, large: bool = False) -> None:
         self._sel.unregister(conn)
         del self._held[conn]
-        self.hand_off(conn)
+        if large:
+            self.large += 1
+            self.hand_off_large(conn)
+        else:
+            self.hand_off(conn)
 
     def _close(self, conn: socket.socket) -> None:
         self._sel.unregister(conn)

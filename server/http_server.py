@@ -21,6 +21,14 @@ connection's request head, so the h11 protocol here adds one (``header_timeout_s
 that has not sent a complete request head by then (after it opened, or after its previous
 response) is closed (slowloris); and its answer to a request that is not valid HTTP is the
 OpenAI-style JSON error every other refusal has (uvicorn's own is plain text).
+
+Large bodies are served apart: a connection whose first request head declares a body of
+``large_body_bytes`` or more (or a chunked one) is handed by the acceptor to a second uvicorn server
+on its own event loop and thread (``jaxmoe-http-large``), which serves the same app: its megabytes
+are read from the socket, parsed by h11, guarded, validated and refused (or admitted: the engine
+streams to whichever loop admitted a request) there, so the loop that runs the other streams, gRPC
+and the rest of HTTP moves none of its bytes. The connection stays on that loop for its later
+requests.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class HttpLimits:
     shutdown_timeout_s: int = 5  # uvicorn timeout_graceful_shutdown, after the engine drained
     starts_per_tick: int | None = 8  # requests (and connections) taken up per event-loop iteration (None: all)
     listen_backlog: int = 2048  # connections the kernel queues before they are accepted
+    large_body_bytes: int | None = 64 << 10  # a first request body this large: served by the second loop (None: not)
 
 
 class _HeaderTimeoutH11(H11Protocol):
@@ -227,11 +236,13 @@ class ConnectionLimit:
 
 class _Server(uvicorn.Server):
     """uvicorn's server, with connections accepted by an ``Acceptor`` thread (which answers
-    ``/health`` itself) instead of ``loop.create_server``; the loop takes up at most ``per_tick``
-    handed-off connections per iteration."""
+    ``/health`` itself) instead of ``loop.create_server`` (its own, or, for the second loop's server,
+    the first one's: ``_hand_off``); the loop takes up at most ``per_tick`` handed-off connections
+    per iteration."""
 
-    acceptor_of = None  # hand_off -> Acceptor (HttpServer sets it)
+    acceptor_of = None  # hand_off -> Acceptor (HttpServer sets it); None: connections come from another's
     per_tick: int | None = None
+    acceptor = None
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -252,8 +263,9 @@ class _Server(uvicorn.Server):
         self._handed: collections.deque = collections.deque()
         self._handed_lock = threading.Lock()
         self._draining = False
-        self.acceptor = self.acceptor_of(self._hand_off)
-        self.acceptor.start()
+        if self.acceptor_of is not None:
+            self.acceptor = self.acceptor_of(self._hand_off)
+            self.acceptor.start()
         self.started = True
 
     def _hand_off(self, sock: socket.socket) -> None:
@@ -289,7 +301,8 @@ class _Server(uvicorn.Server):
             sock.close()
 
     async def shutdown(self, sockets=None) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.acceptor.stop)
+        if self.acceptor is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.acceptor.stop)
         with self._handed_lock:
             while self._handed:
                 self._handed.popleft().close()
@@ -301,30 +314,8 @@ class HttpServer:
         """``on_refuse()``: called for each request refused by the connection limit (metrics).
         ``health(headers)``: (status, JSON body) of a ``GET /health``, answered as it arrives, or
         None to leave it to the app (its answer must equal the app's)."""
-        protocol = type(
-            "H11",
-            (_HeaderTimeoutH11,),
-            {
-                "header_timeout_s": limits.header_timeout_s,
-                "max_open": limits.max_connections + limits.health_reserve,
-                "health": staticmethod(health) if health is not None else None,
-                "pacer": _Pacer(limits.starts_per_tick) if limits.starts_per_tick else None,
-            },
-        )
         self._backlog = limits.listen_backlog
         app = ConnectionLimit(app, limits.max_connections, self._load, on_refuse)
-        config = uvicorn.Config(
-            app,
-            http=protocol,
-            lifespan="off",
-            log_config=None,
-            access_log=False,
-            limit_concurrency=None,  # ConnectionLimit answers overload (JSON 429, /health served)
-            timeout_keep_alive=limits.keep_alive_timeout_s,
-            h11_max_incomplete_event_size=limits.max_header_bytes,
-            timeout_graceful_shutdown=limits.shutdown_timeout_s,
-            backlog=limits.listen_backlog,
-        )
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         self._sock = socket.socket(family, kind, proto)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -334,30 +325,55 @@ class HttpServer:
             self._sock.close()
             raise OSError(f"--http-port: cannot listen on {host}:{port}: {e.strerror}") from None
         self.port = self._sock.getsockname()[1]
-        self._server = _Server(config)
+        self._server = _Server(_config(app, limits, health, paced=True))
         self._server.per_tick = limits.starts_per_tick
+        # the connections whose first request has a large body: a second server, on its own loop
+        self._large = _Server(_config(app, limits, health, paced=False)) if limits.large_body_bytes else None
+        self._large_thread: threading.Thread | None = None
         self._server.acceptor_of = lambda hand_off: Acceptor(
             self._sock,
             health if health is not None else lambda headers: None,
             hand_off,
-            lambda: len(self._server.server_state.connections),
+            self._loop_connections,
             limits.header_timeout_s,
             limits.keep_alive_timeout_s,
             limits.max_connections + limits.health_reserve,
+            hand_off_large=self._large._hand_off if self._large is not None else None,
+            large_body_bytes=limits.large_body_bytes,
         )
         self._task: asyncio.Task | None = None
 
+    def _servers(self) -> list:
+        return [s for s in (self._server, self._large) if s is not None and s.started]
+
+    def _loop_connections(self) -> int:
+        return sum(len(s.server_state.connections) for s in self._servers())
+
     def _load(self) -> int:
-        state = self._server.server_state
-        held = self._server.acceptor.holding if self._server.started else 0  # not yet handed to the loop
-        return max(len(state.connections) + held, len(state.tasks))
+        held = self._server.acceptor.holding if self._server.started else 0  # not yet handed to a loop
+        tasks = sum(len(s.server_state.tasks) for s in self._servers())
+        return max(self._loop_connections() + held, tasks)
 
     @property
     def health_answered_apart(self) -> int:
         """``/health`` requests answered by the acceptor thread (not on the event loop)."""
         return self._server.acceptor.answered if self._server.started else 0
 
+    @property
+    def large_bodies_apart(self) -> int:
+        """Connections handed to the second loop because their first request's body is large."""
+        return self._server.acceptor.large if self._server.started else 0
+
     async def start(self) -> None:
+        if self._large is not None:  # before any connection can be handed to it
+            self._large_thread = threading.Thread(
+                target=asyncio.run, args=(self._large.serve(),), name="jaxmoe-http-large", daemon=True
+            )
+            self._large_thread.start()
+            while not self._large.started:
+                if not self._large_thread.is_alive():
+                    raise RuntimeError("the HTTP server for large bodies stopped during startup")
+                await asyncio.sleep(0.01)
         self._sock.listen(self._backlog)  # the kernel's queue of connections not yet accepted
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
         while not self._server.started:
@@ -368,8 +384,39 @@ class HttpServer:
 
     async def stop(self) -> None:
         """Stop listening, let open responses finish (up to ``shutdown_timeout_s``), close."""
+        if self._large is not None:  # both shut down together (a late hand-off to it is closed)
+            self._large.should_exit = True
         if self._task is None:
             self._sock.close()
-            return
-        self._server.should_exit = True
-        await self._task
+        else:
+            self._server.should_exit = True
+            await self._task
+        if self._large_thread is not None:
+            await asyncio.to_thread(self._large_thread.join, 30)
+
+
+def _config(app, limits: HttpLimits, health, paced: bool) -> uvicorn.Config:
+    """uvicorn's configuration of one of the two servers (each loop its own protocol class: the
+    pacer works on the loop it runs on)."""
+    protocol = type(
+        "H11",
+        (_HeaderTimeoutH11,),
+        {
+            "header_timeout_s": limits.header_timeout_s,
+            "max_open": limits.max_connections + limits.health_reserve,
+            "health": staticmethod(health) if health is not None else None,
+            "pacer": _Pacer(limits.starts_per_tick) if paced and limits.starts_per_tick else None,
+        },
+    )
+    return uvicorn.Config(
+        app,
+        http=protocol,
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+        limit_concurrency=None,  # ConnectionLimit answers overload (JSON 429, /health served)
+        timeout_keep_alive=limits.keep_alive_timeout_s,
+        h11_max_incomplete_event_size=limits.max_header_bytes,
+        timeout_graceful_shutdown=limits.shutdown_timeout_s,
+        backlog=limits.listen_backlog,
+    )

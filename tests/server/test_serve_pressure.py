@@ -215,6 +215,64 @@ def test_large_bodies_reuse_the_parse_threads(server, monkeypatch):
     assert all(t.is_alive() for t in threads)
 
 
+def _stream_text(conn, body: dict) -> str:
+    conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    chunks = [json.loads(line[6:]) for line in resp.read().split(b"\n\n") if line.startswith(b"data: {")]
+    return "".join(chunk["choices"][0]["text"] for chunk in chunks)
+
+
+def test_large_bodies_are_read_apart_from_the_loop(server, monkeypatch):
+    """A connection whose first request declares a large body (``large_body_bytes`` or more) is served
+    by the second loop's thread ("jaxmoe-http-large"): the event loop that runs the other streams
+    ("jaxmoe-server") receives none of its bytes. A huge prompt there gets the same 400 naming the
+    limit (counted in /metrics), a large body that is accepted streams the same greedy text as the
+    same request sent small to the loop, the connection serves its later requests there, and the
+    body guard answers there as on the loop (413 before reading a body declared too large)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    large = HttpLimits().large_body_bytes
+    received: list[tuple[str, int]] = []
+    data_received = H11Protocol.data_received
+
+    def record(self, data):
+        received.append((threading.current_thread().name, len(data)))
+        return data_received(self, data)
+
+    monkeypatch.setattr(H11Protocol, "data_received", record)
+    request = {"prompt": "the pace of", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    on_the_loop = _stream_text(conn, request)
+    conn.close()
+    assert received and {name for name, _ in received} == {"jaxmoe-server"}  # a small body: the loop's
+    received.clear()
+    apart, invalid = server._http.large_bodies_apart, _rejected(server).get("invalid", 0)
+    limit = max_prompt_chars(server.async_engine.engine.max_model_len)
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "x" * HUGE}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    assert resp.status == 400 and body["error"]["param"] == "prompt" and str(limit) in body["error"]["message"], body
+    assert _stream_text(conn, request) == on_the_loop  # the same connection, a small request: still apart
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    assert _stream_text(conn, dict(request, padding="p" * large)) == on_the_loop  # accepted, streamed apart
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(5 * server.opts.max_body_bytes))  # past the drain bound: refused unread
+    conn.endheaders(b"{" + b" " * large)
+    resp = conn.getresponse()
+    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"  # the body guard's
+    conn.close()
+    assert server._http.large_bodies_apart == apart + 3
+    assert _rejected(server).get("invalid", 0) == invalid + 1
+    assert {name for name, _ in received} == {"jaxmoe-http-large"}, received  # none on the loop
+    assert sum(n for _, n in received) > HUGE + large
+
+
 def test_health_is_answered_while_the_loop_is_busy(server, monkeypatch):
     """GET /health is answered by the HTTP listener's own thread, not the event loop: it answers at
     once while the loop is held busy (a burst's long iteration), on a kept-alive connection too;
