@@ -57,8 +57,8 @@ def walk_e2a(spec: ClusterSpec, plan: TransferPlan, partials: list, ops: Ops) ->
 @dataclasses.dataclass(frozen=True)
 class HostOps:
     """What one direction of a transfer costs the host, besides the bytes: ``puts`` device-to-device
-    copies (the plan's hops), ``ops`` eager array operations (slices, concatenations, sums, picks)
-    and ``shards`` single-device arrays assembled into the result. On a CPU mesh, where every hop
+    copies (the plan's hops), ``ops`` array operations (slices, concatenations, sums, picks; one small
+    jitted program each) and ``shards`` single-device arrays assembled into the result. On a CPU mesh, where every hop
     is a host call, these counts, not the bytes, set a transfer's time (``scaling.fitted``)."""
 
     puts: int = 0
