@@ -9,12 +9,20 @@ whole step) and the disaggregated executor with ``monolithic: true`` on one devi
 
   .venv/bin/python bench/disaggregated_layers.py                 # prints a markdown table
   .venv/bin/python bench/disaggregated_layers.py --layouts cpu-8-4a4e.yaml cpu-8-tp2.yaml  # other layouts
+  .venv/bin/python bench/disaggregated_layers.py --model /tmp/jaxmoe-bench-107m --batches 1 4 16 64 --layouts cpu-8.yaml
+      # a checkpoint (here the 107 M one of the vLLM comparison) at several batch sizes, with the host's share
   .venv/bin/python bench/disaggregated_layers.py --gpu           # one DeepSeek-V2-Lite layer, 1 GPU
   .venv/bin/python bench/disaggregated_layers.py --gpu --scale 8 # the same, dims / 8 (dry run on CPU)
 
 Timing mode (``executor.timing = True``) blocks after every phase (``jax.block_until_ready``) and
 records wall times per layer; "step async" is the same step without blocking (what serving sees,
 phases of different devices may overlap). Medians over ``--steps`` decode steps after warm-up.
+"host us/layer": in timing mode, the CPU time of the calling thread inside the layer's program calls
+(``Phases``: the host's work to dispatch them, argument checks, transfer plans, enqueueing; not the
+devices' threads, nor waiting for a core, which on 2 cores with 8 host devices is most of a call's
+wall time); "host CPU ms/step (async)": the calling thread's CPU time for a whole step without
+blocking (``ModelRunner.forward``: the batch prepared on the host, every program dispatched, the
+Python between the calls), per step.
 Sequences' KV blocks are allocated from the slot range of the attention instance that serves
 their row (block-to-instance affinity).
 
@@ -85,7 +93,7 @@ def run_decode(executor, rows, block_size: int, steps: int, warmup: int = WARMUP
     logits = runner.forward(rows)
     pos = [len(r.token_ids) for r in rows]
     next_tokens = np.asarray(jnp.argmax(logits, -1))
-    timed, async_times = [], []
+    timed, async_times, host_cpu = [], [], []
     stats_before = None
     for s in range(warmup + 2 * steps):
         if s == warmup and hasattr(executor, "transfer_stats"):
@@ -94,21 +102,27 @@ def run_decode(executor, rows, block_size: int, steps: int, warmup: int = WARMUP
         if hasattr(executor, "timing"):
             executor.timing = mode_timed
         step_rows = [Row([int(t)], p, r.block_table) for t, p, r in zip(next_tokens, pos, rows)]
-        t0 = time.perf_counter()
-        logits = jax.block_until_ready(runner.forward(step_rows))
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        logits = runner.forward(step_rows)
+        returned = time.thread_time() - cpu0
+        logits = jax.block_until_ready(logits)
         dt = time.perf_counter() - t0
         next_tokens = np.asarray(jnp.argmax(logits, -1))
         pos = [p + 1 for p in pos]
         if s >= warmup:
             (timed if mode_timed else async_times).append(dt)
+            if not mode_timed:
+                host_cpu.append(returned)
     if hasattr(executor, "timing"):
         executor.timing = False
     records = list(executor.timings)[-steps:] if hasattr(executor, "timings") else []
-    return records, async_times, timed, stats_before
+    return records, (async_times, host_cpu), timed, stats_before
 
 
 def summarize(name, executor, records, async_times, timed_steps, stats_before):
+    async_times, host_cpu = async_times
     row = {"layout": name, "step_async_ms": 1e3 * statistics.median(async_times)}
+    row["host_cpu_ms"] = 1e3 * statistics.median(host_cpu)
     if not records:  # MonolithicExecutor: one program
         row.update(step_timed_ms=1e3 * statistics.median(timed_steps))
         return row
@@ -117,7 +131,7 @@ def summarize(name, executor, records, async_times, timed_steps, stats_before):
         vals = [statistics.mean(r[phase].values()) for r in records if r[phase]]
         return 1e3 * statistics.median(vals) if vals else 0.0
 
-    row.update({p + "_ms": per_layer(p) for p in ("attention", "a2e", "expert", "e2a")})
+    row.update({p + "_ms": per_layer(p) for p in ("attention", "a2e", "expert", "e2a", "host")})
     row["head_ms"] = 1e3 * statistics.median(r["head"] + r["embed"] for r in records)
     row["step_timed_ms"] = 1e3 * statistics.median(timed_steps)
     layer = min(executor.transfer_stats())
@@ -143,14 +157,15 @@ def _get(d, key):
 def table(rows) -> str:
     head = (
         "| layout | attention ms/layer | a2e ms/layer | expert ms/layer | e2a ms/layer | transfers/layer "
-        "(a2e+e2a, cross-node) | KiB/layer | strategy | embed+head ms | step ms (timed) | step ms (async) |"
+        "(a2e+e2a, cross-node) | KiB/layer | strategy | embed+head ms | step ms (timed) | step ms (async) "
+        "| host us/layer | host CPU ms/step (async) |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         if "attention_ms" not in r:
             lines.append(
                 f"| {r['layout']} | - | - | - | - | 0 | 0 | - | - | {r['step_timed_ms']:.2f} "
-                f"| {r['step_async_ms']:.2f} |"
+                f"| {r['step_async_ms']:.2f} | - | {r['host_cpu_ms']:.2f} |"
             )
             continue
         hops = r["a2e_hops"] + r["e2a_hops"]
@@ -158,7 +173,7 @@ def table(rows) -> str:
             f"| {r['layout']} | {r['attention_ms']:.2f} | {r['a2e_ms']:.2f} | {r['expert_ms']:.2f} | {r['e2a_ms']:.2f} "
             f"| {hops:.0f} ({r['a2e_hops']:.0f}+{r['e2a_hops']:.0f}, {r['cross_hops']:.0f}) | {r['kib']:.0f} "
             f"| {r['strategy'] if hops else '- (same device)'} | {r['head_ms']:.2f} | {r['step_timed_ms']:.2f} "
-            f"| {r['step_async_ms']:.2f} |"
+            f"| {r['step_async_ms']:.2f} | {1e3 * r['host_ms']:.0f} | {r['host_cpu_ms']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -169,13 +184,29 @@ def table(rows) -> str:
 def cpu_mode(args):
     from jaxmoe.checkpoint.model import load_model
 
-    cfg, params, _ = load_model("tiny-random", dtype="float32")
+    cfg, params, _ = load_model(args.model or "tiny-random", dtype=args.dtype if args.model else "float32")
+    results = []
+    for batch in args.batches or [args.batch]:
+        results += cpu_rows(args, cfg, params, batch)
+    dtype = jax.tree.leaves(params)[0].dtype
+    print(
+        f"{args.model or 'tiny-random'}: {cfg.num_layers} layers, D={cfg.hidden_size}, {cfg.moe.num_experts} experts "
+        f"top-{cfg.moe.top_k}, F={cfg.moe.intermediate_size}; batch {args.batches or args.batch} decode, prompt "
+        f"{args.prompt_len}, {dtype}, expert_impl={args.expert_impl}; {jax.device_count()} {jax.default_backend()} "
+        f"devices; load {' '.join(open('/proc/loadavg').read().split()[:3])}"
+    )
+    print(table(results))
+
+
+def cpu_rows(args, cfg, params, batch: int) -> list[dict]:
+    """The monolithic executor, then each layout, at ``batch`` decode rows."""
     num_blocks, bs = args.num_blocks, args.block_size
     results = []
-    rows_for = lambda m: make_rows(args.batch, args.prompt_len, bs, num_blocks, m, args.steps)  # noqa: E731
+    rows_for = lambda m: make_rows(batch, args.prompt_len, bs, num_blocks, m, args.steps)  # noqa: E731
+    prefix = f"B={batch} " if args.batches else ""
     mono = MonolithicExecutor(cfg, params, num_blocks * bs, bs)
     rec, asy, tim, before = run_decode(mono, rows_for(1), bs, args.steps)
-    results.append(summarize("monolithic executor (1 device, one jit)", mono, rec, asy, tim, before))
+    results.append(summarize(prefix + "monolithic executor (1 device, one jit)", mono, rec, asy, tim, before))
     del mono
     one_device = {
         "platform": "cpu",
@@ -188,15 +219,10 @@ def cpu_mode(args):
         mesh = one_device if layout == "1 device" else str(ROOT / "meshes" / layout)
         ex = DisaggregatedExecutor(cfg, params, num_blocks * bs, bs, mesh, expert_impl=args.expert_impl)
         rec, asy, tim, before = run_decode(ex, rows_for(ex.num_attention), bs, args.steps)
-        results.append(summarize(layout, ex, rec, asy, tim, before))
-        print(f"done {layout}", file=sys.stderr)
+        results.append(summarize(prefix + layout, ex, rec, asy, tim, before))
+        print(f"done {prefix}{layout}", file=sys.stderr)
         del ex
-    print(
-        f"demo model: {cfg.num_layers} layers, D={cfg.hidden_size}, {cfg.moe.num_experts} experts top-"
-        f"{cfg.moe.top_k}, F={cfg.moe.intermediate_size}; batch {args.batch} decode, prompt {args.prompt_len}, "
-        f"fp32, expert_impl={args.expert_impl}; {jax.device_count()} {jax.default_backend()} devices"
-    )
-    print(table(results))
+    return results
 
 
 DSV2_LITE = {
@@ -316,18 +342,20 @@ def main():
     ap.add_argument("--gpu", action="store_true", help="one DeepSeek-V2-Lite-sized layer on the single device")
     ap.add_argument("--scale", type=int, default=1, help="--gpu: divide the widths by this (CPU dry run)")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--batches", type=int, nargs="*", default=None, help="--gpu: batch sizes (default 1 16 64)")
+    ap.add_argument("--batches", type=int, nargs="*", default=None, help="batch sizes (--gpu: default 1 16 64)")
+    ap.add_argument("--model", default=None, help="CPU: a checkpoint directory instead of tiny-random")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--expert-impl", default="auto")
     ap.add_argument("--layouts", nargs="*", default=None, help=f"CPU: mesh files in meshes/ (default {CPU_LAYOUTS})")
-    ap.add_argument("--dtype", default="bfloat16", help="--gpu only")
+    ap.add_argument("--dtype", default=None, help="--gpu (default bfloat16) and --model (default: the checkpoint's)")
     ap.add_argument("--redundant", type=int, default=16, help="--gpu: redundant expert slots")
     args = ap.parse_args()
     if args.gpu:
         args.batches = args.batches or [1, 16, 64]
+        args.dtype = args.dtype or "bfloat16"
     need = max(args.batches or [args.batch]) * blocks_per_seq(args.prompt_len, args.block_size, args.steps)
     args.num_blocks = args.num_blocks or 4 * (-(-need // 4) + 4)  # room in each of up to 4 instances' ranges
     (gpu_mode if args.gpu else cpu_mode)(args)

@@ -46,7 +46,9 @@ class LayerTransferStats:
 
 class Phases:
     """Runs one phase of a step. In timing mode it blocks on the phase's outputs and records the
-    wall time (per layer); an observer sees every phase's outputs. With ``record_dispatch`` every
+    wall time (per layer) and, under "host", the CPU time the calling thread spent in the call (its
+    work to dispatch the phase's programs, not the devices' threads nor waiting for a core; per layer,
+    every phase of it summed; "host_step": embed and head); an observer sees every phase's outputs. With ``record_dispatch`` every
     program's dispatch is noted in order in ``dispatched``: (phase, layer, micro-batch, chunk, host
     seconds when it was dispatched, when the call returned); micro-batch and chunk from ``at``
     (None where not given)."""
@@ -64,20 +66,25 @@ class Phases:
             "split": {},  # expert-side chunks (r2 > 1): cutting a micro-batch, joining the E2A outputs
             "join": {},
             "head": 0.0,
+            "host": {},
+            "host_step": 0.0,
         }
 
     def __call__(self, phase: str, layer, fn, *args, at: tuple | None = None):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         out = fn(*args)
+        returned, host = time.perf_counter(), time.thread_time() - cpu0
         if self.dispatched is not None:
-            self.dispatched.append((phase, layer, *(at or (None, None)), t0, time.perf_counter()))
+            self.dispatched.append((phase, layer, *(at or (None, None)), t0, returned))
         if self.timing:
             out = jax.block_until_ready(out)
             dt = time.perf_counter() - t0
             if layer is None:  # times of every micro-batch add up
                 self.record[phase] += dt
+                self.record["host_step"] += host
             else:
                 self.record[phase][layer] = self.record[phase].get(layer, 0.0) + dt
+                self.record["host"][layer] = self.record["host"].get(layer, 0.0) + host
         if self.observer is not None:
             self.observer(phase, layer, out)
         return out

@@ -263,6 +263,28 @@ def test_transfer_counts_per_layer(llms):
         assert s["a2e"]["cross"] - stats[i]["a2e"]["cross"] == plan.counts("a2e").cross
 
 
+@pytest.mark.slow
+def test_timing_mode_records_the_host_share_of_every_layer(llms):
+    """Timing mode records, per layer, the calling thread's CPU time inside the layer's program calls
+    (``bench/disaggregated_layers.py``'s host column): present for every layer, positive, and no more
+    than the layer's blocked wall time, of which it is a part."""
+    dis = llms("qwen3_moe", "meshes/cpu-8.yaml")
+    ex = dis.executor
+    rows = [Row(p, 0, t) for p, t in zip(PROMPTS, TABLES)]
+    ex.timing = True
+    try:
+        dis.engine.runner.forward(rows)
+    finally:
+        ex.timing = False
+    record = ex.timings[-1]
+    layers = range(ex.cfg.num_layers)
+    assert sorted(record["host"]) == list(layers)
+    for i in layers:
+        wall = sum(record[phase].get(i, 0.0) for phase in ("attention", "a2e", "expert", "shared", "e2a"))
+        assert 0 < record["host"][i] <= wall + 1e-3
+    assert 0 < record["host_step"] <= record["embed"] + record["head"] + 1e-3
+
+
 def test_expert_activation_counts_and_coactivation(llms):
     """The expert program's counters equal the routing of the activations A2E delivered
     (computed again on the host with the same router), padding excluded."""

@@ -31,7 +31,7 @@ def test_a2e_e2a_values_and_hops(layout, strategy, monkeypatch):
         hops.append((sub.node_of(src), sub.node_of(device), value.nbytes))
         return real_put(value, device, **kw)
 
-    calls = []  # every eager array operation of the walk
+    calls = []  # every array operation of the walk
     for name in ("first", "rows", "concat", "add"):
         real = getattr(W.JaxOps, name)
         monkeypatch.setattr(W.JaxOps, name, lambda self, *a, _real=real: calls.append(1) or _real(self, *a))

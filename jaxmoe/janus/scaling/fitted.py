@@ -20,7 +20,7 @@ expert     N, activated experts of the busiest       dispatch per instance; JANU
                                                      FFN form falls back (``expert_ffn
                                                      .fallback_above``: the CPU kernel's plain
                                                      weights take decode-sized batches only)
-a2e, e2a   puts, eager ops, shards, bytes            the host calls of the layout's transfer plan
+a2e, e2a   puts, array ops, shards, bytes            the host calls of the layout's transfer plan
                                                      (``runtime.transfer_walk.host_ops``: copies, the
                                                      slices / concatenations / sums around them,
                                                      the shards assembled) and its bytes
@@ -79,8 +79,8 @@ class ScalingFits(BaseModel):
 
     attention: LinearModel  # (a, B, B*c, b*c) -> seconds per layer
     expert: LinearModel  # (N, activated: busiest instance, all; N*B, N*B in the fallback) -> s per MoE layer
-    a2e: LinearModel  # (puts, eager ops, shards, bytes)
-    e2a: LinearModel  # (puts, eager ops, shards, bytes)
+    a2e: LinearModel  # (puts, array ops, shards, bytes)
+    e2a: LinearModel  # (puts, array ops, shards, bytes)
     step: LinearModel  # (B, parts) -> the engine's decode step (TPOT)
 
 
