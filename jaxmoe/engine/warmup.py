@@ -60,7 +60,13 @@ def warm_up(
     bar = progress_reporter("jaxmoe warm-up", len(todo), "program", progress)
     pool = concurrent.futures.ThreadPoolExecutor(workers or compile_workers(), thread_name_prefix="jaxmoe-compile")
     try:
-        layered = engine.layer_hook is not None  # steps that may pause run layer by layer
+        hook = engine.layer_hook
+        choose = getattr(hook, "choose_granularity", None)
+        if choose is not None:  # e.g. QLLM's: pause points only where their cost is within budget
+            bar.set_postfix_str("measuring the pause points' cost")
+            choose(engine, todo)
+        # steps that may pause run layer by layer
+        layered = hook is not None and getattr(hook, "pauses_steps", True)
         run_instead = _lower_and_compile(engine.runner, todo, pool, bar, cancel, t0, layered)
         for rows, tokens in run_instead:
             _check(cancel, t0)
