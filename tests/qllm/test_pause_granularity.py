@@ -72,11 +72,14 @@ def test_costly_calls_make_the_pauses_coarser_and_tokens_stay_exact(per_call, ch
 
 
 @pytest.mark.slow
-def test_warm_up_measures_on_the_real_steps_and_compiles_what_the_choice_runs():
+@pytest.mark.parametrize("per_call", [None, 0.001], ids=["real-timings", "cheap-calls"])
+def test_warm_up_measures_on_the_real_steps_and_compiles_what_the_choice_runs(per_call):
     """With a serving loop's poll (``AsyncEngine`` sets it before warm-up), warm-up measures the decode
     shapes' steps (real timings: the choice follows the costs it logs, whatever this machine gives)
     and then compiles the programs of the choice: the layer-by-layer ones where steps pause, the fused
-    ones where none does. An explicit ``pause_every`` or ``layer_preemption=True`` is not measured."""
+    ones where none does (with injected cheap calls: every layer). An explicit ``pause_every`` or
+    ``layer_preemption=True`` is not measured."""
+    from jaxmoe.compilation import compile_events
     from jaxmoe.engine.warmup import warm_up
 
     assert LLM("tiny-random", pause_every=2, num_blocks=16).engine.layer_hook.pause_every == 2
@@ -84,9 +87,17 @@ def test_warm_up_measures_on_the_real_steps_and_compiles_what_the_choice_runs():
     llm = LLM("tiny-random", num_blocks=16, max_num_seqs=2, max_prefill_chunk=16, max_model_len=64)
     engine, hook = llm.engine, llm.engine.layer_hook
     engine.poll = lambda: None
-    warm_up(engine, [(1, 1), (2, 1), (1, 16)], progress=False, workers=2)
+    if per_call is not None:
+        hook.time_step = _calls_cost(per_call)
+    shapes = [(1, 1), (2, 1), (1, 16)]
+    warm_up(engine, shapes, progress=False, workers=2)
     assert set(hook.pause_costs) == {1, 2, 4} and all(math.isfinite(c) for c in hook.pause_costs.values())
     assert hook.pause_every == granularity.choose(hook.pause_costs)
+    assert per_call is None or hook.pause_every == 1  # cheap calls: every layer
     assert llm.executor.split_step == hook.pauses_steps
     if hook.pauses_steps:
         assert llm.executor.pause_every == hook.pause_every
+    before = compile_events()["programs"]
+    for rows, tokens in shapes:  # what a served step of the choice runs: compiled already
+        engine.runner.warm(rows, tokens, layer_by_layer=hook.pauses_steps)
+    assert compile_events()["programs"] == before
