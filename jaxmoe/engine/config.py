@@ -24,7 +24,7 @@ class EngineConfig:
     expert_impl: str = "auto"  # the expert-FFN implementation (jaxmoe.pallas_kernels.expert_ffn.IMPLS)
     # a step run layer by layer (a layer hook pauses it): layers between two pause points, i.e. per program
     # (1: after every layer). None: 1, except where QLLM's layer preemption is on by default (no explicit
-    # ``layer_preemption``): there it is measured at warm-up (``qllm.granularity``: the finest granularity
+    # ``layer_preemption``, no per-expert queues): there it is measured at warm-up (``qllm.granularity``: the finest granularity
     # whose steps cost at most 2 % more than the fused step's, else step-level preemption)
     pause_every: int | None = None
     # automatic prefix caching: full KV blocks are kept by a hash of their tokens and prefix and shared

@@ -7,6 +7,8 @@ of ``compile_workers()`` threads as they come (XLA compiles without holding the 
 is run; where the engine may pause a step (layer-level preemption), each shape's layer-by-layer
 programs (``LowersAhead.lower_layers``) go to the same pool. Otherwise each shape runs once on
 padding rows (and once more layer by layer where the engine may pause a step), one after the other.
+First a layer hook may choose how often steps pause (``choose_granularity``: QLLM's default measures it
+and may choose none, then only the fused programs compile).
 """
 
 from __future__ import annotations
