@@ -20,6 +20,10 @@ alternating round by round; the median per-round ratio).
     python bench/qllm.py [--layers 16] [--requests 60] [--loads 0.4,0.7,0.9] [--modes ...] [--json out.json]
     python bench/qllm.py --layers 8 --loads "" --modes layer-level,expert-queues --rounds 20   # the cost only
     python bench/qllm.py --layers 8 --hidden 1024 --loads "" --modes layer-level --rounds 12   # ... bigger layers
+    python bench/qllm.py --layers 8 --loads "" --modes layer-level,default --rounds 16   # ... the default's choice
+
+``default`` is layer preemption's default: its pause granularity measured at warm-up (``qllm.granularity``),
+step-level preemption (fused steps) where no granularity costs within 2 %.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from jaxmoe.demo import DEMO_HF_CONFIG, demo_params
 from jaxmoe.engine.engine import EngineConfig, LLMEngine
 from jaxmoe.engine.warmup import warm_up
 from jaxmoe.assembly import QLLMConfig, RuntimeConfig, attach_features, build_executor
+from jaxmoe.qllm import granularity
 from jaxmoe.sampling import SamplingParams
 from jaxmoe.tokenizer import ByteTokenizer
 
@@ -48,6 +53,8 @@ MODES = {  # name: (policy, layer_preemption, expert_queues, pause_every, ls_mer
     "layer-nested": ("qllm", True, 0, 1, False),  # the same pause points; LS work runs as a nested step
     "every-4-layers": ("qllm", True, 0, 4),  # pause points after every 4 layers
     "expert-queues": ("qllm", True, 4),  # every layer + per-expert queues served in 4 rounds per MoE layer
+    # layer preemption's default: the pause granularity measured at warm-up (step-level where none is within 2 %)
+    "default": ("qllm", None, 0, None),
 }
 LS = dict(prompt=48, tokens=8)
 BE = dict(prompt=192, tokens=32)
@@ -58,7 +65,7 @@ def build_engine(
     policy: str,
     layer_preemption: bool,
     expert_queues: int = 0,
-    pause_every: int = 1,
+    pause_every: int | None = 1,
     ls_merge: bool = True,
     warm: bool = True,
     hidden: int = DEMO_HF_CONFIG["hidden_size"],
@@ -80,7 +87,9 @@ def build_engine(
     executor = build_executor(cfg, demo_params(cfg), config)
     engine = attach_features(LLMEngine(cfg, executor, ByteTokenizer(), config.engine), config)
     if warm:  # every shape a trace may need (the cost's A/B compiles its few shapes as it runs them)
-        warm_up(engine, progress=False)
+        engine.poll = (lambda: None) if engine.layer_hook is not None else None  # as ``AsyncEngine`` does
+        warm_up(engine, progress=False)  # (the default measures its pause granularity here)
+        engine.poll = None
     return engine
 
 
@@ -140,6 +149,7 @@ def counters(engine: LLMEngine) -> dict:
         "layer_pauses": engine.layer_hook.layer_pauses if engine.layer_hook else 0,
         "ls_merges": engine.layer_hook.ls_merges if engine.layer_hook else 0,
         "merges_declined": engine.layer_hook.merges_declined if engine.layer_hook else 0,
+        "pause_every": engine.layer_hook.pause_every if engine.layer_hook else 0,
     }
 
 
@@ -150,7 +160,9 @@ def run_trace(engine: LLMEngine, trace: list[dict]) -> dict:
         engine.layer_hook.paused_state_bytes_max = 0
     run = serve(engine, trace)
     after = counters(engine)
-    return summarize(trace, run, engine) | {k: after[k] - before[k] for k in after}
+    return (
+        summarize(trace, run, engine) | {k: after[k] - before[k] for k in after} | {"pause_every": after["pause_every"]}
+    )
 
 
 def summarize(trace: list[dict], run: dict, engine: LLMEngine) -> dict:
@@ -181,9 +193,10 @@ VARIANTS = {  # name: (pausable, pause_every, per-expert queues, split_step)
     "layer-level": (True, 1, False, True),
     "every-4-layers": (True, 4, False, True),
     "expert-queues": (True, 1, True, True),
+    "default": None,  # what the default chooses on this engine (``qllm.granularity``; set in ``paired_cost``)
 }
 COST_OF = {"layer-level": "layer-level", "layer-nested": "layer-level"} | {
-    m: m for m in ("every-4-layers", "expert-queues")
+    m: m for m in ("every-4-layers", "expert-queues", "default")
 }  # a trace mode -> the variant it runs when nothing preempts (the merge and the nested step: the same)
 
 
@@ -211,9 +224,18 @@ def paired_cost(layers: int, variants, rounds: int, steps: int = 4, expert_queue
     started: set[str] = set()
     while len(started) < 16:  # every sequence past its prefill
         started.update(out.request_id for out in engine.step() if out.token_ids)
+    variant_of = dict(VARIANTS)
+    chosen = None
+    if "default" in variants:  # the default's measurement (padding rows: the sequences' KV is untouched)
+        ex.expert_rounds = []
+        shapes = granularity.decode_shapes(engine.runner.plan.shapes())
+        costs = granularity.measure_costs(engine, shapes, granularity.candidates(ex.layer_group_sizes()))
+        every = granularity.choose(costs)
+        chosen = {"pause_every": every, "shapes": shapes, "costs": {k: round(c, 4) for k, c in costs.items()}}
+        variant_of["default"] = (every > 0, max(every, 1), False, every > 0)
 
     def run(variant: str, n: int) -> tuple[float, float]:
-        layered, every, queued, split = VARIANTS[variant]
+        layered, every, queued, split = variant_of[variant]
         engine.poll = (lambda: None) if layered else None
         ex.pause_every, ex.expert_rounds, ex.split_step = every, (queues if queued else []), split
         t0, c0 = time.perf_counter(), time.process_time()
@@ -242,6 +264,8 @@ def paired_cost(layers: int, variants, rounds: int, steps: int = 4, expert_queue
             "cpu_ratio": float(np.median(cpu_ratios)),
             "cpu_ratios": [round(float(x), 4) for x in cpu_ratios],
         }
+    if chosen is not None:
+        out["default"]["chosen"] = chosen
     return out
 
 
@@ -292,8 +316,10 @@ def main(argv=None) -> int:
         for mode, engine in engines.items():
             row = dict(load=load, rate=rate, mode=mode, **run_trace(engine, trace), machine_load=os.getloadavg()[0])
             results["rows"].append(row)
+            label = f"{mode} (every {row['pause_every']})" if mode == "default" else mode
             print(
-                f"| {load:.1f} | {rate:.2f} | {mode} | {_ms(row['ls_ttft_p50_s'])} | "
+                f"| {load:.1f} | {rate:.2f} | {label} | "
+                f"{_ms(row['ls_ttft_p50_s'])} | "
                 f"{_ms(row['ls_ttft_p90_s'])} | {row['be_throughput_tok_s']:.1f} | "
                 f"{row['be_turnaround_mean_s']:.2f} | {row['preemptions_step']} | {row['preemptions_layer']} | "
                 f"{row['ls_merges']} | {row['merges_declined']} | "
@@ -316,6 +342,8 @@ def main(argv=None) -> int:
                 f"per-round {min(c['ratios']):.3f}-{max(c['ratios']):.3f}); CPU {c['cpu_ms']:.2f} ms/step "
                 f"({100 * (c['cpu_ratio'] - 1):+.1f} %; per-round {min(c['cpu_ratios']):.3f}-{max(c['cpu_ratios']):.3f})"
             )
+            if "chosen" in c:  # 0: step-level preemption (fused steps)
+                print(f"  default's choice: {c['chosen']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -220,7 +220,7 @@ def build_executor(
             routing_state=routing_state,
             expert_impl=deterministic_expert_impl(cfg, params, ec, brownout),
             expert_rounds=rounds,
-            pause_every=ec.pause_every,
+            pause_every=ec.pause_every or 1,
             release_params=release_params,
         )
     expert_impl = deterministic_expert_impl(cfg, params, ec, brownout)
@@ -242,7 +242,7 @@ def build_executor(
 
     kwargs = {
         "expert_impl": expert_impl,
-        "pause_every": ec.pause_every,
+        "pause_every": ec.pause_every or 1,
         "routing": routing,
         "routing_state": routing_state,
         "expert_rounds": rounds,
@@ -291,9 +291,13 @@ def attach_features(engine: LLMEngine, config: RuntimeConfig, salc: SALCConfig |
     if config.qllm.preempts(config):
         from jaxmoe.qllm.layer_preemption import LayerPreemption
 
-        # with a serving loop's poll, steps that do not pause run the same programs (``LLMEngine.poll``)
+        # with a serving loop's poll, steps that do not pause run the same programs (``LLMEngine.poll``);
+        # on by default (not asked for, no per-expert queues, no ``pause_every``), the pause granularity
+        # is measured: pause points only where they cost within 2 % (``qllm.granularity``)
+        qllm, every = config.qllm, config.engine.pause_every
+        measured = every is None and qllm.layer_preemption is None and not qllm.expert_queues
         engine.layer_hook = LayerPreemption(
-            config.qllm.max_paused_state_bytes, config.qllm.ls_merge, config.qllm.ls_merge_tokens
+            qllm.max_paused_state_bytes, qllm.ls_merge, qllm.ls_merge_tokens, None if measured else every or 1
         )
     if config.mesh is not None:
         from jaxmoe.janus.live_rescale import LiveRescaler

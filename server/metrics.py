@@ -157,6 +157,13 @@ class _EngineCollector:
             "The most device memory a paused step kept (hidden states, expert-queue state)",
             value=layer_preemption.get("paused_state_bytes_max", 0),
         )
+        if layer_preemption.get("pause_every") is not None:  # None: not chosen yet (measured at warm-up)
+            yield GaugeMetricFamily(
+                "jaxmoe_pause_every",
+                "Layer preemption: layers between two pause points of a best-effort step (0: step-level "
+                "preemption, no granularity measured within its cost budget)",
+                value=layer_preemption["pause_every"],
+            )
         depth = layer_preemption.get("expert_queue_depth")
         if depth is not None:
             q = GaugeMetricFamily(

@@ -47,8 +47,9 @@ def validate_serve_args(args) -> None:
         raise ServeOptionError(
             f"--grpc-port and --http-port: must differ (or be 0: pick a free port), both are {grpc_port}"
         )
-    for name in ("max-num-seqs", "max-batch-tokens", "max-waiting", "num-blocks", "max-prefill-chunk", "pause-every"):
+    for name in ("max-num-seqs", "max-batch-tokens", "max-waiting", "num-blocks", "max-prefill-chunk"):
         _int(args, name, 1)
+    _int(args, "pause-every", 1, none_ok=True, hint=" (default: measured at warm-up)")
     _int(args, "block-size", 1, 1 << 16)
     _int(args, "max-model-len", 2, MAX_MODEL_LEN_LIMIT, none_ok=True, hint=" (default: the model's context)")
     _int(args, "expert-queues", 0, hint=" (0: off)")

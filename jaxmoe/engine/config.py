@@ -23,8 +23,10 @@ class EngineConfig:
     policy: str = "qllm"  # "qllm" | "fcfs" | "module:Class" | a SchedulingPolicy object (engine.policies)
     expert_impl: str = "auto"  # the expert-FFN implementation (jaxmoe.pallas_kernels.expert_ffn.IMPLS)
     # a step run layer by layer (a layer hook pauses it): layers between two pause points, i.e. per program
-    # (1: after every layer; bench/qllm.py measured one-layer programs no slower than the fused step)
-    pause_every: int = 1
+    # (1: after every layer). None: 1, except where QLLM's layer preemption is on by default (no explicit
+    # ``layer_preemption``, no per-expert queues): there it is measured at warm-up (``qllm.granularity``: the finest granularity
+    # whose steps cost at most 2 % more than the fused step's, else step-level preemption)
+    pause_every: int | None = None
     # automatic prefix caching: full KV blocks are kept by a hash of their tokens and prefix and shared
     # by later sequences with the same prefix (engine.prefix_cache, BlockManager)
     prefix_caching: bool = True
@@ -43,8 +45,8 @@ class EngineConfig:
 
     def __post_init__(self):
         every = self.pause_every
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"pause_every must be a positive integer, got {every!r}")
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise ValueError(f"pause_every must be a positive integer or None (measured), got {every!r}")
         if self.deterministic and self.expert_impl not in DETERMINISTIC_EXPERT_IMPLS:
             raise ValueError(
                 f"deterministic mode runs expert_impl 'cpu_kernel_invariant' or 'dense' (or 'auto'), "

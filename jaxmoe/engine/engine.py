@@ -225,7 +225,7 @@ class LLMEngine:
     @layer_hook.setter
     def layer_hook(self, hook: LayerHook | None) -> None:
         self._layer_hook = hook
-        self._share_step_programs()
+        self.share_step_programs()
 
     @property
     def poll(self):
@@ -236,14 +236,22 @@ class LLMEngine:
     @poll.setter
     def poll(self, poll) -> None:
         self._poll = poll
-        self._share_step_programs()
+        self.share_step_programs()
 
-    def _share_step_programs(self) -> None:
-        """Where steps may pause (a layer hook and a poll), an executor that can (``split_step``: the
-        monolithic one) runs the steps that do not pause on the pausable steps' programs, so a shape
-        compiles one set; elsewhere they run its fused step program, which costs nothing extra."""
+    def share_step_programs(self) -> None:
+        """Where steps may pause (a layer hook that pauses steps and a poll), an executor that can
+        (``split_step``: the monolithic one) runs the steps that do not pause on the pausable steps'
+        programs, so a shape compiles one set; elsewhere they run its fused step program, which costs
+        nothing extra. Called again by a layer hook that changes its mind (``LayerHook.pauses_steps``)."""
         if hasattr(self.executor, "split_step"):
-            self.executor.split_step = self._layer_hook is not None and self._poll is not None
+            self.executor.split_step = self.steps_may_pause
+
+    @property
+    def steps_may_pause(self) -> bool:
+        """A layer hook that pauses steps (not one that chose step-level preemption: its
+        ``pauses_steps`` False) and a serving loop's poll."""
+        hook = self._layer_hook
+        return hook is not None and self._poll is not None and getattr(hook, "pauses_steps", True)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._ahead is not None

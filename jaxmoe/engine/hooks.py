@@ -68,6 +68,10 @@ class StepHook(Protocol):
 
 @runtime_checkable
 class LayerHook(Protocol):
+    """Optional besides: ``pauses_steps`` (False: no step pauses, steps run fused; default True) and
+    ``choose_granularity(engine, shapes)``, which warm-up calls first (it may measure the shapes' steps
+    and set the executor's ``pause_every`` or ``pauses_steps``)."""
+
     def pausable(self, engine: EngineView, batch) -> bool:
         """Whether this scheduled batch runs layer by layer with pause points."""
         ...

@@ -164,13 +164,18 @@ class ModelRunner:
         """Compile (by running) the step program for one bucket shape, on padding rows: no KV is
         written, so it is safe while sequences hold KV (``layer_by_layer``: the per-layer programs
         that layer-level preemption runs)."""
+        self.run_padding(rows_per_instance, tokens, (lambda layer: None) if layer_by_layer else None)
+
+    def run_padding(self, rows_per_instance: int, tokens: int, between_layers=None) -> None:
+        """One step of a bucket shape on padding rows (no KV written), the forward pass and the sampler,
+        its tokens read back (``between_layers``: layer by layer, called at its pause points)."""
         B = self.num_instances * rows_per_instance
         args = self._empty(B, tokens)
         self._execute(
             *args,
             _sampling_arrays(B),
             want_logprobs=False,
-            between_layers=(lambda layer: None) if layer_by_layer else None,
+            between_layers=between_layers,
             allowed=self._allowed_array(B, self.executor.cfg.vocab_size),
         )
 

@@ -7,6 +7,8 @@ of ``compile_workers()`` threads as they come (XLA compiles without holding the 
 is run; where the engine may pause a step (layer-level preemption), each shape's layer-by-layer
 programs (``LowersAhead.lower_layers``) go to the same pool. Otherwise each shape runs once on
 padding rows (and once more layer by layer where the engine may pause a step), one after the other.
+First a layer hook may choose how often steps pause (``choose_granularity``: QLLM's default measures it
+and may choose none, then only the fused programs compile).
 """
 
 from __future__ import annotations
@@ -60,7 +62,13 @@ def warm_up(
     bar = progress_reporter("jaxmoe warm-up", len(todo), "program", progress)
     pool = concurrent.futures.ThreadPoolExecutor(workers or compile_workers(), thread_name_prefix="jaxmoe-compile")
     try:
-        layered = engine.layer_hook is not None  # steps that may pause run layer by layer
+        hook = engine.layer_hook
+        choose = getattr(hook, "choose_granularity", None)
+        if choose is not None:  # e.g. QLLM's: pause points only where their cost is within budget
+            bar.set_postfix_str("measuring the pause points' cost")
+            choose(engine, todo)
+        # steps that may pause run layer by layer
+        layered = hook is not None and getattr(hook, "pauses_steps", True)
         run_instead = _lower_and_compile(engine.runner, todo, pool, bar, cancel, t0, layered)
         for rows, tokens in run_instead:
             _check(cancel, t0)

@@ -38,19 +38,43 @@ costing about one token's time on the loaded 2-core CPU (``bench/results/2026-11
 
 A step whose paused state (hidden states) would exceed ``max_paused_state_bytes`` is not paused: its
 latency-sensitive work waits for the step boundary.
+
+The granularity (``pause_every``: layers per program; None: measured, ``qllm.granularity``): before
+warm-up compiles (``choose_granularity``), or at the first step that could pause, the fused and the
+pausable steps are timed on the decode shapes, and the finest granularity whose cost is within
+``budget`` (2 %) is taken; where none is, no step pauses (``pauses_steps`` False: step-level
+preemption, every step fused), ``pause_every`` 0 in the stats (``jaxmoe_pause_every``).
 """
 
 from __future__ import annotations
 
+import logging
+
 from jaxmoe.engine.model_runner import Merge
 from jaxmoe.engine.policies import PausePoint
 from jaxmoe.engine.sequence import Priority
+from jaxmoe.qllm import granularity
+
+log = logging.getLogger(__name__)
 
 
 class LayerPreemption:
     stats_key = "layer_preemption"
 
-    def __init__(self, max_paused_state_bytes: int | None = None, merge: bool = True, merge_tokens: int | None = 16):
+    def __init__(
+        self,
+        max_paused_state_bytes: int | None = None,
+        merge: bool = True,
+        merge_tokens: int | None = 16,
+        pause_every: int | None = 1,
+        budget: float = granularity.BUDGET,
+        time_step: granularity.StepTimer = granularity.time_padding_step,
+    ):
+        """``pause_every``: the executor's layers per program (stats only), or None: choose it
+        (``choose_granularity``) within ``budget`` from ``time_step``'s timings."""
+        self.pause_every = pause_every  # 0: no step pauses (step-level preemption); None: not chosen yet
+        self.budget, self.time_step = budget, time_step
+        self.pause_costs: dict[int, float] | None = None  # measured: granularity -> extra time of a step
         self.max_paused_state_bytes = max_paused_state_bytes
         self.merge = merge  # LS work joins the paused step (else it runs as a step of its own)
         self.merge_tokens = merge_tokens  # the cost model: token slots a merged call may have (None: any)
@@ -65,12 +89,57 @@ class LayerPreemption:
             None  # per expert, assignments queued at the latest pause inside a MoE layer
         )
 
+    @property
+    def pauses_steps(self) -> bool:
+        """False where the measured granularity found none within budget: every step runs fused."""
+        return self.pause_every != 0
+
+    def choose_granularity(self, engine, shapes: list[tuple[int, int]]) -> None:
+        """Where the granularity is to be measured (``pause_every`` None) and steps may pause (a poll,
+        an executor that runs layer groups: the monolithic one), time the steps of ``shapes``' decode
+        shapes fused and at each candidate granularity, and take the finest within ``budget`` (none:
+        step-level preemption); the executor's ``pause_every`` and ``split_step`` follow."""
+        executor = engine.runner.executor
+        if self.pause_every is not None or engine.poll is None or not hasattr(executor, "layer_group_sizes"):
+            return
+        measured = granularity.decode_shapes(shapes)
+        if not measured:
+            return
+        options = granularity.candidates(executor.layer_group_sizes())
+        self.pause_costs = granularity.measure_costs(engine, measured, options, time_step=self.time_step)
+        self.pause_every = granularity.choose(self.pause_costs, self.budget)
+        costs = ", ".join(f"{k}: {100 * c:+.1f} %" for k, c in self.pause_costs.items())
+        if self.pause_every:
+            executor.pause_every = self.pause_every
+            log.info(
+                "layer preemption: a pause point every %d layers (cost per layers per program, shapes %s: %s; "
+                "budget %.0f %%)",
+                self.pause_every,
+                measured,
+                costs,
+                100 * self.budget,
+            )
+        else:
+            log.warning(
+                "layer preemption: no pause granularity costs within %.0f %% of the fused step (layers per "
+                "program, shapes %s: %s): step-level preemption, every step fused",
+                100 * self.budget,
+                measured,
+                costs,
+            )
+        engine.share_step_programs()
+
     def pausable(self, engine, batch) -> bool:
-        """A step may pause where something can arrive during it (a poll); one that holds
+        """A step may pause where something can arrive during it (a poll) and the granularity chosen
+        (measured here at the first such step if warm-up did not) pauses steps; one that holds
         latency-sensitive work only where that work can merge into it (``merge`` on an executor that
         merges rows): new latency-sensitive work then joins it (or, where the cost model declines the
         merge, runs nested) instead of waiting for its end."""
         if engine.poll is None:
+            return False
+        if self.pause_every is None:
+            self.choose_granularity(engine, engine.runner.plan.shapes())
+        if not self.pauses_steps:
             return False
         if self.merge and getattr(engine.executor, "merge_ready", None) is not None:
             return True
@@ -133,6 +202,7 @@ class LayerPreemption:
 
     def stats(self) -> dict:
         return {
+            "pause_every": self.pause_every,
             "merges_declined": self.merges_declined,
             "layer_pauses": self.layer_pauses,
             "ls_merges": self.ls_merges,

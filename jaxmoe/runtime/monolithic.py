@@ -424,6 +424,10 @@ class MonolithicExecutor:
         finally:
             self.pause_stage, self._queued = None, None
 
+    def layer_group_sizes(self) -> list[int]:
+        """Layers in each layer group (``pause_every`` counts within a group: a program never spans two)."""
+        return [n for _, _, n, _ in self._whole_groups()]
+
     def _whole_groups(self) -> list[tuple[int, int, int, bool]]:
         """``_layer_steps``' form of a step that does not pause (``split_step``): each group at once."""
         return [(g, 0, jax.tree.leaves(group)[0].shape[0], False) for g, group in enumerate(self.stacked["groups"])]

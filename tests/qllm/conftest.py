@@ -16,6 +16,9 @@ def _tiny_llm(**kw) -> LLM:
     # these tests drive the merge itself: every merge the executor can take (the cost model would run
     # the tiny model's prompts nested: a prompt pads the call it joins; ``test_the_cost_model...``)
     kw.setdefault("ls_merge_tokens", None)
+    # a pause point after every layer unless a test asks otherwise (the default measures the granularity,
+    # which on a small model may choose step-level preemption: ``test_pause_granularity.py``)
+    kw.setdefault("pause_every", 1)
     return LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8, **kw)
 
 

@@ -358,7 +358,9 @@ def test_the_cost_model_runs_a_padding_prompt_nested_and_merges_its_decodes(metr
     Every token equals the standalone ones. Declined merges are counted in
     ``jaxmoe_ls_merges_declined_total``."""
     # no prefix caching: the standalone runs would leave the prompt's KV cached (a one-token "prompt")
-    llm = LLM("tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8, prefix_caching=False)
+    llm = LLM(
+        "tiny-random", dtype="float32", num_blocks=64, block_size=8, max_num_seqs=8, prefix_caching=False, pause_every=1
+    )
     engine, hook = llm.engine, llm.engine.layer_hook
     be_prompts, prompt = ["best effort one", "three"], "urgent a"
     alone = {p: llm.generate([p], BE, priority="be")[0].token_ids for p in be_prompts}
