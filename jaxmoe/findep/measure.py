@@ -3,14 +3,12 @@
 ``jaxmoe profile --mesh FILE --model DIR`` (FinDEP, arXiv:2512.21487, section 4.1). For every point
 of a sweep (micro-batch rows per attention instance x tokens attended) one step runs through
 ``DisaggregatedExecutor.forward`` in timing mode, which blocks after every phase and records its
-wall time per layer. The least (``Sweep.stat="min"``, the default; also ``"median"`` and
-``"trimmed"``, the mean of the middle half) over repeats of the mean over MoE layers gives one
-sample of each stage. The least, because load from other processes only ever slows a program
-down: on the shared 2-core machine at a steady load average ~22, two profiles of the tiny model
-one after the other had per-stage medians 1.4-2.7x apart and minima within 22 % (docs/findep.md;
-no statistic of one run removes a change of that load between two runs).
-``LinearModel.fit`` turns the samples into the alpha-beta models the solver uses: ``LinearModel.fit`` turns the samples into
-the alpha-beta models the solver uses:
+wall time per layer. With ``Sweep.stat="min"`` (the default) the mean over MoE layers of each
+layer's least time over the repeats gives one sample of each stage (``phase_time``); with
+``"median"`` or ``"trimmed"`` (the mean of the middle half) that statistic of the steps' means over
+MoE layers. The least, because load from other processes only ever slows a program down; it does
+not remove a change of that load between two profiles (docs/findep.md has the measured agreement).
+``LinearModel.fit`` turns the samples into the alpha-beta models the solver uses:
 
 ========== ============================================ =========================================
 stage      work terms of a sample                       phase timed
