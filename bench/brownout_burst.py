@@ -4,7 +4,8 @@ shape of BrownoutServe's Fig. 12, arXiv:2507.17133).
 Two runs of the same seeded trace, each against a fresh ``jaxmoe serve`` subprocess (gRPC
 streaming client, one thread per request):
 
-* ``off``:  ``jaxmoe serve --model demo`` (the original model, no brownout);
+* ``off``:  ``jaxmoe serve --model demo`` (the original model, no brownout; ``--model`` another one,
+  e.g. one whose decode steps are bound by expert weight reads);
 * ``salc``: ``jaxmoe serve --model UNITED --brownout-threshold 1.0 --salc --slo-ttft-ms ..
   --slo-tpot-ms .. --salc-window ..`` (united experts from ``jaxmoe unite``; SALC, Algorithm 2,
   moves the threshold after every step).
@@ -224,7 +225,9 @@ def probe(server: Server, prompts, max_tokens: int, concurrency: int, seconds: f
     }
 
 
-def plot(results: dict, path: str, slo_ttft: float, slo_tpot: float, burst_at: float, setting: str = "") -> None:
+def plot(
+    results: dict, path: str, slo_ttft: float, slo_tpot: float, burst_at: float, setting: str = "", model: str = "demo"
+) -> None:
     """Three panels (P90 TTFT, P90 TPOT, SALC's threshold over time); ``setting`` (the run's load and
     SALC period) goes into the title, so the pictures of different runs say which is which; legends
     sit to the right of the panels, over no data."""
@@ -258,7 +261,7 @@ def plot(results: dict, path: str, slo_ttft: float, slo_tpot: float, burst_at: f
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
     axes[0].set_title(
         "P90 latency and brownout threshold in a traffic burst, without brownout and with SALC\n"
-        f"jaxmoe serve, demo model{setting}; the request rate doubles at the dotted line",
+        f"jaxmoe serve, {model} model{setting}; the request rate doubles at the dotted line",
         fontsize=10,
     )
     fig.tight_layout()
@@ -284,6 +287,7 @@ def perplexity(model: str, threshold: float | None, max_tokens: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo", help="the original model (default: the demo)")
     ap.add_argument("--united", help="a model directory with united experts (jaxmoe unite); required unless --replot")
     ap.add_argument("--replot", help="only re-draw --png from this saved --out JSON")
     ap.add_argument("--duration", type=float, default=90.0, help="seconds of trace per run")
@@ -308,7 +312,8 @@ def main() -> int:
         saved = json.loads(Path(args.replot).read_text())
         info = {**vars(args), "base_rate_arg": args.base_rate, **saved["info"]}  # saved settings win
         burst_at = 0.3 * float(info["duration"])
-        plot(saved["results"], args.png, info["slo_ttft"], info["slo_tpot"], burst_at, _setting(info))
+        model = Path(info.get("model", "demo")).name
+        plot(saved["results"], args.png, info["slo_ttft"], info["slo_tpot"], burst_at, _setting(info), model)
         print(f"plot: {args.png}")
         return 0
     if not args.united:
@@ -318,14 +323,17 @@ def main() -> int:
 
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
-    prompts = heldout_prompts(64, args.prompt_len, 0)
+    from jaxmoe.checkpoint.model import model_dir
+
+    vocab = json.load(open(model_dir(args.model) / "config.json"))["vocab_size"]
+    prompts = [[t % vocab for t in p] for p in heldout_prompts(64, args.prompt_len, 0)]  # the demo's ids
     common = ["--max-num-seqs", str(args.max_num_seqs), "--max-batch-tokens", "512", "--dtype", "float32"]
     results: dict = {}
     info: dict = {k: getattr(args, k) for k in ("duration", "load", "salc_period")}
     info["base_rate_arg"] = args.base_rate
     for mode in ("off", "salc"):
         if mode == "off":
-            server = Server(["--model", "demo", *common], logs / "off.log")
+            server = Server(["--model", args.model, *common], logs / "off.log")
         else:
             salc = ["--salc", "--slo-ttft-ms", f"{info['slo_ttft'] * 1e3:.1f}"]
             salc += ["--slo-tpot-ms", f"{info['slo_tpot'] * 1e3:.1f}", "--salc-window", str(args.salc_window)]
@@ -358,9 +366,13 @@ def main() -> int:
         info[f"mean_{phase}_threshold_after_burst"] = statistics.mean(th) if th else 1.0
         info[f"min_{phase}_threshold"] = min((v for _, v in samples), default=1.0)
     mean_t = info["mean_decode_threshold_after_burst"]
-    info["ppl_original"] = perplexity("demo", None, args.ppl_tokens)
-    info["ppl_at_mean_threshold"] = perplexity(args.united, mean_t, args.ppl_tokens)
-    plot(results, args.png, info["slo_ttft"], info["slo_tpot"], burst_at, _setting(info))
+    info["model"] = args.model
+    if args.model == "demo":  # held-out text in the demo's tokenizer
+        info["ppl_original"] = perplexity("demo", None, args.ppl_tokens)
+        info["ppl_at_mean_threshold"] = perplexity(args.united, mean_t, args.ppl_tokens)
+    else:
+        info["ppl_original"] = info["ppl_at_mean_threshold"] = float("nan")
+    plot(results, args.png, info["slo_ttft"], info["slo_tpot"], burst_at, _setting(info), Path(args.model).name)
     n = len(info["trace"])
     print(
         f"\ntrace: {n} requests over {args.duration:.0f} s, {info['base_rate']:.2f} req/s then "

@@ -1,12 +1,14 @@
 """Benchmark: where a brownout step's time goes, against the original model's, in one process.
 
-Four engines of the demo model side by side (``--max-num-seqs`` 16, float32, the monolithic
-executor as ``jaxmoe serve`` builds it): the original (``LLM("demo")``) and the united-expert
-directory ``--united`` with brownout at threshold 1, 0 and 0.5 (partial brownout).
+Engines of one model side by side (``--max-num-seqs`` 16, float32, the monolithic executor as
+``jaxmoe serve`` builds it): the original (``--model``, default the demo) and each united-expert
+directory ``--united`` (one or more, e.g. k = 2 and k = 4) with brownout at each of ``--thresholds``
+(default 1, 0 and 0.5; partial brownout).
 
-* ``forward``: each engine's decode forward (16 one-token rows) is captured once and replayed,
-  the engines in turn, ``--repeats`` rounds: the median time per forward (load from other jobs hits
-  all alike), the XLA programs compiled meanwhile (0: moving the threshold recompiles nothing), and
+* ``forward``: each engine's prefill forward (16 prompts of 32 tokens, one call) and decode forward
+  (16 one-token rows) are captured once and replayed, the engines in turn, ``--repeats`` rounds: the
+  median and least time per forward (load from other jobs hits all alike), the XLA programs compiled
+  meanwhile (0: moving the threshold recompiles nothing), and
   with ``--trace`` the per-forward time of the busiest XLA:CPU thunks (``jax.profiler``; the expert
   FFN is the largest ``ffi_call``).
 * ``loop``: a closed loop as a server sees it (16 requests in flight, 64 held-out prompts reused,
@@ -17,6 +19,8 @@ directory ``--united`` with brownout at threshold 1, 0 and 0.5 (partial brownout
 
 Run (from the repository root):
   PYTHONPATH=. .venv/bin/python bench/brownout_step_profile.py --united DIR forward --repeats 200 --trace
+  PYTHONPATH=. .venv/bin/python bench/brownout_step_profile.py --model /tmp/jaxmoe-bench-107m \
+      --united DIR-u2 DIR-u4 --thresholds 1,0 forward --repeats 20
   PYTHONPATH=. .venv/bin/python bench/brownout_step_profile.py --united DIR loop --steps 250
 """
 
@@ -37,20 +41,23 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def engines(united: str, salc: bool):
+def engines(model: str, united: list[str], salc: bool, thresholds=(1.0, 0.0, 0.5)):
     from jaxmoe import LLM, BrownoutConfig
     from jaxmoe.brownout.config import SALCConfig
 
     kw = dict(dtype="float32", max_num_seqs=16, max_batch_tokens=512)
-    out = {"original": LLM("demo", **kw).engine}
+    out = {"original": LLM(model, **kw).engine}
     if salc:
+        united = united[0]
         never, always = SALCConfig(slo_ttft_s=100.0, slo_tpot_s=100.0), SALCConfig(slo_ttft_s=1e-4, slo_tpot_s=1e-4)
         out["salc (t stays 1)"] = LLM(united, brownout=BrownoutConfig(1.0), salc=never, **kw).engine
         out["salc (t -> 0)"] = LLM(united, brownout=BrownoutConfig(1.0), salc=always, **kw).engine
         out["t = 0"] = LLM(united, brownout=BrownoutConfig(0.0), **kw).engine
     else:
-        for t in (1.0, 0.0, 0.5):
-            out[f"t = {t:g}"] = LLM(united, brownout=BrownoutConfig(t), **kw).engine
+        for path in united:
+            k = json.load(open(os.path.join(path, "brownout.json")))["ways"]
+            for t in thresholds:
+                out[f"k = {k} t = {t:g}"] = LLM(path, brownout=BrownoutConfig(t), **kw).engine
     return out
 
 
@@ -61,40 +68,50 @@ def forward(args) -> None:
     from jaxmoe import SamplingParams
     from jaxmoe.compilation import compile_events
 
-    es = engines(args.united, salc=False)
-    captured = {}
-    for name, e in es.items():  # prefill, one decode, then capture the next decode forward's arguments
+    es = engines(args.model, args.united, salc=False, thresholds=args.thresholds)
+    vocab = es["original"].executor.cfg.vocab_size
+    captured = {}  # name -> {"prefill": (args, kwargs), "decode": ...}
+    for name, e in es.items():  # the prefill (one call: 16 x 32 tokens), then one decode of all 16
         for p in heldout_prompts(16, 32, 0):
-            e.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
-        e.step(), e.step()
+            e.add_request([t % vocab for t in p], SamplingParams(max_tokens=8, ignore_eos=True))
         real = e.executor.forward
+        calls = []
 
-        def capture(*a, _f=real, _n=name, **k):
-            captured[_n] = (a, k)
+        def capture(*a, _f=real, _calls=calls, **k):
+            _calls.append((a, k))
             return _f(*a, **k)
 
         e.executor.forward = capture
-        e.step()
-        e.executor.forward = real
         while e.has_work():
             e.step()
+        e.executor.forward = real
+        prefill = [c for c in calls if c[0][0].shape[1] > 1]
+        decode = [c for c in calls if c[0][0].shape == (16, 1)]
+        captured[name] = {"prefill": prefill[0], "decode": decode[-1]}
 
-    def run(name):
-        a, k = captured[name]
+    def run(name, phase="decode"):
+        a, k = captured[name][phase]
         return jax.block_until_ready(es[name].executor.forward(*a, **k))
 
-    times = {n: [] for n in es}
-    before = compile_events()["programs"]
-    for _ in range(args.repeats):
+    for phase in ("decode", "prefill"):
+        times = {n: [] for n in es}
         for name in es:
-            t0 = time.perf_counter()
-            run(name)
-            times[name].append(time.perf_counter() - t0)
-    print(f"load {os.getloadavg()}; programs compiled while timing: {compile_events()['programs'] - before}")
-    base = statistics.median(times["original"])
-    for name, v in times.items():
-        m = statistics.median(v)
-        print(f"{name:10s} decode forward (16 rows) median {m * 1e3:8.2f} ms  x{m / base:.3f}")
+            run(name, phase)
+        before = compile_events()["programs"]
+        for _ in range(args.repeats):
+            for name in es:
+                t0 = time.perf_counter()
+                run(name, phase)
+                times[name].append(time.perf_counter() - t0)
+        shape = captured["original"][phase][0][0].shape
+        print(
+            f"== {phase} forward {shape}: load {os.getloadavg()}; programs compiled while timing: "
+            f"{compile_events()['programs'] - before}"
+        )
+        base = statistics.median(times["original"])
+        for name, v in times.items():
+            m = statistics.median(v)
+            print(f"{name:16s} median {m * 1e3:8.2f} ms (least {min(v) * 1e3:8.2f})  x{m / base:.3f}")
     if args.trace:
         per = trace(es, run, 20)
         for name in es:
@@ -135,7 +152,7 @@ def loop(args) -> None:
     from jaxmoe import SamplingParams
     from jaxmoe.brownout.routing import thresholds
 
-    es = engines(args.united, salc=True)
+    es = engines(args.model, args.united, salc=True)
     prompts = heldout_prompts(64, 32, 0)
     hook_s = collections.Counter()
     for name, e in es.items():
@@ -184,7 +201,14 @@ def loop(args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--united", required=True, help="a `jaxmoe unite --model demo` directory")
+    ap.add_argument("--model", default="demo", help="the original model (default: the demo)")
+    ap.add_argument("--united", required=True, nargs="+", help="`jaxmoe unite --model MODEL` directories")
+    ap.add_argument(
+        "--thresholds",
+        type=lambda v: [float(x) for x in v.split(",")],
+        default=[1.0, 0.0, 0.5],
+        help="brownout thresholds of the forward mode's engines (comma-separated)",
+    )
     sub = ap.add_subparsers(dest="mode", required=True)
     f = sub.add_parser("forward")
     f.add_argument("--repeats", type=int, default=200)

@@ -3,14 +3,12 @@
 ``jaxmoe profile --mesh FILE --model DIR`` (FinDEP, arXiv:2512.21487, section 4.1). For every point
 of a sweep (micro-batch rows per attention instance x tokens attended) one step runs through
 ``DisaggregatedExecutor.forward`` in timing mode, which blocks after every phase and records its
-wall time per layer. The least (``Sweep.stat="min"``, the default; also ``"median"`` and
-``"trimmed"``, the mean of the middle half) over repeats of the mean over MoE layers gives one
-sample of each stage. The least, because load from other processes only ever slows a program
-down: on the shared 2-core machine at a steady load average ~22, two profiles of the tiny model
-one after the other had per-stage medians 1.4-2.7x apart and minima within 22 % (docs/findep.md;
-no statistic of one run removes a change of that load between two runs).
-``LinearModel.fit`` turns the samples into the alpha-beta models the solver uses: ``LinearModel.fit`` turns the samples into
-the alpha-beta models the solver uses:
+wall time per layer. With ``Sweep.stat="min"`` (the default) the mean over MoE layers of each
+layer's least time over the repeats gives one sample of each stage (``phase_time``); with
+``"median"`` or ``"trimmed"`` (the mean of the middle half) that statistic of the steps' means over
+MoE layers. The least, because load from other processes only ever slows a program down; it does
+not remove a change of that load between two profiles (docs/findep.md has the measured agreement).
+``LinearModel.fit`` turns the samples into the alpha-beta models the solver uses:
 
 ========== ============================================ =========================================
 stage      work terms of a sample                       phase timed
@@ -193,6 +191,17 @@ def phase_per_layer(records: list[dict], phase: str, layers, stat=statistics.med
     return stat([statistics.fmean(r[phase][i] for i in layers) for r in records])
 
 
+def phase_time(records: list[dict], phase: str, layers, stat=statistics.median) -> float:
+    """A phase's time per layer over the steps: with ``min`` the mean over ``layers`` of each layer's
+    least time over the steps (every layer's program runs the same work, so each run of it is one
+    sample: a layer a burst of other processes' load slowed in one step counts with its quickest
+    step, where the least of the steps' means needs one step that no burst touched in any layer);
+    any other ``stat``: ``phase_per_layer``."""
+    if stat is not min:
+        return phase_per_layer(records, phase, layers, stat)
+    return statistics.fmean(min(r[phase][i] for r in records) for i in layers)
+
+
 def measure_samples(
     executor, sweep: Sweep = Sweep(), progress: Callable[[str], None] | None = None
 ) -> dict[str, list[list[float]]]:
@@ -230,13 +239,13 @@ def measure_samples(
         executor.timing = False
         for (rows, context, pipe, args, r2), recs in zip(points, records):
             executor.pipeline = pipe
-            t = {s: phase_per_layer(recs, s, moe, agg) / r2 for s in STAGES}
+            t = {s: phase_time(recs, s, moe, agg) / r2 for s in STAGES}
             tok = rows * sweep.tokens  # per attention instance
             chunk = tok / r2
             if r2 == 1 or 1 not in sweep.chunks:
                 samples["attention"].append([tok, tok * context, t["attention"] * r2])  # (not per chunk)
                 if shared_layers:
-                    shared = phase_per_layer(recs, "shared", shared_layers, agg)
+                    shared = phase_time(recs, "shared", shared_layers, agg)
                     samples.setdefault("shared", []).append([tok, shared])
             if sweep.host and r2 == 1:  # what blocking after every program adds (a chain)
                 samples.setdefault("sync", []).append(_sync(executor, args, recs, sweep.repeats, agg))

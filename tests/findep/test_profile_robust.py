@@ -9,7 +9,7 @@ import random
 import pytest
 
 from jaxmoe.findep import measure
-from jaxmoe.findep.measure import STATS, Sweep, phase_per_layer, time_phases, trimmed_mean
+from jaxmoe.findep.measure import STATS, Sweep, phase_per_layer, phase_time, time_phases, trimmed_mean
 from jaxmoe.findep.paper_profile import paper_profile
 from jaxmoe.findep.profile import (
     CACHE_ENV,
@@ -93,6 +93,24 @@ def test_statistics_of_repeats_agree_within_20_percent_under_bursts_of_load(fake
         Sweep(stat="mean")
     with pytest.raises(ProfileError, match="warmup"):
         Sweep(warmup=0)
+
+
+def test_the_least_per_layer_needs_no_step_free_of_bursts():
+    """Under load where every step has some layer in a burst (here: each step one of 4 layers 3-10x
+    slower, the others within 5 %), the least of the steps' layer means is off by the burst's share;
+    the mean over layers of each layer's least (``phase_time`` with ``min``, what the profile uses)
+    is the quiet time within 5 %. Other statistics are ``phase_per_layer``'s."""
+    rng = random.Random(3)
+    layers, quiet = [0, 1, 2, 3], 1e-3
+    records = []
+    for step in range(8):
+        hit = step % 4
+        records.append(
+            {"expert": {i: quiet * rng.uniform(1.0, 1.05) * (rng.uniform(3, 10) if i == hit else 1) for i in layers}}
+        )
+    assert phase_time(records, "expert", layers, min) == pytest.approx(quiet, rel=0.05)
+    assert phase_per_layer(records, "expert", layers, min) > 1.4 * quiet
+    assert phase_time(records, "expert", layers) == phase_per_layer(records, "expert", layers)
 
 
 def _identity_profile(ckpt, mesh_file, scale=1.0, source="cached test profile"):
