@@ -656,7 +656,11 @@ class LiveRescaler:
         engine's build advances here: one unit per call (none while requests run: the steps run them,
         one each)."""
         job = self.job
-        if job is None or job.swap_s is not None:
+        if job is None:
+            return False
+        if job.swap_s is not None:  # swapped before a step that found nothing to run: done once idle
+            if not job.done() and not self.engine.has_work():
+                self._finish(job, None)
             return False
         if job.agreed:
             if not self.engine.has_work() and self._build_unit(job):
