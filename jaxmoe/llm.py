@@ -90,10 +90,12 @@ class LLM:
         job = rescaler.start(attention, experts, slots_per_instance)
         if job.agreed:  # jax.distributed: every process calls this at the same point and asks together
             deadline = time.monotonic() + timeout
-            while not job.done():  # each call runs the next build unit ("steps"), then agrees
+            while not job.done():  # each call runs the next build unit, then agrees
                 if time.monotonic() > deadline:  # the same on every process only if they all give up
                     raise TimeoutError(f"rescale to {job.target} not built after {timeout}s")
-                rescaler.apply()
+                if not rescaler.apply() and job.units is None:
+                    time.sleep(0.05)  # every unit ran: the compiles go on in the background
+
         elif not job.wait_ready(timeout):
             raise TimeoutError(f"rescale to {job.target} not built after {timeout}s")
         rescaler.apply()  # idle: the job is done once swapped

@@ -37,18 +37,19 @@ the same point of the same request stream, and the build is split in two:
   on the serving shapes; a program that ran would launch collectives), in one of three forms
   (``LiveRescaler.across_processes``):
 
-  - ``"steps"`` (the default, cooperative): the compiles are cut into units (lowering one serving
-    shape's programs, then compiling them ``compile_workers()`` at a time) and every process runs
-    the next unit before each step (``apply`` runs one when the engine is idle), on the engine's
-    thread: the unit list is the same everywhere, so every process runs the same unit at the same
-    step, and the old layout keeps serving with at most one unit's pause per step
-    (``largest_pause_s``; ``steps_during_build``);
+  - ``"beside"`` (the default): every process lowers one serving shape's programs before each step
+    (``apply`` lowers one when the engine is idle), on the engine's thread -- lowering may run a
+    collective: ``jax.device_put`` of a host value onto a sharding spanning every process runs
+    ``multihost_utils.assert_equal`` -- and hands them to ``compile_workers()`` background threads
+    (niceness ``BUILD_NICE``) that only call ``Lowered.compile()``: local to the process, no
+    collective, nothing runs. The engine keeps stepping meanwhile; a step waits for one lowering at
+    most (``largest_pause_s``), never for a compile. The process is built once every lowering ran
+    and every compile finished;
+  - ``"steps"`` (cooperative): the compiles are cut into units too (lowering one serving shape's
+    programs, then compiling them ``compile_workers()`` at a time, the engine's thread waiting) and
+    every process runs the next unit before each step: a step waits for one compile;
   - ``"stop"``: all of them between the same two steps as the parameter moves (stop-the-world:
-    ``paused_s`` includes it, ``build_s`` is its part), and the swap follows there at once;
-  - ``"thread"``: compiled on ``compile_workers()`` threads of a background thread while the old
-    layout serves. With jax 0.10.2 on CPU / gloo, compiles running beside the steps' collectives
-    stalled both processes of the serving tests (compiled on the engine's thread, between steps,
-    they work).
+    ``paused_s`` includes it, ``build_s`` is its part), and the swap follows there at once.
 
 Then the processes agree on the swap step: before every step (and in ``apply``) while a build is
 in progress every process contributes its state (building, built, failed) to one all-gather
@@ -100,10 +101,11 @@ BUILD_NICE = 10  # the background build thread's niceness (Linux: per thread), b
 # build traces in Python, and a step that waits for the GIL waits up to one interval each time
 BUILD_SWITCH_INTERVAL_S: float | None = 0.0005
 BUILDING, BUILT, FAILED = 0, 1, 2  # a process's build state in the agreement (``LiveRescaler.gather``)
-# ``LiveRescaler.across_processes``' default: how an agreed build compiles ("steps": one unit before
-# each step; "stop": all between two steps; "thread": in a background thread beside the steps)
-ACROSS_PROCESSES = "steps"
-BUILD_FORMS = ("steps", "stop", "thread")
+# ``LiveRescaler.across_processes``' default: how an agreed build compiles ("beside": lowered before
+# the steps, compiled in background threads beside them; "steps": lowered and compiled in units before
+# the steps; "stop": all between two steps)
+ACROSS_PROCESSES = "beside"
+BUILD_FORMS = ("beside", "steps", "stop")
 
 
 class RescaleError(ValueError):
@@ -151,10 +153,13 @@ class RescaleResult:
     # step waits for the slowest; or the whole build when it stops the world)
     largest_pause_s: float = 0.0
     build_units: int = 0  # "steps": the build units run between steps (lowerings and compiles)
-    # "steps": [unit, seconds] of each unit run, in order (unit: "lower RxT" or "compile RxT: programs",
-    # the serving shape: rows per instance x tokens per row; "lower kv move" / "compile kv move: ...":
-    # the swap's KV-move programs)
+    # "beside" / "steps": [unit, seconds] of each unit run between two steps, in order (unit: "lower
+    # RxT" or ("steps") "compile RxT: programs", the serving shape: rows per instance x tokens per row;
+    # "lower kv move" / "compile kv move: ...": the swap's KV-move programs)
     unit_pauses_s: list = dataclasses.field(default_factory=list)
+    # "beside": [program, seconds] of each program compiled by the background threads while the old
+    # layout served (the shape's or "kv move", and the program's name)
+    compiled_beside_s: list = dataclasses.field(default_factory=list)
     # "steps": per step during the build, the longest unit any process ran before it (s; every process
     # reports its unit in the agreement): the pause the serving saw there
     step_pauses_s: list = dataclasses.field(default_factory=list)
@@ -202,6 +207,10 @@ class RescaleJob:
         self.largest_pause_s = 0.0  # agreed: the longest single pause between two steps for the build
         self.last_unit_s = 0.0  # agreed "steps": this process's unit since the last agreement (s)
         self.step_pauses: list[float] = []  # per agreement with a unit run: the slowest process's unit (s)
+        # agreed "beside": the background compiles (futures of [program, seconds]; None: another form)
+        self.compiles: list[concurrent.futures.Future] | None = None
+        self.compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.build_t0 = 0.0  # agreed "beside": when the build (after the parameter moves) began
 
     @property
     def target(self) -> str:
@@ -259,10 +268,9 @@ class LiveRescaler:
         # every process's (build state: BUILDING / BUILT / FAILED, its unit's microseconds) from this
         # process's, rows in process order; a collective
         self.gather: Callable[[np.ndarray], np.ndarray] = _allgather
-        # agreed: how the programs compile (BUILD_FORMS): one unit before each step on every process
-        # ("steps", the default), all between two steps ("stop"), or in a background thread while the
-        # steps go on ("thread": with jax 0.10.2 on CPU / gloo, compiles running beside the steps'
-        # collectives stalled both processes of the serving tests for good)
+        # agreed: how the programs compile (BUILD_FORMS): lowered before each step and compiled in
+        # background threads ("beside", the default), lowered and compiled in units before each step
+        # ("steps"), or all between two steps ("stop")
         self.across_processes = ACROSS_PROCESSES
 
     @classmethod
@@ -291,6 +299,28 @@ class LiveRescaler:
         ex = self.engine.executor
         if not isinstance(ex, DisaggregatedExecutor):
             raise RescaleError("rescale needs the disaggregated executor (start the engine with a mesh file)")
+        error = None
+        try:
+            spec = self._checked_spec(ex, attention, experts, slots_per_instance)
+        except RescaleError as e:
+            error = e
+        if self.agreed:  # before any collective move: every process starts, or none does
+            error = self._agree_on_start(error, f"attention={attention}, experts={experts}")
+        if error is not None:
+            raise error
+        C = spec.experts.slots_per_instance
+        with self._lock:
+            if self.job is not None:
+                raise RescaleInProgressError(
+                    f"a rescale to {self.job.target} is in progress; attention={attention}, experts={experts} "
+                    "was not started (retry when it is done)"
+                )
+            job = self.job = RescaleJob(attention, experts, C)
+        job.previous = f"{ex.num_attention}a{ex.num_expert_instances}e"
+        return self._start(job, ex, spec, full_warmup)
+
+    def _checked_spec(self, ex, attention: int, experts: int, slots_per_instance: int | None):
+        """The new layout's cluster spec; ``RescaleError`` naming the value that does not fit."""
         try:
             spec = rescaled_spec(ex.sub.spec, attention, experts, slots_per_instance)
             check_processes(ex.sub, spec, ex.expert_side.num_extra > 0)
@@ -314,14 +344,18 @@ class LiveRescaler:
         self._check_fits(self._kv_layout(attention))
         if self.agreed and self.across_processes not in BUILD_FORMS:
             raise RescaleError(f"across_processes={self.across_processes!r}: one of {', '.join(BUILD_FORMS)}")
-        with self._lock:
-            if self.job is not None:
-                raise RescaleInProgressError(
-                    f"a rescale to {self.job.target} is in progress; attention={attention}, experts={experts} "
-                    "was not started (retry when it is done)"
-                )
-            job = self.job = RescaleJob(attention, experts, C)
-        job.previous = f"{ex.num_attention}a{ex.num_expert_instances}e"
+        return spec
+
+    def _agree_on_start(self, error: RescaleError | None, request: str) -> RescaleError | None:
+        """(agreed; every process at the same point) Whether every process accepted the request (one
+        all-gather): this process's error, or one naming the processes that refused it, or None."""
+        gathered = np.reshape(self.gather(np.array([FAILED if error else BUILDING, 0], np.int32)), (-1, 2))
+        refused = [p for p, state in enumerate(gathered[:, 0]) if int(state) == FAILED]
+        if error is None and refused:
+            error = RescaleError(f"{request}: refused on process {', '.join(map(str, refused))}; nothing changed")
+        return error
+
+    def _start(self, job: RescaleJob, ex, spec, full_warmup: bool) -> RescaleJob:
         plan = self.engine.runner.plan
         # one process: only the shapes the live requests need now (the rest compile when first met);
         # across processes every shape, compiled ahead while the world stops anyway
@@ -337,6 +371,15 @@ class LiveRescaler:
             form = self.across_processes
             self._move_parameters(job, ex, spec)
             job.largest_pause_s = job.paused_s
+            if job.build_error is not None:  # every process learns it at the next agreement
+                return job
+            if form == "beside":  # lowered before each step, compiled beside the steps
+                job.compiles, job.build_t0 = [], time.perf_counter()
+                job.compile_pool = concurrent.futures.ThreadPoolExecutor(
+                    compile_workers(), thread_name_prefix="jaxmoe-rescale-compile", initializer=_lower_thread_priority
+                )
+                job.units = self._lowering_units(job)
+                return job
             if form == "steps":  # one unit before each step (``_build_unit``), the same on every process
                 job.units = self._build_units(job)
                 return job
@@ -360,7 +403,8 @@ class LiveRescaler:
 
     def _move_parameters(self, job: RescaleJob, old, spec) -> None:
         """(agreed) The new executor and its runner, parameters and replicas moved: between steps, on
-        every process at the same point. ``RescaleError`` (nothing changed) when it fails."""
+        every process at the same point. A failure is this process's build state (every process drops
+        the rescale at the next agreement; nothing changed)."""
         t0 = time.perf_counter()
         try:
             cfg = self.engine.config
@@ -369,11 +413,8 @@ class LiveRescaler:
             job.runner = ModelRunner(job.executor, runner.block_size, runner.max_blocks_per_seq, runner.plan)
             jax.block_until_ready((job.executor.params, job.executor.cache))  # every copy landed
         except Exception as e:
-            with self._lock:
-                self.job = None
-            error = RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}")
-            job._fail(error)
-            raise error from None
+            job.build_error = RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}")
+            job._ready.set()
         job.paused_s = time.perf_counter() - t0
 
     @staticmethod
@@ -401,11 +442,32 @@ class LiveRescaler:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
+    @staticmethod
+    def _lowering_units(job: RescaleJob):
+        """(agreed, "beside") One serving shape's step programs lowered per ``next()`` (then the swap's
+        KV move), on the engine's thread; once all are lowered they go to the background compile
+        threads, which only compile them (local to this process: no collective, nothing runs; started
+        after the lowerings, which they would slow down). Every process lowers every shape, so all run
+        the same units at the same steps."""
+        lowerings = [
+            (f"{rows}x{tokens}", functools.partial(job.runner.lower_step, rows, tokens)) for rows, tokens in job.shapes
+        ]
+        lowerings.append(("kv move", lambda: _lower_kv_move(job)))  # the swap's KV move (fixed rounds)
+        lowered = []
+        for name, lower in lowerings:
+            lowered += [(name, program) for program in lower() or []]  # None: compiles on first use
+            yield f"lower {name}"
+        job.compiles += [job.compile_pool.submit(_compile, name, program) for name, program in lowered]
+
     def _build_unit(self, job: RescaleJob) -> bool:
-        """(agreed, "steps") Run the build's next unit here, between two steps (every process at the
-        same point); past the last one the job is built. A failure is this process's build state
-        (every process learns it at the agreement that follows). Returns whether a unit ran."""
-        if job.units is None or job.ready():
+        """(agreed, "beside" / "steps") Run the build's next unit here, between two steps (every process
+        at the same point); past the last one the job is built ("beside": once the background compiles
+        are done too). A failure is this process's build state (every process learns it at the
+        agreement that follows). Returns whether a unit ran."""
+        if job.ready():
+            return False
+        if job.units is None:
+            self._check_compiled(job)
             return False
         t0 = time.perf_counter()
         try:
@@ -414,17 +476,37 @@ class LiveRescaler:
             job.unit_pauses.append([unit, round(time.perf_counter() - t0, 4)])
         except StopIteration:
             job.units = None
-            job._ready.set()
+            self._check_compiled(job)
         except Exception as e:
-            job.units = None
-            job.build_error = RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}")
-            job._ready.set()
+            self._build_failed(job, e)
         dt = time.perf_counter() - t0
-        job.build_s += dt
+        if job.compiles is None:  # "steps": the build is its units
+            job.build_s += dt
         job.paused_s += dt
         job.last_unit_s = dt
         job.largest_pause_s = max(job.largest_pause_s, dt)
         return True
+
+    def _check_compiled(self, job: RescaleJob) -> None:
+        """(agreed) Every unit ran: built here once the background compiles ("beside") are done (the
+        first compile error is the build's); never waits for them."""
+        if job.compiles is not None:
+            if not all(f.done() for f in job.compiles):
+                return
+            errors = [f.exception() for f in job.compiles if f.exception() is not None]
+            if errors:
+                self._build_failed(job, errors[0])
+                return
+            job.build_s = time.perf_counter() - job.build_t0
+            _stop_compiles(job)
+        job._ready.set()
+
+    @staticmethod
+    def _build_failed(job: RescaleJob, error: BaseException) -> None:
+        job.units = None
+        job.build_error = RescaleError(f"building the {job.target} layout failed: {type(error).__name__}: {error}")
+        _stop_compiles(job)
+        job._ready.set()
 
     def _kv_layout(self, attention: int) -> KVLayout:
         cfg = self.engine.config
@@ -453,36 +535,26 @@ class LiveRescaler:
             sys.setswitchinterval(interval)
 
     def _build_now(self, job: RescaleJob, old, spec) -> None:
+        """(one process) The new layout built in the background thread: parameters copied, the step
+        programs compiled by running them on padding rows."""
         t0 = time.perf_counter()
         _lower_thread_priority()
         try:
-            if job.agreed:  # parameters moved already: compile without running (running = collectives)
-                if not self._compile_ahead(job):
-                    return  # failed on another process: dropped everywhere already
-            else:
-                cfg = self.engine.config
-                job.executor, job.stats = build_rescaled(
-                    old, spec, cfg.num_blocks * cfg.block_size, **self.executor_kwargs
-                )
-                runner = self.engine.runner
-                job.runner = ModelRunner(job.executor, runner.block_size, runner.max_blocks_per_seq, runner.plan)
-                for rows, tokens in job.shapes:  # compile by running on padding rows (no KV)
-                    if job.cancelled:
-                        return  # cancel() failed the job already
-                    job.runner.warm(rows, tokens)
-                    if self.engine.layer_hook is not None:
-                        job.runner.warm(rows, tokens, layer_by_layer=True)
-                jax.block_until_ready((job.executor.params, job.executor.cache))  # every copy landed
+            cfg = self.engine.config
+            job.executor, job.stats = build_rescaled(old, spec, cfg.num_blocks * cfg.block_size, **self.executor_kwargs)
+            runner = self.engine.runner
+            job.runner = ModelRunner(job.executor, runner.block_size, runner.max_blocks_per_seq, runner.plan)
+            for rows, tokens in job.shapes:  # compile by running on padding rows (no KV)
+                if job.cancelled:
+                    return  # cancel() failed the job already
+                job.runner.warm(rows, tokens)
+                if self.engine.layer_hook is not None:
+                    job.runner.warm(rows, tokens, layer_by_layer=True)
+            jax.block_until_ready((job.executor.params, job.executor.cache))  # every copy landed
         except Exception as e:  # the old layout keeps serving
-            error = RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}")
-            if job.agreed:  # every process learns it at the next agreement and drops the job there
-                job.build_error = error
-                job.build_s = time.perf_counter() - t0
-                job._ready.set()
-                return
             with self._lock:
                 self.job = None
-            job._fail(error)
+            job._fail(RescaleError(f"building the {job.target} layout failed: {type(e).__name__}: {e}"))
             return
         job.build_s = time.perf_counter() - t0
         if not job.cancelled:
@@ -490,7 +562,7 @@ class LiveRescaler:
 
     @staticmethod
     def _compile_ahead(job: RescaleJob) -> bool:
-        """(agreed) Every step program of the serving shapes lowered here and compiled on
+        """(agreed, "stop") Every step program of the serving shapes lowered here and compiled on
         ``compile_workers()`` threads (XLA compiles without the GIL; the threads inherit this one's
         niceness); nothing runs. False: cancelled (the compiles started finish first)."""
         pool = concurrent.futures.ThreadPoolExecutor(compile_workers(), thread_name_prefix="jaxmoe-rescale-compile")
@@ -536,7 +608,8 @@ class LiveRescaler:
         job.last_unit_s = 0.0
         if FAILED in states:
             job.cancelled = True  # this process's build stops before its next shape
-            job.units = None  # ("steps") its units not run yet are dropped
+            job.units = None  # its units not run yet are dropped
+            _stop_compiles(job)  # ("beside") and its compiles not started
             with self._lock:
                 self.job = None
             others = [p for p, v in enumerate(states) if v == FAILED]
@@ -579,11 +652,15 @@ class LiveRescaler:
     def apply(self) -> bool:
         """Swap in a built layout now (between steps); when the engine is idle the job is done at once.
         Returns whether a swap happened. Agreed (``jax.distributed``; every process calls it at the
-        same point): only once every process has built (``_settle``); False meanwhile. With the
-        "steps" form an idle engine's build advances here: one unit per call (none while requests
-        run: the steps run them, one each)."""
+        same point): only once every process has built (``_settle``); False meanwhile. An idle
+        engine's build advances here: one unit per call (none while requests run: the steps run them,
+        one each)."""
         job = self.job
-        if job is None or job.swap_s is not None:
+        if job is None:
+            return False
+        if job.swap_s is not None:  # swapped before a step that found nothing to run: done once idle
+            if not job.done() and not self.engine.has_work():
+                self._finish(job, None)
             return False
         if job.agreed:
             if not self.engine.has_work() and self._build_unit(job):
@@ -651,6 +728,7 @@ class LiveRescaler:
             largest_pause_s=job.largest_pause_s,
             build_units=job.units_run,
             unit_pauses_s=job.unit_pauses,
+            compiled_beside_s=[f.result() for f in job.compiles or [] if f.done() and f.exception() is None],
             step_pauses_s=job.step_pauses,
             kv_bytes_moved=s.kv_bytes_moved,
             swap_compiles=job.swap_compiles,
@@ -669,6 +747,22 @@ def _program_name(program) -> str:
         return str(lowered.compiler_ir().operation.attributes["sym_name"]).strip('"')
     except Exception:  # no MLIR module to read: the unit keeps its shape's name only
         return "program"
+
+
+def _compile(name: str, program) -> list:
+    """(a background compile thread) ``program`` compiled, which fills the cache the step looks in:
+    local to this process, nothing runs. [its shape's name and program's, seconds]."""
+    t0 = time.perf_counter()
+    program.compile()
+    return [f"{name}: {_program_name(program)}", round(time.perf_counter() - t0, 4)]
+
+
+def _stop_compiles(job: RescaleJob) -> None:
+    """(agreed "beside") The background compile threads end once their compile in flight is done;
+    those not started are dropped. Never waits."""
+    if job.compile_pool is not None:
+        job.compile_pool.shutdown(wait=False, cancel_futures=True)
+        job.compile_pool = None
 
 
 def _lower_kv_move(job: RescaleJob) -> list:

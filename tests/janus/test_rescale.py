@@ -408,55 +408,108 @@ def test_lower_step_compiles_what_a_step_runs(llm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["steps", "thread"])
-def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm, form):
+@pytest.mark.parametrize("form", ["beside", "steps"])
+def test_agreed_rescale_waits_for_every_process_and_fails_everywhere(llm, form, monkeypatch):
     """The ``jax.distributed`` agreement (``agreed``) in one process, with a stand-in for the
     all-gather: while another process reports building, steps go on and ``apply`` does not swap; when
     it reports that its build failed, the rescale fails here too (naming it) and the old layout stays.
-    ``steps`` (the default): one build unit (a lowering or a few programs compiled) before each step, on
-    the engine's thread, none in ``apply`` while requests run; ``thread``: the compiles in a thread."""
+    ``beside`` (the default): one serving shape lowered before each step on the engine's thread, its
+    programs compiled by background threads that run no collective and move no data (no
+    ``device_put``, no agreement: those stay on the engine's thread); ``steps``: one build unit (a
+    lowering or a few programs compiled) before each step, none in ``apply`` while requests run."""
+    import threading
+
+    import jax
+
     from jaxmoe.janus.live_rescale import BUILDING, FAILED
 
     engine = llm.engine
     rescaler = LiveRescaler.of(engine)
-    other, agreements = [BUILDING], []
+    other, agreements, threads = [BUILDING], [], set()
 
     def gather(mine):  # [state, unit microseconds] of this process; the other one's units take 1 s
         agreements.append(int(mine[0]))
+        threads.add(threading.current_thread().name)
         return [list(mine), [other[0], 1_000_000 if mine[1] else 0]]
+
+    device_put = jax.device_put
+
+    def recorded_device_put(*args, **kwargs):  # a host value onto every process's devices is a collective
+        threads.add(threading.current_thread().name)
+        return device_put(*args, **kwargs)
 
     own_gather, before = rescaler.gather, _layout(llm)
     llm.generate([_prompt(300)], SamplingParams(max_tokens=2, ignore_eos=True))  # the steps' programs compiled
-    assert rescaler.across_processes == "steps"  # the default
+    assert rescaler.across_processes == "beside"  # the default
     rescaler.agreed, rescaler.gather, rescaler.across_processes = True, gather, form
     rid = engine.add_request(_prompt(300), SamplingParams(max_tokens=8, ignore_eos=True))
     try:
         job = rescaler.start(*((2, 6) if before[:2] == (4, 4) else (4, 4)))
         assert job.agreed and job.paused_s > 0  # the parameters moved between steps
+        monkeypatch.setattr(jax, "device_put", recorded_device_put)
         for _ in range(3):
             engine.step()
-        assert rescaler.apply() is False and not job.done() and len(agreements) == 4
-        if form == "steps":  # one unit before each step, the first a lowering; none in apply (busy)
-            assert job.thread is None and job.units_run == 3 and not job.ready(), job.units_run
-            assert 0 < job.largest_pause_s and job.build_s > 0
-            # each step waited for the slower process's unit (the other one's: 1 s)
-            assert len(job.step_pauses) == 3 and min(job.step_pauses) >= 1.0, job.step_pauses
-            assert job.largest_pause_s == max(job.largest_pause_s, *job.step_pauses)
+        assert rescaler.apply() is False and not job.done() and len(agreements) == 5  # start's, 3 steps', apply's
+        assert job.thread is None and job.units_run == 3 and not job.ready(), job.units_run
+        assert 0 < job.largest_pause_s
+        # each step waited for the slower process's unit (the other one's: 1 s)
+        assert len(job.step_pauses) == 3 and min(job.step_pauses) >= 1.0, job.step_pauses
+        assert job.largest_pause_s == max(job.largest_pause_s, *job.step_pauses)
+        steps = 3
+        if form == "beside":  # three shapes lowered here; the compiles start once all are lowered
+            assert all(unit.startswith("lower ") for unit, _ in job.unit_pauses) and job.compiles == []
+            while job.units is not None and steps < 20:  # bounded: one lowering per step
+                engine.step()
+                steps += 1
+            assert job.units_run == len(job.shapes) + 1 and len(job.compiles) > job.units_run  # + the KV move
+            compiled = [future.result(300) for future in job.compiles[:2]]  # [shape: program, seconds]
+            assert all(": jit_" in name and seconds > 0 for name, seconds in compiled), compiled
+        else:
+            assert job.build_s > 0
         other[0] = FAILED
         engine.step()
         assert job.done() and rescaler.job is None
         with pytest.raises(RescaleError, match=r"building the \da\de layout failed on process 1"):
             job.result(0)
-        if form == "thread":
-            job.thread.join(120)  # the build stops at its next program
-            assert not job.thread.is_alive()
-        else:  # the units not run are dropped
-            assert job.units is None and job.units_run == 4
+        # the units not run are dropped ("beside": the step after the last lowering found none left)
+        assert job.units is None and job.units_run == (4 if form == "steps" else steps - 1)
+        assert job.compile_pool is None  # ("beside") its compiles not started are dropped too
         assert _layout(llm) == before
-        assert job.steps_during_build == 3  # the old layout served meanwhile
+        assert 3 <= job.steps_during_build <= steps  # the old layout served meanwhile
+        # every collective and every device_put ran on the engine's thread (this one)
+        assert threads == {threading.current_thread().name}, threads
     finally:
+        monkeypatch.undo()
         engine.abort(rid)
-        rescaler.agreed, rescaler.gather, rescaler.across_processes = False, own_gather, "steps"
+        rescaler.agreed, rescaler.gather, rescaler.across_processes = False, own_gather, "beside"
+
+
+@pytest.mark.slow
+def test_agreed_start_refused_on_another_process_moves_nothing(llm):
+    """(``jax.distributed``, a stand-in for the all-gather) A rescale that another process refuses at
+    ``start`` is refused here too, before any parameter moves (a collective the other process would
+    never join): one line naming the process, no job, the layout unchanged; the next request starts."""
+    from jaxmoe.janus.live_rescale import BUILDING, FAILED
+
+    rescaler = LiveRescaler.of(llm.engine)
+    other, agreements = [FAILED], []
+
+    def gather(mine):
+        agreements.append(int(mine[0]))
+        return [list(mine), [other[0], 0]]
+
+    own_gather, before = rescaler.gather, _layout(llm)
+    target = (2, 6) if before[:2] == (4, 4) else (4, 4)
+    rescaler.agreed, rescaler.gather = True, gather
+    try:
+        with pytest.raises(RescaleError, match=r"^attention=\d, experts=\d: refused on process 1; nothing changed$"):
+            rescaler.start(*target)
+        assert agreements == [BUILDING] and rescaler.job is None and _layout(llm) == before
+        with pytest.raises(RescaleError, match="attention=5 \\+ experts=4 = 9 instances do not fit"):
+            rescaler.start(5, 4)  # refused here: this process's own error, after the same agreement
+        assert agreements == [BUILDING, FAILED] and rescaler.job is None
+    finally:
+        rescaler.agreed, rescaler.gather = False, own_gather
 
 
 @pytest.mark.slow

@@ -45,8 +45,10 @@ RESCALES = [(4, 4), (1, 7)]
 RESCALE_ENGINE = dict(num_blocks=64, block_size=8, max_num_seqs=2, max_prefill_chunk=16, max_batch_tokens=32)
 RESCALE_REQUESTS = 7
 # while a build runs the engine is kept full (RESCALE_ENGINE's 2 sequences) up to this many requests in
-# all, so that sequences live through the swap (their KV blocks move) and a first step follows it
-RESCALE_MAX_REQUESTS = 40
+# all, so that sequences live through the swap (their KV blocks move; the "beside" build serves ~290
+# steps at load 10-15); a few more are kept for a first step after a swap made while idle
+RESCALE_MAX_REQUESTS = 80
+RESCALE_FIRST_STEP_REQUESTS = 4
 
 
 def rescale_request(i: int):
@@ -94,8 +96,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--rescale-form",
-        default="steps",
-        choices=["steps", "stop", "thread"],
+        default="beside",
+        choices=["beside", "steps", "stop"],
         help="with --rescale: how the build compiles (LiveRescaler.across_processes)",
     )
     args = ap.parse_args(argv)
@@ -303,11 +305,12 @@ def rescale(jax, llm, form: str = "steps") -> dict:
         print(f"rescale to {attention}a{experts}e: building", flush=True)
         job = rescaler.start(attention, experts)
         print(f"rescale to {attention}a{experts}e: started in {time.perf_counter() - t:.1f} s", flush=True)
-        for _ in range(20000):  # bounded: the processes agree on the swap once every one has built
+        for _ in range(500_000):  # bounded: the processes agree on the swap once every one has built
             if job.done():
                 break
             live = len(engine.scheduler.sequences())
-            if not job.swapped and live < RESCALE_ENGINE["max_num_seqs"] and len(added) < RESCALE_MAX_REQUESTS:
+            building = len(added) < RESCALE_MAX_REQUESTS - RESCALE_FIRST_STEP_REQUESTS
+            if not job.swapped and live < RESCALE_ENGINE["max_num_seqs"] and building:
                 add(len(added))  # the old layout serves a full engine during the build (the same on every process)
             if engine.has_work():
                 step()
@@ -318,7 +321,15 @@ def rescale(jax, llm, form: str = "steps") -> dict:
             else:
                 step()  # idle: no model step, but the hooks run (the next build unit, the agreement)
                 if job.units is None and not job.swapped:
-                    time.sleep(0.02)  # ("thread") ask again (every process makes the same calls)
+                    time.sleep(0.02)  # ("beside": compiling) ask again (every process makes the same calls)
+        if not job.done():  # the loop's bound: say where the build stands
+            pending = [f.done() for f in job.compiles or []]
+            print(
+                f"not done: units left {job.units is not None}, units run {job.units_run}, ready {job.ready()}, "
+                f"compiles {sum(pending)}/{len(pending)} done, steps {job.steps_during_build}, added {len(added)}, "
+                f"work {engine.has_work()}",
+                flush=True,
+            )
         results.append(job.result(timeout=0).as_dict())
         print(f"rescale to {attention}a{experts}e: serving", flush=True)
         ex = llm.executor

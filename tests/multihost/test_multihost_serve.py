@@ -239,9 +239,9 @@ def test_rescale_over_http_on_two_processes(tmp_path):
     """meshes/cpu-2x4.yaml (attention instances 0 and 1 on processes 0 and 1, experts on both):
     ``POST /admin/rescale`` to 4a4e (attention on devices 0-3 of process 0, experts on 4-7 of
     process 1) while two long requests run reaches both processes: parameters moved between two
-    steps (attention parameters and expert replicas by collectives), then the step programs compiled
-    (not run) one unit before each step on both while the old layout serves (steps during the
-    build, each pause one unit), swapped once both have built, the KV blocks of the live requests
+    steps (attention parameters and expert replicas by collectives), then the step programs lowered
+    one shape before each step on both and compiled (not run) by background threads while the old
+    layout serves (steps during the build, each pause one lowering), swapped once both have built, the KV blocks of the live requests
     moved at that step by a collective (the request on attention instance 1 goes from process 1 to
     process 0); the first step on the new layout compiles nothing. The requests in flight, those sent
     during the rescale and the ones after keep the single-process monolithic greedy tokens. Then the
@@ -257,13 +257,20 @@ def test_rescale_over_http_on_two_processes(tmp_path):
     try:
         cluster.wait_serving()
         first = _complete(cluster, PROMPTS[0])
-        inflight: dict = {}
-        # two long requests, one on each attention instance (least loaded), live at the swap: their KV
-        # moves (the build runs one unit per step, fewer units than their tokens)
-        threads = [
-            threading.Thread(target=lambda i=i: inflight.update({i: _complete(cluster, PROMPTS[i], LONG)}), daemon=True)
-            for i in (1, 0)
-        ]
+        # two long requests at a time, one on each attention instance (least loaded), live at the swap:
+        # each client sends the next one when one ends until the rescale is done (the build compiles
+        # in the background while the old layout serves more steps than a request's tokens), so
+        # their KV moves
+        inflight: dict = {0: [], 1: []}
+        done = threading.Event()
+
+        def long_requests(i):
+            for _ in range(12):  # bounded
+                inflight[i].append(_complete(cluster, PROMPTS[i], LONG))
+                if done.is_set():
+                    return
+
+        threads = [threading.Thread(target=long_requests, args=(i,), daemon=True) for i in (1, 0)]
         for t in threads:
             t.start()
             time.sleep(0.5)
@@ -272,6 +279,7 @@ def test_rescale_over_http_on_two_processes(tmp_path):
         def rescale():
             box["r"] = cluster.post("/admin/rescale", {"attention": 4, "experts": 4}, timeout=840)
             box["t"] = time.monotonic()
+            done.set()
 
         r = threading.Thread(target=rescale, daemon=True)
         r.start()
@@ -310,6 +318,7 @@ def test_rescale_over_http_on_two_processes(tmp_path):
     keys += ("swap_compiles",)
     print({k: rescaled[1][k] for k in keys})
     print("unit pauses:", sorted((round(t, 2), u) for u, t in rescaled[1]["unit_pauses_s"])[::-1])
+    print("compiled beside:", sorted((round(t, 2), u) for u, t in rescaled[1]["compiled_beside_s"])[::-1])
     steps = sorted(rescaled[1]["step_pauses_s"])
     if steps:  # per step during the build: the slower process's unit
         print("step pauses:", len(steps), "median", steps[len(steps) // 2], "max", steps[-1], steps[::-1])
@@ -319,19 +328,20 @@ def test_rescale_over_http_on_two_processes(tmp_path):
     assert hung["r"][0] >= 500 and "error" in hung["r"][1], hung
     # the follower stays hung until jax terminates it once process 0 (the coordination service) is gone
     assert codes[0] == 1 and codes[1] != 0 and exit_s < step_timeout + 60, (codes, exit_s, report)
-    # compiled ahead (not by running: the first step on it compiles nothing), one unit before each step
-    # while the old layout served: no pause as long as the whole build
-    assert rescaled[1]["paused_s"] > rescaled[1]["build_s"] > 0 and rescaled[1]["build_units"] > 1
+    # compiled ahead (not by running: the first step on it compiles nothing) in background threads
+    # while the old layout served, one shape lowered before each step: no pause as long as the build
+    assert rescaled[1]["paused_s"] > 0 and rescaled[1]["build_s"] > 0 and rescaled[1]["build_units"] > 1
+    assert all(u.startswith("lower ") for u, _ in rescaled[1]["unit_pauses_s"]), rescaled
     assert rescaled[1]["steps_during_build"] > 0, rescaled
     assert rescaled[1]["largest_pause_s"] < rescaled[1]["build_s"], rescaled
     assert rescaled[1]["largest_pause_s"] >= max(rescaled[1]["step_pauses_s"]), rescaled
     # 4a4e: process 0 holds no expert device, so it compiles no expert program (``process_local``)
-    compiled = {name for unit, _ in rescaled[1]["unit_pauses_s"] for name in unit.split(": ")[-1].split(", ")}
+    compiled = {unit.split(": ")[-1] for unit, _ in rescaled[1]["compiled_beside_s"]}
     assert "jit_layer_step" in compiled and "jit_run" not in compiled, compiled
     assert rescaled[1]["first_step_compiles"] is None or rescaled[1]["first_step_compiles"] <= 2, rescaled
-    # the swap compiles nothing: the KV move's programs (fixed rounds) were compiled with the build's units
+    # the swap compiles nothing: the KV move's programs (fixed rounds) were compiled with the build's
     assert rescaled[1]["swap_compiles"] == 0 and any(
-        u.startswith("compile kv move") for u, _ in rescaled[1]["unit_pauses_s"]
+        u.startswith("kv move: ") for u, _ in rescaled[1]["compiled_beside_s"]
     )
     assert during and all(a[0] == 200 for a, _ in during), (during, rescaled)
     # both requests were live at the swap (nothing recomputed): their KV moved, the blocks of the one
@@ -345,8 +355,9 @@ def test_rescale_over_http_on_two_processes(tmp_path):
     assert first[0] == after[0] == 200 and first[1]["choices"][0]["text"] == after[1]["choices"][0]["text"] == want0
     assert all(a[1]["choices"][0]["text"] == want0 for a, _ in during), during
     for i in (0, 1):
-        status, body = inflight[i]
-        assert status == 200 and body["choices"][0]["text"] == want_long[i].text, (i, inflight)
+        assert inflight[i], inflight
+        for status, body in inflight[i]:
+            assert status == 200 and body["choices"][0]["text"] == want_long[i].text, (i, inflight)
 
 
 @pytest.mark.slow
