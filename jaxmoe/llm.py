@@ -95,7 +95,6 @@ class LLM:
                     raise TimeoutError(f"rescale to {job.target} not built after {timeout}s")
                 if not rescaler.apply() and job.units is None:
                     time.sleep(0.05)  # every unit ran: the compiles go on in the background
-
         elif not job.wait_ready(timeout):
             raise TimeoutError(f"rescale to {job.target} not built after {timeout}s")
         rescaler.apply()  # idle: the job is done once swapped
