@@ -7,7 +7,7 @@
   bfloat16: jaxmoe ``LLM(ckpt, dtype=...).generate(seqs, SamplingParams(max_tokens=0,
   prompt_logprobs=0))``; transformers one forward pass over each sequence (sdpa attention; log-softmax
   of its logits in float32); vLLM (with ``--vllm-python``, default /tmp/vllm-venv/bin/python when it
-  exists) ``prompt_logprobs=0`` (that worker has not been run yet); ``jaxmoe-pairs``: jaxmoe with bfloat16 experts stored in pairs of rows
+  exists) ``prompt_logprobs=0``; ``jaxmoe-pairs``: jaxmoe with bfloat16 experts stored in pairs of rows
   for AVX512-BF16's dot (the layout of a CPU that has it, widened where it has not: the same rounding);
 * error per generated position = |logprob_engine - logprob_reference| of the reference token; the
   table gives its mean and max over all prompts x positions, per engine and dtype (an engine's fp32
@@ -123,7 +123,7 @@ def worker_vllm(args) -> dict:
     out = {}
     for dtype in DTYPES:
         llm = LLM(
-            args.ckpt,
+            str(args.ckpt),  # vLLM 0.32 calls .lower() on the path
             dtype=dtype,
             skip_tokenizer_init=True,
             enable_prefix_caching=False,
