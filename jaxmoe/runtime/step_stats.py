@@ -71,12 +71,13 @@ class Phases:
         }
 
     def __call__(self, phase: str, layer, fn, *args, at: tuple | None = None):
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+        cpu0 = time.thread_time() if self.timing else 0.0  # the host's share: only where timed
+        t0 = time.perf_counter()
         out = fn(*args)
-        returned, host = time.perf_counter(), time.thread_time() - cpu0
         if self.dispatched is not None:
-            self.dispatched.append((phase, layer, *(at or (None, None)), t0, returned))
+            self.dispatched.append((phase, layer, *(at or (None, None)), t0, time.perf_counter()))
         if self.timing:
+            host = time.thread_time() - cpu0
             out = jax.block_until_ready(out)
             dt = time.perf_counter() - t0
             if layer is None:  # times of every micro-batch add up
